@@ -1,0 +1,182 @@
+"""Acceptance posteriors per (class, draft, position), with forgetting and change detection.
+
+Sufficient statistic: per (class, draft, K) the histogram h[a] of verification steps by the number a
+of accepted drafts. Position i (1-based) was tried in every step with a >= i-1 and accepted in every
+step with a >= i. Positions after the first rejection were never tried; they are censored, not
+rejected, so they add nothing to that position's evidence.
+
+Each position's conditional acceptance rate has a Beta posterior: prior (alpha0, beta0) plus the
+evidence, which decays by 2^(-dt / half_life) before new counts are added. A second, fast-decaying
+copy of the evidence feeds the change detector: when the fast and slow means at some position
+differ by more than ``z_threshold`` standard errors, the slow evidence is replaced by the fast one,
+so the posterior follows the new regime at once instead of over a half-life.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+
+
+def position_counts(steps_by_accepted: npt.ArrayLike) -> tuple[FloatArray, FloatArray]:
+    """(tries_i, accepts_i) for positions i = 1..K from the histogram h[0..K].
+
+    tries_i = sum_{a >= i-1} h[a], accepts_i = sum_{a >= i} h[a].
+    """
+    h = np.asarray(steps_by_accepted, dtype=np.float64)
+    at_least = np.cumsum(h[::-1])[::-1]  # at_least[a] = sum_{a' >= a} h[a']
+    return at_least[:-1], at_least[1:]
+
+
+def _decay(half_life: float, dt: float) -> float:
+    return float(2.0 ** (-max(dt, 0.0) / half_life))
+
+
+@dataclass
+class _Evidence:
+    """Decayed accepts and rejects per position, valid as of ``at``."""
+
+    accepts: FloatArray
+    rejects: FloatArray
+    at: float
+
+    @classmethod
+    def empty(cls, positions: int, at: float) -> _Evidence:
+        return cls(np.zeros(positions), np.zeros(positions), at)
+
+    def decay_to(self, now: float, half_life: float) -> None:
+        if now > self.at:
+            f = _decay(half_life, now - self.at)
+            self.accepts *= f
+            self.rejects *= f
+            self.at = now
+
+
+@dataclass(frozen=True)
+class Posterior:
+    """Beta(alpha_i, beta_i) per position 1..max_k, for one (class, draft) at one instant."""
+
+    alpha: FloatArray
+    beta: FloatArray
+    prior_alpha: float
+    prior_beta: float
+
+    @property
+    def mean(self) -> FloatArray:
+        return self.alpha / (self.alpha + self.beta)
+
+    @property
+    def effective_tries(self) -> FloatArray:
+        return self.alpha + self.beta - self.prior_alpha - self.prior_beta
+
+    def sample(self, rng: np.random.Generator) -> FloatArray:
+        """One Thompson draw of the per-position rates."""
+        return rng.beta(self.alpha, self.beta)
+
+    def credible_interval(self, level: float = 0.9) -> tuple[FloatArray, FloatArray]:
+        """Equal-tailed credible interval per position."""
+        lo_q, hi_q = (1.0 - level) / 2.0, 1.0 - (1.0 - level) / 2.0
+        return _beta_ppf(lo_q, self.alpha, self.beta), _beta_ppf(hi_q, self.alpha, self.beta)
+
+
+def _beta_ppf(q: float, a: FloatArray, b: FloatArray) -> FloatArray:
+    """Beta quantile from a numerically integrated CDF on a 1/4096 grid (vectorised, no SciPy;
+    resolution is ample for display and for the tests' tolerances)."""
+    grid = np.linspace(0.0, 1.0, 4097)[1:-1]
+    # log-density on the grid for every position, normalised numerically.
+    log_pdf = (a[:, None] - 1.0) * np.log(grid) + (b[:, None] - 1.0) * np.log1p(-grid)
+    log_pdf -= log_pdf.max(axis=1, keepdims=True)
+    cdf = np.cumsum(np.exp(log_pdf), axis=1)
+    cdf /= cdf[:, -1:]
+    idx = np.argmax(cdf >= q, axis=1)
+    return np.asarray(grid[idx], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    max_k: int
+    half_life_seconds: float
+    prior_alpha: float = 1.0
+    prior_beta: float = 1.0
+    fast_half_life_seconds: float = 20.0
+    z_threshold: float = 5.0
+    min_tries: float = 200.0
+
+
+class AcceptanceEstimator:
+    """Posteriors for every (class, draft) seen. Time is passed in; nothing here reads a clock."""
+
+    def __init__(self, config: EstimatorConfig) -> None:
+        self.config = config
+        self._slow: dict[tuple[str, str], _Evidence] = {}
+        self._fast: dict[tuple[str, str], _Evidence] = {}
+        self._changes: dict[tuple[str, str], int] = {}
+
+    def keys(self) -> list[tuple[str, str]]:
+        return sorted(self._slow)
+
+    def has_data(self, traffic_class: str, draft: str) -> bool:
+        return (traffic_class, draft) in self._slow
+
+    def changes_detected(self, traffic_class: str, draft: str) -> int:
+        return self._changes.get((traffic_class, draft), 0)
+
+    def observe(
+        self, traffic_class: str, draft: str, steps_by_accepted: npt.ArrayLike, now: float
+    ) -> bool:
+        """Add one histogram h[0..K]; return True when this observation flagged a change.
+
+        The caller validates (K <= max_k, non-negative counts) before calling.
+        """
+        cfg = self.config
+        tries, accepts = position_counts(steps_by_accepted)
+        k = tries.size
+        key = (traffic_class, draft)
+        slow = self._slow.setdefault(key, _Evidence.empty(cfg.max_k, now))
+        fast = self._fast.setdefault(key, _Evidence.empty(cfg.max_k, now))
+        for ev, half_life in ((slow, cfg.half_life_seconds), (fast, cfg.fast_half_life_seconds)):
+            ev.decay_to(now, half_life)
+            ev.accepts[:k] += accepts
+            ev.rejects[:k] += tries - accepts
+        if self._shifted(slow, fast):
+            slow.accepts = fast.accepts.copy()
+            slow.rejects = fast.rejects.copy()
+            self._changes[key] = self._changes.get(key, 0) + 1
+            return True
+        return False
+
+    def _shifted(self, slow: _Evidence, fast: _Evidence) -> bool:
+        """Two-timescale test per position: |mean_fast - mean_slow| / se > z_threshold."""
+        cfg = self.config
+        n_fast = fast.accepts + fast.rejects
+        n_slow = slow.accepts + slow.rejects
+        # The slow estimate must hold clearly more (older) evidence than the fast one.
+        usable = (n_fast >= cfg.min_tries) & (n_slow >= 2.0 * n_fast)
+        if not usable.any():
+            return False
+        p_fast = fast.accepts[usable] / n_fast[usable]
+        p_slow = slow.accepts[usable] / n_slow[usable]
+        # Binomial standard error of the difference, floored so p near 0 or 1 cannot explode z.
+        pooled = np.clip(p_slow, 0.02, 0.98)
+        se = np.sqrt(pooled * (1.0 - pooled) * (1.0 / n_fast[usable] + 1.0 / n_slow[usable]))
+        return bool(np.any(np.abs(p_fast - p_slow) / se > cfg.z_threshold))
+
+    def posterior(self, traffic_class: str, draft: str, now: float) -> Posterior:
+        """Posterior as of ``now`` (the prior alone for an unseen key)."""
+        cfg = self.config
+        ev = self._slow.get((traffic_class, draft))
+        a0, b0 = cfg.prior_alpha, cfg.prior_beta
+        if ev is None:
+            ones = np.ones(cfg.max_k)
+            return Posterior(ones * a0, ones * b0, a0, b0)
+        f = _decay(cfg.half_life_seconds, now - ev.at)
+        return Posterior(a0 + ev.accepts * f, b0 + ev.rejects * f, a0, b0)
+
+    def forget_class(self, traffic_class: str) -> None:
+        for store in (self._slow, self._fast, self._changes):
+            for key in [k for k in store if k[0] == traffic_class]:
+                del store[key]

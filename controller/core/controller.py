@@ -1,0 +1,353 @@
+"""ControllerCore: the state of one controller and the lap report -> estimates -> policy.
+
+Pure: time is passed in, randomness comes from the injected Generator, nothing here does I/O. The
+gRPC server, the simulator and the tests all drive this same object.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
+from controller.core.cost_model import CostPrior, StepCostModel, StepShape
+from controller.core.policy import (
+    ArmValue,
+    BucketState,
+    ClassContext,
+    PolicyConfig,
+    arm_values,
+    decide_class,
+)
+from controller.core.types import (
+    ALL_CLASSES,
+    DEFAULT_CLASS,
+    OTHER_CLASS,
+    Decision,
+    DecisionEvent,
+    DraftKind,
+    DraftSpec,
+    EngineHello,
+    EngineReport,
+    IngestResult,
+    Override,
+    Reason,
+    ReportRejected,
+)
+from controller.core.validation import check_class_name, check_hello, check_report
+
+# A probe share that moved by less than this factor is not worth a new policy version.
+_PROBE_RATE_MATERIAL_FACTOR = 1.25
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    estimator: EstimatorConfig
+    policy: PolicyConfig
+    cost_prior: CostPrior
+    cost_knots_tokens: tuple[int, ...]
+    cost_half_life_seconds: float
+    batch_bucket_upper_bounds: tuple[int, ...]
+    max_classes: int = 16
+    offline_classes: frozenset[str] = frozenset()
+    decision_log_size: int = 1000
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.batch_bucket_upper_bounds) + 1
+
+    def bucket_batch_size(self, bucket: int) -> int:
+        """Representative batch size of a bucket: its upper bound (twice the last for the open
+        bucket)."""
+        bounds = self.batch_bucket_upper_bounds
+        return bounds[bucket] if bucket < len(bounds) else 2 * bounds[-1]
+
+    def bucket_of(self, batch_size: int) -> int:
+        for i, bound in enumerate(self.batch_bucket_upper_bounds):
+            if batch_size <= bound:
+                return i
+        return len(self.batch_bucket_upper_bounds)
+
+
+@dataclass(frozen=True)
+class HelloOutcome:
+    accepted_drafts: tuple[str, ...]
+    rejected_drafts: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    decision: Decision | None
+    batch_size: int
+    arms: tuple[ArmValue, ...]
+    text: str
+
+
+@dataclass
+class _EngineState:
+    hello: EngineHello
+    drafts: dict[str, DraftSpec]
+    last_sequence: int | None = None
+    running_requests: int = 0
+    last_report_at: float | None = None
+    policy_version_applied: int = 0
+
+
+@dataclass
+class _ClassState:
+    decisions: dict[int, Decision] = field(default_factory=dict)
+    changed_at: dict[int, float] = field(default_factory=dict)
+    off_since: dict[int, float] = field(default_factory=dict)
+    change_pending: bool = False
+
+
+class ControllerCore:
+    def __init__(self, config: CoreConfig, rng: np.random.Generator) -> None:
+        self.config = config
+        self.rng = rng
+        self.estimator = AcceptanceEstimator(config.estimator)
+        self.cost = StepCostModel(
+            config.cost_knots_tokens,
+            config.cost_prior,
+            config.cost_half_life_seconds,
+            [config.bucket_batch_size(b) for b in range(config.n_buckets)],
+            config.policy.max_k,
+        )
+        self.engines: dict[str, _EngineState] = {}
+        self.classes: dict[str, _ClassState] = {DEFAULT_CLASS: _ClassState()}
+        self.overrides: dict[str, Override] = {}
+        self.version = 0
+        self.log: deque[DecisionEvent] = deque(maxlen=config.decision_log_size)
+
+    # --- engines ----------------------------------------------------------------------------
+    def connect_engine(self, hello: EngineHello, now: float) -> HelloOutcome:
+        """Register (or re-register) an engine; refuse drafts whose tokenizer differs."""
+        check_hello(hello)
+        accepted: dict[str, DraftSpec] = {}
+        rejected: list[tuple[str, str]] = []
+        for d in hello.drafts:
+            if d.kind is DraftKind.MODEL and d.vocab_hash != hello.target_vocab_hash:
+                rejected.append((d.name, (
+                    f"tokenizer vocabulary hash {d.vocab_hash[:16] or '(none)'} differs from the "
+                    f"target's {hello.target_vocab_hash[:16] or '(none)'}: acceptance would be "
+                    "meaningless, draft refused")))
+                continue
+            if hello.max_k < 1:
+                rejected.append((d.name, "engine max_k is 0: speculation not configured"))
+                continue
+            accepted[d.name] = DraftSpec(d.name, d.kind, min(d.max_k, hello.max_k), d.vocab_hash)
+        self.engines[hello.engine_id] = _EngineState(hello, accepted, last_report_at=now)
+        self.cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
+        return HelloOutcome(tuple(accepted), tuple(rejected))
+
+    def disconnect_engine(self, engine_id: str) -> None:
+        self.engines.pop(engine_id, None)
+
+    def drafts(self) -> tuple[DraftSpec, ...]:
+        """Drafts every connected engine accepted (union; first-seen order)."""
+        merged: dict[str, DraftSpec] = {}
+        for engine in self.engines.values():
+            for name, spec in engine.drafts.items():
+                merged.setdefault(name, spec)
+        return tuple(merged.values())
+
+    # --- reports ----------------------------------------------------------------------------
+    def canonical_class(self, name: str) -> str:
+        """The tracked class for ``name`` now (unknown names beyond the limit map to "other")."""
+        if name in self.classes or name == OTHER_CLASS:
+            return name
+        return name if len(self.classes) < self.config.max_classes else OTHER_CLASS
+
+    def ingest(self, engine_id: str, report: EngineReport, now: float) -> IngestResult:
+        """Validate, then apply a report. On ReportRejected nothing has changed."""
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            raise ReportRejected(f"engine {engine_id!r}: report before hello")
+        check_report(report, engine.drafts, engine.hello.max_k, self.config.n_buckets,
+                     engine.last_sequence)
+        # Class mapping is decided before any state changes, in report order.
+        names = [r.traffic_class for r in report.acceptance] + [
+            r.traffic_class for r in report.finished]
+        mapping: dict[str, str] = {}
+        pending_new: list[str] = []
+        for name in names:
+            if name in mapping:
+                continue
+            known = name in self.classes or name == OTHER_CLASS
+            room = len(self.classes) + len(pending_new) < self.config.max_classes
+            mapping[name] = name if known or room else OTHER_CLASS
+            if not known and room:
+                pending_new.append(name)
+        # --- apply (nothing below can fail) ---
+        for name in [*pending_new, *(v for v in mapping.values() if v == OTHER_CLASS)]:
+            self.classes.setdefault(name, _ClassState())
+        changes: list[tuple[str, str]] = []
+        for rec in report.acceptance:
+            cls = mapping[rec.traffic_class]
+            if self.estimator.observe(cls, rec.draft, rec.steps_by_accepted, now):
+                self.classes[cls].change_pending = True
+                changes.append((cls, rec.draft))
+        for st in report.step_timings:
+            if st.steps <= 0:
+                continue
+            spec = engine.drafts.get(st.draft)
+            is_model = spec is not None and spec.kind is DraftKind.MODEL
+            shape = StepShape(
+                batch_size=st.sum_batch_size / st.steps,
+                verified_tokens=st.sum_verified_tokens / st.steps,
+                draft=st.draft if is_model else "",
+                draft_passes=float(st.k) if is_model and st.sum_draft_tokens > 0 else 0.0,
+                draft_tokens=st.sum_draft_tokens / st.steps if is_model else 0.0,
+            )
+            self.cost.observe(shape, st.sum_step_seconds / st.steps, st.steps, now)
+        engine.last_sequence = report.sequence
+        engine.running_requests = report.running_requests
+        engine.last_report_at = now
+        engine.policy_version_applied = report.policy_version
+        folded = tuple(sorted(n for n, v in mapping.items() if v != n))
+        return IngestResult(folded_classes=folded, changes_detected=tuple(changes))
+
+    # --- decisions --------------------------------------------------------------------------
+    def _override_for(self, traffic_class: str) -> Override | None:
+        return self.overrides.get(traffic_class) or self.overrides.get(ALL_CLASSES)
+
+    def _step_seconds(self, batch: int, k: int, draft: str, is_model: bool) -> float:
+        return self.cost.predict_arm(batch, k, draft, is_model)
+
+    def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
+                 now: float) -> ClassContext:
+        sampled, mean = {}, {}
+        for d in drafts:
+            post = self.estimator.posterior(name, d.name, now)
+            sampled[d.name] = post.sample(self.rng)
+            mean[d.name] = post.mean
+        buckets = tuple(
+            BucketState(b, self.config.bucket_batch_size(b), state.decisions.get(b),
+                        state.changed_at.get(b), state.off_since.get(b))
+            for b in range(self.config.n_buckets)
+        )
+        return ClassContext(
+            traffic_class=name,
+            now=now,
+            drafts=drafts,
+            sampled_rates=sampled,
+            mean_rates=mean,
+            has_data=any(self.estimator.has_data(name, d.name) for d in drafts),
+            change_detected=state.change_pending,
+            offline=name in self.config.offline_classes,
+            override=self._override_for(name),
+            buckets=buckets,
+            step_seconds=self._step_seconds,
+        )
+
+    def decide(self, now: float) -> list[DecisionEvent]:
+        """Re-decide every class and bucket; return the events for choices that changed."""
+        drafts = self.drafts()
+        if not drafts and not self.engines:
+            return []
+        events: list[DecisionEvent] = []
+        material = False
+        for name, state in self.classes.items():
+            ctx = self._context(name, state, drafts, now)
+            for new in decide_class(ctx, self.config.policy):
+                old = state.decisions.get(new.bucket)
+                material |= _material(old, new)
+                state.decisions[new.bucket] = new
+                if new.same_choice(old):
+                    continue
+                state.changed_at[new.bucket] = now
+                if new.k == 0:
+                    state.off_since[new.bucket] = now
+                else:
+                    state.off_since.pop(new.bucket, None)
+                events.append(DecisionEvent(0, now, new, old))
+            state.change_pending = False
+        if material:
+            self.version += 1
+        stamped = [DecisionEvent(self.version, e.at, e.decision, e.previous) for e in events]
+        self.log.extend(stamped)
+        return stamped
+
+    def default_decisions(self) -> list[Decision]:
+        """What an engine applies to a class the controller has not seen yet: the warm-up K."""
+        drafts = self.drafts()
+        k = min(self.config.policy.warmup_k, drafts[0].max_k) if drafts else 0
+        return [Decision("", b, drafts[0].name if k else "", k, Reason.WARMUP)
+                for b in range(self.config.n_buckets)]
+
+    # --- overrides --------------------------------------------------------------------------
+    def set_override(self, override: Override, now: float) -> list[DecisionEvent]:
+        if override.traffic_class != ALL_CLASSES:
+            check_class_name(override.traffic_class, "override.traffic_class")
+            self.classes.setdefault(self.canonical_class(override.traffic_class), _ClassState())
+        self.overrides[override.traffic_class] = override
+        return self.decide(now)
+
+    def clear_override(self, traffic_class: str, now: float) -> tuple[bool, list[DecisionEvent]]:
+        if self.overrides.pop(traffic_class, None) is None:
+            return False, []
+        return True, self.decide(now)
+
+    # --- read side --------------------------------------------------------------------------
+    def decision(self, traffic_class: str, bucket: int) -> Decision | None:
+        state = self.classes.get(traffic_class)
+        return state.decisions.get(bucket) if state else None
+
+    def explain(self, traffic_class: str, bucket: int, now: float) -> Explanation:
+        if traffic_class not in self.classes:
+            raise KeyError(f"unknown class {traffic_class!r}")
+        if not 0 <= bucket < self.config.n_buckets:
+            raise KeyError(f"batch bucket {bucket} outside 0..{self.config.n_buckets - 1}")
+        state = self.classes[traffic_class]
+        ctx = self._context(traffic_class, state, self.drafts(), now)
+        batch = self.config.bucket_batch_size(bucket)
+        arms = tuple(arm_values(ctx, batch, ctx.mean_rates, self.config.policy.max_k))
+        decision = state.decisions.get(bucket)
+        return Explanation(decision, batch, arms, _explain_text(traffic_class, decision, batch,
+                                                               arms, ctx))
+
+
+def _material(old: Decision | None, new: Decision) -> bool:
+    """Whether the engine needs to hear about this change."""
+    if old is None or not new.same_choice(old):
+        return True
+    if (old.probe_k, old.probe_draft) != (new.probe_k, new.probe_draft):
+        return True
+    lo, hi = sorted((old.probe_rate, new.probe_rate))
+    return hi > 0 and (lo == 0 or hi / lo > _PROBE_RATE_MATERIAL_FACTOR)
+
+
+def _explain_text(name: str, decision: Decision | None, batch: int, arms: tuple[ArmValue, ...],
+                  ctx: ClassContext) -> str:
+    if decision is None:
+        return f"class {name!r} has no decision yet: no engine has connected."
+    best = max(arms, key=lambda a: a.goodput)
+    chosen = next((a for a in arms if (a.draft if a.k else "", a.k) ==
+                   (decision.draft if decision.k else "", decision.k)), None)
+    what = "speculation off" if decision.k == 0 else f"draft {decision.draft!r} with K={decision.k}"
+    lines = [f"class {name!r} at batch {batch}: {what} (reason: {decision.reason.value})."]
+    if chosen is not None:
+        lines.append(
+            f"Expected {chosen.expected_tokens:.2f} tokens per step in "
+            f"{chosen.step_seconds * 1e3:.2f} ms: {chosen.goodput:.1f} tokens/s, "
+            f"{chosen.speedup:.2f}x no speculation."
+        )
+    if (best.draft, best.k) != (decision.draft if decision.k else "", decision.k):
+        lines.append(
+            f"By posterior means the best arm is {'off' if best.k == 0 else f'{best.draft!r} K={best.k}'} "
+            f"at {best.speedup:.2f}x; the choice holds by hysteresis, dwell time, an override or "
+            "an exploratory draw."
+        )
+    for d in ctx.drafts:
+        rates = ", ".join(f"{r:.2f}" for r in ctx.mean_rates[d.name][: d.max_k])
+        lines.append(f"Acceptance by position for {d.name!r}: {rates}.")
+    if ctx.override is not None:
+        lines.append(f"Override in force: {ctx.override}.")
+    if decision.k == 0 and decision.probe_rate > 0:
+        lines.append(
+            f"Probing {decision.probe_rate:.1%} of requests at K={decision.probe_k} with "
+            f"{decision.probe_draft!r} so a recovery is noticed."
+        )
+    return " ".join(lines)

@@ -1,0 +1,176 @@
+"""Step-time model: seconds per engine step as a function of batch size, verified tokens and draft
+work, fitted online from the engine's step timings.
+
+    t = c0 + c_B * B + c_T * T + sum_j c_j * max(0, T - knot_j)
+        + sum_d (p_d * passes_d + q_d * draft_tokens_d)
+
+B is the batch size, T the tokens the target verifies (B plus the drafts), the hinge terms let the
+slope per token rise where the step turns from memory-bound to compute-bound, and each model draft d
+adds a cost per sequential draft pass (K of them) and per proposed token (B*K). N-gram drafts cost
+nothing measurable. The fit is Bayesian linear regression in information form: the prior is a set of
+virtual observations of the prior roofline (so it is usable before any data and carries units), the
+data evidence decays by 2^(-dt/half_life), so unexcited directions fall back to the prior instead
+of drifting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+_MIN_STEP_SECONDS = 1e-6
+_RIDGE = 1e-9  # keeps the information matrix invertible for features no design point excites
+
+
+@dataclass(frozen=True)
+class CostPrior:
+    base_seconds: float = 0.02
+    seconds_per_token: float = 2e-5
+    ridge_tokens: int = 128
+    seconds_per_token_above_ridge: float = 2e-4
+    draft_seconds_per_pass: float = 1e-3
+    draft_seconds_per_token: float = 1e-5
+    strength_steps: float = 20.0
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Mean shape of a step: what the model predicts seconds for."""
+
+    batch_size: float
+    verified_tokens: float
+    draft: str = ""
+    draft_passes: float = 0.0
+    draft_tokens: float = 0.0
+
+    @classmethod
+    def for_arm(cls, batch_size: int, k: int, draft: str, draft_is_model: bool) -> StepShape:
+        """A step in which every one of ``batch_size`` sequences verifies K drafts of ``draft``."""
+        if k == 0 or not draft_is_model:
+            return cls(batch_size, batch_size * (1 + k))
+        return cls(batch_size, batch_size * (1 + k), draft, k, batch_size * k)
+
+
+class StepCostModel:
+    def __init__(
+        self,
+        knots: Sequence[int],
+        prior: CostPrior,
+        half_life_seconds: float,
+        design_batch_sizes: Sequence[int],
+        design_max_k: int,
+    ) -> None:
+        if prior.ridge_tokens not in knots:
+            raise ValueError("prior ridge_tokens must be one of the knots")
+        self.knots = np.asarray(knots, dtype=np.float64)
+        self.prior = prior
+        self.half_life_seconds = half_life_seconds
+        self._design_batch_sizes = list(design_batch_sizes)
+        self._design_max_k = design_max_k
+        self._drafts: list[str] = []  # model drafts with their own cost columns
+        self._evidence_a = np.zeros((self._n_base, self._n_base))
+        self._evidence_b = np.zeros(self._n_base)
+        self._at: float | None = None
+        self._observed_steps = 0.0
+        self._rebuild_prior()
+
+    # --- features ---------------------------------------------------------------------------
+    @property
+    def _n_base(self) -> int:
+        return 3 + self.knots.size
+
+    @property
+    def n_features(self) -> int:
+        return self._n_base + 2 * len(self._drafts)
+
+    def features(self, shape: StepShape) -> FloatArray:
+        x = np.zeros(self.n_features)
+        x[0] = 1.0
+        x[1] = shape.batch_size
+        x[2] = shape.verified_tokens
+        x[3 : self._n_base] = np.maximum(0.0, shape.verified_tokens - self.knots)
+        if shape.draft in self._drafts and shape.draft_passes > 0:
+            col = self._n_base + 2 * self._drafts.index(shape.draft)
+            x[col] = shape.draft_passes
+            x[col + 1] = shape.draft_tokens
+        return x
+
+    def _prior_theta(self) -> FloatArray:
+        p = self.prior
+        theta = np.zeros(self.n_features)
+        theta[0] = p.base_seconds
+        theta[2] = p.seconds_per_token
+        theta[3 + int(np.flatnonzero(self.knots == p.ridge_tokens)[0])] = (
+            p.seconds_per_token_above_ridge
+        )
+        for i in range(len(self._drafts)):
+            theta[self._n_base + 2 * i] = p.draft_seconds_per_pass
+            theta[self._n_base + 2 * i + 1] = p.draft_seconds_per_token
+        return theta
+
+    def _rebuild_prior(self) -> None:
+        """Prior information = ``strength_steps`` virtual steps spread over a design of shapes."""
+        shapes = [
+            StepShape.for_arm(b, k, d, True)
+            for b in self._design_batch_sizes
+            for k in range(self._design_max_k + 1)
+            for d in (self._drafts or [""])
+        ]
+        xs = np.array([self.features(s) for s in shapes])
+        w = self.prior.strength_steps / len(shapes)
+        scale = np.maximum(np.abs(xs).max(axis=0), 1.0)
+        self._prior_a = w * xs.T @ xs + _RIDGE * np.diag(scale**2)
+        self._prior_b = self._prior_a @ self._prior_theta()
+        self._theta: FloatArray | None = None
+
+    def ensure_drafts(self, model_drafts: Iterable[str]) -> None:
+        """Add cost columns for model drafts not seen before; evidence so far is kept."""
+        new = [d for d in model_drafts if d not in self._drafts]
+        if not new:
+            return
+        old_n = self.n_features
+        self._drafts.extend(new)
+        grown_a = np.zeros((self.n_features, self.n_features))
+        grown_a[:old_n, :old_n] = self._evidence_a
+        grown_b = np.zeros(self.n_features)
+        grown_b[:old_n] = self._evidence_b
+        self._evidence_a, self._evidence_b = grown_a, grown_b
+        self._rebuild_prior()
+
+    # --- fitting ----------------------------------------------------------------------------
+    def observe(self, shape: StepShape, mean_step_seconds: float, steps: float, now: float) -> None:
+        """Add ``steps`` steps of this mean shape whose mean wall time was ``mean_step_seconds``."""
+        if self._at is not None and now > self._at:
+            f = float(2.0 ** (-(now - self._at) / self.half_life_seconds))
+            self._evidence_a *= f
+            self._evidence_b *= f
+            self._observed_steps *= f
+        self._at = now if self._at is None else max(self._at, now)
+        x = self.features(shape)
+        self._evidence_a += steps * np.outer(x, x)
+        self._evidence_b += steps * x * mean_step_seconds
+        self._observed_steps += steps
+        self._theta = None
+
+    @property
+    def observed_steps(self) -> float:
+        """Decayed number of observed steps (0 before any data)."""
+        return self._observed_steps
+
+    @property
+    def theta(self) -> FloatArray:
+        if self._theta is None:
+            self._theta = np.linalg.solve(
+                self._prior_a + self._evidence_a, self._prior_b + self._evidence_b
+            )
+        return self._theta
+
+    def predict(self, shape: StepShape) -> float:
+        return max(float(self.features(shape) @ self.theta), _MIN_STEP_SECONDS)
+
+    def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool) -> float:
+        return self.predict(StepShape.for_arm(batch_size, k, draft, draft_is_model))

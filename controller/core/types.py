@@ -1,0 +1,159 @@
+"""Plain data the core consumes and produces. No I/O, no protobuf: the server converts at its edge,
+the simulator and the tests build these directly."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+OTHER_CLASS = "other"
+DEFAULT_CLASS = "default"
+ALL_CLASSES = "*"
+
+
+class Reason(enum.Enum):
+    """Why a decision was taken. Values are the metric label and match DecisionReason in proto."""
+
+    WARMUP = "warmup"
+    GOODPUT = "goodput"
+    EXPLORE = "explore"
+    CHANGE_DETECTED = "change_detected"
+    OVERRIDE = "override"
+    OFFLINE = "offline"
+
+
+class DraftKind(enum.Enum):
+    MODEL = "model"
+    NGRAM = "ngram"
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    name: str
+    kind: DraftKind
+    max_k: int
+    vocab_hash: str = ""
+
+
+@dataclass(frozen=True)
+class EngineHello:
+    engine_id: str
+    model: str
+    target_vocab_hash: str
+    drafts: tuple[DraftSpec, ...]
+    max_k: int
+    per_request_k: bool = True
+    batch_wide_k: bool = False
+    ngram_substitution: bool = False
+    ngram_counterfactual: bool = False
+    engine_version: str = ""
+    plugin_version: str = ""
+    max_batch_size: int = 0
+
+
+@dataclass(frozen=True)
+class AcceptanceRecord:
+    """Verification steps of one (class, draft, K), by number of accepted drafts (len K+1)."""
+
+    traffic_class: str
+    draft: str
+    k: int
+    steps_by_accepted: tuple[int, ...]
+    counterfactual: bool = False
+
+
+@dataclass(frozen=True)
+class RequestSummaryRecord:
+    traffic_class: str
+    draft: str
+    prompt_tokens: int
+    output_tokens: int
+    drafted_tokens: int
+    accepted_tokens: int
+    latency_seconds: float
+
+
+@dataclass(frozen=True)
+class StepTimingRecord:
+    """Sums over ``steps`` engine steps of one batch bucket and one (draft, K)."""
+
+    batch_bucket: int
+    draft: str
+    k: int
+    steps: int
+    sum_batch_size: int
+    sum_verified_tokens: int
+    sum_draft_tokens: int
+    sum_step_seconds: float
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    sequence: int
+    interval_seconds: float
+    policy_version: int
+    acceptance: tuple[AcceptanceRecord, ...] = ()
+    finished: tuple[RequestSummaryRecord, ...] = ()
+    step_timings: tuple[StepTimingRecord, ...] = ()
+    records_dropped: int = 0
+    running_requests: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The choice for one (class, batch bucket). k == 0 means speculation off."""
+
+    traffic_class: str
+    bucket: int
+    draft: str
+    k: int
+    reason: Reason
+    expected_speedup: float = 1.0
+    probe_rate: float = 0.0
+    probe_k: int = 0
+    probe_draft: str = ""
+
+    def same_choice(self, other: Decision | None) -> bool:
+        """True when ``other`` runs the same (draft, K); reasons and estimates may differ."""
+        if other is None:
+            return False
+        return (self.k, self.draft if self.k else "") == (other.k, other.draft if other.k else "")
+
+
+@dataclass(frozen=True)
+class DecisionEvent:
+    policy_version: int
+    at: float
+    decision: Decision
+    previous: Decision | None
+
+
+@dataclass(frozen=True)
+class Override:
+    """An operator override for one class or for all ("*"). Exactly one action is set."""
+
+    traffic_class: str
+    pin_k: int | None = None
+    force_draft: str | None = None
+    force_off: bool = False
+    note: str = ""
+    set_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        actions = (self.pin_k is not None) + (self.force_draft is not None) + self.force_off
+        if actions != 1:
+            raise ValueError("override: set exactly one of pin_k, force_draft, force_off")
+        if self.pin_k is not None and self.pin_k < 0:
+            raise ValueError("override: pin_k must be >= 0")
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What happened to an accepted report."""
+
+    folded_classes: tuple[str, ...] = ()
+    changes_detected: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+
+class ReportRejected(ValueError):
+    """A report failed validation; nothing of it was applied. The message names the field."""

@@ -1,0 +1,109 @@
+"""Checks on engine input before anything of it is applied. Every failure names the field."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from controller.core.types import DraftSpec, EngineHello, EngineReport, ReportRejected
+
+MAX_CLASS_NAME_LENGTH = 64
+_CLASS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
+# A single report covering more steps than this is a plugin bug, not traffic.
+MAX_STEPS_PER_RECORD = 10**12
+
+
+def check_class_name(name: str, where: str) -> None:
+    if len(name) > MAX_CLASS_NAME_LENGTH or not _CLASS_NAME.match(name):
+        raise ReportRejected(
+            f"{where}: class name {name[:80]!r} must match {_CLASS_NAME.pattern} and be at most "
+            f"{MAX_CLASS_NAME_LENGTH} characters"
+        )
+
+
+def _finite_non_negative(value: float, where: str) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ReportRejected(f"{where}: must be a finite number >= 0, got {value!r}")
+
+
+def _non_negative(value: int, where: str) -> None:
+    if value < 0:
+        raise ReportRejected(f"{where}: must be >= 0, got {value}")
+    if value > MAX_STEPS_PER_RECORD:
+        raise ReportRejected(f"{where}: {value} exceeds {MAX_STEPS_PER_RECORD}")
+
+
+def check_hello(hello: EngineHello) -> None:
+    if not hello.engine_id:
+        raise ReportRejected("hello.engine_id: must not be empty")
+    if hello.max_k < 0:
+        raise ReportRejected(f"hello.max_k: must be >= 0, got {hello.max_k}")
+    names = [d.name for d in hello.drafts]
+    if len(set(names)) != len(names):
+        raise ReportRejected(f"hello.drafts: duplicate names in {names}")
+    for i, d in enumerate(hello.drafts):
+        if not d.name:
+            raise ReportRejected(f"hello.drafts[{i}].name: must not be empty")
+        if d.max_k < 1:
+            raise ReportRejected(f"hello.drafts[{i}].max_k: must be >= 1, got {d.max_k}")
+
+
+def check_report(
+    report: EngineReport,
+    drafts: dict[str, DraftSpec],
+    engine_max_k: int,
+    n_buckets: int,
+    last_sequence: int | None,
+) -> None:
+    """Raise ReportRejected naming the first bad field; return normally if all is well."""
+    if last_sequence is not None and report.sequence <= last_sequence:
+        raise ReportRejected(
+            f"sequence: {report.sequence} is not after the last applied {last_sequence} "
+            "(duplicate or reordered report)"
+        )
+    _finite_non_negative(report.interval_seconds, "interval_seconds")
+    for i, rec in enumerate(report.acceptance):
+        where = f"acceptance[{i}]"
+        check_class_name(rec.traffic_class, f"{where}.traffic_class")
+        spec = drafts.get(rec.draft)
+        if spec is None:
+            raise ReportRejected(f"{where}.draft: unknown draft {rec.draft!r}")
+        limit = min(engine_max_k, spec.max_k)
+        if not 1 <= rec.k <= limit:
+            raise ReportRejected(f"{where}.k: {rec.k} outside 1..{limit} for draft {rec.draft!r}")
+        if len(rec.steps_by_accepted) != rec.k + 1:
+            raise ReportRejected(
+                f"{where}.steps_by_accepted: {len(rec.steps_by_accepted)} entries, "
+                f"expected k+1 = {rec.k + 1}"
+            )
+        for a, n in enumerate(rec.steps_by_accepted):
+            _non_negative(n, f"{where}.steps_by_accepted[{a}]")
+    for i, req in enumerate(report.finished):
+        where = f"finished[{i}]"
+        check_class_name(req.traffic_class, f"{where}.traffic_class")
+        if req.draft and req.draft not in drafts:
+            raise ReportRejected(f"{where}.draft: unknown draft {req.draft!r}")
+        for field in ("prompt_tokens", "output_tokens", "drafted_tokens", "accepted_tokens"):
+            _non_negative(getattr(req, field), f"{where}.{field}")
+        if req.accepted_tokens > req.drafted_tokens:
+            raise ReportRejected(
+                f"{where}.accepted_tokens: {req.accepted_tokens} > drafted_tokens "
+                f"{req.drafted_tokens}"
+            )
+        _finite_non_negative(req.latency_seconds, f"{where}.latency_seconds")
+    for i, st in enumerate(report.step_timings):
+        where = f"step_timings[{i}]"
+        if st.batch_bucket >= n_buckets:
+            raise ReportRejected(f"{where}.batch_bucket: {st.batch_bucket} >= {n_buckets}")
+        if st.draft and st.draft not in drafts:
+            raise ReportRejected(f"{where}.draft: unknown draft {st.draft!r}")
+        if st.k > engine_max_k:
+            raise ReportRejected(f"{where}.k: {st.k} above the engine's max K {engine_max_k}")
+        for field in ("steps", "sum_batch_size", "sum_verified_tokens", "sum_draft_tokens"):
+            _non_negative(getattr(st, field), f"{where}.{field}")
+        _finite_non_negative(st.sum_step_seconds, f"{where}.sum_step_seconds")
+        if st.sum_verified_tokens < st.sum_batch_size:
+            raise ReportRejected(
+                f"{where}.sum_verified_tokens: {st.sum_verified_tokens} < sum_batch_size "
+                f"{st.sum_batch_size} (every sequence verifies at least one token)"
+            )

@@ -1,0 +1,69 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DecisionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECISION_REASON_UNSPECIFIED: _ClassVar[DecisionReason]
+    DECISION_REASON_WARMUP: _ClassVar[DecisionReason]
+    DECISION_REASON_GOODPUT: _ClassVar[DecisionReason]
+    DECISION_REASON_EXPLORE: _ClassVar[DecisionReason]
+    DECISION_REASON_CHANGE_DETECTED: _ClassVar[DecisionReason]
+    DECISION_REASON_OVERRIDE: _ClassVar[DecisionReason]
+    DECISION_REASON_OFFLINE: _ClassVar[DecisionReason]
+
+class DraftKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_KIND_UNSPECIFIED: _ClassVar[DraftKind]
+    DRAFT_KIND_MODEL: _ClassVar[DraftKind]
+    DRAFT_KIND_NGRAM: _ClassVar[DraftKind]
+DECISION_REASON_UNSPECIFIED: DecisionReason
+DECISION_REASON_WARMUP: DecisionReason
+DECISION_REASON_GOODPUT: DecisionReason
+DECISION_REASON_EXPLORE: DecisionReason
+DECISION_REASON_CHANGE_DETECTED: DecisionReason
+DECISION_REASON_OVERRIDE: DecisionReason
+DECISION_REASON_OFFLINE: DecisionReason
+DRAFT_KIND_UNSPECIFIED: DraftKind
+DRAFT_KIND_MODEL: DraftKind
+DRAFT_KIND_NGRAM: DraftKind
+
+class Decision(_message.Message):
+    __slots__ = ("traffic_class", "batch_bucket", "draft", "k", "reason", "expected_speedup", "probe_rate", "probe_k", "probe_draft")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    PROBE_RATE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_K_FIELD_NUMBER: _ClassVar[int]
+    PROBE_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    batch_bucket: int
+    draft: str
+    k: int
+    reason: DecisionReason
+    expected_speedup: float
+    probe_rate: float
+    probe_k: int
+    probe_draft: str
+    def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., expected_speedup: _Optional[float] = ..., probe_rate: _Optional[float] = ..., probe_k: _Optional[int] = ..., probe_draft: _Optional[str] = ...) -> None: ...
+
+class DecisionEvent(_message.Message):
+    __slots__ = ("policy_version", "unix_seconds", "decision", "previous_draft", "previous_k")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_K_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    unix_seconds: float
+    decision: Decision
+    previous_draft: str
+    previous_k: int
+    def __init__(self, policy_version: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., previous_draft: _Optional[str] = ..., previous_k: _Optional[int] = ...) -> None: ...

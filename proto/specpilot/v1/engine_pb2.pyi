@@ -1,0 +1,194 @@
+from specpilot.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("hello", "report")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    hello: EngineHello
+    report: EngineReport
+    def __init__(self, hello: _Optional[_Union[EngineHello, _Mapping]] = ..., report: _Optional[_Union[EngineReport, _Mapping]] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ("hello_ack", "report_result", "policy")
+    HELLO_ACK_FIELD_NUMBER: _ClassVar[int]
+    REPORT_RESULT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    hello_ack: HelloAck
+    report_result: ReportResult
+    policy: PolicyUpdate
+    def __init__(self, hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., report_result: _Optional[_Union[ReportResult, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ...) -> None: ...
+
+class EngineCapabilities(_message.Message):
+    __slots__ = ("per_request_k", "batch_wide_k", "ngram_substitution", "ngram_counterfactual")
+    PER_REQUEST_K_FIELD_NUMBER: _ClassVar[int]
+    BATCH_WIDE_K_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_SUBSTITUTION_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
+    per_request_k: bool
+    batch_wide_k: bool
+    ngram_substitution: bool
+    ngram_counterfactual: bool
+    def __init__(self, per_request_k: _Optional[bool] = ..., batch_wide_k: _Optional[bool] = ..., ngram_substitution: _Optional[bool] = ..., ngram_counterfactual: _Optional[bool] = ...) -> None: ...
+
+class DraftInfo(_message.Message):
+    __slots__ = ("name", "kind", "vocab_hash", "max_k")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
+    MAX_K_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: _common_pb2.DraftKind
+    vocab_hash: str
+    max_k: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.DraftKind, str]] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ...) -> None: ...
+
+class EngineHello(_message.Message):
+    __slots__ = ("engine_id", "model", "target_vocab_hash", "drafts", "max_k", "capabilities", "engine_version", "plugin_version", "max_batch_size")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_K_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    model: str
+    target_vocab_hash: str
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftInfo]
+    max_k: int
+    capabilities: EngineCapabilities
+    engine_version: str
+    plugin_version: str
+    max_batch_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., target_vocab_hash: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., max_k: _Optional[int] = ..., capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., engine_version: _Optional[str] = ..., plugin_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class HelloAck(_message.Message):
+    __slots__ = ("controller_version", "accepted_drafts", "rejected_drafts", "report_interval_seconds", "batch_bucket_upper_bounds", "max_classes")
+    CONTROLLER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_BUCKET_UPPER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    controller_version: str
+    accepted_drafts: _containers.RepeatedScalarFieldContainer[str]
+    rejected_drafts: _containers.RepeatedCompositeFieldContainer[RejectedDraft]
+    report_interval_seconds: float
+    batch_bucket_upper_bounds: _containers.RepeatedScalarFieldContainer[int]
+    max_classes: int
+    def __init__(self, controller_version: _Optional[str] = ..., accepted_drafts: _Optional[_Iterable[str]] = ..., rejected_drafts: _Optional[_Iterable[_Union[RejectedDraft, _Mapping]]] = ..., report_interval_seconds: _Optional[float] = ..., batch_bucket_upper_bounds: _Optional[_Iterable[int]] = ..., max_classes: _Optional[int] = ...) -> None: ...
+
+class RejectedDraft(_message.Message):
+    __slots__ = ("name", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AcceptanceCounts(_message.Message):
+    __slots__ = ("traffic_class", "draft", "k", "steps_by_accepted", "counterfactual")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    draft: str
+    k: int
+    steps_by_accepted: _containers.RepeatedScalarFieldContainer[int]
+    counterfactual: bool
+    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., steps_by_accepted: _Optional[_Iterable[int]] = ..., counterfactual: _Optional[bool] = ...) -> None: ...
+
+class RequestSummary(_message.Message):
+    __slots__ = ("traffic_class", "draft", "prompt_tokens", "output_tokens", "drafted_tokens", "accepted_tokens", "latency_seconds")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    draft: str
+    prompt_tokens: int
+    output_tokens: int
+    drafted_tokens: int
+    accepted_tokens: int
+    latency_seconds: float
+    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., latency_seconds: _Optional[float] = ...) -> None: ...
+
+class StepTiming(_message.Message):
+    __slots__ = ("batch_bucket", "draft", "k", "steps", "sum_batch_size", "sum_verified_tokens", "sum_draft_tokens", "sum_step_seconds")
+    BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SUM_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SUM_VERIFIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUM_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    batch_bucket: int
+    draft: str
+    k: int
+    steps: int
+    sum_batch_size: int
+    sum_verified_tokens: int
+    sum_draft_tokens: int
+    sum_step_seconds: float
+    def __init__(self, batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., steps: _Optional[int] = ..., sum_batch_size: _Optional[int] = ..., sum_verified_tokens: _Optional[int] = ..., sum_draft_tokens: _Optional[int] = ..., sum_step_seconds: _Optional[float] = ...) -> None: ...
+
+class EngineReport(_message.Message):
+    __slots__ = ("sequence", "interval_seconds", "policy_version", "acceptance", "finished", "step_timings", "records_dropped", "running_requests")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    interval_seconds: float
+    policy_version: int
+    acceptance: _containers.RepeatedCompositeFieldContainer[AcceptanceCounts]
+    finished: _containers.RepeatedCompositeFieldContainer[RequestSummary]
+    step_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
+    records_dropped: int
+    running_requests: int
+    def __init__(self, sequence: _Optional[int] = ..., interval_seconds: _Optional[float] = ..., policy_version: _Optional[int] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceCounts, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., records_dropped: _Optional[int] = ..., running_requests: _Optional[int] = ...) -> None: ...
+
+class ReportResult(_message.Message):
+    __slots__ = ("sequence", "accepted", "code", "reason", "folded_classes")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FOLDED_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    accepted: bool
+    code: int
+    reason: str
+    folded_classes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequence: _Optional[int] = ..., accepted: _Optional[bool] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., folded_classes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PolicyUpdate(_message.Message):
+    __slots__ = ("version", "decisions", "default_decisions", "fail_static_timeout_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    FAIL_STATIC_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    decisions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Decision]
+    default_decisions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Decision]
+    fail_static_timeout_seconds: float
+    def __init__(self, version: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., default_decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., fail_static_timeout_seconds: _Optional[float] = ...) -> None: ...

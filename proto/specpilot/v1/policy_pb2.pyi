@@ -1,0 +1,156 @@
+from specpilot.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetPolicyRequest(_message.Message):
+    __slots__ = ("traffic_class",)
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    def __init__(self, traffic_class: _Optional[str] = ...) -> None: ...
+
+class PositionEstimate(_message.Message):
+    __slots__ = ("position", "mean", "lower", "upper", "effective_tries")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    LOWER_FIELD_NUMBER: _ClassVar[int]
+    UPPER_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_TRIES_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    mean: float
+    lower: float
+    upper: float
+    effective_tries: float
+    def __init__(self, position: _Optional[int] = ..., mean: _Optional[float] = ..., lower: _Optional[float] = ..., upper: _Optional[float] = ..., effective_tries: _Optional[float] = ...) -> None: ...
+
+class DraftEstimate(_message.Message):
+    __slots__ = ("draft", "positions", "expected_tokens", "changes_detected")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_DETECTED_FIELD_NUMBER: _ClassVar[int]
+    draft: str
+    positions: _containers.RepeatedCompositeFieldContainer[PositionEstimate]
+    expected_tokens: _containers.RepeatedScalarFieldContainer[float]
+    changes_detected: int
+    def __init__(self, draft: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionEstimate, _Mapping]]] = ..., expected_tokens: _Optional[_Iterable[float]] = ..., changes_detected: _Optional[int] = ...) -> None: ...
+
+class Override(_message.Message):
+    __slots__ = ("traffic_class", "pin_k", "force_draft", "force_off", "note", "set_unix_seconds")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PIN_K_FIELD_NUMBER: _ClassVar[int]
+    FORCE_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    FORCE_OFF_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    SET_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    pin_k: int
+    force_draft: str
+    force_off: bool
+    note: str
+    set_unix_seconds: float
+    def __init__(self, traffic_class: _Optional[str] = ..., pin_k: _Optional[int] = ..., force_draft: _Optional[str] = ..., force_off: _Optional[bool] = ..., note: _Optional[str] = ..., set_unix_seconds: _Optional[float] = ...) -> None: ...
+
+class ClassPolicy(_message.Message):
+    __slots__ = ("traffic_class", "decisions", "estimates", "overrides", "offline")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATES_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    decisions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Decision]
+    estimates: _containers.RepeatedCompositeFieldContainer[DraftEstimate]
+    overrides: _containers.RepeatedCompositeFieldContainer[Override]
+    offline: bool
+    def __init__(self, traffic_class: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., estimates: _Optional[_Iterable[_Union[DraftEstimate, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., offline: _Optional[bool] = ...) -> None: ...
+
+class GetPolicyResponse(_message.Message):
+    __slots__ = ("version", "batch_bucket_upper_bounds", "classes", "engines")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_BUCKET_UPPER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    batch_bucket_upper_bounds: _containers.RepeatedScalarFieldContainer[int]
+    classes: _containers.RepeatedCompositeFieldContainer[ClassPolicy]
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., batch_bucket_upper_bounds: _Optional[_Iterable[int]] = ..., classes: _Optional[_Iterable[_Union[ClassPolicy, _Mapping]]] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetOverrideRequest(_message.Message):
+    __slots__ = ("override",)
+    OVERRIDE_FIELD_NUMBER: _ClassVar[int]
+    override: Override
+    def __init__(self, override: _Optional[_Union[Override, _Mapping]] = ...) -> None: ...
+
+class SetOverrideResponse(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
+
+class ClearOverrideRequest(_message.Message):
+    __slots__ = ("traffic_class",)
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    def __init__(self, traffic_class: _Optional[str] = ...) -> None: ...
+
+class ClearOverrideResponse(_message.Message):
+    __slots__ = ("policy_version", "cleared")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    cleared: bool
+    def __init__(self, policy_version: _Optional[int] = ..., cleared: _Optional[bool] = ...) -> None: ...
+
+class WatchDecisionsRequest(_message.Message):
+    __slots__ = ("traffic_class",)
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    def __init__(self, traffic_class: _Optional[str] = ...) -> None: ...
+
+class WatchDecisionsResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: _common_pb2.DecisionEvent
+    def __init__(self, event: _Optional[_Union[_common_pb2.DecisionEvent, _Mapping]] = ...) -> None: ...
+
+class ExplainDecisionRequest(_message.Message):
+    __slots__ = ("traffic_class", "batch_bucket")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    batch_bucket: int
+    def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ...) -> None: ...
+
+class ArmScore(_message.Message):
+    __slots__ = ("draft", "k", "expected_tokens", "step_seconds", "goodput_tokens_per_second", "speedup")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    draft: str
+    k: int
+    expected_tokens: float
+    step_seconds: float
+    goodput_tokens_per_second: float
+    speedup: float
+    def __init__(self, draft: _Optional[str] = ..., k: _Optional[int] = ..., expected_tokens: _Optional[float] = ..., step_seconds: _Optional[float] = ..., goodput_tokens_per_second: _Optional[float] = ..., speedup: _Optional[float] = ...) -> None: ...
+
+class ExplainDecisionResponse(_message.Message):
+    __slots__ = ("decision", "arms", "text", "batch_size")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    ARMS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    decision: _common_pb2.Decision
+    arms: _containers.RepeatedCompositeFieldContainer[ArmScore]
+    text: str
+    batch_size: int
+    def __init__(self, decision: _Optional[_Union[_common_pb2.Decision, _Mapping]] = ..., arms: _Optional[_Iterable[_Union[ArmScore, _Mapping]]] = ..., text: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...
