@@ -8,8 +8,9 @@ rejected, so they add nothing to that position's evidence.
 Each position's conditional acceptance rate has a Beta posterior: prior (alpha0, beta0) plus the
 evidence, which decays by 2^(-dt / half_life) before new counts are added. A second, fast-decaying
 copy of the evidence feeds the change detector: when the fast and slow means at some position
-differ by more than ``z_threshold`` standard errors, the slow evidence is replaced by the fast one,
-so the posterior follows the new regime at once instead of over a half-life.
+differ by more than ``z_threshold`` standard errors, the slow evidence is replaced by the fast one
+and, for ``RECOVERY_HALF_LIVES`` fast half-lives, decays at the fast rate, so the remains of the old
+regime wash out within seconds instead of over a slow half-life.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
+RECOVERY_HALF_LIVES = 4.0
 
 
 def position_counts(steps_by_accepted: npt.ArrayLike) -> tuple[FloatArray, FloatArray]:
@@ -115,6 +117,7 @@ class AcceptanceEstimator:
         self._slow: dict[tuple[str, str], _Evidence] = {}
         self._fast: dict[tuple[str, str], _Evidence] = {}
         self._changes: dict[tuple[str, str], int] = {}
+        self._recover_until: dict[tuple[str, str], float] = {}
 
     def keys(self) -> list[tuple[str, str]]:
         return sorted(self._slow)
@@ -138,7 +141,8 @@ class AcceptanceEstimator:
         key = (traffic_class, draft)
         slow = self._slow.setdefault(key, _Evidence.empty(cfg.max_k, now))
         fast = self._fast.setdefault(key, _Evidence.empty(cfg.max_k, now))
-        for ev, half_life in ((slow, cfg.half_life_seconds), (fast, cfg.fast_half_life_seconds)):
+        slow_half_life = self._slow_half_life(key, now)
+        for ev, half_life in ((slow, slow_half_life), (fast, cfg.fast_half_life_seconds)):
             ev.decay_to(now, half_life)
             ev.accepts[:k] += accepts
             ev.rejects[:k] += tries - accepts
@@ -146,16 +150,29 @@ class AcceptanceEstimator:
             slow.accepts = fast.accepts.copy()
             slow.rejects = fast.rejects.copy()
             self._changes[key] = self._changes.get(key, 0) + 1
+            self._recover_until[key] = now + RECOVERY_HALF_LIVES * cfg.fast_half_life_seconds
             return True
         return False
+
+    def recovering(self, traffic_class: str, draft: str, now: float) -> bool:
+        """True while the evidence of a detected change is still washing out the old regime."""
+        return now < self._recover_until.get((traffic_class, draft), float("-inf"))
+
+    def _slow_half_life(self, key: tuple[str, str], now: float) -> float:
+        cfg = self.config
+        if self.recovering(*key, now):
+            return cfg.fast_half_life_seconds
+        return cfg.half_life_seconds
 
     def _shifted(self, slow: _Evidence, fast: _Evidence) -> bool:
         """Two-timescale test per position: |mean_fast - mean_slow| / se > z_threshold."""
         cfg = self.config
         n_fast = fast.accepts + fast.rejects
         n_slow = slow.accepts + slow.rejects
-        # The slow estimate must hold clearly more (older) evidence than the fast one.
-        usable = (n_fast >= cfg.min_tries) & (n_slow >= 2.0 * n_fast)
+        # The slow estimate must hold more (older) evidence than the fast one. Right after a reset
+        # they are equal; as the fast one keeps moving the detector fires again, purging the old
+        # regime from the slow evidence step by step.
+        usable = (n_fast >= cfg.min_tries) & (n_slow > n_fast * 1.01)
         if not usable.any():
             return False
         p_fast = fast.accepts[usable] / n_fast[usable]
@@ -173,10 +190,10 @@ class AcceptanceEstimator:
         if ev is None:
             ones = np.ones(cfg.max_k)
             return Posterior(ones * a0, ones * b0, a0, b0)
-        f = _decay(cfg.half_life_seconds, now - ev.at)
+        f = _decay(self._slow_half_life((traffic_class, draft), now), now - ev.at)
         return Posterior(a0 + ev.accepts * f, b0 + ev.rejects * f, a0, b0)
 
     def forget_class(self, traffic_class: str) -> None:
-        for store in (self._slow, self._fast, self._changes):
+        for store in (self._slow, self._fast, self._changes, self._recover_until):
             for key in [k for k in store if k[0] == traffic_class]:
                 del store[key]

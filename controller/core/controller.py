@@ -236,6 +236,7 @@ class ControllerCore:
             mean_rates=mean,
             has_data=any(self.estimator.has_data(name, d.name) for d in drafts),
             change_detected=state.change_pending,
+            recovering=any(self.estimator.recovering(name, d.name, now) for d in drafts),
             offline=name in self.config.offline_classes,
             override=self._override_for(name),
             buckets=buckets,
@@ -324,8 +325,7 @@ def _explain_text(name: str, decision: Decision | None, batch: int, arms: tuple[
     if decision is None:
         return f"class {name!r} has no decision yet: no engine has connected."
     best = max(arms, key=lambda a: a.goodput)
-    chosen = next((a for a in arms if (a.draft if a.k else "", a.k) ==
-                   (decision.draft if decision.k else "", decision.k)), None)
+    chosen = next((a for a in arms if a.arm == decision.arm), None)
     what = "speculation off" if decision.k == 0 else f"draft {decision.draft!r} with K={decision.k}"
     lines = [f"class {name!r} at batch {batch}: {what} (reason: {decision.reason.value})."]
     if chosen is not None:
@@ -334,11 +334,11 @@ def _explain_text(name: str, decision: Decision | None, batch: int, arms: tuple[
             f"{chosen.step_seconds * 1e3:.2f} ms: {chosen.goodput:.1f} tokens/s, "
             f"{chosen.speedup:.2f}x no speculation."
         )
-    if (best.draft, best.k) != (decision.draft if decision.k else "", decision.k):
+    if best.arm != decision.arm:
+        label = "off" if best.k == 0 else f"{best.draft!r} K={best.k}"
         lines.append(
-            f"By posterior means the best arm is {'off' if best.k == 0 else f'{best.draft!r} K={best.k}'} "
-            f"at {best.speedup:.2f}x; the choice holds by hysteresis, dwell time, an override or "
-            "an exploratory draw."
+            f"By posterior means the best arm is {label} at {best.speedup:.2f}x; the choice holds "
+            "by hysteresis, dwell time, an override or an exploratory draw."
         )
     for d in ctx.drafts:
         rates = ", ".join(f"{r:.2f}" for r in ctx.mean_rates[d.name][: d.max_k])

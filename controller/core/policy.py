@@ -4,8 +4,9 @@ For one class and one batch bucket, every arm (draft, K in 1..max) and "off" is 
 accepted tokens per second = E(K) x batch / step seconds, with E(K) from ONE Thompson draw of the
 class's per-position acceptance rates per draft (per-arm statistics: each (class, draft) has its own
 posteriors, so exploration fades as they tighten). On top of the argmax:
-  - hysteresis: a new arm must beat the current one's sampled goodput by ``hysteresis_ratio``;
-  - dwell: a choice younger than ``dwell_seconds`` stays, unless a change was detected;
+  - hysteresis: a new arm must beat the current one's sampled goodput by ``hysteresis_ratio``,
+    except while a detected acceptance change is being absorbed (the old margin is stale);
+  - dwell: a choice younger than ``dwell_seconds`` stays, unless a change was just detected;
   - probing: while off, a small share of requests, decaying with time off, runs ``probe_k``;
   - overrides: operator pins win over everything; offline classes are pinned off (or scored at
     the largest bucket in "goodput" mode).
@@ -14,12 +15,12 @@ posteriors, so exploration fades as they tighten). On top of the argmax:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from controller.core.goodput import expected_tokens_curve, goodput, speedup
-from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason
+from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason, arm_key
 
 FloatArray = np.ndarray
 # (batch_size, k, draft, draft_is_model) -> predicted step seconds
@@ -59,7 +60,9 @@ class ClassContext:
     sampled_rates: Mapping[str, FloatArray]
     mean_rates: Mapping[str, FloatArray]
     has_data: bool
+    # A change was detected since the last decision / its evidence is still being absorbed.
     change_detected: bool
+    recovering: bool
     offline: bool
     override: Override | None
     buckets: tuple[BucketState, ...]
@@ -75,6 +78,10 @@ class ArmValue:
     goodput: float
     speedup: float
 
+    @property
+    def arm(self) -> tuple[str, int]:
+        return arm_key(self.draft, self.k)
+
 
 def arm_values(
     ctx: ClassContext, batch_size: int, rates: Mapping[str, FloatArray], max_k: int
@@ -89,7 +96,9 @@ def arm_values(
         for k in range(1, k_max + 1):
             e = float(curve[k])
             t = ctx.step_seconds(batch_size, k, spec.name, is_model)
-            arms.append(ArmValue(spec.name, k, e, t, goodput(e, batch_size, t), speedup(e, t, plain)))
+            arms.append(
+                ArmValue(spec.name, k, e, t, goodput(e, batch_size, t), speedup(e, t, plain))
+            )
     return arms
 
 
@@ -132,7 +141,7 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
         spec = next((d for d in ctx.drafts if d.name == ov.force_draft), None)
         if spec is None:  # the forced draft is not offered by the engine: speculate not at all
             return Decision(name, state.bucket, "", 0, Reason.OVERRIDE)
-        restricted = _replace_drafts(ctx, (spec,))
+        restricted = replace(ctx, drafts=(spec,))
         arms = arm_values(restricted, state.batch_size, ctx.sampled_rates, cfg.max_k)
         best = max((a for a in arms if a.k > 0), key=lambda a: a.goodput)
         return Decision(name, state.bucket, best.draft, best.k, Reason.OVERRIDE, best.speedup)
@@ -152,13 +161,6 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
     value = mean.get(chosen.name)
     return Decision(name, state.bucket, chosen.name, k, Reason.OVERRIDE,
                     value.speedup if value else 1.0)
-
-
-def _replace_drafts(ctx: ClassContext, drafts: tuple[DraftSpec, ...]) -> ClassContext:
-    return ClassContext(
-        ctx.traffic_class, ctx.now, drafts, ctx.sampled_rates, ctx.mean_rates, ctx.has_data,
-        ctx.change_detected, ctx.offline, ctx.override, ctx.buckets, ctx.step_seconds,
-    )
 
 
 def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
@@ -181,10 +183,10 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
     mean = arm_values(ctx, batch, ctx.mean_rates, cfg.max_k)
     best = _best(sampled)
     mean_best = _best(mean)
-    expected = next(a.speedup for a in mean if (a.draft, a.k) == (best.draft, best.k))
+    expected = next(a.speedup for a in mean if a.arm == best.arm)
     if ctx.change_detected:
         reason = Reason.CHANGE_DETECTED
-    elif (best.draft, best.k) == (mean_best.draft, mean_best.k):
+    elif best.arm == mean_best.arm:
         reason = Reason.GOODPUT
     else:
         reason = Reason.EXPLORE
@@ -202,10 +204,9 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         return _with_probe(ctx, cfg, state, refreshed)
     if not ctx.change_detected:
         young = state.changed_at is not None and ctx.now - state.changed_at < cfg.dwell_seconds
-        cur = next((a for a in sampled
-                    if (a.draft if a.k else "", a.k) == (current.draft if current.k else "",
-                                                         current.k)), None)
-        within = cur is not None and best.goodput <= cur.goodput * (1.0 + cfg.hysteresis_ratio)
+        cur = next((a for a in sampled if a.arm == current.arm), None)
+        margin = 0.0 if ctx.recovering else cfg.hysteresis_ratio
+        within = cur is not None and best.goodput <= cur.goodput * (1.0 + margin)
         if young or within:
             return _with_probe(ctx, cfg, state, current)
     return _with_probe(ctx, cfg, state, candidate)

@@ -11,6 +11,11 @@ DEFAULT_CLASS = "default"
 ALL_CLASSES = "*"
 
 
+def arm_key(draft: str, k: int) -> tuple[str, int]:
+    """Canonical (draft, K) of an arm: with K = 0 no draft runs, whatever is named."""
+    return (draft if k else "", k)
+
+
 class Reason(enum.Enum):
     """Why a decision was taken. Values are the metric label and match DecisionReason in proto."""
 
@@ -113,11 +118,14 @@ class Decision:
     probe_k: int = 0
     probe_draft: str = ""
 
+    @property
+    def arm(self) -> tuple[str, int]:
+        """(draft, K) actually run; the draft is "" when K is 0."""
+        return arm_key(self.draft, self.k)
+
     def same_choice(self, other: Decision | None) -> bool:
         """True when ``other`` runs the same (draft, K); reasons and estimates may differ."""
-        if other is None:
-            return False
-        return (self.k, self.draft if self.k else "") == (other.k, other.draft if other.k else "")
+        return other is not None and self.arm == other.arm
 
 
 @dataclass(frozen=True)

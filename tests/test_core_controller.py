@@ -1,0 +1,169 @@
+"""ControllerCore: hello checks, atomic report validation, class folding, versions, overrides."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from controller.core.controller import ControllerCore
+from controller.core.types import (
+    ALL_CLASSES,
+    OTHER_CLASS,
+    AcceptanceRecord,
+    DraftKind,
+    DraftSpec,
+    EngineHello,
+    EngineReport,
+    Override,
+    Reason,
+    ReportRejected,
+    RequestSummaryRecord,
+    StepTimingRecord,
+)
+from controller.settings import core_config, load_settings
+
+HELLO = EngineHello(
+    engine_id="e1", model="m", target_vocab_hash="v1",
+    drafts=(DraftSpec("d", DraftKind.MODEL, 6, "v1"), DraftSpec("ngram", DraftKind.NGRAM, 4)),
+    max_k=6,
+)
+
+
+def _core(**settings: Any) -> ControllerCore:
+    core = ControllerCore(core_config(load_settings(**settings)), np.random.default_rng(0))
+    core.connect_engine(HELLO, now=0.0)
+    return core
+
+
+def _good(seq: int = 1, cls: str = "code") -> EngineReport:
+    return EngineReport(
+        sequence=seq, interval_seconds=1.0, policy_version=0,
+        acceptance=(AcceptanceRecord(cls, "d", 3, (10, 20, 30, 40)),),
+        finished=(RequestSummaryRecord(cls, "d", 10, 20, 30, 12, 0.5),),
+        step_timings=(StepTimingRecord(0, "d", 3, 100, 100, 400, 300, 3.0),),
+    )
+
+
+def _snapshot(core: ControllerCore) -> tuple[Any, ...]:
+    post = core.estimator.posterior("code", "d", 10.0)
+    return (post.alpha.copy(), post.beta.copy(), core.cost.theta.copy(),
+            copy.deepcopy(core.engines["e1"].last_sequence), sorted(core.classes))
+
+
+BAD_REPORTS = {
+    "accepted > drafted": replace(_good(), finished=(RequestSummaryRecord(
+        "code", "d", 10, 20, 5, 6, 0.5),)),
+    "negative count": replace(_good(), acceptance=(AcceptanceRecord(
+        "code", "d", 3, (10, -1, 30, 40)),)),
+    "K above the engine max": replace(_good(), acceptance=(AcceptanceRecord(
+        "code", "d", 7, (1,) * 8),)),
+    "unknown draft": replace(_good(), acceptance=(AcceptanceRecord(
+        "code", "eagle", 3, (1, 1, 1, 1)),)),
+    "histogram length": replace(_good(), acceptance=(AcceptanceRecord(
+        "code", "d", 3, (1, 1, 1)),)),
+    "bad class name": replace(_good(), acceptance=(AcceptanceRecord(
+        "bad class!", "d", 3, (1, 1, 1, 1)),)),
+    "bucket out of range": replace(_good(), step_timings=(StepTimingRecord(
+        99, "d", 3, 1, 1, 4, 3, 0.1),)),
+    "nan seconds": replace(_good(), step_timings=(StepTimingRecord(
+        0, "d", 3, 1, 1, 4, 3, float("nan")),)),
+    "fewer verified tokens than sequences": replace(_good(), step_timings=(StepTimingRecord(
+        0, "d", 3, 1, 10, 4, 3, 0.1),)),
+}
+
+EXPECTED_FIELD = {
+    "accepted > drafted": "finished[0].accepted_tokens",
+    "negative count": "acceptance[0].steps_by_accepted[1]",
+    "K above the engine max": "acceptance[0].k",
+    "unknown draft": "acceptance[0].draft",
+    "histogram length": "acceptance[0].steps_by_accepted",
+    "bad class name": "acceptance[0].traffic_class",
+    "bucket out of range": "step_timings[0].batch_bucket",
+    "nan seconds": "step_timings[0].sum_step_seconds",
+    "fewer verified tokens than sequences": "step_timings[0].sum_verified_tokens",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_REPORTS))
+def test_bad_report_is_rejected_naming_the_field_and_changes_nothing(kind: str) -> None:
+    core = _core()
+    core.ingest("e1", _good(1), now=1.0)
+    before = _snapshot(core)
+    with pytest.raises(ReportRejected, match=EXPECTED_FIELD[kind].replace("[", r"\[")):
+        core.ingest("e1", replace(BAD_REPORTS[kind], sequence=2), now=2.0)
+    after = _snapshot(core)
+    for a, b in zip(before, after, strict=True):
+        assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+    core.ingest("e1", _good(3), now=3.0)  # the engine carries on
+
+
+def test_duplicate_sequence_and_report_before_hello_are_rejected() -> None:
+    core = _core()
+    core.ingest("e1", _good(5), now=1.0)
+    with pytest.raises(ReportRejected, match="sequence"):
+        core.ingest("e1", _good(5), now=2.0)
+    with pytest.raises(ReportRejected, match="before hello"):
+        core.ingest("nobody", _good(1), now=2.0)
+
+
+def test_classes_beyond_the_limit_fold_into_other() -> None:
+    core = _core(max_classes=3)  # "default" + two more
+    result = core.ingest("e1", replace(_good(1), acceptance=tuple(
+        AcceptanceRecord(c, "d", 1, (1, 1)) for c in ("a", "b", "c", "d2")), finished=()),
+        now=1.0)
+    assert set(result.folded_classes) == {"c", "d2"}
+    assert set(core.classes) == {"default", "a", "b", OTHER_CLASS}
+    assert core.estimator.posterior(OTHER_CLASS, "d", 1.0).effective_tries[0] == 4
+
+
+def test_mismatched_draft_vocabulary_is_refused() -> None:
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    hello = replace(HELLO, drafts=(DraftSpec("d", DraftKind.MODEL, 6, "other-vocab"),))
+    outcome = core.connect_engine(hello, now=0.0)
+    assert outcome.accepted_drafts == ()
+    assert "vocabulary" in outcome.rejected_drafts[0][1]
+    with pytest.raises(ReportRejected, match="unknown draft"):
+        core.ingest("e1", _good(1), now=1.0)
+
+
+def test_version_moves_only_with_material_changes() -> None:
+    core = _core(dwell_seconds=0.0)
+    events = core.decide(now=1.0)
+    assert core.version == 1 and all(e.decision.reason is Reason.WARMUP for e in events)
+    assert core.decide(now=1.0) == [] and core.version == 1
+    core.ingest("e1", replace(_good(1), acceptance=(
+        AcceptanceRecord("code", "d", 1, (100_000, 0)),)), now=2.0)
+    events = core.decide(now=2.0)
+    assert core.version == 2
+    assert any(e.decision.traffic_class == "code" and e.decision.k == 0 for e in events)
+    assert list(core.log)[-len(events):] == events
+
+
+def test_overrides_for_one_class_and_for_all() -> None:
+    core = _core()
+    core.decide(now=1.0)
+    core.set_override(Override("code", pin_k=4), now=2.0)
+    assert core.decision("code", 0).k == 4  # type: ignore[union-attr]
+    core.set_override(Override(ALL_CLASSES, force_off=True), now=3.0)
+    assert core.decision("default", 0).k == 0  # type: ignore[union-attr]
+    assert core.decision("code", 0).k == 4  # type: ignore[union-attr]  # class beats "*"
+    cleared, _ = core.clear_override("code", now=4.0)
+    assert cleared and core.decision("code", 0).k == 0  # type: ignore[union-attr]
+    assert core.clear_override("code", now=5.0) == (False, [])
+    with pytest.raises(ValueError, match="exactly one"):
+        Override("code", pin_k=1, force_off=True)
+
+
+def test_explain_names_the_choice_and_the_numbers() -> None:
+    core = _core()
+    core.ingest("e1", _good(1), now=1.0)
+    core.decide(now=1.0)
+    exp = core.explain("code", 0, now=1.0)
+    assert exp.decision is not None and "class 'code' at batch 1" in exp.text
+    assert {(a.draft, a.k) for a in exp.arms} >= {("", 0), ("d", 6), ("ngram", 4)}
+    with pytest.raises(KeyError):
+        core.explain("nope", 0, now=1.0)

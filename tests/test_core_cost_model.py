@@ -1,0 +1,78 @@
+"""Step-cost model: priors before data, online fit, forgetting back to the prior."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.core.cost_model import CostPrior, StepCostModel, StepShape
+
+KNOTS = (16, 32, 64, 128, 256)
+
+
+def _model(prior: CostPrior | None = None, half_life: float = 1e9) -> StepCostModel:
+    model = StepCostModel(KNOTS, prior or CostPrior(ridge_tokens=64), half_life,
+                          [1, 2, 4, 8, 16, 32, 64], 6)
+    model.ensure_drafts(["d"])
+    return model
+
+
+def _truth(batch: int, k: int) -> float:
+    tokens = batch * (1 + k)
+    return 0.010 + 1e-5 * tokens + 6e-4 * max(0, tokens - 32) + k * (0.002 + 2e-5 * batch)
+
+
+def test_prior_alone_gives_the_prior_roofline() -> None:
+    prior = CostPrior(base_seconds=0.02, seconds_per_token=2e-5, ridge_tokens=64,
+                      seconds_per_token_above_ridge=2e-4, draft_seconds_per_pass=1e-3,
+                      draft_seconds_per_token=1e-5)
+    model = _model(prior)
+    assert model.observed_steps == 0
+    assert model.predict_arm(1, 0, "", False) == pytest.approx(0.02 + 2e-5, rel=1e-3)
+    want = 0.02 + 2e-5 * 128 + 2e-4 * 64 + 3 * (1e-3 + 1e-5 * 32)
+    assert model.predict_arm(32, 3, "d", True) == pytest.approx(want, rel=1e-3)
+    # N-gram drafts add no draft cost.
+    assert model.predict_arm(32, 3, "ngram", False) == pytest.approx(
+        0.02 + 2e-5 * 128 + 2e-4 * 64, rel=1e-3)
+
+
+def test_online_fit_recovers_the_true_step_times() -> None:
+    rng = np.random.default_rng(0)
+    model = _model()
+    for t in range(300):
+        batch = int(rng.choice([1, 2, 4, 8, 16, 32]))
+        k = int(rng.integers(0, 7))
+        seconds = _truth(batch, k) * (1 + 0.02 * rng.standard_normal())
+        model.observe(StepShape.for_arm(batch, k, "d", True), seconds, 50, now=float(t))
+    for batch in (1, 8, 32):
+        for k in range(7):
+            assert model.predict_arm(batch, k, "d", True) == pytest.approx(_truth(batch, k),
+                                                                           rel=0.05)
+
+
+def test_unexcited_directions_fall_back_to_the_prior() -> None:
+    model = _model(half_life=10.0)
+    prior_value = model.predict_arm(32, 4, "d", True)
+    for _ in range(20):
+        model.observe(StepShape.for_arm(32, 4, "d", True), prior_value * 3, 100, now=0.0)
+    assert model.predict_arm(32, 4, "d", True) == pytest.approx(prior_value * 3, rel=0.05)
+    # Twenty half-lives later that evidence is worth ~0.002 steps: the prior is back in charge.
+    model.observe(StepShape.for_arm(1, 0, "", False), model.predict_arm(1, 0, "", False), 1,
+                  now=200.0)
+    assert model.predict_arm(32, 4, "d", True) == pytest.approx(prior_value, rel=0.1)
+    assert model.observed_steps < 1.01
+
+
+def test_new_drafts_keep_the_evidence_so_far() -> None:
+    model = _model()
+    for _ in range(10):
+        model.observe(StepShape.for_arm(8, 0, "", False), 0.05, 100, now=0.0)
+    before = model.predict_arm(8, 0, "", False)
+    model.ensure_drafts(["d", "other"])
+    assert model.n_features == 3 + len(KNOTS) + 4
+    assert model.predict_arm(8, 0, "", False) == pytest.approx(before, rel=1e-6)
+
+
+def test_prior_ridge_must_be_a_knot() -> None:
+    with pytest.raises(ValueError, match="knots"):
+        StepCostModel(KNOTS, CostPrior(ridge_tokens=100), 10.0, [1], 2)

@@ -1,0 +1,189 @@
+"""Policy invariants: K within bounds, overrides win, no flapping inside the dwell time."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controller.core.policy import BucketState, ClassContext, PolicyConfig, decide_bucket
+from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason
+
+NOW = 1000.0
+
+
+def _step_seconds(base: float, per_token: float, per_pass: float):
+    def f(batch: int, k: int, draft: str, is_model: bool) -> float:
+        return base + per_token * batch * (1 + k) + (per_pass * k if is_model else 0.0)
+
+    return f
+
+
+@st.composite
+def contexts(draw: st.DrawFn) -> tuple[ClassContext, PolicyConfig, BucketState]:
+    max_k = draw(st.integers(1, 8))
+    n_drafts = draw(st.integers(1, 2))
+    drafts = tuple(
+        DraftSpec(f"d{i}", draw(st.sampled_from(list(DraftKind))), draw(st.integers(1, 10)))
+        for i in range(n_drafts)
+    )
+    rates = {d.name: np.array(draw(st.lists(st.floats(0, 1), min_size=max(10, max_k),
+                                            max_size=max(10, max_k)))) for d in drafts}
+    means = {d.name: np.array(draw(st.lists(st.floats(0, 1), min_size=max(10, max_k),
+                                            max_size=max(10, max_k)))) for d in drafts}
+    override = draw(st.one_of(
+        st.none(),
+        st.builds(Override, traffic_class=st.just("c"), force_off=st.just(True)),
+        st.builds(Override, traffic_class=st.just("c"), pin_k=st.integers(0, 12)),
+        st.builds(Override, traffic_class=st.just("c"),
+                  force_draft=st.sampled_from([d.name for d in drafts] + ["missing"])),
+    ))
+    current_k = draw(st.integers(0, min(max_k, drafts[0].max_k)))
+    current = draw(st.one_of(st.none(), st.just(Decision(
+        "c", 0, drafts[0].name if current_k else "", current_k, draw(st.sampled_from(
+            list(Reason)))))))
+    changed_at = NOW - draw(st.floats(0, 100))
+    batch = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64]))
+    state = BucketState(0, batch, current, changed_at if current else None,
+                        changed_at if current and current.k == 0 else None)
+    cfg = PolicyConfig(max_k=max_k, warmup_k=min(2, max_k), dwell_seconds=10.0,
+                       hysteresis_ratio=draw(st.floats(0, 0.2)), probe_k=1)
+    ctx = ClassContext(
+        traffic_class="c", now=NOW, drafts=drafts, sampled_rates=rates, mean_rates=means,
+        has_data=draw(st.booleans()), change_detected=draw(st.booleans()),
+        recovering=draw(st.booleans()), offline=draw(st.booleans()), override=override,
+        buckets=(state,),
+        step_seconds=_step_seconds(draw(st.floats(1e-3, 0.05)), draw(st.floats(0, 1e-3)),
+                                   draw(st.floats(0, 0.01))),
+    )
+    return ctx, cfg, state
+
+
+@settings(max_examples=400, deadline=None)
+@given(contexts())
+def test_k_within_bounds_and_draft_offered(case: tuple[ClassContext, PolicyConfig, BucketState]
+                                           ) -> None:
+    ctx, cfg, state = case
+    d = decide_bucket(ctx, cfg, state)
+    assert 0 <= d.k <= cfg.max_k
+    if d.k > 0:
+        spec = next(s for s in ctx.drafts if s.name == d.draft)
+        assert d.k <= spec.max_k
+    else:
+        assert 0.0 <= d.probe_rate <= 1.0
+        if d.probe_rate > 0:
+            assert d.probe_draft in {s.name for s in ctx.drafts}
+            assert 1 <= d.probe_k <= cfg.max_k
+
+
+@settings(max_examples=400, deadline=None)
+@given(contexts())
+def test_overrides_win(case: tuple[ClassContext, PolicyConfig, BucketState]) -> None:
+    ctx, cfg, state = case
+    ov = ctx.override
+    if ov is None:
+        return
+    d = decide_bucket(ctx, cfg, state)
+    assert d.reason is Reason.OVERRIDE
+    if ov.force_off or ov.pin_k == 0 or ov.force_draft == "missing":
+        assert d.k == 0 and d.probe_rate == 0
+    elif ov.pin_k is not None:
+        spec = next(s for s in ctx.drafts if s.name == d.draft)
+        assert d.k == min(ov.pin_k, cfg.max_k, spec.max_k)
+    else:
+        assert d.draft == ov.force_draft and d.k >= 1
+
+
+@settings(max_examples=400, deadline=None)
+@given(contexts(), st.floats(0, 9.99))
+def test_no_flapping_inside_the_dwell_time(
+    case: tuple[ClassContext, PolicyConfig, BucketState], age: float
+) -> None:
+    ctx, cfg, state = case
+    if (state.current is None or ctx.override is not None or ctx.change_detected
+            or not ctx.has_data or (ctx.offline and cfg.offline_mode == "pin_off")
+            or state.current.reason in (Reason.WARMUP, Reason.OVERRIDE)):
+        return
+    young = BucketState(state.bucket, state.batch_size, state.current, NOW - age, state.off_since)
+    d = decide_bucket(ctx, cfg, young)
+    assert d.same_choice(state.current)
+
+
+def _ctx(rates: dict[str, list[float]], current: Decision | None, changed_at: float | None,
+         **kw: object) -> tuple[ClassContext, BucketState]:
+    drafts = tuple(DraftSpec(n, DraftKind.MODEL, len(r)) for n, r in rates.items())
+    arr = {n: np.array(r) for n, r in rates.items()}
+    state = BucketState(0, 1, current, changed_at, kw.pop("off_since", None))  # type: ignore[arg-type]
+    args: dict[str, object] = {
+        "traffic_class": "c", "now": NOW, "drafts": drafts, "sampled_rates": arr,
+        "mean_rates": arr, "has_data": True, "change_detected": False, "recovering": False,
+        "offline": False, "override": None, "buckets": (state,),
+        "step_seconds": _step_seconds(0.02, 2e-5, 0.004),
+    }
+    args.update(kw)
+    return ClassContext(**args), state  # type: ignore[arg-type]
+
+
+CFG = PolicyConfig(max_k=6, dwell_seconds=10.0, hysteresis_ratio=0.05)
+
+
+def test_picks_the_goodput_argmax() -> None:
+    ctx, state = _ctx({"d": [0.9] * 6}, None, None)
+    d = decide_bucket(ctx, CFG, state)
+    assert (d.k, d.reason) == (6, Reason.GOODPUT) and d.expected_speedup > 2
+    ctx, state = _ctx({"d": [0.05] * 6}, None, None)
+    assert decide_bucket(ctx, CFG, state).k == 0
+
+
+def test_hysteresis_holds_a_nearly_as_good_arm_and_yields_to_a_clearly_better_one() -> None:
+    old = Decision("c", 0, "d", 5, Reason.GOODPUT)
+    ctx, state = _ctx({"d": [0.9] * 6}, old, NOW - 100)  # K=6 is < 5% better than K=5
+    assert decide_bucket(ctx, CFG, state).k == 5
+    ctx, state = _ctx({"d": [0.9] * 6}, old, NOW - 100, recovering=True)  # margin waived
+    assert decide_bucket(ctx, CFG, state).k == 6
+    old = Decision("c", 0, "d", 1, Reason.GOODPUT)
+    ctx, state = _ctx({"d": [0.9] * 6}, old, NOW - 100)
+    assert decide_bucket(ctx, CFG, state).k == 6
+
+
+def test_dwell_yields_to_a_detected_change() -> None:
+    old = Decision("c", 0, "d", 6, Reason.GOODPUT)
+    ctx, state = _ctx({"d": [0.05] * 6}, old, NOW - 1)
+    assert decide_bucket(ctx, CFG, state).k == 6
+    ctx, state = _ctx({"d": [0.05] * 6}, old, NOW - 1, change_detected=True)
+    d = decide_bucket(ctx, CFG, state)
+    assert (d.k, d.reason) == (0, Reason.CHANGE_DETECTED)
+
+
+def test_probe_share_decays_while_off_down_to_the_floor() -> None:
+    cfg = PolicyConfig(max_k=6, probe_rate_initial=0.08, probe_rate_min=0.01,
+                       probe_half_life_seconds=60.0, probe_k=2)
+    off = Decision("c", 0, "", 0, Reason.GOODPUT)
+    shares = []
+    for off_for in (0.0, 60.0, 120.0, 6000.0):
+        ctx, state = _ctx({"d": [0.05] * 6}, off, NOW - 1000, off_since=NOW - off_for)
+        d = decide_bucket(ctx, cfg, state)
+        assert (d.k, d.probe_k, d.probe_draft) == (0, 2, "d")
+        shares.append(d.probe_rate)
+    assert shares[:3] == [0.08, 0.04, 0.02] and shares[3] == 0.01
+
+
+def test_offline_classes_are_pinned_off_or_scored_at_full_load() -> None:
+    ctx, state = _ctx({"d": [0.9] * 6}, None, None, offline=True)
+    d = decide_bucket(ctx, CFG, state)
+    assert (d.k, d.reason, d.probe_rate) == (0, Reason.OFFLINE, 0.0)
+    # In goodput mode the decision uses the largest bucket's batch even for bucket 0.
+    big = BucketState(1, 256, None, None)
+    compute_bound = _step_seconds(0.02, 1e-3, 0.004)
+    ctx, state = _ctx({"d": [0.6] * 6}, None, None, offline=True, step_seconds=compute_bound)
+    ctx = ClassContext(**{**ctx.__dict__, "buckets": (state, big)})
+    d = decide_bucket(ctx, PolicyConfig(max_k=6, offline_mode="goodput"), state)
+    assert (d.k, d.reason) == (0, Reason.OFFLINE)
+    online, _ = _ctx({"d": [0.6] * 6}, None, None, step_seconds=compute_bound)
+    assert decide_bucket(online, CFG, state).k > 0
+
+
+def test_warmup_before_any_data() -> None:
+    ctx, state = _ctx({"d": [0.5] * 6}, None, None, has_data=False)
+    d = decide_bucket(ctx, PolicyConfig(max_k=6, warmup_k=3), state)
+    assert (d.draft, d.k, d.reason) == ("d", 3, Reason.WARMUP)
