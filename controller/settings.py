@@ -8,6 +8,7 @@ A bad value stops start-up with one line naming the setting (see ``load_settings
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -228,3 +229,23 @@ def core_config(settings: Settings) -> CoreConfig:
         offline_classes=frozenset(s.offline_classes),
         decision_log_size=s.decision_log_size,
     )
+
+
+def settings_reference() -> str:
+    """Markdown table of every setting: name, environment variable, default, meaning with unit.
+    docs/configuration.md is this text; a test keeps them equal."""
+    rows = [
+        "# Configuration reference",
+        "",
+        "Generated from `controller/settings.py` by `specpilot settings --markdown`; do not edit.",
+        "Sources, later ones win: defaults < YAML file (`--config`) < environment < command-line flags.",
+        "",
+        "| setting | environment | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        shown = "unset" if default is None else json.dumps(default)
+        desc = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{name}` | `SPECPILOT_{name.upper()}` | `{shown}` | {desc} |")
+    return "\n".join(rows) + "\n"

@@ -1,7 +1,7 @@
 """Generate the Python code for the specpilot.v1 protos with grpcio-tools' protoc.
 
     python proto/generate.py          # (re)write proto/specpilot/v1/*_pb2*.py(i)
-    python proto/generate.py --check  # exit 1 and name the stale files if the committed code is stale
+    python proto/generate.py --check  # exit 1 naming the files if the committed code is stale
 
 The generated modules live next to their .proto files, so `proto/` is the source root of the
 `specpilot.v1` Python package (see pyproject.toml).
@@ -66,7 +66,8 @@ def main() -> int:
     if args.check:
         stale = stale_files()
         if stale:
-            print("stale generated protobuf code (run: python proto/generate.py):", *stale, sep="\n  ")
+            print("stale generated protobuf code (run: python proto/generate.py):",
+                  *stale, sep="\n  ")
             return 1
         print("generated protobuf code is up to date")
         return 0

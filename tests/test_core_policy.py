@@ -13,7 +13,8 @@ NOW = 1000.0
 
 
 def _step_seconds(base: float, per_token: float, per_pass: float):
-    def f(batch: int, k: int, draft: str, is_model: bool) -> float:
+    def f(batch: int, draft: str, is_model: bool, max_k: int) -> np.ndarray:
+        k = np.arange(max_k + 1)
         return base + per_token * batch * (1 + k) + (per_pass * k if is_model else 0.0)
 
     return f

@@ -213,8 +213,6 @@ class ControllerCore:
     def _override_for(self, traffic_class: str) -> Override | None:
         return self.overrides.get(traffic_class) or self.overrides.get(ALL_CLASSES)
 
-    def _step_seconds(self, batch: int, k: int, draft: str, is_model: bool) -> float:
-        return self.cost.predict_arm(batch, k, draft, is_model)
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
                  now: float) -> ClassContext:
@@ -240,7 +238,7 @@ class ControllerCore:
             offline=name in self.config.offline_classes,
             override=self._override_for(name),
             buckets=buckets,
-            step_seconds=self._step_seconds,
+            step_seconds=self.cost.predict_curve,
         )
 
     def decide(self, now: float) -> list[DecisionEvent]:

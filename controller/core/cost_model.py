@@ -76,6 +76,10 @@ class StepCostModel:
         self._evidence_b = np.zeros(self._n_base)
         self._at: float | None = None
         self._observed_steps = 0.0
+        # Step-time curves per (batch, model draft, max K) for the current theta: the policy asks
+        # for the same few curves for every class, so one solve serves a whole decide round.
+        self._curve_cache: dict[tuple[int, str, int], FloatArray] = {}
+        self._theta: FloatArray | None = None
         self._rebuild_prior()
 
     # --- features ---------------------------------------------------------------------------
@@ -125,7 +129,11 @@ class StepCostModel:
         scale = np.maximum(np.abs(xs).max(axis=0), 1.0)
         self._prior_a = w * xs.T @ xs + _RIDGE * np.diag(scale**2)
         self._prior_b = self._prior_a @ self._prior_theta()
-        self._theta: FloatArray | None = None
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._theta = None
+        self._curve_cache.clear()
 
     def ensure_drafts(self, model_drafts: Iterable[str]) -> None:
         """Add cost columns for model drafts not seen before; evidence so far is kept."""
@@ -154,7 +162,7 @@ class StepCostModel:
         self._evidence_a += steps * np.outer(x, x)
         self._evidence_b += steps * x * mean_step_seconds
         self._observed_steps += steps
-        self._theta = None
+        self._invalidate()
 
     @property
     def observed_steps(self) -> float:
@@ -173,4 +181,17 @@ class StepCostModel:
         return max(float(self.features(shape) @ self.theta), _MIN_STEP_SECONDS)
 
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool) -> float:
-        return self.predict(StepShape.for_arm(batch_size, k, draft, draft_is_model))
+        return float(self.predict_curve(batch_size, draft, draft_is_model, k)[k])
+
+    def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool,
+                      max_k: int) -> FloatArray:
+        """Step seconds for K = 0..max_k with ``draft`` at ``batch_size`` (read-only array)."""
+        key = (batch_size, draft if draft_is_model else "", max_k)
+        curve = self._curve_cache.get(key)
+        if curve is None:
+            xs = np.array([self.features(StepShape.for_arm(batch_size, k, draft, draft_is_model))
+                           for k in range(max_k + 1)])
+            curve = np.maximum(xs @ self.theta, _MIN_STEP_SECONDS)
+            curve.setflags(write=False)
+            self._curve_cache[key] = curve
+        return curve

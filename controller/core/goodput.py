@@ -7,10 +7,14 @@ Uniform a gives the closed form (1 - a^(K+1)) / (1 - a).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
+# goodput and speedup work elementwise on arrays of arms as well as on single numbers.
+Num = TypeVar("Num", float, FloatArray)
 
 
 def expected_tokens_curve(rates: npt.ArrayLike) -> FloatArray:
@@ -34,11 +38,11 @@ def uniform_expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def goodput(expected: float, batch_size: int, step_seconds: float) -> float:
+def goodput(expected: Num, batch_size: int, step_seconds: Num) -> Num:
     """Accepted (emitted) tokens per second for a batch where every sequence runs this arm."""
     return expected * batch_size / step_seconds
 
 
-def speedup(expected: float, step_seconds: float, plain_step_seconds: float) -> float:
+def speedup(expected: Num, step_seconds: Num, plain_step_seconds: float) -> Num:
     """Speedup over no speculation: E(K) x plain step time / step time with drafting."""
     return expected * plain_step_seconds / step_seconds

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
+import numpy.typing as npt
 
 from controller.core.goodput import expected_tokens_curve, goodput, speedup
 from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason, arm_key
 
-FloatArray = np.ndarray
-# (batch_size, k, draft, draft_is_model) -> predicted step seconds
-StepSecondsFn = Callable[[int, int, str, bool], float]
+FloatArray = npt.NDArray[np.float64]
+# (batch_size, draft, draft_is_model, max_k) -> predicted step seconds for K = 0..max_k
+StepSecondsFn = Callable[[int, str, bool, int], FloatArray]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,15 @@ class ClassContext:
     buckets: tuple[BucketState, ...]
     step_seconds: StepSecondsFn
 
+    @cached_property
+    def sampled_curves(self) -> dict[str, FloatArray]:
+        """E(K) for K = 0..len(rates) per draft, from the Thompson sample."""
+        return {name: expected_tokens_curve(r) for name, r in self.sampled_rates.items()}
+
+    @cached_property
+    def mean_curves(self) -> dict[str, FloatArray]:
+        return {name: expected_tokens_curve(r) for name, r in self.mean_rates.items()}
+
 
 @dataclass(frozen=True)
 class ArmValue:
@@ -83,28 +94,53 @@ class ArmValue:
         return arm_key(self.draft, self.k)
 
 
-def arm_values(
-    ctx: ClassContext, batch_size: int, rates: Mapping[str, FloatArray], max_k: int
-) -> list[ArmValue]:
-    """Score "off" and every (draft, K) arm at ``batch_size`` with the given per-position rates."""
-    plain = ctx.step_seconds(batch_size, 0, "", False)
-    arms = [ArmValue("", 0, 1.0, plain, goodput(1.0, batch_size, plain), 1.0)]
+@dataclass(frozen=True)
+class ArmTable:
+    """Every arm of a class at one batch size: row 0 is "off", then each draft's K = 1..max.
+    Arrays, not objects: the policy scores a few hundred tables per decide round."""
+
+    keys: list[tuple[str, int]]
+    expected_tokens: FloatArray
+    step_seconds: FloatArray
+    goodput: FloatArray
+    speedup: FloatArray
+
+    def best(self) -> int:
+        # argmax takes the first maximum: ties go to off, then to the smaller K.
+        return int(np.argmax(self.goodput))
+
+    def index(self, arm: tuple[str, int]) -> int | None:
+        return self.keys.index(arm) if arm in self.keys else None
+
+    def values(self) -> list[ArmValue]:
+        return [
+            ArmValue(d, k, float(e), float(t), float(g), float(x))
+            for (d, k), e, t, g, x in zip(self.keys, self.expected_tokens, self.step_seconds,
+                                          self.goodput, self.speedup, strict=True)
+        ]
+
+
+def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArray],
+              max_k: int) -> ArmTable:
+    """Score "off" and every (draft, K) at ``batch_size`` from E(K) curves (one per draft)."""
+    keys: list[tuple[str, int]] = [("", 0)]
+    expected: list[FloatArray] = [np.ones(1)]
+    steps: list[FloatArray] = [ctx.step_seconds(batch_size, "", False, 0)[:1]]
     for spec in ctx.drafts:
         k_max = min(max_k, spec.max_k)
-        curve = expected_tokens_curve(rates[spec.name][:k_max])
-        is_model = spec.kind is DraftKind.MODEL
-        for k in range(1, k_max + 1):
-            e = float(curve[k])
-            t = ctx.step_seconds(batch_size, k, spec.name, is_model)
-            arms.append(
-                ArmValue(spec.name, k, e, t, goodput(e, batch_size, t), speedup(e, t, plain))
-            )
-    return arms
+        keys.extend((spec.name, k) for k in range(1, k_max + 1))
+        expected.append(curves[spec.name][1 : k_max + 1])
+        steps.append(ctx.step_seconds(batch_size, spec.name, spec.kind is DraftKind.MODEL,
+                                      k_max)[1:])
+    e, t = np.concatenate(expected), np.concatenate(steps)
+    return ArmTable(keys, e, t, goodput(e, batch_size, t), speedup(e, t, t[0]))
 
 
-def _best(arms: list[ArmValue]) -> ArmValue:
-    # Ties go to the cheaper arm (off first, then smaller K): never speculate for nothing.
-    return max(arms, key=lambda a: (a.goodput, -a.k))
+def arm_values(ctx: ClassContext, batch_size: int, rates: Mapping[str, FloatArray],
+               max_k: int) -> list[ArmValue]:
+    """Every arm scored with the given per-position rates (for explanations and tests)."""
+    curves = {name: expected_tokens_curve(r) for name, r in rates.items()}
+    return arm_table(ctx, batch_size, curves, max_k).values()
 
 
 def _probe(ctx: ClassContext, cfg: PolicyConfig, off_since: float) -> tuple[float, int, str]:
@@ -141,10 +177,11 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
         spec = next((d for d in ctx.drafts if d.name == ov.force_draft), None)
         if spec is None:  # the forced draft is not offered by the engine: speculate not at all
             return Decision(name, state.bucket, "", 0, Reason.OVERRIDE)
-        restricted = replace(ctx, drafts=(spec,))
-        arms = arm_values(restricted, state.batch_size, ctx.sampled_rates, cfg.max_k)
-        best = max((a for a in arms if a.k > 0), key=lambda a: a.goodput)
-        return Decision(name, state.bucket, best.draft, best.k, Reason.OVERRIDE, best.speedup)
+        table = arm_table(replace(ctx, drafts=(spec,)), state.batch_size, ctx.sampled_curves,
+                          cfg.max_k)
+        i = 1 + int(np.argmax(table.goodput[1:]))  # the best K >= 1 with that draft
+        return Decision(name, state.bucket, spec.name, table.keys[i][1], Reason.OVERRIDE,
+                        float(table.speedup[i]))
     pin = min(ov.pin_k or 0, cfg.max_k)
     if pin == 0:
         return Decision(name, state.bucket, "", 0, Reason.OVERRIDE)
@@ -152,15 +189,13 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
     current = state.current.draft if state.current and state.current.k else ""
     candidates = [d for d in ctx.drafts if d.max_k >= pin] or list(ctx.drafts)
     chosen = next((d for d in candidates if d.name == current), None) or max(
-        candidates, key=lambda d: float(expected_tokens_curve(ctx.mean_rates[d.name])[
-            min(pin, d.max_k)])
+        candidates, key=lambda d: float(ctx.mean_curves[d.name][min(pin, d.max_k)])
     )
     k = min(pin, chosen.max_k)
-    mean = {a.draft: a for a in arm_values(ctx, state.batch_size, ctx.mean_rates, cfg.max_k)
-            if a.k == k}
-    value = mean.get(chosen.name)
+    table = arm_table(ctx, state.batch_size, ctx.mean_curves, cfg.max_k)
+    row = table.index((chosen.name, k))
     return Decision(name, state.bucket, chosen.name, k, Reason.OVERRIDE,
-                    value.speedup if value else 1.0)
+                    float(table.speedup[row]) if row is not None else 1.0)
 
 
 def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
@@ -179,20 +214,20 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         return _with_probe(ctx, cfg, state, Decision(
             name, state.bucket, first.name if k else "", k, Reason.WARMUP))
 
-    sampled = arm_values(ctx, batch, ctx.sampled_rates, cfg.max_k)
-    mean = arm_values(ctx, batch, ctx.mean_rates, cfg.max_k)
-    best = _best(sampled)
-    mean_best = _best(mean)
-    expected = next(a.speedup for a in mean if a.arm == best.arm)
+    sampled = arm_table(ctx, batch, ctx.sampled_curves, cfg.max_k)
+    mean = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
+    best_i = sampled.best()
+    best_draft, best_k = sampled.keys[best_i]
+    expected = float(mean.speedup[best_i])  # same arm order in both tables
     if ctx.change_detected:
         reason = Reason.CHANGE_DETECTED
-    elif best.arm == mean_best.arm:
+    elif best_i == mean.best():
         reason = Reason.GOODPUT
     else:
         reason = Reason.EXPLORE
     if ctx.offline:
         reason = Reason.OFFLINE
-    candidate = Decision(name, state.bucket, best.draft, best.k, reason, expected)
+    candidate = Decision(name, state.bucket, best_draft, best_k, reason, expected)
 
     current = state.current
     if current is None or current.reason in (Reason.WARMUP, Reason.OVERRIDE):
@@ -204,9 +239,10 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         return _with_probe(ctx, cfg, state, refreshed)
     if not ctx.change_detected:
         young = state.changed_at is not None and ctx.now - state.changed_at < cfg.dwell_seconds
-        cur = next((a for a in sampled if a.arm == current.arm), None)
+        cur = sampled.index(current.arm)
         margin = 0.0 if ctx.recovering else cfg.hysteresis_ratio
-        within = cur is not None and best.goodput <= cur.goodput * (1.0 + margin)
+        within = cur is not None and (
+            sampled.goodput[best_i] <= sampled.goodput[cur] * (1.0 + margin))
         if young or within:
             return _with_probe(ctx, cfg, state, current)
     return _with_probe(ctx, cfg, state, candidate)

@@ -1,0 +1,58 @@
+"""Settings: precedence file < environment < flags, one clear line per bad setting, documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller.settings import Settings, SettingsError, core_config, load_settings
+
+
+def test_precedence_file_then_environment_then_flags(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "specpilot.yaml"
+    cfg.write_text("half_life_seconds: 100\ndwell_seconds: 3\nmax_k: 5\n")
+    monkeypatch.setenv("SPECPILOT_DWELL_SECONDS", "4")
+    monkeypatch.setenv("SPECPILOT_OFFLINE_CLASSES", '["batch"]')
+    s = load_settings(cfg, max_k=6, grpc_port=None)
+    assert s.half_life_seconds == 100  # file
+    assert s.dwell_seconds == 4  # environment beats file
+    assert s.max_k == 6  # flag beats file
+    assert s.grpc_port == 50051  # None flags are ignored
+    assert s.offline_classes == ["batch"]
+    assert core_config(s).offline_classes == frozenset({"batch"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"max_k": 0}, "max_k"),
+        ({"half_life_seconds": -1}, "half_life_seconds"),
+        ({"grpc_port": 70000}, "grpc_port"),
+        ({"warmup_k": 9, "max_k": 8}, "warmup_k"),
+        ({"batch_bucket_upper_bounds": [4, 2]}, "batch_bucket_upper_bounds"),
+        ({"cost_prior_ridge_tokens": 100}, "cost_prior_ridge_tokens"),
+        ({"no_such_setting": 1}, "no_such_setting"),
+    ],
+)
+def test_bad_setting_is_one_line_naming_it(overrides: dict[str, object], named: str) -> None:
+    with pytest.raises(SettingsError) as err:
+        load_settings(**overrides)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"bad setting {named}")
+
+
+def test_bad_config_file_is_reported(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(SettingsError, match="expected a mapping"):
+        load_settings(bad)
+    with pytest.raises(SettingsError, match="missing.yaml"):
+        load_settings(tmp_path / "missing.yaml")
+
+
+def test_every_setting_is_documented() -> None:
+    for name, field in Settings.model_fields.items():
+        assert field.description, f"setting {name} has no description"
