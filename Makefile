@@ -1,0 +1,73 @@
+# specpilot build entry points (GNU make). No venv activation needed: every recipe calls the
+# venv's own binaries.
+#
+#   make test    set up, lint (ruff, mypy, buf lint, proto staleness) and run the whole pytest suite
+#   make serve   set up, then `specpilot serve` on the embedded defaults (SERVE_ARGS=... to add flags)
+#   make setup   .venv (Python >= 3.11) + pip install -e '.[dev]' + tools/install-tools.sh
+#   make proto   regenerate the Python code for proto/specpilot/v1/*.proto
+#   make lint    the linters only
+#   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
+
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-print-directory
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+BUF    ?= $(CURDIR)/.tools/bin/buf
+# setup reinstalls when pyproject.toml's content changes (or the venv is gone): the stamp's name
+# carries a hash of pyproject.toml.
+PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
+SETUP_STAMP    := $(VENV)/.specpilot-setup-$(PYPROJECT_HASH)
+
+SERVE_ARGS  ?=
+PYTEST_ARGS ?=
+
+.PHONY: help setup tools proto lint test serve bench clean
+
+help:
+	@sed -n '4,10p' Makefile | sed 's/^# \{0,1\}//'
+
+setup: $(SETUP_STAMP) tools
+
+$(SETUP_STAMP):
+	@echo "==> setup: python venv ($(VENV)) and pip install -e '.[dev]'"
+	tools/setup-venv.sh
+	@rm -f $(VENV)/.specpilot-setup-*
+	@touch $@
+
+tools:
+	@echo "==> setup: external tools (buf, promtool)"
+	tools/install-tools.sh
+
+proto: $(SETUP_STAMP)
+	@echo "==> proto: regenerating Python code from proto/specpilot/v1/*.proto"
+	$(PY) proto/generate.py
+
+lint: setup
+	@echo "==> lint: ruff check"
+	$(VENV)/bin/ruff check .
+	@echo "==> lint: mypy (strict)"
+	$(VENV)/bin/mypy
+	@echo "==> lint: buf lint (STANDARD rules)"
+	cd proto && $(BUF) lint
+	@echo "==> lint: generated protobuf code is up to date"
+	$(PY) proto/generate.py --check
+
+# pytest exits 5 when it collects no tests; that fails here like any other non-zero status.
+test: lint
+	@echo "==> test: pytest (whole suite)"
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: setup
+	@echo "==> serve: specpilot serve $(SERVE_ARGS)"
+	$(VENV)/bin/specpilot serve $(SERVE_ARGS)
+
+bench: setup
+	@echo "==> bench: python benchmarks/ingest.py"
+	$(PY) benchmarks/ingest.py
+
+clean:
+	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find . -name __pycache__ -type d -not -path './.venv/*' -not -path './.tools/*' -prune -exec rm -rf {} +

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Create .venv (Python >= 3.11) if it is missing and install the project into it, editable, with
+# the dev extras. Called by `make setup`; the Makefile skips it while pyproject.toml is unchanged.
+#
+# The interpreter: $PYTHON if set, else the first of python3.13 python3.12 python3.11 python3
+# that is >= 3.11.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+say() { printf '[setup] %s\n' "$*"; }
+is_311() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+
+if [[ -x "$VENV/bin/python" ]] && ! is_311 "$VENV/bin/python"; then
+    say "ERROR: $VENV uses $("$VENV/bin/python" --version 2>&1); specpilot needs Python >= 3.11."
+    say "       Remove it (rm -rf .venv) and rerun with a newer python3 (or PYTHON=/path/to/python3.11)."
+    exit 1
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    PY=""
+    for cand in ${PYTHON:-python3.13 python3.12 python3.11 python3}; do
+        if command -v "$cand" >/dev/null 2>&1 && is_311 "$cand"; then PY="$(command -v "$cand")"; break; fi
+    done
+    if [[ -z "$PY" ]]; then
+        say "ERROR: no Python >= 3.11 found (tried: ${PYTHON:-python3.13 python3.12 python3.11 python3})."
+        say "       Install one (Debian: apt-get install python3.11 python3.11-venv) or set PYTHON=..."
+        exit 1
+    fi
+    say "creating $VENV with $PY ($("$PY" --version 2>&1))"
+    if ! "$PY" -m venv "$VENV"; then
+        rm -rf "$VENV"
+        # Debian splits ensurepip into pythonX.Y-venv; install it when we can, else say so.
+        pkg="python$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')-venv"
+        if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+            say "venv module unusable; installing $pkg with apt-get"
+            export DEBIAN_FRONTEND=noninteractive
+            apt-cache policy "$pkg" 2>/dev/null | grep -q 'Candidate: [0-9]' || apt-get update -q
+            apt-get install -y -q --no-install-recommends "$pkg"
+            "$PY" -m venv "$VENV"
+        else
+            say "ERROR: '$PY -m venv' failed; install $pkg (sudo apt-get install $pkg) and rerun."
+            exit 1
+        fi
+    fi
+fi
+
+say "upgrading pip in $VENV"
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+say "installing specpilot (editable) with dev extras: pip install -e '.[dev]'"
+"$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[dev]"
+"$VENV/bin/python" -c 'import controller, specpilot.v1'
+say "venv ready: $("$VENV/bin/python" --version 2>&1) at $VENV"
