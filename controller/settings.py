@@ -238,7 +238,8 @@ def settings_reference() -> str:
         "# Configuration reference",
         "",
         "Generated from `controller/settings.py` by `specpilot settings --markdown`; do not edit.",
-        "Sources, later ones win: defaults < YAML file (`--config`) < environment < command-line flags.",
+        "Sources, later ones win: defaults < YAML file (`--config`) < environment "
+        "(`SPECPILOT_<NAME>`) < command-line flags.",
         "",
         "| setting | environment | default | meaning |",
         "|---|---|---|---|",

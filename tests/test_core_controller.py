@@ -158,6 +158,17 @@ def test_overrides_for_one_class_and_for_all() -> None:
         Override("code", pin_k=1, force_off=True)
 
 
+def test_override_of_a_class_beyond_the_limit_is_refused() -> None:
+    core = _core(max_classes=2)  # "default" + one more
+    core.set_override(Override("code", force_off=True), now=1.0)
+    before = dict(core.overrides)
+    with pytest.raises(ValueError, match="folded into 'other'"):
+        core.set_override(Override("chat", force_off=True), now=2.0)
+    assert core.overrides == before and "chat" not in core.classes
+    core.set_override(Override(OTHER_CLASS, pin_k=1), now=3.0)
+    assert core.decision(OTHER_CLASS, 0).k == 1  # type: ignore[union-attr]
+
+
 def test_explain_names_the_choice_and_the_numbers() -> None:
     core = _core()
     core.ingest("e1", _good(1), now=1.0)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from controller.settings import Settings, SettingsError, core_config, load_settings
+from controller.settings import (
+    Settings,
+    SettingsError,
+    core_config,
+    load_settings,
+    settings_reference,
+)
 
 
 def test_precedence_file_then_environment_then_flags(tmp_path: Path,
@@ -36,7 +43,7 @@ def test_precedence_file_then_environment_then_flags(tmp_path: Path,
         ({"no_such_setting": 1}, "no_such_setting"),
     ],
 )
-def test_bad_setting_is_one_line_naming_it(overrides: dict[str, object], named: str) -> None:
+def test_bad_setting_is_one_line_naming_it(overrides: dict[str, Any], named: str) -> None:
     with pytest.raises(SettingsError) as err:
         load_settings(**overrides)
     message = str(err.value)
@@ -49,10 +56,17 @@ def test_bad_config_file_is_reported(tmp_path: Path) -> None:
     bad.write_text("- just\n- a list\n")
     with pytest.raises(SettingsError, match="expected a mapping"):
         load_settings(bad)
-    with pytest.raises(SettingsError, match="missing.yaml"):
+    with pytest.raises(SettingsError, match=r"missing\.yaml"):
         load_settings(tmp_path / "missing.yaml")
 
 
 def test_every_setting_is_documented() -> None:
     for name, field in Settings.model_fields.items():
         assert field.description, f"setting {name} has no description"
+
+
+def test_configuration_reference_is_up_to_date() -> None:
+    doc = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert doc.read_text() == settings_reference(), (
+        "docs/configuration.md is stale: run "
+        "`specpilot settings --markdown > docs/configuration.md`")

@@ -278,10 +278,17 @@ class ControllerCore:
 
     # --- overrides --------------------------------------------------------------------------
     def set_override(self, override: Override, now: float) -> list[DecisionEvent]:
-        if override.traffic_class != ALL_CLASSES:
-            check_class_name(override.traffic_class, "override.traffic_class")
-            self.classes.setdefault(self.canonical_class(override.traffic_class), _ClassState())
-        self.overrides[override.traffic_class] = override
+        """Raise ValueError (naming the field) for a class that cannot be tracked."""
+        name = override.traffic_class
+        if name != ALL_CLASSES:
+            check_class_name(name, "override.traffic_class")
+            if self.canonical_class(name) != name:
+                raise ValueError(
+                    f"override.traffic_class: {name!r} is new and the class limit "
+                    f"(max_classes={self.config.max_classes}) is reached, so its traffic is "
+                    f"folded into {OTHER_CLASS!r}: override {OTHER_CLASS!r} instead")
+            self.classes.setdefault(name, _ClassState())
+        self.overrides[name] = override
         return self.decide(now)
 
     def clear_override(self, traffic_class: str, now: float) -> tuple[bool, list[DecisionEvent]]:

@@ -1,0 +1,314 @@
+"""``specpilot``: run the controller (``serve``) or talk to a running one (``policy ...``).
+
+    specpilot serve [--config FILE] [--grpc-port N] [--http-port N] [--set NAME=VALUE ...]
+    specpilot policy get [--class C] [--json]
+    specpilot policy set --class C (--pin-k N | --force-draft D | --force-off) [--note TEXT]
+    specpilot policy clear --class C
+    specpilot policy watch [--class C] [--json]
+    specpilot policy explain --class C [--bucket B] [--json]
+    specpilot settings [--config FILE] [--markdown]
+
+Settings come from defaults < the config file < SPECPILOT_* environment < flags. The policy
+commands reach ``--target`` (env SPECPILOT_TARGET, default 127.0.0.1:50051); writes send
+``--token`` (env SPECPILOT_POLICY_TOKEN, the same variable that sets the server's token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import yaml
+
+from controller.server.app import ServeError, start_server
+from controller.server.stubs import PolicyStub, policy_stub
+from controller.server.views import to_json_dict
+from controller.settings import Settings, SettingsError, load_settings, settings_reference
+from specpilot.v1 import common_pb2, policy_pb2
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+# Flags of `serve` that map one to one onto a setting of the same name.
+SERVE_FLAGS = ("grpc_host", "grpc_port", "http_host", "http_port", "policy_token",
+               "report_interval_seconds", "seed")
+
+
+def _say(line: str, *, err: bool = False) -> None:
+    print(f"specpilot: {line}", file=sys.stderr if err else sys.stdout, flush=True)
+
+
+# --- serve ---------------------------------------------------------------------------------
+def _settings_from_args(args: argparse.Namespace) -> Settings:
+    # Values stay strings here: pydantic parses them, so a bad one is reported like any other
+    # bad setting (one line naming it) rather than by argparse.
+    overrides: dict[str, Any] = {name: getattr(args, name) for name in SERVE_FLAGS}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SettingsError(f"bad setting {item}: --set needs NAME=VALUE")
+        overrides[name.strip().replace("-", "_")] = yaml.safe_load(value)
+    return load_settings(args.config or os.environ.get("SPECPILOT_CONFIG"), **overrides)
+
+
+async def _serve(settings: Settings) -> int:
+    try:
+        server = await start_server(settings)
+    except ServeError as exc:
+        _say(str(exc), err=True)
+        return 1
+    _say(f"grpc listening on {server.grpc_target}")
+    _say(f"http listening on {server.http_url}")
+    if server.token_generated:
+        _say(f"policy token (generated, shown once; set SPECPILOT_POLICY_TOKEN to choose one): "
+             f"{server.token}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    _say("stopping")
+    await server.stop()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = _settings_from_args(args)
+    except SettingsError as exc:
+        _say(str(exc), err=True)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="specpilot: %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(settings))
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    """The reference of every setting (--markdown), or the settings in effect here as YAML."""
+    if args.markdown:
+        print(settings_reference(), end="")
+        return 0
+    try:
+        settings = load_settings(args.config or os.environ.get("SPECPILOT_CONFIG"))
+    except SettingsError as exc:
+        _say(str(exc), err=True)
+        return 2
+    # SecretStr dumps as a mask, so the token is never printed here.
+    print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+# --- policy client -------------------------------------------------------------------------
+def _bucket_labels(bounds: Sequence[int]) -> list[str]:
+    return [f"<={b}" for b in bounds] + [f">{bounds[-1]}" if bounds else "all"]
+
+
+def _arm(draft: str, k: int) -> str:
+    return "off" if k == 0 else f"{draft} K={k}"
+
+
+def _reason(value: int) -> str:
+    return common_pb2.DecisionReason.Name(value).removeprefix("DECISION_REASON_").lower()
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers], *([str(c) for c in row] for row in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in cells)
+
+
+def _print_json(msg: Any, indent: int | None = 2) -> None:
+    print(json.dumps(to_json_dict(msg), indent=indent), flush=True)
+
+
+def _override_text(ov: policy_pb2.Override) -> str:
+    action = ov.WhichOneof("action")
+    what = {"pin_k": f"pin K={ov.pin_k}", "force_draft": f"force draft {ov.force_draft}",
+            "force_off": "force off"}.get(action or "", "?")
+    return what + (f" ({ov.note})" if ov.note else "")
+
+
+def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
+    labels = _bucket_labels(resp.batch_bucket_upper_bounds)
+    out = [f"policy version {resp.version}; engines: {', '.join(resp.engines) or 'none'}", ""]
+    rows = [
+        (c.traffic_class + (" (offline)" if c.offline else ""), labels[d.batch_bucket],
+         _arm(d.draft, d.k), _reason(d.reason), f"{d.expected_speedup:.2f}x",
+         f"{d.probe_rate:.1%} at K={d.probe_k}" if d.k == 0 and d.probe_rate > 0 else "-")
+        for c in resp.classes for d in c.decisions
+    ]
+    out.append(_table(("CLASS", "BATCH", "CHOICE", "REASON", "SPEEDUP", "PROBE"), rows)
+               if rows else "no decisions yet (no engine connected)")
+    # Estimates without evidence are the bare prior: not worth a row.
+    estimates = [(c.traffic_class, e) for c in resp.classes for e in c.estimates
+                 if e.positions and e.positions[0].effective_tries > 0]
+    if estimates:
+        out += ["", "acceptance by position (posterior mean; tries after forgetting at position 1)"]
+        out.append(_table(("CLASS", "DRAFT", "TRIES", "CHANGES", "MEAN BY POSITION"), [
+            (cls, e.draft, f"{e.positions[0].effective_tries:.0f}",
+             e.changes_detected, " ".join(f"{p.mean:.2f}" for p in e.positions))
+            for cls, e in estimates]))
+    overrides = {(o.traffic_class, _override_text(o)) for c in resp.classes for o in c.overrides}
+    if overrides:
+        out += ["", _table(("OVERRIDE ON", "ACTION"), sorted(overrides))]
+    return "\n".join(out)
+
+
+def render_event(e: common_pb2.DecisionEvent) -> str:
+    d = e.decision
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.unix_seconds))
+    return (f"{when}  v{e.policy_version}  {d.traffic_class}  bucket {d.batch_bucket}  "
+            f"{_arm(e.previous_draft, e.previous_k)} -> {_arm(d.draft, d.k)}  "
+            f"({_reason(d.reason)}, {d.expected_speedup:.2f}x)")
+
+
+def render_explanation(resp: policy_pb2.ExplainDecisionResponse) -> str:
+    chosen = (resp.decision.draft if resp.decision.k else "", resp.decision.k)
+    rows = [("*" if (a.draft if a.k else "", a.k) == chosen else "", _arm(a.draft, a.k),
+             f"{a.expected_tokens:.2f}", f"{a.step_seconds * 1e3:.2f}",
+             f"{a.goodput_tokens_per_second:.1f}", f"{a.speedup:.2f}x") for a in resp.arms]
+    table = _table(("", "ARM", "E[TOKENS]", "STEP MS", "TOKENS/S", "SPEEDUP"), rows)
+    return f"{resp.text}\n\nat batch size {resp.batch_size}:\n{table}"
+
+
+def _write_metadata(args: argparse.Namespace) -> tuple[tuple[str, str | bytes], ...]:
+    return (("authorization", f"Bearer {args.token}"),) if args.token else ()
+
+
+def policy_get(stub: PolicyStub, args: argparse.Namespace) -> int:
+    resp = stub.GetPolicy(policy_pb2.GetPolicyRequest(traffic_class=args.cls),
+                          timeout=args.timeout)
+    if args.json:
+        _print_json(resp)
+    else:
+        print(render_policy(resp))
+    return 0
+
+
+def policy_set(stub: PolicyStub, args: argparse.Namespace) -> int:
+    ov = policy_pb2.Override(traffic_class=args.cls, note=args.note)
+    if args.pin_k is not None:
+        ov.pin_k = args.pin_k
+    elif args.force_draft is not None:
+        ov.force_draft = args.force_draft
+    else:
+        ov.force_off = True
+    resp = stub.SetOverride(policy_pb2.SetOverrideRequest(override=ov), timeout=args.timeout,
+                            metadata=_write_metadata(args))
+    print(f"override on {args.cls}: {_override_text(ov)}; policy version {resp.policy_version}")
+    return 0
+
+
+def policy_clear(stub: PolicyStub, args: argparse.Namespace) -> int:
+    resp = stub.ClearOverride(policy_pb2.ClearOverrideRequest(traffic_class=args.cls),
+                              timeout=args.timeout, metadata=_write_metadata(args))
+    what = "cleared" if resp.cleared else "had no override"
+    print(f"override on {args.cls}: {what}; policy version {resp.policy_version}")
+    return 0
+
+
+def policy_watch(stub: PolicyStub, args: argparse.Namespace) -> int:
+    try:
+        for resp in stub.WatchDecisions(policy_pb2.WatchDecisionsRequest(traffic_class=args.cls)):
+            if args.json:
+                _print_json(resp.event, indent=None)
+            else:
+                print(render_event(resp.event), flush=True)
+    except KeyboardInterrupt:  # the way a watch ends
+        pass
+    return 0
+
+
+def policy_explain(stub: PolicyStub, args: argparse.Namespace) -> int:
+    resp = stub.ExplainDecision(
+        policy_pb2.ExplainDecisionRequest(traffic_class=args.cls, batch_bucket=args.bucket),
+        timeout=args.timeout)
+    if args.json:
+        _print_json(resp)
+    else:
+        print(render_explanation(resp))
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            result: int = args.run(policy_stub(channel), args)
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call):
+                _say(f"{args.target}: {exc.code().name}: {exc.details()}", err=True)
+            else:
+                _say(f"{args.target}: {exc}", err=True)
+            return 1
+    return result
+
+
+# --- parser --------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpilot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the controller sidecar")
+    serve.add_argument("--config", help="YAML file of settings (env SPECPILOT_CONFIG)")
+    for name in SERVE_FLAGS:
+        serve.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
+                           help=Settings.model_fields[name].description)
+    serve.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                       help="any other setting (value parsed as YAML); repeatable")
+    serve.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(func=cmd_serve)
+
+    shown = commands.add_parser("settings", help="show the settings in effect, or their reference")
+    shown.add_argument("--config", help="YAML file of settings (env SPECPILOT_CONFIG)")
+    shown.add_argument("--markdown", action="store_true",
+                       help="print the reference of every setting as Markdown")
+    shown.set_defaults(func=cmd_settings)
+
+    policy = commands.add_parser("policy", help="read, override, watch or explain the policy")
+    policy.add_argument("--target", default=os.environ.get("SPECPILOT_TARGET", DEFAULT_TARGET),
+                        help="controller gRPC address host:port (env SPECPILOT_TARGET)")
+    policy.add_argument("--token", default=os.environ.get("SPECPILOT_POLICY_TOKEN"),
+                        help="bearer token for writes (env SPECPILOT_POLICY_TOKEN)")
+    policy.add_argument("--timeout", type=float, default=10.0, help="per call, seconds")
+    policy.set_defaults(func=cmd_policy)
+    actions = policy.add_subparsers(dest="action", required=True)
+
+    def action(name: str, run: Callable[[PolicyStub, argparse.Namespace], int], text: str,
+               class_required: bool) -> argparse.ArgumentParser:
+        p = actions.add_parser(name, help=text)
+        p.add_argument("--class", dest="cls", required=class_required, default="",
+                       metavar="CLASS", help="traffic class ('*' for all, where it applies)")
+        p.set_defaults(run=run)
+        return p
+
+    get = action("get", policy_get, "the policy and its estimates", False)
+    get.add_argument("--json", action="store_true", help="print the response as JSON")
+    set_ = action("set", policy_set, "set an override", True)
+    what = set_.add_mutually_exclusive_group(required=True)
+    what.add_argument("--pin-k", type=int, help="pin K (0 = off)")
+    what.add_argument("--force-draft", metavar="DRAFT", help="use this draft")
+    what.add_argument("--force-off", action="store_true", help="speculation off")
+    set_.add_argument("--note", default="", help="kept with the override")
+    action("clear", policy_clear, "clear an override", True)
+    watch = action("watch", policy_watch, "stream decisions as they happen", False)
+    watch.add_argument("--json", action="store_true", help="one JSON object per line")
+    explain = action("explain", policy_explain, "explain one class's decision", True)
+    explain.add_argument("--bucket", type=int, default=0, help="batch bucket index")
+    explain.add_argument("--json", action="store_true", help="print the response as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result

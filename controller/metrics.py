@@ -1,0 +1,176 @@
+"""Every Prometheus metric of the controller, defined here and nowhere else.
+
+Conventions: prefix ``specpilot_``, base units (ratios in 0..1, seconds), ``_total`` on counters,
+labels only from bounded sets: ``class`` (at most ``max_classes`` + "other" + "default"), ``draft``
+(drafts the engines offered), ``bucket`` (batch-bucket index, as in the policy API), ``reason``
+and ``outcome`` (the fixed sets below).
+
+Event counters are incremented by the server as things happen. Gauges that describe the core's
+state are read from the core at scrape time by a collector, so they can never go stale and a class
+or draft that disappears takes its series with it. Each server owns its registry: several servers
+can run in one process (the tests do).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Literal, get_args
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from controller.core.controller import ControllerCore
+from controller.core.types import DecisionEvent, Reason
+
+RejectReason = Literal["validation", "oversized", "before_hello"]
+HelloOutcome = Literal["accepted", "rejected"]
+WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied"]
+
+
+class Metrics:
+    """The counters of one server instance, plus the collector that reads its core."""
+
+    def __init__(self, core: ControllerCore, clock: Callable[[], float] = time.time) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        # prometheus_client appends "_total" to counter names.
+        self._reports_received = Counter(
+            "specpilot_reports_received", "Engine reports received, accepted or not.", registry=r)
+        self._reports_rejected = Counter(
+            "specpilot_reports_rejected",
+            "Engine reports rejected with INVALID_ARGUMENT (state unchanged), by reason: "
+            "validation (a field failed the checks), oversized (above max_report_bytes), "
+            "before_hello (a stream that did not open with a hello).",
+            ["reason"], registry=r)
+        self._hellos = Counter(
+            "specpilot_engine_hellos", "Engine hellos, by outcome.", ["outcome"], registry=r)
+        self._classes_folded = Counter(
+            "specpilot_report_classes_folded",
+            "Class names in accepted reports folded into 'other' (class limit reached).",
+            registry=r)
+        self._records_dropped = Counter(
+            "specpilot_engine_records_dropped",
+            "Records the engine plugins dropped because their queue was full, as reported.",
+            registry=r)
+        self._decisions = Counter(
+            "specpilot_decisions", "Decisions that changed a (class, bucket) choice, by reason.",
+            ["reason"], registry=r)
+        self._policy_updates = Counter(
+            "specpilot_policy_updates_sent", "Policy updates sent on engine streams.", registry=r)
+        self._policy_writes = Counter(
+            "specpilot_policy_writes", "PolicyService override writes, by outcome.", ["outcome"],
+            registry=r)
+        # Every series of a bounded label set exists from the start, so rate() and absent()
+        # alerts work before the first event.
+        for label_set, counter in ((RejectReason, self._reports_rejected),
+                                   (HelloOutcome, self._hellos),
+                                   (WriteOutcome, self._policy_writes)):
+            for value in get_args(label_set):
+                counter.labels(value)
+        for reason in Reason:
+            self._decisions.labels(reason.value)
+        r.register(_CoreCollector(core, clock))
+
+    def render(self) -> bytes:
+        """The text exposition of this server's registry."""
+        return generate_latest(self.registry)
+
+    # --- events --------------------------------------------------------------------------------
+    def report_received(self) -> None:
+        self._reports_received.inc()
+
+    def report_rejected(self, reason: RejectReason) -> None:
+        self._reports_rejected.labels(reason).inc()
+
+    def report_accepted(self, records_dropped: int, folded_classes: int) -> None:
+        self._records_dropped.inc(records_dropped)
+        self._classes_folded.inc(folded_classes)
+
+    def hello(self, outcome: HelloOutcome) -> None:
+        self._hellos.labels(outcome).inc()
+
+    def decisions(self, events: Iterable[DecisionEvent]) -> None:
+        for e in events:
+            self._decisions.labels(e.decision.reason.value).inc()
+
+    def policy_update_sent(self) -> None:
+        self._policy_updates.inc()
+
+    def policy_write(self, outcome: WriteOutcome) -> None:
+        self._policy_writes.labels(outcome).inc()
+
+
+class _CoreCollector(Collector):
+    """Gauges (and one counter) read from the core at scrape time."""
+
+    def __init__(self, core: ControllerCore, clock: Callable[[], float]) -> None:
+        self._core = core
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        core, now = self._core, self._clock()
+        yield GaugeMetricFamily("specpilot_engines_connected", "Engines with an open stream.",
+                                value=len(core.engines))
+        yield GaugeMetricFamily("specpilot_policy_version",
+                                "Version of the policy pushed to engines.", value=core.version)
+        yield GaugeMetricFamily("specpilot_classes_tracked",
+                                "Traffic classes tracked (including 'default' and 'other').",
+                                value=len(core.classes))
+        yield GaugeMetricFamily("specpilot_overrides_active", "Operator overrides in force.",
+                                value=len(core.overrides))
+        yield from self._acceptance(now)
+        yield from self._decisions()
+
+    def _acceptance(self, now: float) -> Iterator[Metric]:
+        labels = ["class", "draft"]
+        first = GaugeMetricFamily(
+            "specpilot_acceptance_first_position_ratio",
+            "Posterior mean acceptance rate of draft position 1.", labels=labels)
+        pooled = GaugeMetricFamily(
+            "specpilot_acceptance_per_token_ratio",
+            "Posterior share of tried draft tokens that were accepted, all positions pooled "
+            "(positions after a rejection are not tried).", labels=labels)
+        changes = CounterMetricFamily(
+            "specpilot_acceptance_changes_detected",
+            "Times the change detector flagged an acceptance shift.", labels=labels)
+        est = self._core.estimator
+        with_evidence = est.keys()  # (class, draft) pairs; the rest would show the bare prior
+        for cls, draft in with_evidence:
+            post = est.posterior(cls, draft, now)
+            accepts = float(np.sum(post.alpha)) - post.prior_alpha * post.alpha.size
+            tries = float(np.sum(post.effective_tries))
+            rate = (accepts + post.prior_alpha) / (tries + post.prior_alpha + post.prior_beta)
+            first.add_metric([cls, draft], float(post.mean[0]))
+            pooled.add_metric([cls, draft], rate)
+            changes.add_metric([cls, draft], est.changes_detected(cls, draft))
+        yield from (first, pooled, changes)
+
+    def _decisions(self) -> Iterator[Metric]:
+        k = GaugeMetricFamily(
+            "specpilot_decision_speculative_tokens",
+            "K chosen: draft tokens per step, per class and batch bucket (0 = speculation off).",
+            labels=["class", "bucket"])
+        speedup = GaugeMetricFamily(
+            "specpilot_decision_expected_speedup_ratio",
+            "Expected speedup of the chosen arm over no speculation (1 = no gain).",
+            labels=["class", "bucket"])
+        probe = GaugeMetricFamily(
+            "specpilot_decision_probe_ratio",
+            "Share of the class's requests probed at a low K while speculation is off.",
+            labels=["class", "bucket"])
+        enabled = GaugeMetricFamily(
+            "specpilot_speculation_enabled",
+            "1 when the class speculates in at least one batch bucket, else 0.", labels=["class"])
+        for name, state in sorted(self._core.classes.items()):
+            if not state.decisions:
+                continue
+            for bucket, d in sorted(state.decisions.items()):
+                labels = [name, str(bucket)]
+                k.add_metric(labels, d.k)
+                speedup.add_metric(labels, d.expected_speedup)
+                probe.add_metric(labels, d.probe_rate)
+            enabled.add_metric([name], float(any(d.k > 0 for d in state.decisions.values())))
+        yield from (k, speedup, probe, enabled)

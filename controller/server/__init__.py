@@ -1,0 +1,1 @@
+"""The I/O edge around the core: gRPC services, HTTP endpoints, conversion and wiring."""

@@ -1,0 +1,185 @@
+"""Wiring: one core, the gRPC services, the HTTP endpoints and the periodic decide task, all on the
+caller's asyncio loop. The core is only ever touched from that loop, so it needs no locks.
+
+``start_server`` is what ``specpilot serve`` and the integration tests run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+import numpy as np
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from grpc_reflection.v1alpha import reflection
+
+from controller.core.controller import ControllerCore
+from controller.metrics import Metrics
+from controller.server.engine_service import EngineService
+from controller.server.http import make_app
+from controller.server.hub import Hub
+from controller.server.policy_service import PolicyService
+from controller.server.stubs import add_engine_service, add_policy_service
+from controller.settings import Settings, core_config
+from specpilot.v1 import engine_pb2, policy_pb2
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name,
+    policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name,
+)
+
+# Keepalive. The server pings an idle connection every 30 s and drops it when the ack does not come
+# within 10 s, so an engine that vanished (node gone, partition) is disconnected, and its streams'
+# state freed, within about 40 s. Engines may ping as often as every 10 s even without calls in
+# flight; the engine plugin sets keepalive_time_ms=20000, keepalive_timeout_ms=10000 and
+# keepalive_permit_without_calls=1 (faster client pings would be answered with GOAWAY
+# "too_many_pings"). max_pings_without_data=0 lets pings continue on a quiet stream.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# Oversized reports must reach the handler, which answers with a reason and keeps the stream;
+# gRPC's own limit (which would kill the stream) sits well above settings.max_report_bytes.
+RECEIVE_LIMIT_FACTOR = 4
+# Per-stream queue length before a stream that does not read is cut off.
+STREAM_QUEUE_LIMIT = 1024
+
+
+class ServeError(RuntimeError):
+    """A listener could not be started; the message says which and why."""
+
+
+def controller_version() -> str:
+    try:
+        return version("specpilot")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
+@dataclass
+class RunningServer:
+    core: ControllerCore
+    metrics: Metrics
+    token: str
+    token_generated: bool
+    grpc_host: str
+    grpc_port: int
+    http_host: str
+    http_port: int
+    _grpc: grpc.aio.Server
+    _http: web.AppRunner
+    _health: health_aio.HealthServicer
+    _hub: Hub
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{_host_for_url(self.grpc_host)}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{_host_for_url(self.http_host)}:{self.http_port}"
+
+    async def stop(self, grace_seconds: float = 1.0) -> None:
+        """Report NOT_SERVING, end every stream with OK, then close the listeners."""
+        await self._health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        self._hub.close_all()
+        await self._grpc.stop(grace_seconds)
+        await self._http.cleanup()
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def _decide_periodically(core: ControllerCore, hub: Hub, interval: float) -> None:
+    """Re-decide without waiting for reports, so overrides and the decaying probe share reach
+    the engines within one report interval even when none is reporting."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            hub.publish(core.decide(time.time()))
+        except Exception:  # one failed round must not stop all later ones
+            log.exception("periodic decide failed")
+
+
+async def _start_grpc(settings: Settings, engine: EngineService, policy: PolicyService,
+                      health: health_aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+    limit = RECEIVE_LIMIT_FACTOR * settings.max_report_bytes
+    server = grpc.aio.server(options=[*KEEPALIVE_OPTIONS,
+                                      ("grpc.max_receive_message_length", limit)])
+    add_engine_service(engine, server)
+    add_policy_service(policy, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    address = f"{_host_for_url(settings.grpc_host)}:{settings.grpc_port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ServeError(f"cannot listen for gRPC on {address}: {exc}") from exc
+    await server.start()
+    for service in ("", *SERVICE_NAMES):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+async def _start_http(settings: Settings, app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.http_host, settings.http_port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ServeError(
+            f"cannot listen for HTTP on {settings.http_host}:{settings.http_port}: {exc}"
+        ) from exc
+    port = int(runner.addresses[0][1])
+    return runner, port
+
+
+async def start_server(settings: Settings) -> RunningServer:
+    """Start everything on the running loop; raise ServeError if a port cannot be bound."""
+    clock = time.time
+    core = ControllerCore(core_config(settings), np.random.default_rng(settings.seed))
+    metrics = Metrics(core, clock)
+    hub = Hub(core, metrics, settings.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT)
+    given = settings.policy_token.get_secret_value() if settings.policy_token else ""
+    token = given or secrets.token_urlsafe(24)
+    engine = EngineService(core, hub, metrics, controller_version=controller_version(),
+                           report_interval_seconds=settings.report_interval_seconds,
+                           max_report_bytes=settings.max_report_bytes, clock=clock)
+    policy = PolicyService(core, hub, metrics, token, clock)
+    health = health_aio.HealthServicer()
+    grpc_server, grpc_port = await _start_grpc(settings, engine, policy, health)
+    try:
+        runner, http_port = await _start_http(settings, make_app(core, metrics, clock))
+    except ServeError:
+        await grpc_server.stop(None)
+        raise
+    running = RunningServer(
+        core=core, metrics=metrics, token=token, token_generated=not given,
+        grpc_host=settings.grpc_host, grpc_port=grpc_port,
+        http_host=settings.http_host, http_port=http_port,
+        _grpc=grpc_server, _http=runner, _health=health, _hub=hub,
+    )
+    running._tasks.append(asyncio.create_task(
+        _decide_periodically(core, hub, settings.report_interval_seconds)))
+    return running
+

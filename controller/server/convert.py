@@ -1,0 +1,294 @@
+"""Protobuf <-> core dataclass conversion: one function per message and direction, nothing else.
+
+Conversion is structural only; validation stays in the core (``controller.core.validation``), so
+the server, the simulator and the tests reject the same things with the same reasons. The one
+exception is what protobuf cannot express in a dataclass (an unset enum or oneof): that raises
+``ReportRejected`` naming the field, like any other bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from google.protobuf.message import Message
+
+from controller.core.controller import Explanation, HelloOutcome
+from controller.core.policy import ArmValue
+from controller.core.types import (
+    AcceptanceRecord,
+    Decision,
+    DecisionEvent,
+    DraftKind,
+    DraftSpec,
+    EngineHello,
+    EngineReport,
+    Override,
+    Reason,
+    ReportRejected,
+    RequestSummaryRecord,
+    StepTimingRecord,
+)
+from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_D = TypeVar("_D", bound="DataclassInstance")
+_M = TypeVar("_M", bound=Message)
+
+# Enum tables derived from the names (Reason.WARMUP <-> DECISION_REASON_WARMUP): a member missing
+# on either side fails at import, not at the first decision that uses it.
+# (EnumTypeWrapper.Value is typed as returning int; the values are the enum's.)
+_REASON_TO_PROTO = {
+    r: cast(common_pb2.DecisionReason, common_pb2.DecisionReason.Value(f"DECISION_REASON_{r.name}"))
+    for r in Reason
+}
+_REASON_FROM_PROTO: dict[int, Reason] = {v: r for r, v in _REASON_TO_PROTO.items()}
+_KIND_TO_PROTO = {
+    k: cast(common_pb2.DraftKind, common_pb2.DraftKind.Value(f"DRAFT_KIND_{k.name}"))
+    for k in DraftKind
+}
+_KIND_FROM_PROTO: dict[int, DraftKind] = {v: k for k, v in _KIND_TO_PROTO.items()}
+
+
+def reason_to_proto(reason: Reason) -> common_pb2.DecisionReason:
+    return _REASON_TO_PROTO[reason]
+
+
+def reason_from_proto(value: int, where: str = "reason") -> Reason:
+    try:
+        return _REASON_FROM_PROTO[value]
+    except KeyError:
+        raise ReportRejected(f"{where}: decision reason {value} is unset or unknown") from None
+
+
+def draft_kind_to_proto(kind: DraftKind) -> common_pb2.DraftKind:
+    return _KIND_TO_PROTO[kind]
+
+
+def draft_kind_from_proto(value: int, where: str = "kind") -> DraftKind:
+    try:
+        return _KIND_FROM_PROTO[value]
+    except KeyError:
+        raise ReportRejected(f"{where}: draft kind {value} is unset or unknown") from None
+
+
+# --- records whose fields mirror their message one to one ----------------------------------------
+def _plain(value: Any) -> Any:
+    """Repeated scalar fields become tuples (the core's records are frozen and hashable)."""
+    return value if isinstance(value, str | bytes | int | float) else tuple(value)
+
+
+def _mirror_from_proto(cls: type[_D], msg: Message) -> _D:
+    return cls(**{f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(cls)})
+
+
+def _mirror_to_proto(cls: type[_M], record: DataclassInstance) -> _M:
+    return cls(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
+
+
+def acceptance_from_proto(msg: engine_pb2.AcceptanceCounts) -> AcceptanceRecord:
+    return _mirror_from_proto(AcceptanceRecord, msg)
+
+
+def acceptance_to_proto(rec: AcceptanceRecord) -> engine_pb2.AcceptanceCounts:
+    return _mirror_to_proto(engine_pb2.AcceptanceCounts, rec)
+
+
+def summary_from_proto(msg: engine_pb2.RequestSummary) -> RequestSummaryRecord:
+    return _mirror_from_proto(RequestSummaryRecord, msg)
+
+
+def summary_to_proto(rec: RequestSummaryRecord) -> engine_pb2.RequestSummary:
+    return _mirror_to_proto(engine_pb2.RequestSummary, rec)
+
+
+def step_timing_from_proto(msg: engine_pb2.StepTiming) -> StepTimingRecord:
+    return _mirror_from_proto(StepTimingRecord, msg)
+
+
+def step_timing_to_proto(rec: StepTimingRecord) -> engine_pb2.StepTiming:
+    return _mirror_to_proto(engine_pb2.StepTiming, rec)
+
+
+# --- engine stream ---------------------------------------------------------------------------
+def draft_from_proto(msg: engine_pb2.DraftInfo, where: str = "draft") -> DraftSpec:
+    return DraftSpec(msg.name, draft_kind_from_proto(msg.kind, f"{where}.kind"), msg.max_k,
+                     msg.vocab_hash)
+
+
+def draft_to_proto(spec: DraftSpec) -> engine_pb2.DraftInfo:
+    return engine_pb2.DraftInfo(name=spec.name, kind=draft_kind_to_proto(spec.kind),
+                                vocab_hash=spec.vocab_hash, max_k=spec.max_k)
+
+
+def hello_from_proto(msg: engine_pb2.EngineHello) -> EngineHello:
+    caps = msg.capabilities
+    return EngineHello(
+        engine_id=msg.engine_id,
+        model=msg.model,
+        target_vocab_hash=msg.target_vocab_hash,
+        drafts=tuple(draft_from_proto(d, f"hello.drafts[{i}]") for i, d in enumerate(msg.drafts)),
+        max_k=msg.max_k,
+        per_request_k=caps.per_request_k,
+        batch_wide_k=caps.batch_wide_k,
+        ngram_substitution=caps.ngram_substitution,
+        ngram_counterfactual=caps.ngram_counterfactual,
+        engine_version=msg.engine_version,
+        plugin_version=msg.plugin_version,
+        max_batch_size=msg.max_batch_size,
+    )
+
+
+def hello_to_proto(hello: EngineHello) -> engine_pb2.EngineHello:
+    return engine_pb2.EngineHello(
+        engine_id=hello.engine_id,
+        model=hello.model,
+        target_vocab_hash=hello.target_vocab_hash,
+        drafts=[draft_to_proto(d) for d in hello.drafts],
+        max_k=hello.max_k,
+        capabilities=engine_pb2.EngineCapabilities(
+            per_request_k=hello.per_request_k,
+            batch_wide_k=hello.batch_wide_k,
+            ngram_substitution=hello.ngram_substitution,
+            ngram_counterfactual=hello.ngram_counterfactual,
+        ),
+        engine_version=hello.engine_version,
+        plugin_version=hello.plugin_version,
+        max_batch_size=hello.max_batch_size,
+    )
+
+
+def report_from_proto(msg: engine_pb2.EngineReport) -> EngineReport:
+    return EngineReport(
+        sequence=msg.sequence,
+        interval_seconds=msg.interval_seconds,
+        policy_version=msg.policy_version,
+        acceptance=tuple(acceptance_from_proto(a) for a in msg.acceptance),
+        finished=tuple(summary_from_proto(s) for s in msg.finished),
+        step_timings=tuple(step_timing_from_proto(t) for t in msg.step_timings),
+        records_dropped=msg.records_dropped,
+        running_requests=msg.running_requests,
+    )
+
+
+def report_to_proto(report: EngineReport) -> engine_pb2.EngineReport:
+    return engine_pb2.EngineReport(
+        sequence=report.sequence,
+        interval_seconds=report.interval_seconds,
+        policy_version=report.policy_version,
+        acceptance=[acceptance_to_proto(a) for a in report.acceptance],
+        finished=[summary_to_proto(s) for s in report.finished],
+        step_timings=[step_timing_to_proto(t) for t in report.step_timings],
+        records_dropped=report.records_dropped,
+        running_requests=report.running_requests,
+    )
+
+
+def hello_ack_to_proto(
+    outcome: HelloOutcome,
+    *,
+    controller_version: str,
+    report_interval_seconds: float,
+    batch_bucket_upper_bounds: tuple[int, ...],
+    max_classes: int,
+) -> engine_pb2.HelloAck:
+    return engine_pb2.HelloAck(
+        controller_version=controller_version,
+        accepted_drafts=outcome.accepted_drafts,
+        rejected_drafts=[engine_pb2.RejectedDraft(name=n, reason=r)
+                         for n, r in outcome.rejected_drafts],
+        report_interval_seconds=report_interval_seconds,
+        batch_bucket_upper_bounds=batch_bucket_upper_bounds,
+        max_classes=max_classes,
+    )
+
+
+# --- decisions ---------------------------------------------------------------------------------
+def decision_to_proto(d: Decision) -> common_pb2.Decision:
+    return common_pb2.Decision(
+        traffic_class=d.traffic_class,
+        batch_bucket=d.bucket,
+        draft=d.draft,
+        k=d.k,
+        reason=reason_to_proto(d.reason),
+        expected_speedup=d.expected_speedup,
+        probe_rate=d.probe_rate,
+        probe_k=d.probe_k,
+        probe_draft=d.probe_draft,
+    )
+
+
+def decision_from_proto(msg: common_pb2.Decision) -> Decision:
+    return Decision(
+        traffic_class=msg.traffic_class,
+        bucket=msg.batch_bucket,
+        draft=msg.draft,
+        k=msg.k,
+        reason=reason_from_proto(msg.reason, "decision.reason"),
+        expected_speedup=msg.expected_speedup,
+        probe_rate=msg.probe_rate,
+        probe_k=msg.probe_k,
+        probe_draft=msg.probe_draft,
+    )
+
+
+def event_to_proto(e: DecisionEvent) -> common_pb2.DecisionEvent:
+    previous = e.previous
+    return common_pb2.DecisionEvent(
+        policy_version=e.policy_version,
+        unix_seconds=e.at,
+        decision=decision_to_proto(e.decision),
+        previous_draft=previous.draft if previous is not None and previous.k else "",
+        previous_k=previous.k if previous is not None else 0,
+    )
+
+
+# --- policy API ----------------------------------------------------------------------------
+def override_from_proto(msg: policy_pb2.Override) -> Override:
+    """Raises ValueError naming the field when no action is set (or the core rejects it)."""
+    action = msg.WhichOneof("action")
+    if action is None:
+        raise ValueError("override.action: set one of pin_k, force_draft, force_off")
+    if action == "force_off" and not msg.force_off:
+        raise ValueError("override.force_off: must be true when it is the action")
+    return Override(
+        traffic_class=msg.traffic_class,
+        pin_k=msg.pin_k if action == "pin_k" else None,
+        force_draft=msg.force_draft if action == "force_draft" else None,
+        force_off=action == "force_off",
+        note=msg.note,
+        set_at=msg.set_unix_seconds,
+    )
+
+
+def override_to_proto(ov: Override) -> policy_pb2.Override:
+    msg = policy_pb2.Override(traffic_class=ov.traffic_class, note=ov.note,
+                              set_unix_seconds=ov.set_at)
+    if ov.pin_k is not None:
+        msg.pin_k = ov.pin_k
+    elif ov.force_draft is not None:
+        msg.force_draft = ov.force_draft
+    else:
+        msg.force_off = True
+    return msg
+
+
+def arm_to_proto(arm: ArmValue) -> policy_pb2.ArmScore:
+    return policy_pb2.ArmScore(
+        draft=arm.draft,
+        k=arm.k,
+        expected_tokens=arm.expected_tokens,
+        step_seconds=arm.step_seconds,
+        goodput_tokens_per_second=arm.goodput,
+        speedup=arm.speedup,
+    )
+
+
+def explanation_to_proto(ex: Explanation) -> policy_pb2.ExplainDecisionResponse:
+    msg = policy_pb2.ExplainDecisionResponse(
+        arms=[arm_to_proto(a) for a in ex.arms], text=ex.text, batch_size=ex.batch_size)
+    if ex.decision is not None:
+        msg.decision.CopyFrom(decision_to_proto(ex.decision))
+    return msg

@@ -1,0 +1,52 @@
+"""The HTTP side: /metrics (Prometheus), /healthz, and JSON views under /api.
+
+The JSON is the protobuf JSON mapping of the same messages the policy API returns (field names as
+in the .proto; 64-bit integers as strings, as that mapping prescribes), so the dashboard and gRPC
+clients read one schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from controller.core.controller import ControllerCore
+from controller.metrics import Metrics
+from controller.server.convert import event_to_proto
+from controller.server.views import policy_response, to_json_dict
+
+
+def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float]) -> web.Application:
+    async def metrics_handler(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "engines_connected": len(core.engines),
+                                  "policy_version": core.version})
+
+    async def policy(request: web.Request) -> web.Response:
+        try:
+            msg = policy_response(core, clock(), request.query.get("class", ""))
+        except KeyError as exc:
+            return web.json_response({"error": exc.args[0]}, status=404)
+        return web.json_response(to_json_dict(msg))
+
+    async def decisions(request: web.Request) -> web.Response:
+        """The recent decision log, oldest first; ?class= filters, ?limit= keeps the newest N."""
+        name = request.query.get("class", "")
+        try:
+            limit = int(request.query.get("limit", len(core.log)))
+        except ValueError:
+            return web.json_response({"error": "limit: must be an integer"}, status=400)
+        events = [e for e in core.log if not name or e.decision.traffic_class == name]
+        kept = events[-limit:] if limit > 0 else []
+        return web.json_response({"events": [to_json_dict(event_to_proto(e)) for e in kept]})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/api/policy", policy)
+    app.router.add_get("/api/decisions", decisions)
+    return app

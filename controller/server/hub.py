@@ -1,0 +1,178 @@
+"""Fan-out from the core to open streams: policy updates to engines, decision events to watchers.
+
+Everything here runs on the server's event loop, like every access to the core, so no locks.
+Each stream owns an ``Outbox`` (an asyncio queue) that its RPC handler drains; producers never
+await, so a decision made while handling one engine's report reaches every engine's queue before
+the loop does anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from controller.core.controller import ControllerCore
+from controller.core.types import DecisionEvent
+from controller.metrics import Metrics
+from controller.server.views import policy_update
+from specpilot.v1 import engine_pb2
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _End:
+    """Ends a stream: with OK when ``code`` is None, else with that status."""
+
+    code: grpc.StatusCode | None = None
+    details: str = ""
+
+
+class Outbox(Generic[T]):
+    """Messages waiting for one stream. A reader that falls ``limit`` messages behind is cut off
+    (RESOURCE_EXHAUSTED) instead of growing the queue without bound."""
+
+    def __init__(self, limit: int) -> None:
+        self._queue: asyncio.Queue[T | _End] = asyncio.Queue()
+        self._limit = limit
+        self.closed = False
+
+    def put(self, item: T) -> None:
+        if self.closed:
+            return
+        if self._queue.qsize() >= self._limit:
+            self.close(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"stream fell {self._limit} messages behind; reconnect")
+            return
+        self._queue.put_nowait(item)
+
+    def close(self, code: grpc.StatusCode | None = None, details: str = "") -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put_nowait(_End(code, details))
+
+    async def drain(self, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[T]:
+        """Yield queued items until closed; end the RPC with the closing status."""
+        while not isinstance(item := await self._queue.get(), _End):
+            yield item
+        if item.code is not None:
+            await context.abort(item.code, item.details)
+
+
+class _PolicyDue:
+    """Queue marker: send the policy as it is when the marker is dequeued. Several pushes before
+    the stream catches up collapse into one, always the newest."""
+
+
+_POLICY_DUE = _PolicyDue()
+
+
+class EngineSession:
+    def __init__(self, engine_id: str, limit: int) -> None:
+        self.engine_id = engine_id
+        self.outbox: Outbox[engine_pb2.ConnectResponse | _PolicyDue] = Outbox(limit)
+        self._policy_due = False
+
+    def send(self, msg: engine_pb2.ConnectResponse) -> None:
+        self.outbox.put(msg)
+
+    def push_policy(self) -> None:
+        if not self._policy_due:
+            self._policy_due = True
+            self.outbox.put(_POLICY_DUE)
+
+    async def responses(
+        self, context: grpc.aio.ServicerContext[Any, Any],
+        policy: Callable[[], engine_pb2.ConnectResponse],
+    ) -> AsyncIterator[engine_pb2.ConnectResponse]:
+        """What the stream sends, the policy rendered by ``policy()`` as of sending time."""
+        async for item in self.outbox.drain(context):
+            if isinstance(item, _PolicyDue):
+                self._policy_due = False
+                yield policy()
+            else:
+                yield item
+
+
+class Watcher:
+    def __init__(self, traffic_class: str, limit: int) -> None:
+        self.traffic_class = traffic_class
+        self.outbox: Outbox[DecisionEvent] = Outbox(limit)
+
+    def wants(self, e: DecisionEvent) -> bool:
+        return not self.traffic_class or e.decision.traffic_class == self.traffic_class
+
+
+class Hub:
+    def __init__(self, core: ControllerCore, metrics: Metrics, fail_static_timeout_seconds: float,
+                 queue_limit: int) -> None:
+        self._core = core
+        self._metrics = metrics
+        self._fail_static = fail_static_timeout_seconds
+        self._limit = queue_limit
+        self.sessions: dict[str, EngineSession] = {}
+        self._watchers: set[Watcher] = set()
+        self._pushed_version: int | None = None
+        self._cached: engine_pb2.ConnectResponse | None = None
+
+    # --- engines -------------------------------------------------------------------------------
+    def open_session(self, engine_id: str) -> EngineSession:
+        """A new stream for ``engine_id``; an older stream of the same engine is ended (the
+        engine reconnected and the old stream is dead or about to be)."""
+        old = self.sessions.get(engine_id)
+        if old is not None:
+            old.outbox.close(grpc.StatusCode.ABORTED,
+                             f"engine {engine_id!r} opened a newer stream")
+        session = EngineSession(engine_id, self._limit)
+        self.sessions[engine_id] = session
+        return session
+
+    def close_session(self, session: EngineSession) -> None:
+        """Forget the engine, unless a newer stream of the same engine took over."""
+        session.outbox.close()
+        if self.sessions.get(session.engine_id) is session:
+            del self.sessions[session.engine_id]
+            self._core.disconnect_engine(session.engine_id)
+
+    def policy_message(self) -> engine_pb2.ConnectResponse:
+        """The current PolicyUpdate, built once per policy version."""
+        if self._cached is None or self._cached.policy.version != self._core.version:
+            self._cached = engine_pb2.ConnectResponse(
+                policy=policy_update(self._core, self._fail_static))
+        self._metrics.policy_update_sent()
+        return self._cached
+
+    # --- decisions -----------------------------------------------------------------------------
+    def publish(self, events: Iterable[DecisionEvent]) -> None:
+        """Hand new decisions to watchers and metrics; push the policy to every engine when its
+        version moved."""
+        events = list(events)
+        self._metrics.decisions(events)
+        for watcher in self._watchers:
+            for e in events:
+                if watcher.wants(e):
+                    watcher.outbox.put(e)
+        if self._core.version != self._pushed_version:
+            self._pushed_version = self._core.version
+            for session in self.sessions.values():
+                session.push_policy()
+
+    def watch(self, traffic_class: str) -> tuple[list[DecisionEvent], Watcher]:
+        """The recent log (for replay) and a watcher for what follows, with no gap between."""
+        watcher = Watcher(traffic_class, self._limit)
+        self._watchers.add(watcher)
+        return [e for e in self._core.log if watcher.wants(e)], watcher
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self._watchers.discard(watcher)
+
+    def close_all(self) -> None:
+        """End every stream with OK (server shutdown)."""
+        for session in list(self.sessions.values()):
+            session.outbox.close()
+        for watcher in self._watchers:
+            watcher.outbox.close()

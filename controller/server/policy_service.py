@@ -1,0 +1,114 @@
+"""specpilot.v1.PolicyService: read the policy and its estimates, override it, watch and explain.
+
+Writes need metadata ``authorization: Bearer <token>``: missing -> UNAUTHENTICATED, wrong ->
+PERMISSION_DENIED. The token is compared in constant time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from controller.core.controller import ControllerCore
+from controller.core.types import DecisionEvent
+from controller.metrics import Metrics
+from controller.server.convert import event_to_proto, explanation_to_proto, override_from_proto
+from controller.server.hub import Hub
+from controller.server.views import policy_response
+from specpilot.v1 import policy_pb2
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class PolicyService:
+    def __init__(self, core: ControllerCore, hub: Hub, metrics: Metrics, token: str,
+                 clock: Callable[[], float]) -> None:
+        self._core = core
+        self._hub = hub
+        self._metrics = metrics
+        self._token = token.encode()
+        self._clock = clock
+
+    async def _authorize(self, context: Context) -> None:
+        values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        if not values:
+            self._metrics.policy_write("unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "policy writes need metadata 'authorization: Bearer <token>'")
+        value = values[0]
+        scheme, _, token = (value.decode() if isinstance(value, bytes) else value).partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self._token):
+            self._metrics.policy_write("permission_denied")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bearer token does not match")
+
+    async def _invalid(self, context: Context, reason: str) -> NoReturn:
+        self._metrics.policy_write("invalid")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+
+    async def GetPolicy(
+        self, request: policy_pb2.GetPolicyRequest, context: Context
+    ) -> policy_pb2.GetPolicyResponse:
+        try:
+            return policy_response(self._core, self._clock(), request.traffic_class)
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+
+    async def SetOverride(
+        self, request: policy_pb2.SetOverrideRequest, context: Context
+    ) -> policy_pb2.SetOverrideResponse:
+        await self._authorize(context)
+        now = self._clock()
+        if not request.HasField("override"):
+            await self._invalid(context, "override: must be set")
+        try:
+            override = dataclasses.replace(override_from_proto(request.override), set_at=now)
+            events = self._core.set_override(override, now)
+        except ValueError as exc:  # ReportRejected (bad class name) is a ValueError too
+            await self._invalid(context, str(exc))
+        self._metrics.policy_write("ok")
+        self._hub.publish(events)
+        return policy_pb2.SetOverrideResponse(policy_version=self._core.version)
+
+    async def ClearOverride(
+        self, request: policy_pb2.ClearOverrideRequest, context: Context
+    ) -> policy_pb2.ClearOverrideResponse:
+        await self._authorize(context)
+        if not request.traffic_class:
+            await self._invalid(context, "traffic_class: must not be empty (use '*' for all)")
+        cleared, events = self._core.clear_override(request.traffic_class, self._clock())
+        self._metrics.policy_write("ok")
+        self._hub.publish(events)
+        return policy_pb2.ClearOverrideResponse(policy_version=self._core.version, cleared=cleared)
+
+    async def WatchDecisions(
+        self, request: policy_pb2.WatchDecisionsRequest, context: Context
+    ) -> AsyncIterator[policy_pb2.WatchDecisionsResponse]:
+        replay, watcher = self._hub.watch(request.traffic_class)
+        try:
+            for e in replay:
+                yield _watch_response(e)
+            async for e in watcher.outbox.drain(context):
+                yield _watch_response(e)
+        finally:
+            self._hub.unwatch(watcher)
+
+    async def ExplainDecision(
+        self, request: policy_pb2.ExplainDecisionRequest, context: Context
+    ) -> policy_pb2.ExplainDecisionResponse:
+        name, bucket = request.traffic_class, request.batch_bucket
+        if name not in self._core.classes:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown class {name!r}")
+        n_buckets = self._core.config.n_buckets
+        if bucket >= n_buckets:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"batch_bucket: {bucket} outside 0..{n_buckets - 1}")
+        return explanation_to_proto(self._core.explain(name, bucket, self._clock()))
+
+
+def _watch_response(e: DecisionEvent) -> policy_pb2.WatchDecisionsResponse:
+    return policy_pb2.WatchDecisionsResponse(event=event_to_proto(e))

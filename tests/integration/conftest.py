@@ -1,0 +1,35 @@
+"""A real controller on loopback for each test: free ports, fast report interval, known token."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from controller.server.app import RunningServer, start_server
+from controller.settings import load_settings
+
+TOKEN = "test-token-0123456789"
+# Small limits so tests reach them cheaply: the class limit counts "default", and 4 KiB of report
+# is a few hundred records.
+FAST_SETTINGS: dict[str, Any] = {
+    "grpc_port": 0, "http_port": 0, "report_interval_seconds": 0.05, "policy_token": TOKEN,
+    "seed": 1, "max_classes": 4, "max_report_bytes": 4096,
+}
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[RunningServer]:
+    running = await start_server(load_settings(**FAST_SETTINGS))
+    try:
+        yield running
+    finally:
+        await running.stop(grace_seconds=0.1)
+
+
+@pytest.fixture
+async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+        yield ch

@@ -1,0 +1,227 @@
+"""The ``specpilot`` command: ``serve`` as a real subprocess, the policy commands against a real
+server, and start-up with a bad setting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controller import cli
+from controller.server.app import RunningServer
+from controller.settings import settings_reference
+from tests.integration.conftest import TOKEN
+from tests.integration.engine_client import DRAFT, EngineClient, report
+
+pytestmark = pytest.mark.integration
+SPECPILOT = str(Path(sys.executable).with_name("specpilot"))
+STARTUP_SECONDS = 30.0
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The caller's environment without SPECPILOT_* settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPILOT_")}
+    return {**env, **extra}
+
+
+class _Lines:
+    """Lines of a subprocess's stdout, readable with a timeout."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self._queue: queue.Queue[str] = queue.Queue()
+        assert proc.stdout is not None
+        stdout = proc.stdout
+
+        def pump() -> None:
+            for line in stdout:
+                self._queue.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def next(self, timeout: float) -> str:
+        try:
+            return self._queue.get(timeout=timeout).rstrip("\n")
+        except queue.Empty:
+            raise AssertionError(f"no output within {timeout} s") from None
+
+
+@pytest.fixture
+def serve() -> Iterator[tuple[subprocess.Popen[str], _Lines]]:
+    proc = subprocess.Popen(
+        [SPECPILOT, "serve", "--grpc-port", "0", "--http-port", "0"], env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc, _Lines(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def test_serve_prints_its_ports_answers_and_stops_on_sigterm(
+    serve: tuple[subprocess.Popen[str], _Lines],
+) -> None:
+    proc, lines = serve
+    grpc_line = lines.next(STARTUP_SECONDS)
+    http_line = lines.next(5)
+    token_line = lines.next(5)
+    assert grpc_line.startswith("specpilot: grpc listening on 127.0.0.1:"), grpc_line
+    assert http_line.startswith("specpilot: http listening on http://127.0.0.1:"), http_line
+    target = grpc_line.rsplit(" ", 1)[1]
+    assert int(target.rsplit(":", 1)[1]) > 0
+    assert "policy token" in token_line
+    token = token_line.rsplit(" ", 1)[1]
+    assert len(token) >= 24
+
+    got = subprocess.run([SPECPILOT, "policy", "--target", target, "get"], env=_env(),
+                         capture_output=True, text=True, timeout=30)
+    assert got.returncode == 0, got.stderr
+    assert "policy version 0; engines: none" in got.stdout
+
+    written = subprocess.run(
+        [SPECPILOT, "policy", "--target", target, "set", "--class", "chat", "--force-off"],
+        env=_env(SPECPILOT_POLICY_TOKEN=token), capture_output=True, text=True, timeout=30)
+    assert written.returncode == 0, written.stderr
+    assert written.stdout.startswith("override on chat: force off")
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(15) == 0
+    assert lines.next(5) == "specpilot: stopping"
+
+
+@pytest.mark.parametrize(("args", "env", "name"), [
+    (["--grpc-port", "70000"], {}, "grpc_port"),
+    (["--http-port", "not-a-port"], {}, "http_port"),
+    (["--set", "warmup_k=99"], {}, "warmup_k"),
+    (["--set", "no_such_setting=1"], {}, "no_such_setting"),
+    ([], {"SPECPILOT_HALF_LIFE_SECONDS": "-5"}, "half_life_seconds"),
+])
+def test_a_bad_setting_exits_non_zero_with_one_line_naming_it(
+    args: list[str], env: dict[str, str], name: str
+) -> None:
+    proc = subprocess.run([SPECPILOT, "serve", *args], env=_env(**env), capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"specpilot: bad setting {name}: "), line
+
+
+def test_a_port_in_use_exits_non_zero_with_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([SPECPILOT, "serve", "--grpc-port", "0", "--http-port", str(port)],
+                              env=_env(), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"specpilot: cannot listen for HTTP on 127.0.0.1:{port}"), line
+
+
+# --- policy commands against the in-process server ---------------------------------------------
+async def _cli(capsys: pytest.CaptureFixture[str], server: RunningServer,
+               *args: str) -> tuple[int, str, str]:
+    """Run ``specpilot policy --target <server> <args>`` in a thread (the server needs the loop)."""
+    code = await asyncio.to_thread(cli.main, ["policy", "--target", server.grpc_target, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+async def test_policy_commands(
+    server: RunningServer, channel: grpc.aio.Channel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = EngineClient(channel)
+    await engine.connect()
+    assert (await engine.send(report(1))).accepted
+
+    code, out, _ = await _cli(capsys, server, "get")
+    assert code == 0
+    assert "engines: engine-1" in out
+    assert "CLASS" in out and "chat" in out and "<=1" in out and ">128" in out
+    # The estimates table: position 1 of (10, 20, 70) was tried 100 times.
+    (row,) = [cells for line in out.splitlines()
+              if (cells := line.split())[:3] == ["chat", DRAFT, "100"]]
+    assert float(row[4]) == pytest.approx(91 / 102, abs=0.005)
+
+    code, out, _ = await _cli(capsys, server, "get", "--class", "chat", "--json")
+    assert code == 0
+    body = json.loads(out)
+    assert [c["traffic_class"] for c in body["classes"]] == ["chat"]
+
+    code, _, err = await _cli(capsys, server, "set", "--class", "chat", "--pin-k", "1")
+    assert code == 1 and "UNAUTHENTICATED" in err
+    code, out, _ = await _cli(capsys, server, "--token", TOKEN, "set", "--class", "chat",
+                              "--pin-k", "1", "--note", "canary")
+    assert code == 0 and out.startswith("override on chat: pin K=1 (canary); policy version")
+    assert server.core.overrides["chat"].pin_k == 1
+
+    code, out, _ = await _cli(capsys, server, "explain", "--class", "chat")
+    assert code == 0
+    assert "reason: override" in out and "E[TOKENS]" in out
+    chosen = [line for line in out.splitlines() if line.startswith("*")]
+    assert chosen == [next(line for line in out.splitlines() if f"{DRAFT} K=1 " in line)]
+
+    code, out, _ = await _cli(capsys, server, "--token", TOKEN, "clear", "--class", "chat")
+    assert code == 0 and "cleared" in out and "chat" not in server.core.overrides
+
+    code, _, err = await _cli(capsys, server, "explain", "--class", "nope")
+    assert code == 1 and "NOT_FOUND" in err
+    await engine.close()
+
+
+async def test_policy_watch_prints_a_decision_after_an_override(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    engine = EngineClient(channel)
+    await engine.connect()
+    assert (await engine.send(report(1))).accepted
+    proc = subprocess.Popen(
+        [SPECPILOT, "policy", "--target", server.grpc_target, "watch", "--class", "chat"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = _Lines(proc)
+        # The replayed log comes first; the override's decision follows.
+        first = await asyncio.to_thread(lines.next, STARTUP_SECONDS)
+        assert "  chat  " in first
+        code = await asyncio.to_thread(cli.main, [
+            "policy", "--target", server.grpc_target, "--token", TOKEN, "set",
+            "--class", "chat", "--force-off"])
+        assert code == 0
+        deadline = time.monotonic() + 10
+        while "(override" not in (line := await asyncio.to_thread(lines.next, 10)):
+            assert time.monotonic() < deadline
+        assert "-> off" in line
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    await engine.close()
+
+
+def test_settings_shows_the_reference_and_the_settings_in_effect(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cli.main(["settings", "--markdown"]) == 0
+    assert capsys.readouterr().out == settings_reference()
+
+    monkeypatch.setenv("SPECPILOT_GRPC_PORT", "6000")
+    monkeypatch.setenv("SPECPILOT_POLICY_TOKEN", "very-secret")
+    assert cli.main(["settings"]) == 0
+    out = capsys.readouterr().out
+    assert "grpc_port: 6000\n" in out
+    assert "very-secret" not in out

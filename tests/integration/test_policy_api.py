@@ -1,0 +1,192 @@
+"""PolicyService over a real channel: reads, authenticated writes, watch and explain."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+
+import grpc
+import pytest
+
+from controller.server.app import RunningServer
+from controller.server.stubs import AsyncPolicyStub, async_policy_stub
+from specpilot.v1 import common_pb2, policy_pb2
+from tests.integration.conftest import TOKEN
+from tests.integration.engine_client import DRAFT, EngineClient, report
+
+pytestmark = pytest.mark.integration
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+@pytest.fixture
+async def engine(channel: grpc.aio.Channel) -> AsyncIterator[EngineClient]:
+    """One engine connected, with one accepted report for class "chat"."""
+    client = EngineClient(channel)
+    await client.connect()
+    assert (await client.send(report(1))).accepted
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def policy(channel: grpc.aio.Channel) -> AsyncPolicyStub:
+    return async_policy_stub(channel)
+
+
+def _pin(cls: str, k: int, note: str = "") -> policy_pb2.SetOverrideRequest:
+    return policy_pb2.SetOverrideRequest(
+        override=policy_pb2.Override(traffic_class=cls, pin_k=k, note=note))
+
+
+async def _code(call: Awaitable[object]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code(), err.value.details() or ""
+
+
+async def test_get_policy_returns_decisions_and_estimates(
+    server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
+) -> None:
+    resp = await policy.GetPolicy(policy_pb2.GetPolicyRequest())
+    assert resp.version == server.core.version
+    assert list(resp.engines) == ["engine-1"]
+    assert {c.traffic_class for c in resp.classes} == {"default", "chat"}
+
+    only = await policy.GetPolicy(policy_pb2.GetPolicyRequest(traffic_class="chat"))
+    (chat,) = only.classes
+    assert len(chat.decisions) == server.core.config.n_buckets
+    est = {e.draft: e for e in chat.estimates}
+    assert set(est) == {DRAFT, "ngram"}  # the refused draft has no estimate
+    p1, p2 = est[DRAFT].positions[:2]
+    # Histogram (10, 20, 70): position 1 tried 100, accepted 90; position 2 tried 90, accepted 70.
+    assert (p1.effective_tries, p2.effective_tries) == pytest.approx((100, 90), rel=1e-3)
+    assert p1.mean == pytest.approx(91 / 102, rel=1e-3)
+    assert p1.lower < p1.mean < p1.upper
+    # E(0) = 1 and E(K) grows with K.
+    curve = list(est[DRAFT].expected_tokens)
+    assert curve[0] == 1.0 and curve == sorted(curve)
+
+    missing = await _code(policy.GetPolicy(policy_pb2.GetPolicyRequest(traffic_class="nope")))
+    assert missing == (grpc.StatusCode.NOT_FOUND, "unknown class 'nope'")
+
+
+async def test_writes_need_the_bearer_token(
+    server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
+) -> None:
+    code, details = await _code(policy.SetOverride(_pin("chat", 1)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "authorization" in details
+    code, _ = await _code(policy.SetOverride(
+        _pin("chat", 1), metadata=(("authorization", "Bearer wrong-token"),)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    code, _ = await _code(policy.SetOverride(
+        _pin("chat", 1), metadata=(("authorization", f"Basic {TOKEN}"),)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    code, _ = await _code(policy.ClearOverride(
+        policy_pb2.ClearOverrideRequest(traffic_class="chat")))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert server.core.overrides == {}
+
+    registry = server.metrics.registry
+    assert registry.get_sample_value("specpilot_policy_writes_total",
+                                     {"outcome": "unauthenticated"}) == 2
+    assert registry.get_sample_value("specpilot_policy_writes_total",
+                                     {"outcome": "permission_denied"}) == 2
+
+
+async def test_set_and_clear_an_override(
+    server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
+) -> None:
+    version = server.core.version
+    resp = await policy.SetOverride(_pin("chat", 1, note="incident 42"), metadata=AUTH)
+    assert resp.policy_version > version
+    decisions = server.core.classes["chat"].decisions.values()
+    assert all(d.k == 1 and d.draft == DRAFT and d.reason.value == "override" for d in decisions)
+    # The engine hears about it (after any update that was already on its way).
+    while (update := await engine.next_policy()).version < resp.policy_version:
+        pass
+    assert update.version == resp.policy_version
+    assert all(d.k == 1 for d in update.decisions if d.traffic_class == "chat")
+
+    (chat,) = (await policy.GetPolicy(policy_pb2.GetPolicyRequest(traffic_class="chat"))).classes
+    (ov,) = chat.overrides
+    assert (ov.traffic_class, ov.WhichOneof("action"), ov.pin_k, ov.note) == (
+        "chat", "pin_k", 1, "incident 42")
+    assert ov.set_unix_seconds > 0
+
+    cleared = await policy.ClearOverride(policy_pb2.ClearOverrideRequest(traffic_class="chat"),
+                                         metadata=AUTH)
+    assert cleared.cleared and server.core.overrides == {}
+    again = await policy.ClearOverride(policy_pb2.ClearOverrideRequest(traffic_class="chat"),
+                                       metadata=AUTH)
+    assert not again.cleared
+
+
+async def test_force_off_for_all_classes(
+    server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
+) -> None:
+    await policy.SetOverride(policy_pb2.SetOverrideRequest(
+        override=policy_pb2.Override(traffic_class="*", force_off=True)), metadata=AUTH)
+    for name in ("default", "chat"):
+        assert all(d.k == 0 for d in server.core.classes[name].decisions.values()), name
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    (policy_pb2.Override(traffic_class="chat"), "override.action"),
+    (policy_pb2.Override(traffic_class="chat", force_off=False), "override.force_off"),
+    (policy_pb2.Override(traffic_class="bad class!", pin_k=1), "override.traffic_class"),
+    (policy_pb2.Override(traffic_class="", pin_k=1), "override.traffic_class"),
+])
+async def test_bad_override_is_invalid_argument(
+    server: RunningServer, policy: AsyncPolicyStub, override: policy_pb2.Override, field: str
+) -> None:
+    code, details = await _code(policy.SetOverride(
+        policy_pb2.SetOverrideRequest(override=override), metadata=AUTH))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in details
+    assert server.core.overrides == {}
+
+
+async def test_watch_replays_then_streams_new_decisions(
+    server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
+) -> None:
+    replayed = [e for e in server.core.log if e.decision.traffic_class == "chat"]
+    assert replayed
+    call = policy.WatchDecisions(policy_pb2.WatchDecisionsRequest(traffic_class="chat"))
+    stream = aiter(call)
+    for expected in replayed:
+        event = (await asyncio.wait_for(anext(stream), 5)).event
+        assert (event.policy_version, event.decision.batch_bucket) == (
+            expected.policy_version, expected.decision.bucket)
+
+    before = {b: d.k for b, d in server.core.classes["chat"].decisions.items()}
+    await policy.SetOverride(_pin("default", 0), metadata=AUTH)  # filtered out
+    await policy.SetOverride(_pin("chat", 3), metadata=AUTH)
+    event = (await asyncio.wait_for(anext(stream), 5)).event
+    assert event.decision.traffic_class == "chat"
+    assert event.decision.k == 3
+    assert event.decision.reason == common_pb2.DECISION_REASON_OVERRIDE
+    assert event.previous_k == before[event.decision.batch_bucket] != 3
+    call.cancel()
+
+
+async def test_explain(
+    server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
+) -> None:
+    resp = await policy.ExplainDecision(
+        policy_pb2.ExplainDecisionRequest(traffic_class="chat", batch_bucket=0))
+    assert "class 'chat' at batch 1" in resp.text
+    assert resp.batch_size == 1
+    decision = server.core.classes["chat"].decisions[0]
+    assert (resp.decision.k, resp.decision.draft) == (decision.k, decision.draft)
+    arms = {(a.draft, a.k) for a in resp.arms}
+    assert ("", 0) in arms and (DRAFT, 4) in arms
+    off = next(a for a in resp.arms if a.k == 0)
+    assert off.speedup == pytest.approx(1.0)
+
+    beyond = server.core.config.n_buckets
+    code, details = await _code(policy.ExplainDecision(
+        policy_pb2.ExplainDecisionRequest(traffic_class="chat", batch_bucket=beyond)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "batch_bucket" in details
+    missing = await _code(policy.ExplainDecision(
+        policy_pb2.ExplainDecisionRequest(traffic_class="nope")))
+    assert missing == (grpc.StatusCode.NOT_FOUND, "unknown class 'nope'")

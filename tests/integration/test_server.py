@@ -1,0 +1,379 @@
+"""The sidecar server over real sockets: health, reflection, the engine stream and its bad-input
+handling, policy push to every engine, the HTTP endpoints and a promtool check of /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from controller.core.types import Override
+from controller.server.app import RunningServer
+from controller.server.stubs import async_policy_stub
+from specpilot.v1 import engine_pb2, policy_pb2
+from tests.integration.conftest import FAST_SETTINGS, TOKEN
+from tests.integration.engine_client import (
+    DRAFT,
+    EngineClient,
+    acceptance,
+    hello,
+    report,
+)
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _metric(server: RunningServer, name: str, **labels: str) -> float:
+    value = server.metrics.registry.get_sample_value(name, labels)
+    assert value is not None, f"{name}{labels} not exported"
+    return value
+
+
+def _snapshot(server: RunningServer, at: float) -> tuple[Any, ...]:
+    """Everything a report could change, seen at one instant ``at`` (posteriors decay with time,
+    so only snapshots taken at the same instant compare)."""
+    core = server.core
+    with_evidence = core.estimator.keys()
+    posteriors = {key: (p.alpha.tolist(), p.beta.tolist())
+                  for key in with_evidence for p in [core.estimator.posterior(*key, at)]}
+    engine = core.engines["engine-1"]
+    return (posteriors, sorted(core.classes), engine.last_sequence, core.cost.theta.tolist())
+
+
+# --- health and reflection ---------------------------------------------------------------------
+async def test_health_is_serving_for_the_server_and_both_services(
+    channel: grpc.aio.Channel,
+) -> None:
+    check: Callable[..., Any] = health_pb2_grpc.HealthStub(channel).Check
+    for service in ("", "specpilot.v1.EngineService", "specpilot.v1.PolicyService"):
+        resp = await check(health_pb2.HealthCheckRequest(service=service))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING, service
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await check(health_pb2.HealthCheckRequest(service="specpilot.v1.NoSuchService"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_reflection_lists_both_services(channel: grpc.aio.Channel) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    info: Callable[..., Any] = stub.ServerReflectionInfo
+    call = info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    resp = await call.read()
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"specpilot.v1.EngineService", "specpilot.v1.PolicyService"} <= names
+
+
+# --- engine stream -----------------------------------------------------------------------------
+async def test_hello_gets_ack_then_policy(server: RunningServer, channel: grpc.aio.Channel) -> None:
+    engine = EngineClient(channel)
+    ack = await engine.connect()
+    assert list(ack.accepted_drafts) == [DRAFT, "ngram"]
+    rejected = {r.name: r.reason for r in ack.rejected_drafts}
+    assert list(rejected) == ["draft-other-tokenizer"]
+    assert "vocabulary hash" in rejected["draft-other-tokenizer"]
+    assert ack.report_interval_seconds == FAST_SETTINGS["report_interval_seconds"]
+    assert list(ack.batch_bucket_upper_bounds) == list(server.core.config.batch_bucket_upper_bounds)
+    assert ack.max_classes == FAST_SETTINGS["max_classes"]
+    assert ack.controller_version
+
+    policy = engine.policies[-1]
+    n_buckets = server.core.config.n_buckets
+    assert policy.version == server.core.version >= 1
+    assert len(policy.default_decisions) == n_buckets
+    default = [d for d in policy.decisions if d.traffic_class == "default"]
+    assert sorted(d.batch_bucket for d in default) == list(range(n_buckets))
+    # The warm-up K with a draft the engine offered and the controller accepted.
+    assert all(d.k == 2 and d.draft == DRAFT for d in default)
+    assert policy.fail_static_timeout_seconds == 30.0
+    assert server.core.engines.keys() == {"engine-1"}
+
+    msg = report(1)
+    msg.records_dropped = 5
+    result = await engine.send(msg)
+    assert (result.accepted, result.code, result.sequence) == (True, 0, 1)
+    assert _metric(server, "specpilot_reports_received_total") == 1
+    assert _metric(server, "specpilot_engine_records_dropped_total") == 5
+    assert _metric(server, "specpilot_engine_hellos_total", outcome="accepted") == 1
+    await engine.close()
+    for _ in range(100):  # the disconnect is processed on the server's loop
+        if not server.core.engines:
+            break
+        await asyncio.sleep(0.01)
+    assert server.core.engines == {}
+
+
+async def test_report_before_hello_fails_the_stream(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    engine = EngineClient(channel)
+    await engine.call.write(engine_pb2.ConnectRequest(report=report(1)))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await engine.read()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "hello" in (err.value.details() or "")
+    assert _metric(server, "specpilot_reports_rejected_total", reason="before_hello") == 1
+    assert server.core.engines == {}
+
+
+def _summary_accepted_above_drafted() -> engine_pb2.EngineReport:
+    return report(2, acceptance(), finished=[engine_pb2.RequestSummary(
+        traffic_class="chat", draft=DRAFT, prompt_tokens=10, output_tokens=20,
+        drafted_tokens=5, accepted_tokens=9, latency_seconds=0.5)])
+
+
+def _oversized() -> engine_pb2.EngineReport:
+    summary = engine_pb2.RequestSummary(traffic_class="chat", draft=DRAFT, prompt_tokens=100,
+                                        output_tokens=100, drafted_tokens=40, accepted_tokens=30,
+                                        latency_seconds=1.0)
+    msg = report(2, acceptance(), finished=[summary] * 400)
+    assert msg.ByteSize() > FAST_SETTINGS["max_report_bytes"]
+    return msg
+
+
+# Each bad report also carries a good record: if any of it were applied, the state would move.
+BAD_REPORTS: dict[str, tuple[Callable[[], engine_pb2.EngineReport], str, str]] = {
+    "accepted_above_drafted": (_summary_accepted_above_drafted, "validation",
+                               "finished[0].accepted_tokens"),
+    "negative_count": (lambda: report(2, acceptance(), acceptance(steps_by_accepted=(5, -1, 3))),
+                       "validation", "acceptance[1].steps_by_accepted[1]"),
+    "k_above_engine_max": (lambda: report(2, acceptance(),
+                                          acceptance(steps_by_accepted=(1, 1, 1, 1, 1, 1))),
+                           "validation", "acceptance[1].k"),
+    "unknown_draft": (lambda: report(2, acceptance(), acceptance(draft="no-such-draft")),
+                      "validation", "acceptance[1].draft"),
+    "refused_draft": (lambda: report(2, acceptance(), acceptance(draft="draft-other-tokenizer")),
+                      "validation", "acceptance[1].draft"),
+    "oversized": (_oversized, "oversized", "max_report_bytes"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_REPORTS))
+async def test_bad_report_is_rejected_and_changes_nothing(
+    kind: str, server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    build, category, field = BAD_REPORTS[kind]
+    engine = EngineClient(channel)
+    await engine.connect()
+    assert (await engine.send(report(1))).accepted
+    at = time.time() + 60.0
+    before = _snapshot(server, at)
+    rejected_before = _metric(server, "specpilot_reports_rejected_total", reason=category)
+
+    result = await engine.send(build())
+    assert not result.accepted
+    assert result.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] == 3
+    assert field in result.reason
+    assert _metric(server, "specpilot_reports_rejected_total",
+                   reason=category) == rejected_before + 1
+    assert _snapshot(server, at) == before
+
+    # The stream is still up and the next good report is applied.
+    after = await engine.send(report(2))
+    assert after.accepted
+    assert _snapshot(server, at)[0] != before[0]  # so the equality above could have failed
+    await engine.close()
+
+
+async def test_classes_beyond_the_limit_fold_into_other(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    engine = EngineClient(channel)
+    await engine.connect()
+    # max_classes=4 counts "default": three new names fit, the next two fold.
+    names = ["c1", "c2", "c3", "c4", "c5"]
+    result = await engine.send(report(1, *(acceptance(n) for n in names)))
+    assert result.accepted
+    assert list(result.folded_classes) == ["c4", "c5"]
+    assert {"c1", "c2", "c3", "other"} <= server.core.classes.keys()
+    assert "c4" not in server.core.classes and "c5" not in server.core.classes
+    # Both folded histograms (10, 20, 70) landed on "other": 2 x 100 tries at position 1.
+    post = server.core.estimator.posterior("other", DRAFT, time.time())
+    assert post.effective_tries[0] == pytest.approx(200, rel=1e-3)
+    assert _metric(server, "specpilot_report_classes_folded_total") == 2
+    await engine.close()
+
+
+async def test_a_second_hello_on_a_stream_is_rejected_and_the_stream_stays(
+    channel: grpc.aio.Channel,
+) -> None:
+    engine = EngineClient(channel)
+    await engine.connect()
+    await engine.call.write(engine_pb2.ConnectRequest(hello=hello()))
+    while not (resp := await engine.read()).HasField("report_result"):
+        pass
+    assert not resp.report_result.accepted
+    assert "second hello" in resp.report_result.reason
+    assert (await engine.send(report(1))).accepted
+    await engine.close()
+
+
+async def test_a_reconnecting_engine_replaces_its_old_stream(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    old, new = EngineClient(channel), EngineClient(channel)
+    await old.connect()
+    await new.connect()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        while True:
+            await old.read()
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    # The old stream's end must not unregister the engine that the new stream registered.
+    await asyncio.sleep(0.05)
+    assert server.core.engines.keys() == {"engine-1"}
+    assert (await new.send(report(1))).accepted
+    await new.close()
+
+
+async def test_an_override_reaches_every_engine_within_one_report_interval(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    engines = [EngineClient(channel) for _ in range(3)]
+    for i, engine in enumerate(engines):
+        await engine.connect(hello(engine_id=f"engine-{i}"))
+    policy = async_policy_stub(channel)
+    started = time.monotonic()
+    await policy.SetOverride(
+        policy_pb2.SetOverrideRequest(override=policy_pb2.Override(traffic_class="default",
+                                                                   pin_k=1)),
+        metadata=(("authorization", f"Bearer {TOKEN}"),))
+    latencies = []
+    for engine in engines:
+        while True:
+            update = await engine.next_policy()
+            default = [d for d in update.decisions if d.traffic_class == "default"]
+            if default and all(d.k == 1 for d in default):
+                break
+        latencies.append(time.monotonic() - started)
+    # The push is immediate; the bound that matters is one report interval (0.05 s here), with
+    # slack for a loaded CI machine.
+    assert max(latencies) < 1.0
+    for engine in engines:
+        await engine.close()
+
+
+async def test_periodic_decisions_reach_engines_without_reports(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    """A change made outside any RPC (here: straight on the core, as a policy timer would) is
+    pushed by the periodic decide task within about one report interval."""
+    engine = EngineClient(channel)
+    await engine.connect()
+    version = engine.policies[-1].version
+    server.core.overrides["default"] = Override("default", force_off=True)
+    update = await engine.next_policy()
+    assert update.version > version
+    assert all(d.k == 0 for d in update.decisions if d.traffic_class == "default")
+    await engine.close()
+
+
+# --- HTTP --------------------------------------------------------------------------------------
+async def _get(server: RunningServer, path: str) -> tuple[int, str, Any]:
+    async with aiohttp.ClientSession() as http, http.get(server.http_url + path) as resp:
+        text = await resp.text()
+        body = await resp.json() if resp.content_type == "application/json" else None
+        return resp.status, text, body
+
+
+async def test_http_endpoints(server: RunningServer, channel: grpc.aio.Channel) -> None:
+    engine = EngineClient(channel)
+    await engine.connect()
+    assert (await engine.send(report(1))).accepted
+
+    status, _, body = await _get(server, "/healthz")
+    assert status == 200
+    assert body == {"status": "ok", "engines_connected": 1, "policy_version": server.core.version}
+
+    status, _, body = await _get(server, "/api/policy")
+    assert status == 200
+    assert body["engines"] == ["engine-1"]
+    assert body["batch_bucket_upper_bounds"] == list(server.core.config.batch_bucket_upper_bounds)
+    chat = next(c for c in body["classes"] if c["traffic_class"] == "chat")
+    estimate = next(e for e in chat["estimates"] if e["draft"] == DRAFT)
+    # Histogram (10, 20, 70): position 1 tried 100 times, accepted 90; prior Beta(1, 1).
+    p1 = estimate["positions"][0]
+    assert p1["mean"] == pytest.approx(91 / 102, rel=1e-3)
+    assert p1["lower"] < p1["mean"] < p1["upper"]
+    assert len(chat["decisions"]) == server.core.config.n_buckets
+
+    status, _, body = await _get(server, "/api/policy?class=nope")
+    assert status == 404 and "nope" in body["error"]
+
+    status, _, body = await _get(server, "/api/decisions?class=chat&limit=2")
+    assert status == 200
+    events = body["events"]
+    assert 0 < len(events) <= 2
+    assert all(e["decision"]["traffic_class"] == "chat" for e in events)
+
+    status, text, _ = await _get(server, "/metrics")
+    assert status == 200
+    assert 'specpilot_engines_connected 1.0' in text
+    assert f'specpilot_acceptance_first_position_ratio{{class="chat",draft="{DRAFT}"}}' in text
+    assert 'specpilot_decision_speculative_tokens{bucket="0",class="chat"}' in text
+    await engine.close()
+
+
+def _promtool() -> str | None:
+    local = ROOT / ".tools" / "bin" / "promtool"
+    return str(local) if local.exists() else shutil.which("promtool")
+
+
+async def test_promtool_finds_nothing_to_complain_about_in_a_scrape(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    promtool = _promtool()
+    if promtool is None:
+        msg = "promtool not found: install Debian package 'prometheus' (tools/install-tools.sh)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{msg}; CI=true, so a missing tool is a failure, not a skip")
+        pytest.skip(msg)
+    engine = EngineClient(channel)
+    await engine.connect()
+    # Put a series behind every metric: accepted, rejected and folded reports, decisions.
+    assert (await engine.send(report(1, *(acceptance(n) for n in ("a", "b", "c", "d"))))).accepted
+    assert not (await engine.send(report(2, acceptance(draft="nope")))).accepted
+    _, text, _ = await _get(server, "/metrics")
+    assert "specpilot_acceptance_per_token_ratio{" in text
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), (
+        proc.stdout + proc.stderr)
+    await engine.close()
+
+
+async def test_expected_speedup_and_k_metrics_follow_the_decisions(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    engine = EngineClient(channel)
+    await engine.connect()
+    assert (await engine.send(report(1))).accepted
+    for bucket, d in server.core.classes["chat"].decisions.items():
+        labels = {"class": "chat", "bucket": str(bucket)}
+        assert _metric(server, "specpilot_decision_speculative_tokens", **labels) == d.k
+        assert _metric(server, "specpilot_decision_expected_speedup_ratio",
+                       **labels) == d.expected_speedup
+    on = any(d.k for d in server.core.classes["chat"].decisions.values())
+    assert _metric(server, "specpilot_speculation_enabled", **{"class": "chat"}) == float(on)
+    post = server.core.estimator.posterior("chat", DRAFT, time.time())
+    assert _metric(server, "specpilot_acceptance_first_position_ratio",
+                   **{"class": "chat", "draft": DRAFT}) == pytest.approx(post.mean[0], rel=1e-6)
+    # Pooled over positions: (90 + 70 accepted + 1) / (100 + 90 tries + 2).
+    assert _metric(server, "specpilot_acceptance_per_token_ratio",
+                   **{"class": "chat", "draft": DRAFT}) == pytest.approx(161 / 192, rel=1e-6)
+    decisions = sum(_metric(server, "specpilot_decisions_total", reason=r)
+                    for r in ("warmup", "goodput", "explore", "change_detected", "override",
+                              "offline"))
+    assert decisions == len(server.core.log)
+    assert np.isclose(_metric(server, "specpilot_policy_version"), server.core.version)
+    await engine.close()
