@@ -121,8 +121,26 @@ class _CoreCollector(Collector):
                                 value=len(core.classes))
         yield GaugeMetricFamily("specpilot_overrides_active", "Operator overrides in force.",
                                 value=len(core.overrides))
+        yield from self._engines(now)
         yield from self._acceptance(now)
         yield from self._decisions()
+
+    def _engines(self, now: float) -> Iterator[Metric]:
+        # Aggregates over engines, not per-engine series: engine ids are not a bounded label set.
+        engines = list(self._core.engines.values())
+        yield GaugeMetricFamily(
+            "specpilot_engine_running_requests",
+            "Sequences running on the connected engines at their last report, summed.",
+            value=sum(e.running_requests for e in engines))
+        yield GaugeMetricFamily(
+            "specpilot_engine_report_age_seconds",
+            "Seconds since the least recent connected engine last reported (0 with none).",
+            value=max((now - e.last_report_at for e in engines), default=0.0))
+        yield GaugeMetricFamily(
+            "specpilot_engine_policy_versions_behind",
+            "How many policy versions the most outdated engine's last report was behind.",
+            value=max((self._core.version - e.policy_version_applied for e in engines),
+                      default=0))
 
     def _acceptance(self, now: float) -> Iterator[Metric]:
         labels = ["class", "draft"]

@@ -89,9 +89,9 @@ class Explanation:
 class _EngineState:
     hello: EngineHello
     drafts: dict[str, DraftSpec]
+    last_report_at: float
     last_sequence: int | None = None
     running_requests: int = 0
-    last_report_at: float | None = None
     policy_version_applied: int = 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -319,6 +320,10 @@ async def test_http_endpoints(server: RunningServer, channel: grpc.aio.Channel) 
     status, text, _ = await _get(server, "/metrics")
     assert status == 200
     assert 'specpilot_engines_connected 1.0' in text
+    # The engine's report said it ran policy version 0 (its static configuration).
+    behind = re.search(r"^specpilot_engine_policy_versions_behind (\S+)$", text, re.M)
+    assert behind is not None and float(behind.group(1)) == server.core.version > 0
+    assert re.search(r"^specpilot_engine_report_age_seconds \d", text, re.M)
     assert f'specpilot_acceptance_first_position_ratio{{class="chat",draft="{DRAFT}"}}' in text
     assert 'specpilot_decision_speculative_tokens{bucket="0",class="chat"}' in text
     await engine.close()
