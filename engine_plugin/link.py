@@ -1,0 +1,406 @@
+"""The engine's side of ``EngineService.Connect``: a daemon thread that owns the stream.
+
+The scheduler calls ``submit(payload)`` once per report interval; it appends to a bounded queue
+(dropping the oldest payload when full) and returns at once. The sender thread connects, sends the
+hello, waits for the HelloAck, then turns queued payloads into reports. Every message from the
+controller counts as hearing from it (``PolicyView.heard_from_controller``); policy updates go to
+the ``PolicyView``; the HelloAck's bucket bounds go to the view and the aggregator. When the stream
+fails, the thread reconnects with exponential backoff and full jitter, sending the hello again;
+sequence numbers restart at 1 on every stream (the controller tracks them per stream).
+
+Why the synchronous gRPC API in a plain thread, not ``grpc.aio`` on an event loop inside the
+thread: the plugin lives in vLLM's process, which may run its own asyncio loops (the OpenAI
+server; in-process engines in tests, next to a controller on another loop), and grpc.aio binds
+process-wide state to loops. The sync API has no loop at all, cancels a call from any thread
+(``stop``), and its request iterator is a plain generator fed from our queue. gRPC runs that
+generator on a thread of its own, so the generator only ever waits on a condition with a short
+timeout and returns as soon as its stream ended.
+
+Idle heartbeats: when no payload was sent for two report intervals (or a third of the fail-static
+timeout, if shorter), the thread sends an empty report. An idle engine's scheduler does not run
+and so does not submit, and without traffic on the stream the engine would fall back to its static
+configuration after the fail-static timeout although the controller is healthy. The heartbeat
+keeps the ReportResults (and so the policy) coming.
+
+Records dropped: ``records_dropped`` in a report is the number of records (histograms, step sums,
+finished summaries) in payloads this link dropped since the previous report, plus finished
+summaries the aggregator dropped from the payload itself. ``dropped`` counts dropped payloads.
+
+Nothing here raises into the caller or blocks it: ``submit`` takes a lock held only for a few
+deque operations, and every callback from the stream is guarded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import grpc
+
+from engine_plugin.buckets import DEFAULT_BUCKET_BOUNDS, check_bucket_bounds
+from engine_plugin.config import PluginConfig
+from engine_plugin.policy_view import PolicyView
+from engine_plugin.stats import ReportPayload, StatsAggregator, payload_to_report
+from specpilot.v1 import engine_pb2
+
+log = logging.getLogger(__name__)
+
+CONNECT_METHOD = (
+    "/" + engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name + "/Connect")
+
+# Keepalive, matched to the controller's server options (controller/server/app.py): the server
+# accepts pings no more often than every 10 s without data (min_ping_interval_without_data_ms) and
+# answers faster ones with GOAWAY "too_many_pings". 20 s pings with a 10 s ack timeout find a dead
+# controller (node gone, partition) within about 30 s even on a quiet stream; pings are allowed
+# with no call in flight and keep going without data, like the server's.
+KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# A fresh channel per attempt: our backoff decides when to retry, not the channel's own
+# (which grows to 120 s); these keep a single attempt's connect from idling.
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    *KEEPALIVE_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.enable_retries", 0),
+]
+# How often the request generator re-checks whether its stream ended or the link stops, seconds.
+_POLL_SECONDS = 0.05
+# Repeated warnings (rejected reports) are logged at most this often, seconds.
+_WARN_EVERY_SECONDS = 10.0
+# An idle stream gets an empty report after this many report intervals without one (or a third
+# of the fail-static timeout, if that is shorter).
+_HEARTBEAT_INTERVALS = 2.0
+
+BucketBoundsSink = Callable[[tuple[int, ...]], None]
+
+
+def backoff_delay(failures: int, initial: float, maximum: float, rng: random.Random) -> float:
+    """Seconds to wait before the next attempt, after ``failures`` failed attempts in a row (0:
+    the previous stream had been up): uniform in [0, min(maximum, initial * 2**failures)] ("full
+    jitter", so a fleet of engines does not reconnect in lockstep when a controller returns)."""
+    ceiling = min(maximum, initial * 2.0 ** min(failures, 60))
+    return rng.uniform(0.0, ceiling)
+
+
+@dataclass
+class _Stream:
+    """State of one Connect attempt."""
+
+    ended: threading.Event = field(default_factory=threading.Event)
+    acked: bool = False
+    bounds: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS
+    sequence: int = 0
+
+
+class _Throttled:
+    """A warning logged at most once per period, with the count of those held back."""
+
+    def __init__(self, period: float) -> None:
+        self._period = period
+        self._last = -math.inf
+        self._held = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self._period:
+            self._held += 1
+            return
+        if self._held:
+            msg += " (%d similar messages suppressed)"
+            args = (*args, self._held)
+        self._last, self._held = now, 0
+        log.warning(msg, *args)
+
+
+class ControllerLink:
+    """Owns the stream to the controller at ``target`` (host:port).
+
+    ``stats``: the aggregator, or a callable taking bucket bounds, or None; it gets the HelloAck's
+    bucket bounds. ``on_hello_ack``: called (on the sender thread) with every HelloAck, e.g. to
+    adopt the controller's ``max_classes``. ``start``: start the thread now (else ``start()``).
+    With an empty ``target`` no thread ever starts: ``submit`` just queues (dropping the oldest)
+    and the view stays on the static configuration.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        hello: engine_pb2.EngineHello,
+        view: PolicyView,
+        stats: StatsAggregator | BucketBoundsSink | None,
+        config: PluginConfig,
+        *,
+        on_hello_ack: Callable[[engine_pb2.HelloAck], None] | None = None,
+        rng: random.Random | None = None,
+        start: bool = True,
+    ) -> None:
+        self.target = target
+        self._hello = engine_pb2.ConnectRequest(hello=hello)
+        self._engine_id = hello.engine_id
+        self._view = view
+        if isinstance(stats, StatsAggregator):
+            self._bounds_sink: BucketBoundsSink | None = stats.set_bucket_bounds
+        else:
+            self._bounds_sink = stats
+        self._on_ack = on_hello_ack
+        self._config = config
+        self._rng = rng or random.Random()
+        self._interval = config.report_interval_seconds
+
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[tuple[ReportPayload, int]] = deque()
+        self._queue_size = config.queue_size
+        self._records_dropped_unreported = 0
+        self._last_running = 0
+        self._stop = threading.Event()
+        self._call: Any = None  # the current call (a grpc Rendezvous), for stop() to cancel
+        self._connected = False
+        self._outage_warned = False
+        self._rejected_warning = _Throttled(_WARN_EVERY_SECONDS)
+
+        # Counters (read them from any thread; written by one thread each).
+        self.dropped = 0  # payloads dropped because the queue was full
+        self.records_dropped = 0  # records in those payloads
+        self.reports_sent = 0
+        self.heartbeats_sent = 0
+        self.reports_accepted = 0
+        self.reports_rejected = 0
+        self.connects = 0  # HelloAcks received
+        self.last_hello_ack: engine_pb2.HelloAck | None = None
+
+        self._thread = threading.Thread(
+            target=self._run, name=f"specpilot-link-{self._engine_id}", daemon=True)
+        if start:
+            self.start()
+
+    # --- caller side ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the sender thread (idempotent; a no-op after ``stop`` or without a target)."""
+        if not self.target:
+            return
+        with self._cond:
+            if self._thread.ident is None and not self._stop.is_set():
+                self._thread.start()
+
+    @property
+    def connected(self) -> bool:
+        """True between a HelloAck and the end of its stream."""
+        return self._connected
+
+    @property
+    def report_interval_seconds(self) -> float:
+        """How often the scheduler should submit: the controller's HelloAck value once known."""
+        return self._interval
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def submit(self, payload: ReportPayload) -> None:
+        """Queue a payload for the controller; never blocks, never raises. When the queue is
+        full the oldest payload is dropped and counted."""
+        try:
+            version = self._view.version
+            with self._cond:
+                if len(self._queue) >= self._queue_size:
+                    old, _ = self._queue.popleft()
+                    self.dropped += 1
+                    self.records_dropped += old.record_count
+                    self._records_dropped_unreported += old.record_count
+                self._queue.append((payload, version))
+                self._last_running = payload.running_requests
+                self._cond.notify()
+        except Exception:
+            log.debug("submit failed", exc_info=True)
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """End the stream and the thread (waits at most ``timeout`` seconds for it)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # --- sender thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            stream = _Stream()
+            try:
+                self._serve(stream)
+            except Exception:  # a bug here must not end the thread: log, back off, retry
+                log.exception("specpilot: controller link failed unexpectedly")
+            finally:
+                self._connected = False
+                stream.ended.set()
+                with self._cond:
+                    self._cond.notify_all()
+            if self._stop.is_set():
+                break
+            failures = 0 if stream.acked else failures + 1
+            self._stop.wait(backoff_delay(failures, self._config.reconnect_initial_seconds,
+                                          self._config.reconnect_max_seconds, self._rng))
+
+    def _serve(self, stream: _Stream) -> None:
+        """One Connect call, from the hello to the end of the stream."""
+        channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        try:
+            connect = channel.stream_stream(
+                CONNECT_METHOD,
+                request_serializer=engine_pb2.ConnectRequest.SerializeToString,
+                response_deserializer=engine_pb2.ConnectResponse.FromString,
+            )
+            responses = cast(Any, connect(self._requests(stream)))
+            self._call = responses
+            if self._stop.is_set():
+                responses.cancel()
+            for msg in responses:
+                self._handle(msg, stream)
+            if not self._stop.is_set():
+                log.warning("specpilot: controller %s ended the stream; reconnecting", self.target)
+        except grpc.RpcError as exc:
+            if not self._stop.is_set():
+                self._log_failure(exc, stream)
+        finally:
+            self._call = None
+            stream.ended.set()
+            with self._cond:
+                self._cond.notify_all()
+            channel.close()
+
+    def _log_failure(self, exc: grpc.RpcError, stream: _Stream) -> None:
+        """One warning per outage; the retries that follow log at debug level."""
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        if stream.acked or not self._outage_warned:
+            self._outage_warned = True
+            # A refused hello is a configuration error, not an outage: say so louder.
+            refused = code in (grpc.StatusCode.INVALID_ARGUMENT,
+                               grpc.StatusCode.FAILED_PRECONDITION)
+            log.log(logging.ERROR if refused else logging.WARNING,
+                    "specpilot: controller %s: %s %s; reconnecting with backoff (the engine "
+                    "keeps the last policy, then its static configuration)", self.target,
+                    code.name if code else "", details)
+        else:
+            log.debug("specpilot: controller %s still unreachable: %s", self.target, details)
+
+    def _requests(self, stream: _Stream) -> Iterator[engine_pb2.ConnectRequest]:
+        """The stream's messages: the hello, then a report per payload (after the HelloAck), or
+        an empty report when idle. Runs on a gRPC thread; returns when the stream ended."""
+        yield self._hello
+        last_sent = time.monotonic()
+        while True:
+            item: tuple[ReportPayload, int] | None = None
+            with self._cond:
+                while True:
+                    if stream.ended.is_set() or self._stop.is_set():
+                        return
+                    if stream.acked:
+                        if self._queue:
+                            item = self._queue.popleft()
+                            break
+                        if time.monotonic() - last_sent >= self._heartbeat_seconds():
+                            break
+                    self._cond.wait(_POLL_SECONDS)
+                dropped, self._records_dropped_unreported = self._records_dropped_unreported, 0
+                running = self._last_running
+            try:
+                msg = self._report(stream, item, dropped, running)
+            except Exception:
+                log.exception("specpilot: could not build a report; payload dropped")
+                continue
+            last_sent = time.monotonic()
+            yield msg
+
+    def _heartbeat_seconds(self) -> float:
+        return min(_HEARTBEAT_INTERVALS * self._interval,
+                   self._view.fail_static_timeout_seconds / 3.0)
+
+    def _report(self, stream: _Stream, item: tuple[ReportPayload, int] | None, dropped: int,
+                running: int) -> engine_pb2.ConnectRequest:
+        stream.sequence += 1
+        if item is None:
+            report = engine_pb2.EngineReport(
+                sequence=stream.sequence, policy_version=self._view.version,
+                records_dropped=dropped, running_requests=min(max(running, 0), 2**32 - 1))
+            self.heartbeats_sent += 1
+        else:
+            payload, version = item
+            if payload.ignored_records:
+                log.debug("specpilot: %d invalid records left out of report %d",
+                          payload.ignored_records, stream.sequence)
+            report = payload_to_report(payload, stream.sequence, version, dropped, stream.bounds)
+            self.reports_sent += 1
+        return engine_pb2.ConnectRequest(report=report)
+
+    # --- messages from the controller ----------------------------------------------------------
+    def _handle(self, msg: engine_pb2.ConnectResponse, stream: _Stream) -> None:
+        try:
+            self._view.heard_from_controller()
+            kind = msg.WhichOneof("message")
+            if kind == "hello_ack":
+                self._on_hello_ack(msg.hello_ack, stream)
+            elif kind == "policy":
+                self._view.apply(msg.policy)
+            elif kind == "report_result":
+                self._on_result(msg.report_result)
+        except Exception:  # one odd message must not cost the stream
+            log.exception("specpilot: could not apply a controller message")
+
+    def _on_hello_ack(self, ack: engine_pb2.HelloAck, stream: _Stream) -> None:
+        if math.isfinite(ack.report_interval_seconds) and ack.report_interval_seconds > 0:
+            self._interval = ack.report_interval_seconds
+        if ack.batch_bucket_upper_bounds:
+            try:
+                bounds = check_bucket_bounds(ack.batch_bucket_upper_bounds)
+            except ValueError as exc:
+                log.error("specpilot: controller %s sent bad bucket bounds (%s); keeping %s",
+                          self.target, exc, stream.bounds)
+            else:
+                stream.bounds = bounds
+                self._view.set_bucket_bounds(bounds)
+                if self._bounds_sink is not None:
+                    self._bounds_sink(bounds)
+        for rejected in ack.rejected_drafts:
+            log.error("specpilot: controller %s REFUSED draft %r: %s. The controller will not "
+                      "choose it for this engine.", self.target, rejected.name, rejected.reason)
+        self.last_hello_ack = ack
+        self.connects += 1
+        self._outage_warned = False
+        log.info("specpilot: engine %s connected to controller %s (version %s), drafts %s, "
+                 "report interval %.3g s", self._engine_id, self.target, ack.controller_version,
+                 list(ack.accepted_drafts), self._interval)
+        if self._on_ack is not None:
+            try:
+                self._on_ack(ack)
+            except Exception:
+                log.exception("specpilot: on_hello_ack callback failed")
+        with self._cond:
+            stream.acked = True
+            self._connected = True
+            self._cond.notify_all()
+
+    def _on_result(self, result: engine_pb2.ReportResult) -> None:
+        if result.accepted:
+            self.reports_accepted += 1
+        else:
+            self.reports_rejected += 1
+            self._rejected_warning.warn(
+                "specpilot: controller %s rejected report %d (code %d): %s", self.target,
+                result.sequence, result.code, result.reason)
+        if result.folded_classes:
+            self._view.set_folded_classes(result.folded_classes)

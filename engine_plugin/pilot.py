@@ -1,0 +1,309 @@
+"""The plugin inside one vLLM scheduler: classifies requests, applies the policy to their drafts,
+captures what verification accepted, and hands reports to the controller link.
+
+The scheduler subclasses (scheduler.py) call the ``on_*`` hooks; every hook runs on the engine's
+scheduler thread, does dictionary work only, and never blocks (the network lives in the link's
+thread). Any exception is caught by the subclass, logged once, and the pilot is switched off: the
+engine keeps serving with its own configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine_plugin.classify import Classifier
+from engine_plugin.config import PluginConfig
+from engine_plugin.link import ControllerLink
+from engine_plugin.ngram import NGRAM_DRAFT, CounterfactualNgram, NgramProposer
+from engine_plugin.policy_view import Choice, PolicyView
+from engine_plugin.stats import StatsAggregator
+from engine_plugin.vocab import first_differences, vocab_hash
+from specpilot.v1 import common_pb2, engine_pb2
+
+log = logging.getLogger("specpilot.plugin")
+
+PLUGIN_VERSION = "0.1.0"
+
+
+@dataclass
+class _Request:
+    traffic_class: str
+    draft: str = ""  # draft whose tokens the request verified last
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine was started with, read from vLLM's config."""
+
+    model: str
+    tokenizer: str
+    drafter: str  # name of the engine's own drafter ("" without speculation)
+    drafter_kind: common_pb2.DraftKind
+    drafter_tokenizer: str  # "" for n-gram
+    max_k: int
+    async_scheduling: bool
+    greedy_draft_sampling: bool
+    ngram_min: int
+    ngram_max: int
+    max_model_len: int
+    max_num_seqs: int
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> EngineSpec:
+        spec = vllm_config.speculative_config
+        model_cfg = vllm_config.model_config
+        drafter, kind, draft_tok = "", common_pb2.DRAFT_KIND_UNSPECIFIED, ""
+        if spec is not None and spec.method == "ngram":
+            drafter, kind = NGRAM_DRAFT, common_pb2.DRAFT_KIND_NGRAM
+        elif spec is not None:
+            draft_cfg = spec.draft_model_config
+            draft_path = (draft_cfg.tokenizer if draft_cfg is not None else None) or spec.model
+            drafter = Path(str(spec.model)).name or str(spec.method)
+            kind, draft_tok = common_pb2.DRAFT_KIND_MODEL, str(draft_path)
+        return cls(
+            model=str(model_cfg.served_model_name or model_cfg.model),
+            tokenizer=str(model_cfg.tokenizer),
+            drafter=drafter,
+            drafter_kind=kind,
+            drafter_tokenizer=draft_tok,
+            max_k=int(vllm_config.num_speculative_tokens or 0) if spec is not None else 0,
+            async_scheduling=bool(vllm_config.scheduler_config.async_scheduling),
+            greedy_draft_sampling=getattr(spec, "draft_sample_method", "greedy") == "greedy",
+            ngram_min=int(getattr(spec, "prompt_lookup_min", None) or 2),
+            ngram_max=int(getattr(spec, "prompt_lookup_max", None) or 4),
+            max_model_len=int(model_cfg.max_model_len),
+            max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
+        )
+
+    @property
+    def can_substitute_ngram(self) -> bool:
+        """Draft tokens can be replaced in the sync scheduler; greedy draft sampling treats
+        them as one-hot, so the output distribution stays the target's."""
+        return (self.drafter_kind == common_pb2.DRAFT_KIND_MODEL and not self.async_scheduling
+                and self.greedy_draft_sampling)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Pilot:
+    def __init__(self, engine: EngineSpec, config: PluginConfig,
+                 tokenizer_loader: Any = _load_tokenizer) -> None:
+        self.engine = engine
+        self.config = config
+        self.classifier = Classifier.from_file(config.class_rules, config.max_classes)
+        self.drafts_allowed: set[str] = set()
+        hello = self._hello(tokenizer_loader)
+        static_k = engine.max_k if engine.drafter in self.drafts_allowed else 0
+        self.view = PolicyView(static_k=static_k, static_draft=engine.drafter,
+                               fail_static_timeout_seconds=config.fail_static_timeout_seconds,
+                               max_k=engine.max_k)
+        # Records for drafts the controller was not told about are dropped here, not sent.
+        self.stats = StatsAggregator(self.view.bucket_bounds, max_k=max(engine.max_k, 1),
+                                     drafts={d.name for d in hello.drafts})
+        self.link = ControllerLink(
+            config.controller, hello, self.view, self.stats, config,
+            on_hello_ack=lambda ack: self.classifier.set_max_classes(ack.max_classes),
+            start=False)
+        self.ngram = (NgramProposer(engine.ngram_min, engine.ngram_max, engine.max_model_len)
+                      if engine.max_k else None)
+        self.counterfactual = (
+            CounterfactualNgram(self.ngram.propose, engine.max_k)
+            if self.ngram is not None and engine.drafter != NGRAM_DRAFT else None)
+        self.requests: dict[str, _Request] = {}
+        self._step_started = 0.0
+        self._last_report = time.monotonic()
+        self.link.start()  # no thread without a controller: the static configuration stays
+
+    # --- start-up -------------------------------------------------------------------------------
+    def _hello(self, load: Any) -> engine_pb2.EngineHello:
+        """The hello, after the tokenizer guard: a model draft whose vocabulary differs from the
+        target's is refused here (and flagged to the controller by its hash)."""
+        e = self.engine
+        drafts: list[engine_pb2.DraftInfo] = []
+        target = load(e.tokenizer)
+        target_hash = vocab_hash(target)
+        if e.drafter_kind == common_pb2.DRAFT_KIND_MODEL:
+            draft_tok = load(e.drafter_tokenizer)
+            draft_hash = vocab_hash(draft_tok)
+            if draft_hash != target_hash:
+                log.error(
+                    "specpilot: draft %r tokenizer differs from the target's %r; speculation "
+                    "refused (acceptance would be meaningless). First differences: %s",
+                    e.drafter, e.tokenizer, "; ".join(first_differences(target, draft_tok)))
+            else:
+                self.drafts_allowed.add(e.drafter)
+            drafts.append(engine_pb2.DraftInfo(name=e.drafter, kind=e.drafter_kind,
+                                               vocab_hash=draft_hash, max_k=e.max_k))
+        elif e.drafter_kind == common_pb2.DRAFT_KIND_NGRAM:
+            self.drafts_allowed.add(e.drafter)
+            drafts.append(engine_pb2.DraftInfo(name=e.drafter, kind=e.drafter_kind,
+                                               max_k=e.max_k))
+        substitute = e.can_substitute_ngram and e.drafter in self.drafts_allowed
+        if substitute:
+            self.drafts_allowed.add(NGRAM_DRAFT)
+            drafts.append(engine_pb2.DraftInfo(name=NGRAM_DRAFT, kind=common_pb2.DRAFT_KIND_NGRAM,
+                                               max_k=e.max_k))
+        return engine_pb2.EngineHello(
+            engine_id=self.config.engine_id, model=e.model, target_vocab_hash=target_hash,
+            drafts=drafts, max_k=e.max_k,
+            capabilities=engine_pb2.EngineCapabilities(
+                per_request_k=self.config.k_mode == "per_request",
+                batch_wide_k=self.config.k_mode == "batch_wide",
+                ngram_substitution=substitute,
+                ngram_counterfactual=e.drafter_kind == common_pb2.DRAFT_KIND_MODEL),
+            engine_version=_vllm_version(), plugin_version=PLUGIN_VERSION,
+            max_batch_size=e.max_num_seqs,
+        )
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def on_add_request(self, request: Any) -> None:
+        params = request.sampling_params
+        lora = request.lora_request
+        self.requests[request.request_id] = _Request(self.classifier.classify(
+            params.extra_args if params is not None else None,
+            lora.lora_name if lora is not None else None,
+            request.num_prompt_tokens,
+            request.max_tokens,
+        ))
+
+    def on_schedule_start(self) -> None:
+        self._step_started = time.monotonic()
+
+    def batch_k(self, running: Iterable[Any]) -> int:
+        """Batch-wide mode: one K for the whole step, the median of what the requests' classes
+        want (mixed K would cost uniform-decode CUDA graphs on GPU)."""
+        running = list(running)
+        ks = sorted(self._choice(r, len(running)).k for r in running)
+        return ks[len(ks) // 2] if ks else self.view.static_k
+
+    def _choice(self, request: Any, batch_size: int) -> Choice:
+        state = self.requests.get(request.request_id)
+        cls = state.traffic_class if state is not None else "default"
+        choice = self.view.choice(cls, batch_size, request.request_id)
+        if choice.k and choice.draft not in self.drafts_allowed:
+            return Choice(self.engine.drafter, 0, False)
+        return choice
+
+    def on_drafts(self, requests: Mapping[str, Any], req_ids: Iterable[str],
+                  batch_size: int, batch_k: int | None) -> None:
+        """After the drafter proposed: cut each request's drafts to its K (never lengthen), or
+        substitute n-gram drafts where the policy picks them."""
+        for req_id in req_ids:
+            request = requests.get(req_id)
+            if request is None or not request.spec_token_ids:
+                continue
+            proposed = request.spec_token_ids
+            choice = self._choice(request, batch_size)
+            k = min(choice.k if batch_k is None else batch_k, len(proposed))
+            state = self.requests.get(req_id)
+            if choice.draft == NGRAM_DRAFT and self.engine.can_substitute_ngram and k:
+                assert self.ngram is not None
+                request.spec_token_ids = self.ngram.propose(request.all_token_ids, k)
+                draft = NGRAM_DRAFT
+            else:
+                if k < len(proposed):
+                    request.spec_token_ids = proposed[:k]
+                draft = self.engine.drafter
+            if state is not None:
+                state.draft = draft
+
+    def on_placeholders(self, requests: Mapping[str, Any], req_ids: Iterable[str],
+                        batch_size: int) -> None:
+        """Async scheduling: each request gets a placeholder list of its own K (the scheduler
+        shares one list of the batch K between all requests; never mutate that one)."""
+        for req_id in req_ids:
+            request = requests.get(req_id)
+            if request is None or not request.spec_token_ids:
+                continue
+            k = min(self._choice(request, batch_size).k, len(request.spec_token_ids))
+            if k < len(request.spec_token_ids):
+                request.spec_token_ids = [-1] * k
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.draft = self.engine.drafter
+
+    def on_output(self, scheduler_output: Any, runner_output: Any, running: int) -> None:
+        """Before vLLM applies a step's output: count drafted/accepted per request and time the
+        step."""
+        seconds = time.monotonic() - self._step_started
+        sampled = runner_output.sampled_token_ids
+        index = runner_output.req_id_to_index
+        invalid = scheduler_output.num_invalid_spec_tokens or {}
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            i = index.get(req_id)
+            if i is None or not sampled or not sampled[i]:
+                continue
+            drafted = len(drafts) - invalid.get(req_id, 0)
+            accepted = min(len(sampled[i]) - 1, drafted)
+            state = self.requests.get(req_id)
+            if state is None or drafted <= 0:
+                continue
+            self.stats.record_verification(state.traffic_class, state.draft, drafted, accepted)
+            state.drafted += drafted
+            state.accepted += accepted
+        batch = len(scheduler_output.num_scheduled_tokens)
+        if batch:
+            spec = sum(len(t) for t in scheduler_output.scheduled_spec_decode_tokens.values())
+            k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
+            self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,
+                                   spec, self.engine.drafter if k else "", k, seconds)
+
+    def after_output(self, requests: Mapping[str, Any], req_ids: Iterable[str],
+                     running: int) -> None:
+        """After vLLM appended the step's tokens (and freed finished requests): score pending
+        counterfactual n-gram drafts, then hand a report to the link when one is due."""
+        self._score_counterfactual(requests, req_ids)
+        now = time.monotonic()
+        # Flush when the engine goes idle too, so the last finished requests are not held back.
+        if now - self._last_report >= self.link.report_interval_seconds or running == 0:
+            self._last_report = now
+            payload = self.stats.snapshot(running_requests=running)
+            if not payload.is_empty:
+                self.link.submit(payload)
+
+    def _score_counterfactual(self, requests: Mapping[str, Any], req_ids: Iterable[str]) -> None:
+        if self.counterfactual is None:
+            return
+        for req_id in req_ids:
+            request = requests.get(req_id)
+            state = self.requests.get(req_id)
+            # Requests served by n-gram drafts are measured for real, not counterfactually.
+            if request is None or state is None or state.draft == NGRAM_DRAFT:
+                continue
+            scored = self.counterfactual.step(req_id, request.all_token_ids,
+                                              request.num_prompt_tokens)
+            if scored is not None:
+                k, accepted = scored
+                self.stats.record_verification(state.traffic_class, NGRAM_DRAFT, k, accepted,
+                                               counterfactual=True)
+
+    def on_free(self, request: Any) -> None:
+        state = self.requests.pop(request.request_id, None)
+        if self.counterfactual is not None:
+            self.counterfactual.forget(request.request_id)
+        if state is None:
+            return
+        self.stats.record_finished(
+            state.traffic_class, state.draft, request.num_prompt_tokens,
+            request.num_output_tokens, state.drafted, state.accepted,
+            max(time.time() - request.arrival_time, 0.0))
+
+    def close(self) -> None:
+        self.link.stop()
+
+
+def _vllm_version() -> str:
+    from engine_plugin.vllm_compat import vllm_version
+
+    return vllm_version() or "unknown"

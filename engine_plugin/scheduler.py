@@ -1,0 +1,125 @@
+"""vLLM scheduler subclasses that run the specpilot pilot. Pass one to vLLM:
+
+    vllm serve MODEL --speculative-config '{"model": DRAFT, "num_speculative_tokens": 4}' \\
+        --scheduler-cls engine_plugin.scheduler.SpecPilotScheduler          # sync scheduling
+    # with --async-scheduling (the GPU default): engine_plugin.scheduler.SpecPilotAsyncScheduler
+
+or ``LLM(..., scheduler_cls="engine_plugin.scheduler.SpecPilotScheduler")``. The plugin is
+configured by SPECPILOT_PLUGIN_* environment variables (engine_plugin/config.py).
+
+Every hook is guarded: an exception inside specpilot is logged once and switches the pilot off, so
+the engine goes on serving as plain vLLM. The scheduler loop never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from engine_plugin.config import PluginConfig
+from engine_plugin.pilot import EngineSpec, Pilot
+from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
+
+log = logging.getLogger("specpilot.plugin")
+T = TypeVar("T")
+
+
+def _start_pilot(vllm_config: Any) -> Pilot | None:
+    version = vllm_version()
+    if not is_supported(version):
+        log.error("specpilot: vLLM %s is not supported (need %s); serving without specpilot",
+                  version, SUPPORTED_VLLM)
+        return None
+    try:
+        engine = EngineSpec.from_vllm(vllm_config)
+        if not engine.max_k:
+            log.warning("specpilot: no speculative decoding configured; nothing to steer")
+        return Pilot(engine, PluginConfig.from_env())
+    except Exception:
+        log.exception("specpilot: could not start; serving without specpilot")
+        return None
+
+
+class _PilotScheduler(Scheduler):
+    """The hooks shared by the sync and async schedulers (cooperative: in the async subclass
+    ``super()`` here resolves to AsyncScheduler)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pilot: Pilot | None = _start_pilot(self.vllm_config)
+
+    def _guard(self, hook: Callable[[Pilot], T]) -> T | None:
+        pilot = self._pilot
+        if pilot is None:
+            return None
+        try:
+            return hook(pilot)
+        except Exception:
+            log.exception("specpilot: hook failed; switching specpilot off for this engine")
+            self._pilot = None
+            pilot.close()
+            return None
+
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)
+        self._guard(lambda p: p.on_add_request(request))
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._guard(lambda p: p.on_schedule_start())
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        self._guard(lambda p: p.on_output(scheduler_output, model_runner_output,
+                                          len(self.running)))
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._guard(lambda p: p.after_output(self.requests,
+                                             scheduler_output.num_scheduled_tokens,
+                                             len(self.running)))
+        return outputs
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self._guard(lambda p: p.on_free(request))
+        return super()._free_request(request, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self._guard(lambda p: p.close())
+        super().shutdown()
+
+
+class SpecPilotScheduler(_PilotScheduler):
+    """Sync scheduling: per-request K (or batch-wide K) and n-gram draft substitution."""
+
+    def _batch_k(self) -> int | None:
+        pilot = self._pilot
+        if pilot is None or pilot.config.k_mode != "batch_wide":
+            return None
+        return self._guard(lambda p: p.batch_k(self.running))
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        k = self._batch_k() if output.num_scheduled_tokens else None
+        if k is not None:
+            # The drafter drafts this many for the next step: batch-wide K saves draft work too.
+            output.num_spec_tokens_to_schedule = min(k, output.num_spec_tokens_to_schedule)
+        return output
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        super().update_draft_token_ids(draft_token_ids)
+        batch, batch_k = len(self.running), self._batch_k()
+        self._guard(lambda p: p.on_drafts(self.requests, draft_token_ids.req_ids, batch,
+                                          batch_k))
+
+
+class SpecPilotAsyncScheduler(_PilotScheduler, AsyncScheduler):
+    """Async scheduling: drafts are placeholders here, so K is applied by giving each request a
+    placeholder list of its own length; token values cannot be substituted (no n-gram drafts)."""
+
+    def _update_after_schedule(self, scheduler_output: Any) -> None:
+        super()._update_after_schedule(scheduler_output)
+        self._guard(lambda p: p.on_placeholders(self.requests,
+                                                scheduler_output.num_scheduled_tokens,
+                                                len(self.running)))

@@ -1,0 +1,88 @@
+"""PluginConfig from the environment: defaults, parsing, and errors that name the variable."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from engine_plugin.config import PluginConfig
+
+
+def test_defaults() -> None:
+    c = PluginConfig.from_env({})
+    assert c.controller == "" and not c.has_controller
+    assert c.engine_id.endswith(f"-{os.getpid()}")
+    assert (c.class_rules, c.max_classes, c.report_interval_seconds) == ("", 16, 1.0)
+    assert (c.fail_static_timeout_seconds, c.queue_size) == (30.0, 64)
+    assert (c.reconnect_initial_seconds, c.reconnect_max_seconds) == (0.5, 10.0)
+    assert c.k_mode == "per_request"
+
+
+def test_every_variable_is_read() -> None:
+    env = {
+        "SPECPILOT_PLUGIN_CONTROLLER": "127.0.0.1:50051",
+        "SPECPILOT_PLUGIN_ENGINE_ID": "pod-7",
+        "SPECPILOT_PLUGIN_CLASS_RULES": "/etc/specpilot/rules.yaml",
+        "SPECPILOT_PLUGIN_MAX_CLASSES": "8",
+        "SPECPILOT_PLUGIN_REPORT_INTERVAL_SECONDS": "0.25",
+        "SPECPILOT_PLUGIN_FAIL_STATIC_TIMEOUT_SECONDS": "12",
+        "SPECPILOT_PLUGIN_QUEUE_SIZE": "5",
+        "SPECPILOT_PLUGIN_RECONNECT_INITIAL_SECONDS": "0.1",
+        "SPECPILOT_PLUGIN_RECONNECT_MAX_SECONDS": "2",
+        "SPECPILOT_PLUGIN_K_MODE": "batch_wide",
+    }
+    c = PluginConfig.from_env(env)
+    assert c == PluginConfig(
+        controller="127.0.0.1:50051", engine_id="pod-7", class_rules="/etc/specpilot/rules.yaml",
+        max_classes=8, report_interval_seconds=0.25, fail_static_timeout_seconds=12.0,
+        queue_size=5, reconnect_initial_seconds=0.1, reconnect_max_seconds=2.0,
+        k_mode="batch_wide")
+    assert c.has_controller
+
+
+def test_empty_values_mean_default_and_ipv6_needs_brackets() -> None:
+    assert PluginConfig.from_env({"SPECPILOT_PLUGIN_QUEUE_SIZE": ""}).queue_size == 64
+    assert PluginConfig.from_env({"SPECPILOT_PLUGIN_CONTROLLER": "[::1]:9"}).controller == "[::1]:9"
+
+
+@pytest.mark.parametrize(("var", "value", "fragment"), [
+    ("CONTROLLER", "localhost", "host:port"),
+    ("CONTROLLER", "localhost:http", "not an integer"),
+    ("CONTROLLER", "localhost:70000", "outside 1..65535"),
+    ("CONTROLLER", "::1:50051", "brackets"),
+    ("MAX_CLASSES", "1", ">= 2"),
+    ("MAX_CLASSES", "many", "integer"),
+    ("REPORT_INTERVAL_SECONDS", "0", "> 0"),
+    ("REPORT_INTERVAL_SECONDS", "nan", "finite"),
+    ("FAIL_STATIC_TIMEOUT_SECONDS", "-1", "> 0"),
+    ("QUEUE_SIZE", "0", ">= 1"),
+    ("QUEUE_SIZE", "2.5", "integer"),
+    ("RECONNECT_INITIAL_SECONDS", "soon", "number"),
+    ("K_MODE", "mixed", "per_request, batch_wide"),
+])
+def test_bad_values_name_the_variable(var: str, value: str, fragment: str) -> None:
+    with pytest.raises(ValueError) as err:
+        PluginConfig.from_env({f"SPECPILOT_PLUGIN_{var}": value})
+    assert str(err.value).startswith(f"SPECPILOT_PLUGIN_{var}: ")
+    assert fragment in str(err.value)
+
+
+def test_backoff_bounds_are_related() -> None:
+    with pytest.raises(ValueError, match=r"^SPECPILOT_PLUGIN_RECONNECT_MAX_SECONDS: "):
+        PluginConfig.from_env({"SPECPILOT_PLUGIN_RECONNECT_INITIAL_SECONDS": "5",
+                               "SPECPILOT_PLUGIN_RECONNECT_MAX_SECONDS": "1"})
+
+
+def test_unknown_variable_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="engine_plugin.config"):
+        PluginConfig.from_env({"SPECPILOT_PLUGIN_CONTROLER": "x:1"})
+    assert "SPECPILOT_PLUGIN_CONTROLER: unknown" in caplog.text
+
+
+def test_direct_construction_is_validated_too() -> None:
+    with pytest.raises(ValueError, match=r"^SPECPILOT_PLUGIN_QUEUE_SIZE: "):
+        PluginConfig(queue_size=0)
+    with pytest.raises(ValueError, match=r"^SPECPILOT_PLUGIN_ENGINE_ID: must not be empty"):
+        PluginConfig(engine_id="  ")

@@ -1,0 +1,185 @@
+"""The policy in force: lookups per (class, bucket), defaults, probing, fail-static and recovery."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine_plugin.policy_view import Choice, PolicyView, probe_point
+from specpilot.v1 import common_pb2, engine_pb2
+
+BOUNDS = (1, 4, 16)  # buckets 0: 1, 1: 2..4, 2: 5..16, 3: 17+
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def decision(cls: str, bucket: int, draft: str, k: int, probe_rate: float = 0.0,
+             probe_k: int = 0, probe_draft: str = "") -> common_pb2.Decision:
+    return common_pb2.Decision(traffic_class=cls, batch_bucket=bucket, draft=draft, k=k,
+                               probe_rate=probe_rate, probe_k=probe_k, probe_draft=probe_draft)
+
+
+def update(version: int = 7, timeout: float = 0.0) -> engine_pb2.PolicyUpdate:
+    return engine_pb2.PolicyUpdate(
+        version=version,
+        decisions=[
+            decision("chat", 0, "d", 4), decision("chat", 1, "d", 3),
+            decision("chat", 2, "ngram", 2), decision("chat", 3, "", 0),
+            decision("hard", 0, "", 0, probe_rate=0.1, probe_k=2, probe_draft="d"),
+            decision("other", 0, "d", 1),
+        ],
+        default_decisions=[decision("", b, "d", 2) for b in range(4)],
+        fail_static_timeout_seconds=timeout,
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def view(clock: FakeClock) -> PolicyView:
+    v = PolicyView(static_k=4, static_draft="d", fail_static_timeout_seconds=30, clock=clock,
+                   bucket_bounds=BOUNDS)
+    v.apply(update())
+    return v
+
+
+def test_static_before_any_policy(clock: FakeClock) -> None:
+    v = PolicyView(3, "d", 30, clock=clock)
+    v.heard_from_controller()  # a HelloAck alone is not a policy
+    assert v.choice("chat", 1, "r1") == Choice("d", 3, False)
+    assert v.version == 0 and v.fail_static
+
+
+def test_lookup_by_class_and_bucket(view: PolicyView) -> None:
+    assert view.version == 7 and not view.fail_static
+    assert view.choice("chat", 1, "r") == Choice("d", 4, False)
+    assert view.choice("chat", 2, "r") == Choice("d", 3, False)
+    assert view.choice("chat", 4, "r") == Choice("d", 3, False)
+    assert view.choice("chat", 5, "r") == Choice("ngram", 2, False)
+    assert view.choice("chat", 500, "r") == Choice("", 0, False)
+    # Unknown classes and buckets a class has no decision for take the defaults.
+    assert view.choice("new-class", 1, "r") == Choice("d", 2, False)
+    assert view.choice("hard", 8, "r") == Choice("d", 2, False)
+
+
+def test_bucket_mapping(view: PolicyView) -> None:
+    assert [view.bucket_of(b) for b in (0, 1, 2, 4, 5, 16, 17, 10_000)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    view.set_bucket_bounds([8])
+    assert [view.bucket_of(b) for b in (1, 8, 9)] == [0, 0, 1]
+    assert view.choice("chat", 9, "r") == Choice("d", 3, False)
+    with pytest.raises(ValueError):
+        view.set_bucket_bounds([8, 2])
+    assert view.bucket_bounds == (8,)
+
+
+def test_k_is_never_above_the_engines_max(clock: FakeClock) -> None:
+    v = PolicyView(2, "d", 30, clock=clock, bucket_bounds=BOUNDS)
+    v.apply(update())
+    assert v.choice("chat", 1, "r") == Choice("d", 2, False)
+
+
+def test_probe_share_tracks_probe_rate_and_is_stable(view: PolicyView) -> None:
+    keys = [f"req-{i}" for i in range(20_000)]
+    choices = [view.choice("hard", 1, key) for key in keys]
+    probed = {key for key, c in zip(keys, choices, strict=True) if c.probe}
+    assert all(c == Choice("d", 2, True) for c in choices if c.probe)
+    assert all(c == Choice("", 0, False) for c in choices if not c.probe)
+    # Binomial(20000, 0.1): sd 0.0021; allow 5 sd.
+    assert abs(len(probed) / len(keys) - 0.1) < 0.011
+    # The same requests every time (every step, every process: blake2b is not salted).
+    assert probed == {k for k in keys if view.choice("hard", 1, k).probe}
+    assert probe_point("req-1") == probe_point("req-1")
+    # A lower rate probes a subset of the same requests.
+    lower = update(version=8)
+    lower.decisions[4].probe_rate = 0.02
+    view.apply(lower)
+    probed_low = {k for k in keys if view.choice("hard", 1, k).probe}
+    assert probed_low < probed and abs(len(probed_low) / len(keys) - 0.02) < 0.005
+    # Probing is only for classes that are off.
+    assert not any(view.choice("chat", 1, k).probe for k in keys[:1000])
+
+
+def test_fail_static_after_timeout_and_recovery(view: PolicyView, clock: FakeClock) -> None:
+    clock.now += 29.9
+    assert view.choice("chat", 1, "r") == Choice("d", 4, False) and view.version == 7
+    clock.now += 0.2
+    assert view.fail_static and view.version == 0
+    assert view.choice("chat", 1, "r") == Choice("d", 4, False)  # static: d, K=4
+    assert view.choice("chat", 500, "r") == Choice("d", 4, False)
+    # Any message from the controller brings the last policy back.
+    view.heard_from_controller()
+    assert view.version == 7 and view.choice("chat", 500, "r") == Choice("", 0, False)
+
+
+def test_update_sets_the_timeout(view: PolicyView, clock: FakeClock) -> None:
+    view.apply(update(version=9, timeout=2.0))
+    assert view.fail_static_timeout_seconds == 2.0
+    clock.now += 2.1
+    assert view.version == 0
+    view.apply(update(version=10, timeout=float("nan")))  # ignored, keeps 2.0
+    assert view.fail_static_timeout_seconds == 2.0 and view.version == 10
+
+
+def test_static_zero_means_no_draft(clock: FakeClock) -> None:
+    v = PolicyView(0, "d", 30, clock=clock, max_k=4)
+    assert v.choice("x", 1, "r") == Choice("", 0, False)
+    v.apply(update())
+    assert v.choice("chat", 1, "r") == Choice("d", 4, False)
+
+
+def test_folded_classes_follow_other(view: PolicyView) -> None:
+    assert view.choice("late", 1, "r") == Choice("d", 2, False)
+    view.set_folded_classes(["late"])
+    assert view.choice("late", 1, "r") == Choice("d", 1, False)
+    assert view.choice("late", 2, "r") == Choice("d", 2, False)  # "other" has no bucket 1
+
+
+def test_missing_default_for_a_bucket_falls_back_to_static(clock: FakeClock) -> None:
+    v = PolicyView(4, "d", 30, clock=clock, bucket_bounds=BOUNDS)
+    v.apply(engine_pb2.PolicyUpdate(version=3, decisions=[decision("chat", 0, "d", 1)]))
+    assert v.choice("chat", 1, "r") == Choice("d", 1, False)
+    assert v.choice("chat", 100, "r") == Choice("d", 4, False)
+
+
+def test_choice_never_raises(view: PolicyView) -> None:
+    assert view.choice("hard", "big", "r") == Choice("d", 4, False)  # type: ignore[arg-type]
+    assert view.choice("hard", 1, None) == Choice("d", 4, False)  # type: ignore[arg-type]
+
+
+def test_readers_never_see_a_torn_policy(clock: FakeClock) -> None:
+    """A writer swapping policies while a reader looks up: every answer belongs to one of the
+    two policies, never a mix, and no lookup fails."""
+    v = PolicyView(4, "d", 30, clock=clock, bucket_bounds=BOUNDS)
+    a = engine_pb2.PolicyUpdate(version=1, decisions=[decision("c", b, "d", 1) for b in range(4)])
+    b = engine_pb2.PolicyUpdate(version=2, decisions=[decision("c", b, "d", 3) for b in range(4)])
+    v.apply(a)
+    stop = threading.Event()
+
+    def writer() -> None:
+        while not stop.is_set():
+            v.apply(b)
+            v.apply(a)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        seen = {v.choice("c", 1 + i % 40, "r").k for i in range(20_000)}
+    finally:
+        stop.set()
+        t.join()
+    assert seen <= {1, 3}
+
+
+def test_static_configuration_is_readable(clock: FakeClock) -> None:
+    v = PolicyView(3, "d", 30, clock=clock)
+    assert (v.static_k, v.static_draft, v.static_choice) == (3, "d", Choice("d", 3, False))
