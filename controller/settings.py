@@ -128,6 +128,10 @@ class Settings(BaseSettings):
         0.03, ge=0, description="Relative sampled-goodput gain a new arm needs to replace the "
         "current one (0.03 = 3%)."
     )
+    min_speedup: float = Field(
+        1.02, ge=1.0, description="Smallest expected speedup over no speculation (ratio) that "
+        "justifies drafting; smaller gains are inside the cost model's error."
+    )
     probe_rate_initial: float = Field(
         0.05, ge=0, le=1, description="Share of a class's requests probed right after it goes off."
     )
@@ -207,6 +211,7 @@ def core_config(settings: Settings) -> CoreConfig:
             warmup_k=s.warmup_k,
             dwell_seconds=s.dwell_seconds,
             hysteresis_ratio=s.hysteresis_ratio,
+            min_speedup=s.min_speedup,
             probe_rate_initial=s.probe_rate_initial,
             probe_rate_min=s.probe_rate_min,
             probe_half_life_seconds=s.probe_half_life_seconds,

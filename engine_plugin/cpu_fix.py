@@ -30,7 +30,7 @@ module in ``sys.modules`` and calls ``vars(value).get("kernel")`` on every attri
 ``llvmlite.binding.ffi.lib`` answers ``vars()`` with a non-mapping and the scan raises
 ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``: every engine built later in
 that process fails in ``init_worker`` (first seen with an n-gram engine followed by any other
-engine in one test process). The install therefore also replaces the dispatcher's
+engine in one test process). On vLLM 0.32 the install therefore also replaces the dispatcher's
 ``_rebind_kernels`` with the same scan that skips such attributes.
 
 :func:`install_cpu_rejection_sampler_fix` is safe to call from the ``vllm.general_plugins``
@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -131,10 +133,17 @@ def _safe_rebind_kernels(overrides: list[tuple[Callable[..., Any], Any]]) -> Non
                 return wrapper
         return None
 
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict) or not namespace:
-            continue
+    with warnings.catch_warnings():
+        # Introspecting deprecated module attributes (torch.distributed.reduce_op, ...) warns.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for module in list(sys.modules.values()):
+            _rebind_in_module(module, lookup)
+
+
+def _rebind_in_module(module: Any, lookup: Callable[[Any], Any]) -> None:
+    namespace = getattr(module, "__dict__", None)
+    if isinstance(namespace, dict) and namespace:
         for attr, value in list(namespace.items()):
             wrapper = lookup(value)
             if wrapper is not None:
@@ -196,11 +205,18 @@ def _registered_impl() -> Any:
     if module is None:
         return None
     kernel = getattr(module, "expand_kernel", None)
-    from vllm.triton_utils.dispatcher import KernelOverride
-
+    try:
+        from vllm.triton_utils.dispatcher import KernelOverride
+    except ImportError:  # pragma: no cover - another dispatcher layout
+        return getattr(kernel, "func", None)
     if isinstance(kernel, KernelOverride):
         return kernel.func
     return None
+
+
+def _guard_verified(version: str | None) -> bool:
+    """The dispatcher guard copies vLLM 0.32's ``_rebind_kernels``: only replace that one."""
+    return bool(version) and re.match(r"^0\.32(\.|$|[a-z+])", version or "") is not None
 
 
 def fix_installed() -> bool:
@@ -216,8 +232,9 @@ def install_cpu_rejection_sampler_fix() -> bool:
     platform is not CPU, or Triton is available (then vLLM uses the real, correct kernel).
     Otherwise it makes every later CPU-platform kernel registration in this process install
     :func:`expand_kernel_impl`, re-registers it now if the platform has already registered
-    its overrides, guards the dispatcher's module scan against llvmlite (see the module doc),
-    and returns True (also on repeated calls: it is idempotent). Never raises.
+    its overrides, guards the dispatcher's module scan against llvmlite on vLLM 0.32 (see the
+    module doc), and returns True (also on repeated calls: it is idempotent). Returns False
+    with a warning when vLLM's CPU fallback module has another layout. Never raises.
     """
     try:
         ok, why = _applicable()
@@ -226,16 +243,21 @@ def install_cpu_rejection_sampler_fix() -> bool:
             return False
         global _announced
         with _lock:
-            _install_dispatcher_guard()
             cpu_tl = importlib.import_module(_CPU_TRITON_UTILS)
-            if getattr(cpu_tl, _IMPL_ATTR, None) is not expand_kernel_impl:
-                if not hasattr(cpu_tl, _IMPL_ATTR):
-                    logger.warning(
-                        "specpilot: %s.%s not found; registering the fix only for engines "
-                        "already built in this process",
-                        _CPU_TRITON_UTILS,
-                        _IMPL_ATTR,
-                    )
+            if not hasattr(cpu_tl, _IMPL_ATTR):
+                # Another vLLM layout: patching it blindly could leave the bug in place while
+                # claiming the opposite.
+                logger.warning(
+                    "specpilot: %s.%s not found in vLLM %s; the CPU rejection-sampler fix is "
+                    "not installed (sampling at temperature > 0 with speculation may be wrong)",
+                    _CPU_TRITON_UTILS,
+                    _IMPL_ATTR,
+                    vllm_version(),
+                )
+                return False
+            if _guard_verified(vllm_version()):
+                _install_dispatcher_guard()
+            if getattr(cpu_tl, _IMPL_ATTR) is not expand_kernel_impl:
                 setattr(cpu_tl, _IMPL_ATTR, expand_kernel_impl)
             current = _registered_impl()
             if current is not None and current is not expand_kernel_impl:

@@ -63,10 +63,11 @@ class EngineSpec:
         if spec is not None and spec.method == "ngram":
             drafter, kind = NGRAM_DRAFT, common_pb2.DRAFT_KIND_NGRAM
         elif spec is not None:
-            draft_cfg = spec.draft_model_config
-            draft_path = (draft_cfg.tokenizer if draft_cfg is not None else None) or spec.model
+            # The draft's own tokenizer, from its directory: vLLM itself only compares vocabulary
+            # sizes and runs the draft with the target's tokenizer (draft_model_config.tokenizer),
+            # which is exactly how a silent mismatch gets in.
             drafter = Path(str(spec.model)).name or str(spec.method)
-            kind, draft_tok = common_pb2.DRAFT_KIND_MODEL, str(draft_path)
+            kind, draft_tok = common_pb2.DRAFT_KIND_MODEL, str(spec.model)
         return cls(
             model=str(model_cfg.served_model_name or model_cfg.model),
             tokenizer=str(model_cfg.tokenizer),
@@ -116,10 +117,12 @@ class Pilot:
             on_hello_ack=lambda ack: self.classifier.set_max_classes(ack.max_classes),
             start=False)
         self.ngram = (NgramProposer(engine.ngram_min, engine.ngram_max, engine.max_model_len)
-                      if engine.max_k else None)
+                      if engine.max_k and config.ngram_drafts else None)
         self.counterfactual = (
             CounterfactualNgram(self.ngram.propose, engine.max_k)
-            if self.ngram is not None and engine.drafter != NGRAM_DRAFT else None)
+            # Scored only where n-gram drafts are offered: the controller must know the draft.
+            if self.ngram is not None and NGRAM_DRAFT in self.drafts_allowed
+            and engine.drafter != NGRAM_DRAFT else None)
         self.requests: dict[str, _Request] = {}
         self._step_started = 0.0
         self._last_report = time.monotonic()
@@ -149,7 +152,8 @@ class Pilot:
             self.drafts_allowed.add(e.drafter)
             drafts.append(engine_pb2.DraftInfo(name=e.drafter, kind=e.drafter_kind,
                                                max_k=e.max_k))
-        substitute = e.can_substitute_ngram and e.drafter in self.drafts_allowed
+        substitute = (e.can_substitute_ngram and e.drafter in self.drafts_allowed
+                      and self.config.ngram_drafts)
         if substitute:
             self.drafts_allowed.add(NGRAM_DRAFT)
             drafts.append(engine_pb2.DraftInfo(name=NGRAM_DRAFT, kind=common_pb2.DRAFT_KIND_NGRAM,
@@ -161,7 +165,7 @@ class Pilot:
                 per_request_k=self.config.k_mode == "per_request",
                 batch_wide_k=self.config.k_mode == "batch_wide",
                 ngram_substitution=substitute,
-                ngram_counterfactual=e.drafter_kind == common_pb2.DRAFT_KIND_MODEL),
+                ngram_counterfactual=substitute),
             engine_version=_vllm_version(), plugin_version=PLUGIN_VERSION,
             max_batch_size=e.max_num_seqs,
         )
@@ -254,10 +258,10 @@ class Pilot:
             state.accepted += accepted
         batch = len(scheduler_output.num_scheduled_tokens)
         if batch:
-            spec = sum(len(t) for t in scheduler_output.scheduled_spec_decode_tokens.values())
+            # The drafter drafted k passes for every sequence (cuts come after drafting).
             k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
             self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,
-                                   spec, self.engine.drafter if k else "", k, seconds)
+                                   k * batch, self.engine.drafter if k else "", k, seconds)
 
     def after_output(self, requests: Mapping[str, Any], req_ids: Iterable[str],
                      running: int) -> None:

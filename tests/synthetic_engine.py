@@ -96,7 +96,8 @@ class SyntheticEngine:
             drafts=[engine_pb2.DraftInfo(name=DRAFT, kind=common_pb2.DRAFT_KIND_MODEL,
                                          vocab_hash=self.draft_vocab_hash, max_k=self.max_k)],
             max_k=self.max_k,
-            capabilities=engine_pb2.EngineCapabilities(per_request_k=True),
+            # Batch-wide: the synthetic drafter drafts only the K in force, so K=0 saves drafting.
+            capabilities=engine_pb2.EngineCapabilities(batch_wide_k=True),
             engine_version="synthetic", plugin_version="synthetic", max_batch_size=64,
         ))
 

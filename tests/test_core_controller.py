@@ -131,12 +131,15 @@ def test_mismatched_draft_vocabulary_is_refused() -> None:
 
 
 def test_version_moves_only_with_material_changes() -> None:
-    core = _core(dwell_seconds=0.0)
+    # Only the model draft: an untried n-gram draft would (rightly) be explored first.
+    core = ControllerCore(core_config(load_settings(dwell_seconds=0.0)),
+                          np.random.default_rng(0))
+    core.connect_engine(replace(HELLO, drafts=HELLO.drafts[:1]), now=0.0)
     events = core.decide(now=1.0)
     assert core.version == 1 and all(e.decision.reason is Reason.WARMUP for e in events)
     assert core.decide(now=1.0) == [] and core.version == 1
     core.ingest("e1", replace(_good(1), acceptance=(
-        AcceptanceRecord("code", "d", 1, (100_000, 0)),)), now=2.0)
+        AcceptanceRecord("code", "d", 1, (100_000, 0)),), step_timings=()), now=2.0)
     events = core.decide(now=2.0)
     assert core.version == 2
     assert any(e.decision.traffic_class == "code" and e.decision.k == 0 for e in events)
@@ -178,3 +181,15 @@ def test_explain_names_the_choice_and_the_numbers() -> None:
     assert {(a.draft, a.k) for a in exp.arms} >= {("", 0), ("d", 6), ("ngram", 4)}
     with pytest.raises(KeyError):
         core.explain("nope", 0, now=1.0)
+
+
+def test_per_request_engines_pay_the_drafter_whatever_k() -> None:
+    """In per-request mode the drafter drafts the configured K and the plugin cuts afterwards:
+    every arm, off included, carries the drafter's cost; batch-wide engines draft only K."""
+    for batch_wide, off_pays_drafter in ((False, True), (True, False)):
+        core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+        core.connect_engine(replace(HELLO, batch_wide_k=batch_wide), now=0.0)
+        ctx = core._context("code", core.classes["default"], core.drafts(), now=0.0)
+        plain = float(ctx.step_seconds(8, "", False, 0)[0])
+        bare = core.cost.predict_arm(8, 0, "", False)
+        assert (plain > bare) is off_pays_drafter

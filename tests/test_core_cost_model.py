@@ -52,14 +52,15 @@ def test_online_fit_recovers_the_true_step_times() -> None:
 
 def test_unexcited_directions_fall_back_to_the_prior() -> None:
     model = _model(half_life=10.0)
-    prior_value = model.predict_arm(32, 4, "d", True)
+    shape = StepShape.for_arm(32, 4, "d", True)
+    prior_value = model.predict(shape)  # the raw fit, without the policy's monotone envelope
     for _ in range(20):
-        model.observe(StepShape.for_arm(32, 4, "d", True), prior_value * 3, 100, now=0.0)
-    assert model.predict_arm(32, 4, "d", True) == pytest.approx(prior_value * 3, rel=0.05)
+        model.observe(shape, prior_value * 3, 100, now=0.0)
+    assert model.predict(shape) == pytest.approx(prior_value * 3, rel=0.05)
     # Twenty half-lives later that evidence is worth ~0.002 steps: the prior is back in charge.
     model.observe(StepShape.for_arm(1, 0, "", False), model.predict_arm(1, 0, "", False), 1,
                   now=200.0)
-    assert model.predict_arm(32, 4, "d", True) == pytest.approx(prior_value, rel=0.1)
+    assert model.predict(shape) == pytest.approx(prior_value, rel=0.1)
     assert model.observed_steps < 1.01
 
 
@@ -76,3 +77,13 @@ def test_new_drafts_keep_the_evidence_so_far() -> None:
 def test_prior_ridge_must_be_a_knot() -> None:
     with pytest.raises(ValueError, match="knots"):
         StepCostModel(KNOTS, CostPrior(ridge_tokens=100), 10.0, [1], 2)
+
+
+def test_step_curves_never_fall_with_more_drafts() -> None:
+    model = _model()
+    # A fit where longer steps were measured faster (noise, or another engine's drafter).
+    for k, seconds in ((0, 0.030), (2, 0.012), (4, 0.010)):
+        model.observe(StepShape.for_arm(8, k, "d", True), seconds, 500, now=0.0)
+    for sunk in (None, ("d", 4)):
+        curve = model.predict_curve(8, "d", True, 6, sunk)
+        assert np.all(np.diff(curve) >= 0)

@@ -188,3 +188,12 @@ def test_warmup_before_any_data() -> None:
     ctx, state = _ctx({"d": [0.5] * 6}, None, None, has_data=False)
     d = decide_bucket(ctx, PolicyConfig(max_k=6, warmup_k=3), state)
     assert (d.draft, d.k, d.reason) == ("d", 3, Reason.WARMUP)
+
+
+def test_losing_speculation_is_switched_off_without_a_margin() -> None:
+    # Acceptance ~0 and verification nearly free: K=1 loses only a hair to off, less than the
+    # hysteresis margin, yet it must go off.
+    flat = _step_seconds(0.02, 1e-7, 0.0)
+    old = Decision("c", 0, "d", 1, Reason.GOODPUT)
+    ctx, state = _ctx({"d": [0.0] * 6}, old, NOW - 100, step_seconds=flat)
+    assert decide_bucket(ctx, CFG, state).k == 0

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
-from controller.core.cost_model import CostPrior, StepCostModel, StepShape
+from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
 from controller.core.policy import (
     ArmValue,
     BucketState,
@@ -238,8 +239,20 @@ class ControllerCore:
             offline=name in self.config.offline_classes,
             override=self._override_for(name),
             buckets=buckets,
-            step_seconds=self.cost.predict_curve,
+            step_seconds=partial(self.cost.predict_curve, sunk_draft=self._sunk_draft()),
         )
+
+    def _sunk_draft(self) -> SunkDraft | None:
+        """The model drafter that runs every step whatever K is chosen, if any: engines in
+        per-request K mode draft the configured K and only then cut. (With several engines the
+        first such one stands for all.) Batch-wide engines draft only the K chosen."""
+        for engine in self.engines.values():
+            if engine.hello.batch_wide_k:
+                continue
+            for spec in engine.drafts.values():
+                if spec.kind is DraftKind.MODEL:
+                    return (spec.name, spec.max_k)
+        return None
 
     def decide(self, now: float) -> list[DecisionEvent]:
         """Re-decide every class and bucket; return the events for choices that changed."""

@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
+SunkDraft = tuple[str, int]  # (model draft name, draft passes per step)
 _MIN_STEP_SECONDS = 1e-6
 _RIDGE = 1e-9  # keeps the information matrix invertible for features no design point excites
 
@@ -48,11 +49,20 @@ class StepShape:
     draft_tokens: float = 0.0
 
     @classmethod
-    def for_arm(cls, batch_size: int, k: int, draft: str, draft_is_model: bool) -> StepShape:
-        """A step in which every one of ``batch_size`` sequences verifies K drafts of ``draft``."""
+    def for_arm(cls, batch_size: int, k: int, draft: str, draft_is_model: bool,
+                sunk_draft: SunkDraft | None = None) -> StepShape:
+        """A step in which every one of ``batch_size`` sequences verifies K drafts of ``draft``.
+
+        ``sunk_draft`` (name, passes): a model drafter that runs every step whatever K is chosen
+        (an engine in per-request K mode only cuts drafts after drafting them).
+        """
+        tokens = batch_size * (1 + k)
+        if sunk_draft is not None:
+            name, passes = sunk_draft
+            return cls(batch_size, tokens, name, passes, batch_size * passes)
         if k == 0 or not draft_is_model:
-            return cls(batch_size, batch_size * (1 + k))
-        return cls(batch_size, batch_size * (1 + k), draft, k, batch_size * k)
+            return cls(batch_size, tokens)
+        return cls(batch_size, tokens, draft, k, batch_size * k)
 
 
 class StepCostModel:
@@ -78,7 +88,7 @@ class StepCostModel:
         self._observed_steps = 0.0
         # Step-time curves per (batch, model draft, max K) for the current theta: the policy asks
         # for the same few curves for every class, so one solve serves a whole decide round.
-        self._curve_cache: dict[tuple[int, str, int], FloatArray] = {}
+        self._curve_cache: dict[tuple[int, str, int, SunkDraft | None], FloatArray] = {}
         self._theta: FloatArray | None = None
         self._rebuild_prior()
 
@@ -180,18 +190,22 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float:
         return max(float(self.features(shape) @ self.theta), _MIN_STEP_SECONDS)
 
-    def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool) -> float:
-        return float(self.predict_curve(batch_size, draft, draft_is_model, k)[k])
+    def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
+                    sunk_draft: SunkDraft | None = None) -> float:
+        return float(self.predict_curve(batch_size, draft, draft_is_model, k, sunk_draft)[k])
 
-    def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool,
-                      max_k: int) -> FloatArray:
+    def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool, max_k: int,
+                      sunk_draft: SunkDraft | None = None) -> FloatArray:
         """Step seconds for K = 0..max_k with ``draft`` at ``batch_size`` (read-only array)."""
-        key = (batch_size, draft if draft_is_model else "", max_k)
+        key = (batch_size, draft if draft_is_model else "", max_k, sunk_draft)
         curve = self._curve_cache.get(key)
         if curve is None:
-            xs = np.array([self.features(StepShape.for_arm(batch_size, k, draft, draft_is_model))
-                           for k in range(max_k + 1)])
-            curve = np.maximum(xs @ self.theta, _MIN_STEP_SECONDS)
+            xs = np.array([
+                self.features(StepShape.for_arm(batch_size, k, draft, draft_is_model, sunk_draft))
+                for k in range(max_k + 1)])
+            # More verified tokens never make a step faster: the running maximum keeps a noisy or
+            # extrapolated fit from rewarding longer drafts with cheaper steps.
+            curve = np.maximum.accumulate(np.maximum(xs @ self.theta, _MIN_STEP_SECONDS))
             curve.setflags(write=False)
             self._curve_cache[key] = curve
         return curve

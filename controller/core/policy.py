@@ -4,8 +4,11 @@ For one class and one batch bucket, every arm (draft, K in 1..max) and "off" is 
 accepted tokens per second = E(K) x batch / step seconds, with E(K) from ONE Thompson draw of the
 class's per-position acceptance rates per draft (per-arm statistics: each (class, draft) has its own
 posteriors, so exploration fades as they tighten). On top of the argmax:
+  - a speculative arm must beat no speculation by ``min_speedup``: gains inside the cost
+    model's error are not worth drafting for;
   - hysteresis: a new arm must beat the current one's sampled goodput by ``hysteresis_ratio``,
-    except while a detected acceptance change is being absorbed (the old margin is stale);
+    except while a detected acceptance change is being absorbed (the old margin is stale) and
+    when switching off speculation that loses by posterior means;
   - dwell: a choice younger than ``dwell_seconds`` stays, unless a change was just detected;
   - probing: while off, a small share of requests, decaying with time off, runs ``probe_k``;
   - overrides: operator pins win over everything; offline classes are pinned off (or scored at
@@ -35,6 +38,7 @@ class PolicyConfig:
     warmup_k: int = 2
     dwell_seconds: float = 10.0
     hysteresis_ratio: float = 0.03
+    min_speedup: float = 1.02
     probe_rate_initial: float = 0.05
     probe_rate_min: float = 0.005
     probe_half_life_seconds: float = 120.0
@@ -105,9 +109,16 @@ class ArmTable:
     goodput: FloatArray
     speedup: FloatArray
 
-    def best(self) -> int:
-        # argmax takes the first maximum: ties go to off, then to the smaller K.
-        return int(np.argmax(self.goodput))
+    def scores(self, min_speedup: float = 1.0) -> FloatArray:
+        """Goodput with speculative arms discounted by ``min_speedup``: drafting must beat no
+        speculation by that ratio to win, in the argmax and in hysteresis comparisons alike."""
+        discount = np.where([k > 0 for _, k in self.keys], min_speedup, 1.0)
+        return np.asarray(self.goodput / discount, dtype=np.float64)
+
+    def best(self, min_speedup: float = 1.0) -> int:
+        """Row of the best arm by ``scores``; argmax takes the first maximum, so ties go to off,
+        then to the smaller K."""
+        return int(np.argmax(self.scores(min_speedup)))
 
     def index(self, arm: tuple[str, int]) -> int | None:
         return self.keys.index(arm) if arm in self.keys else None
@@ -216,12 +227,13 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
 
     sampled = arm_table(ctx, batch, ctx.sampled_curves, cfg.max_k)
     mean = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
-    best_i = sampled.best()
+    scores = sampled.scores(cfg.min_speedup)
+    best_i = int(np.argmax(scores))
     best_draft, best_k = sampled.keys[best_i]
     expected = float(mean.speedup[best_i])  # same arm order in both tables
     if ctx.change_detected:
         reason = Reason.CHANGE_DETECTED
-    elif best_i == mean.best():
+    elif best_i == mean.best(cfg.min_speedup):
         reason = Reason.GOODPUT
     else:
         reason = Reason.EXPLORE
@@ -240,9 +252,12 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
     if not ctx.change_detected:
         young = state.changed_at is not None and ctx.now - state.changed_at < cfg.dwell_seconds
         cur = sampled.index(current.arm)
-        margin = 0.0 if ctx.recovering else cfg.hysteresis_ratio
-        within = cur is not None and (
-            sampled.goodput[best_i] <= sampled.goodput[cur] * (1.0 + margin))
+        # Speculation that does not pay by posterior means is switched off without waiting for
+        # a margin: near-zero acceptance with cheap verification would otherwise hold forever.
+        losing = (cur is not None and current.k > 0
+                  and float(mean.speedup[cur]) < cfg.min_speedup)
+        margin = 0.0 if ctx.recovering or (best_k == 0 and losing) else cfg.hysteresis_ratio
+        within = cur is not None and scores[best_i] <= scores[cur] * (1.0 + margin)
         if young or within:
             return _with_probe(ctx, cfg, state, current)
     return _with_probe(ctx, cfg, state, candidate)

