@@ -41,7 +41,6 @@ raises ValueError naming the rule's index and the field (``rules[2].min_prompt_t
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,23 +48,21 @@ from typing import Any
 
 import yaml
 
+# The controller's own rule, so the engine never sends a name the controller would reject.
+from controller.core.validation import (
+    CLASS_NAME_PATTERN,
+    MAX_CLASS_NAME_LENGTH,
+    valid_class_name,
+)
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CLASS = "default"
 OTHER_CLASS = "other"
 TRAFFIC_CLASS_ARG = "traffic_class"
-# The controller's class-name rule (controller/core/validation.py; a test keeps them equal).
-CLASS_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
-MAX_CLASS_NAME_LENGTH = 64
 
 _CONDITIONS = ("lora", "min_prompt_tokens", "max_max_tokens")
 _RULE_KEYS = ("class", *_CONDITIONS)
-
-
-def valid_class_name(name: object) -> bool:
-    """Whether ``name`` is a string the controller accepts as a class name."""
-    return (isinstance(name, str) and len(name) <= MAX_CLASS_NAME_LENGTH
-            and CLASS_NAME_PATTERN.match(name) is not None)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,10 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
+# The wire's StepTiming as a plain record: the same dataclass the controller's core ingests.
+from controller.core.types import StepTimingRecord
+from controller.core.validation import valid_class_name
 from engine_plugin.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
-from engine_plugin.classify import valid_class_name
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -60,21 +62,6 @@ class BatchStepSums:
     draft: str
     k: int
     steps: int
-    sum_verified_tokens: int
-    sum_draft_tokens: int
-    sum_step_seconds: float
-
-
-@dataclass(frozen=True)
-class StepSums:
-    """Steps of one (batch bucket, draft, K) as sums, as the wire's StepTiming. ``draft`` is
-    empty when k == 0."""
-
-    batch_bucket: int
-    draft: str
-    k: int
-    steps: int
-    sum_batch_size: int
     sum_verified_tokens: int
     sum_draft_tokens: int
     sum_step_seconds: float
@@ -119,7 +106,9 @@ class ReportPayload:
         it loses."""
         return len(self.acceptance) + len(self.step_sums) + len(self.finished)
 
-    def step_timings(self, bucket_bounds: Iterable[int] | None = None) -> tuple[StepSums, ...]:
+    def step_timings(
+        self, bucket_bounds: Iterable[int] | None = None
+    ) -> tuple[StepTimingRecord, ...]:
         """Step sums per (batch bucket, draft, K) under ``bucket_bounds`` (default: the
         payload's own), ordered by bucket, draft, K."""
         bounds = self.bucket_bounds if bucket_bounds is None else tuple(bucket_bounds)
@@ -133,7 +122,8 @@ class ReportPayload:
             m[3] += s.sum_draft_tokens
             m[4] += s.sum_step_seconds
         return tuple(
-            StepSums(bucket, draft, k, int(m[0]), int(m[1]), int(m[2]), int(m[3]), float(m[4]))
+            StepTimingRecord(bucket, draft, k, int(m[0]), int(m[1]), int(m[2]), int(m[3]),
+                             float(m[4]))
             for (bucket, draft, k), m in sorted(merged.items())
         )
 

@@ -8,16 +8,22 @@ import re
 from controller.core.types import DraftSpec, EngineHello, EngineReport, ReportRejected
 
 MAX_CLASS_NAME_LENGTH = 64
-_CLASS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
+CLASS_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
 # A single report covering more steps than this is a plugin bug, not traffic.
 MAX_STEPS_PER_RECORD = 10**12
 
 
+def valid_class_name(name: object) -> bool:
+    """Whether ``name`` is a class name the controller accepts (the engine plugin uses it too)."""
+    return (isinstance(name, str) and len(name) <= MAX_CLASS_NAME_LENGTH
+            and CLASS_NAME_PATTERN.match(name) is not None)
+
+
 def check_class_name(name: str, where: str) -> None:
-    if len(name) > MAX_CLASS_NAME_LENGTH or not _CLASS_NAME.match(name):
+    if not valid_class_name(name):
         raise ReportRejected(
-            f"{where}: class name {name[:80]!r} must match {_CLASS_NAME.pattern} and be at most "
-            f"{MAX_CLASS_NAME_LENGTH} characters"
+            f"{where}: class name {name[:80]!r} must match {CLASS_NAME_PATTERN.pattern} and be "
+            f"at most {MAX_CLASS_NAME_LENGTH} characters"
         )
 
 

@@ -7,10 +7,7 @@ from typing import Any
 
 import pytest
 
-from controller.core import validation
 from engine_plugin.classify import (
-    CLASS_NAME_PATTERN,
-    MAX_CLASS_NAME_LENGTH,
     Classifier,
     ClassRule,
     load_rules,
@@ -34,11 +31,6 @@ def rules_file(tmp_path: Path) -> Path:
     path = tmp_path / "rules.yaml"
     path.write_text(RULES)
     return path
-
-
-def test_class_name_rule_is_the_controllers() -> None:
-    assert CLASS_NAME_PATTERN.pattern == validation._CLASS_NAME.pattern
-    assert MAX_CLASS_NAME_LENGTH == validation.MAX_CLASS_NAME_LENGTH
 
 
 def test_rules_file_is_parsed(rules_file: Path) -> None:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from controller.core.types import DraftKind, DraftSpec
+from controller.core.types import DraftKind, DraftSpec, StepTimingRecord
 from controller.core.validation import check_report
 from controller.server.convert import report_from_proto
 from engine_plugin.stats import (
@@ -15,7 +15,6 @@ from engine_plugin.stats import (
     BatchStepSums,
     FinishedSummary,
     StatsAggregator,
-    StepSums,
     payload_to_report,
 )
 
@@ -68,9 +67,9 @@ def test_step_sums_per_batch_size_and_per_bucket() -> None:
         BatchStepSums(40, "", 0, 2, 80, 0, pytest.approx(0.12)),  # type: ignore[arg-type]
     )
     assert p.step_timings() == (
-        StepSums(0, "d", 4, 2, 2, 10, 8, pytest.approx(0.022)),  # type: ignore[arg-type]
-        StepSums(1, "d", 2, 2, 7, 21, 14, pytest.approx(0.050)),  # type: ignore[arg-type]
-        StepSums(3, "", 0, 2, 80, 80, 0, pytest.approx(0.12)),  # type: ignore[arg-type]
+        StepTimingRecord(0, "d", 4, 2, 2, 10, 8, pytest.approx(0.022)),  # type: ignore[arg-type]
+        StepTimingRecord(1, "d", 2, 2, 7, 21, 14, pytest.approx(0.050)),  # type: ignore[arg-type]
+        StepTimingRecord(3, "", 0, 2, 80, 80, 0, pytest.approx(0.12)),  # type: ignore[arg-type]
     )
     # Other bounds (the controller's): the same steps, bucketed when the report is built.
     assert [(s.batch_bucket, s.steps) for s in p.step_timings((2, 64))] == [

