@@ -32,6 +32,9 @@ Fields, with unit and default:
 - ``ngram_drafts`` (``SPECPILOT_PLUGIN_NGRAM_DRAFTS``, ``true`` or ``false``, default ``true``):
   offer prompt-lookup drafts to the controller (substituted where the engine mode allows) and
   score them counterfactually on all traffic.
+- ``ngram_counterfactual_share`` (``SPECPILOT_PLUGIN_NGRAM_COUNTERFACTUAL_SHARE``, 0..1, default
+  0.25): the stable random share of requests whose n-gram drafts are scored counterfactually.
+  A proposal costs ~10-70 us (context length); a random subset keeps the estimate unbiased.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class PluginConfig:
     k_mode: KMode = "per_request"
     # Offer n-gram drafts (substitution and counterfactual scoring).
     ngram_drafts: bool = True
+    # Share of requests whose n-gram drafts are scored counterfactually (0..1).
+    ngram_counterfactual_share: float = 0.25
 
     def __post_init__(self) -> None:
         _check(self)
@@ -190,5 +195,8 @@ def _check(c: PluginConfig) -> None:
         raise bad("reconnect_max_seconds",
                   f"{c.reconnect_max_seconds} is below reconnect_initial_seconds "
                   f"{c.reconnect_initial_seconds}")
+    share = c.ngram_counterfactual_share
+    if not isinstance(share, int | float) or not 0.0 <= share <= 1.0:
+        raise bad("ngram_counterfactual_share", f"must be a number in 0..1, got {share!r}")
     if c.k_mode not in K_MODES:
         raise bad("k_mode", f"must be one of {', '.join(K_MODES)}, got {c.k_mode!r}")

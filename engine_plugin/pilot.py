@@ -20,7 +20,7 @@ from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import ControllerLink
 from engine_plugin.ngram import NGRAM_DRAFT, CounterfactualNgram, NgramProposer
-from engine_plugin.policy_view import Choice, PolicyView
+from engine_plugin.policy_view import Choice, PolicyView, probe_point
 from engine_plugin.stats import StatsAggregator
 from engine_plugin.vocab import first_differences, vocab_hash
 from specpilot.v1 import common_pb2, engine_pb2
@@ -36,6 +36,7 @@ class _Request:
     draft: str = ""  # draft whose tokens the request verified last
     drafted: int = 0
     accepted: int = 0
+    score_ngram: bool = False  # in the random subset scored counterfactually
 
 
 @dataclass(frozen=True)
@@ -174,12 +175,16 @@ class Pilot:
     def on_add_request(self, request: Any) -> None:
         params = request.sampling_params
         lora = request.lora_request
-        self.requests[request.request_id] = _Request(self.classifier.classify(
-            params.extra_args if params is not None else None,
-            lora.lora_name if lora is not None else None,
-            request.num_prompt_tokens,
-            request.max_tokens,
-        ))
+        self.requests[request.request_id] = _Request(
+            self.classifier.classify(
+                params.extra_args if params is not None else None,
+                lora.lora_name if lora is not None else None,
+                request.num_prompt_tokens,
+                request.max_tokens,
+            ),
+            score_ngram=probe_point(request.request_id + "#ngram")
+            < self.config.ngram_counterfactual_share,
+        )
 
     def on_schedule_start(self) -> None:
         self._step_started = time.monotonic()
@@ -283,7 +288,8 @@ class Pilot:
             request = requests.get(req_id)
             state = self.requests.get(req_id)
             # Requests served by n-gram drafts are measured for real, not counterfactually.
-            if request is None or state is None or state.draft == NGRAM_DRAFT:
+            if (request is None or state is None or not state.score_ngram
+                    or state.draft == NGRAM_DRAFT):
                 continue
             scored = self.counterfactual.step(req_id, request.all_token_ids,
                                               request.num_prompt_tokens)

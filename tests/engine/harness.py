@@ -34,6 +34,9 @@ ENGINE_ENV: dict[str, str] = {
     # The tokenizer is built in this process before subprocess tests fork/spawn: keep
     # huggingface tokenizers from warning about (and disabling) its thread pool there.
     "TOKENIZERS_PARALLELISM": "false",
+    # libgomp's spinning worker threads fight the Python thread on 2 cores: steps of identical
+    # work ranged from 15 to 600 ms without this (benchmarks/plugin_overhead.py).
+    "OMP_WAIT_POLICY": "PASSIVE",
 }
 
 ENGINE_DEFAULTS: dict[str, Any] = {
