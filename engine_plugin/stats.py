@@ -31,8 +31,8 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
-# The wire's StepTiming as a plain record: the same dataclass the controller's core ingests.
-from controller.core.types import StepTimingRecord
+# The wire's records as plain dataclasses: the same ones the controller's core ingests.
+from controller.core.types import RequestSummaryRecord, StepTimingRecord
 from controller.core.validation import valid_class_name
 from engine_plugin.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from specpilot.v1 import engine_pb2
@@ -68,23 +68,12 @@ class BatchStepSums:
 
 
 @dataclass(frozen=True)
-class FinishedSummary:
-    traffic_class: str
-    draft: str
-    prompt_tokens: int
-    output_tokens: int
-    drafted_tokens: int
-    accepted_tokens: int
-    latency_seconds: float
-
-
-@dataclass(frozen=True)
 class ReportPayload:
     """One interval's aggregates, in a deterministic order."""
 
     acceptance: tuple[AcceptanceHistogram, ...]
     step_sums: tuple[BatchStepSums, ...]
-    finished: tuple[FinishedSummary, ...]
+    finished: tuple[RequestSummaryRecord, ...]
     # Sequences running when the snapshot was taken.
     running_requests: int
     # Length of the interval, seconds.
@@ -166,7 +155,7 @@ class StatsAggregator:
         self._acc: dict[tuple[str, str, int, bool], list[int]] = {}
         # (batch size, draft, k) -> [steps, sum verified tokens, sum draft tokens, sum seconds]
         self._steps: dict[tuple[int, str, int], list[float]] = {}
-        self._finished: list[FinishedSummary] = []
+        self._finished: list[RequestSummaryRecord] = []
         self._ignored = 0
         self._dropped = 0
         self._since = clock()
@@ -235,7 +224,7 @@ class StatsAggregator:
             if len(self._finished) >= self.max_finished:
                 self._dropped += 1
                 return
-            self._finished.append(FinishedSummary(
+            self._finished.append(RequestSummaryRecord(
                 traffic_class, draft, prompt_tokens, output_tokens, drafted_tokens,
                 accepted_tokens, float(latency_seconds)))
         except Exception:

@@ -7,13 +7,12 @@ import math
 
 import pytest
 
-from controller.core.types import DraftKind, DraftSpec, StepTimingRecord
+from controller.core.types import DraftKind, DraftSpec, RequestSummaryRecord, StepTimingRecord
 from controller.core.validation import check_report
 from controller.server.convert import report_from_proto
 from engine_plugin.stats import (
     AcceptanceHistogram,
     BatchStepSums,
-    FinishedSummary,
     StatsAggregator,
     payload_to_report,
 )
@@ -82,8 +81,8 @@ def test_finished_summaries_and_cap() -> None:
     agg.record_finished("chat", "", 10, 20, 0, 0, 0.25)
     agg.record_finished("chat", "d", 1, 1, 1, 1, 0.1)  # over the cap: dropped, counted
     p = agg.snapshot(0)
-    assert p.finished == (FinishedSummary("chat", "d", 10, 20, 12, 9, 0.5),
-                          FinishedSummary("chat", "", 10, 20, 0, 0, 0.25))
+    assert p.finished == (RequestSummaryRecord("chat", "d", 10, 20, 12, 9, 0.5),
+                          RequestSummaryRecord("chat", "", 10, 20, 0, 0, 0.25))
     assert p.dropped_records == 1
     assert p.record_count == 2
 
