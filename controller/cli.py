@@ -274,18 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the reference of every setting as Markdown")
     shown.set_defaults(func=cmd_settings)
 
-    policy = commands.add_parser("policy", help="read, override, watch or explain the policy")
-    policy.add_argument("--target", default=os.environ.get("SPECPILOT_TARGET", DEFAULT_TARGET),
-                        help="controller gRPC address host:port (env SPECPILOT_TARGET)")
-    policy.add_argument("--token", default=os.environ.get("SPECPILOT_POLICY_TOKEN"),
-                        help="bearer token for writes (env SPECPILOT_POLICY_TOKEN)")
-    policy.add_argument("--timeout", type=float, default=10.0, help="per call, seconds")
+    policy = commands.add_parser("policy", help="read, override, watch or explain the policy",
+                                 parents=[_connection_options(with_defaults=True)])
     policy.set_defaults(func=cmd_policy)
     actions = policy.add_subparsers(dest="action", required=True)
+    # The same options after the action too (`policy get --target ...`); the defaults stay above.
+    again = _connection_options(with_defaults=False)
 
     def action(name: str, run: Callable[[PolicyStub, argparse.Namespace], int], text: str,
                class_required: bool) -> argparse.ArgumentParser:
-        p = actions.add_parser(name, help=text)
+        p = actions.add_parser(name, help=text, parents=[again])
         p.add_argument("--class", dest="cls", required=class_required, default="",
                        metavar="CLASS", help="traffic class ('*' for all, where it applies)")
         p.set_defaults(run=run)
@@ -306,6 +304,24 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--bucket", type=int, default=0, help="batch bucket index")
     explain.add_argument("--json", action="store_true", help="print the response as JSON")
     return parser
+
+
+def _connection_options(with_defaults: bool) -> argparse.ArgumentParser:
+    """--target, --token and --timeout; without defaults they only override the ones given
+    before the action."""
+
+    def default(value: object) -> object:
+        return value if with_defaults else argparse.SUPPRESS
+
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--target",
+                         default=default(os.environ.get("SPECPILOT_TARGET", DEFAULT_TARGET)),
+                         help="controller gRPC address host:port (env SPECPILOT_TARGET)")
+    options.add_argument("--token", default=default(os.environ.get("SPECPILOT_POLICY_TOKEN")),
+                         help="bearer token for writes (env SPECPILOT_POLICY_TOKEN)")
+    options.add_argument("--timeout", type=float, default=default(10.0),
+                         help="per call, seconds")
+    return options
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -225,3 +225,18 @@ def test_settings_shows_the_reference_and_the_settings_in_effect(
     out = capsys.readouterr().out
     assert "grpc_port: 6000\n" in out
     assert "very-secret" not in out
+
+
+async def test_connection_options_work_after_the_action(
+    server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before the action they are the defaults; after it they override them.
+    args = ["policy", "--target", "127.0.0.1:9", "get", "--target", server.grpc_target,
+            "--timeout", "5"]
+    code = await asyncio.to_thread(cli.main, args)
+    out, _ = capsys.readouterr()
+    assert code == 0 and "policy version" in out
+    code = await asyncio.to_thread(cli.main, ["policy", "get", "--target", "127.0.0.1:9",
+                                              "--timeout", "1"])
+    _, err = capsys.readouterr()
+    assert code == 1 and "127.0.0.1:9" in err
