@@ -1,8 +1,10 @@
 """Prompt-lookup (n-gram) drafts: proposals, and their acceptance measured counterfactually.
 
 Proposals use vLLM's own matcher (`_find_longest_matched_ngram_and_propose_tokens`, the function
-behind its n-gram drafter), so a draft substituted by the plugin is exactly what vLLM's n-gram
-method would have proposed.
+behind its n-gram drafter), so a draft substituted by the plugin is what vLLM's n-gram method would
+have proposed, for contexts up to MAX_CONTEXT_TOKENS (beyond that the plugin searches only the most
+recent tokens, to bound its per-step cost; substitution and counterfactual scoring use the same
+window, so they stay comparable).
 
 Counterfactual acceptance: an n-gram draft is deterministic and verified as one-hot, so the
 probability that its first j tokens are accepted equals the probability that the target generates
