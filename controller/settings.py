@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controller.core.acceptance import EstimatorConfig
+from controller.core.buckets import DEFAULT_BUCKET_BOUNDS
 from controller.core.controller import CoreConfig
 from controller.core.cost_model import CostPrior
 from controller.core.policy import PolicyConfig
@@ -87,7 +88,7 @@ class Settings(BaseSettings):
 
     # --- step-cost model ----------------------------------------------------------------------
     batch_bucket_upper_bounds: list[int] = Field(
-        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128],
+        default_factory=lambda: list(DEFAULT_BUCKET_BOUNDS),
         description="Inclusive upper bounds of batch-size buckets, sequences; one open bucket "
         "follows the last.",
     )

@@ -44,7 +44,7 @@ from typing import Any, cast
 
 import grpc
 
-from engine_plugin.buckets import DEFAULT_BUCKET_BOUNDS, check_bucket_bounds
+from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, check_bucket_bounds
 from engine_plugin.config import PluginConfig
 from engine_plugin.policy_view import PolicyView
 from engine_plugin.stats import ReportPayload, StatsAggregator, payload_to_report

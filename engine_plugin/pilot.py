@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from controller import package_version
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import ControllerLink
@@ -26,9 +27,6 @@ from engine_plugin.vocab import first_differences, vocab_hash
 from specpilot.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger("specpilot.plugin")
-
-PLUGIN_VERSION = "0.1.0"
-
 
 @dataclass
 class _Request:
@@ -167,7 +165,7 @@ class Pilot:
                 batch_wide_k=self.config.k_mode == "batch_wide",
                 ngram_substitution=substitute,
                 ngram_counterfactual=substitute),
-            engine_version=_vllm_version(), plugin_version=PLUGIN_VERSION,
+            engine_version=_vllm_version(), plugin_version=package_version(),
             max_batch_size=e.max_num_seqs,
         )
 

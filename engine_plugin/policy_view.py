@@ -28,7 +28,7 @@ from functools import lru_cache
 from hashlib import blake2b
 from typing import NamedTuple
 
-from engine_plugin.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
+from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from specpilot.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)

@@ -31,10 +31,11 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
+from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
+
 # The wire's records as plain dataclasses: the same ones the controller's core ingests.
 from controller.core.types import RequestSummaryRecord, StepTimingRecord
 from controller.core.validation import valid_class_name
-from engine_plugin.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from controller.core.buckets import bucket_of
 from specpilot.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 DRAFT = "draft-small"
@@ -102,10 +103,7 @@ class SyntheticEngine:
         ))
 
     def bucket(self) -> int:
-        for i, bound in enumerate(self.bucket_bounds):
-            if self.batch_size <= bound:
-                return i
-        return len(self.bucket_bounds)
+        return bucket_of(tuple(self.bucket_bounds), self.batch_size)
 
     def decision(self, traffic_class: str) -> common_pb2.Decision | None:
         """The decision in force for a class at the current batch bucket (None: static config)."""

@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
+from controller.core.buckets import bucket_of
 from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
 from controller.core.policy import (
     ArmValue,
@@ -66,10 +67,7 @@ class CoreConfig:
         return bounds[bucket] if bucket < len(bounds) else 2 * bounds[-1]
 
     def bucket_of(self, batch_size: int) -> int:
-        for i, bound in enumerate(self.batch_bucket_upper_bounds):
-            if batch_size <= bound:
-                return i
-        return len(self.batch_bucket_upper_bounds)
+        return bucket_of(self.batch_bucket_upper_bounds, batch_size)
 
 
 @dataclass(frozen=True)

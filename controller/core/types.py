@@ -4,7 +4,7 @@ the simulator and the tests build these directly."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 OTHER_CLASS = "other"
 DEFAULT_CLASS = "default"
@@ -160,7 +160,7 @@ class IngestResult:
     """What happened to an accepted report."""
 
     folded_classes: tuple[str, ...] = ()
-    changes_detected: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    changes_detected: tuple[tuple[str, str], ...] = ()
 
 
 class ReportRejected(ValueError):

@@ -11,7 +11,6 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 
 import grpc
 import numpy as np
@@ -20,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
+from controller import package_version
 from controller.core.controller import ControllerCore
 from controller.metrics import Metrics
 from controller.server.engine_service import EngineService
@@ -59,13 +59,6 @@ STREAM_QUEUE_LIMIT = 1024
 
 class ServeError(RuntimeError):
     """A listener could not be started; the message says which and why."""
-
-
-def controller_version() -> str:
-    try:
-        return version("specpilot")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0+unknown"
 
 
 @dataclass
@@ -162,7 +155,7 @@ async def start_server(settings: Settings) -> RunningServer:
     hub = Hub(core, metrics, settings.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT)
     given = settings.policy_token.get_secret_value() if settings.policy_token else ""
     token = given or secrets.token_urlsafe(24)
-    engine = EngineService(core, hub, metrics, controller_version=controller_version(),
+    engine = EngineService(core, hub, metrics, controller_version=package_version(),
                            report_interval_seconds=settings.report_interval_seconds,
                            max_report_bytes=settings.max_report_bytes, clock=clock)
     policy = PolicyService(core, hub, metrics, token, clock)

@@ -1,13 +1,13 @@
-"""Batch-size buckets, as the controller defines them: inclusive upper bounds, strictly increasing,
-and one open bucket after the last. The controller announces its bounds in the HelloAck; until
-then the engine uses the controller's defaults."""
+"""Batch-size buckets: inclusive upper bounds, strictly increasing, and one open bucket after the
+last. One definition for the controller (settings, core) and the engine plugin, which uses these
+defaults until the controller's HelloAck announces its bounds."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable
 
-# The controller's default ``batch_bucket_upper_bounds`` (controller/settings.py).
+# Default ``batch_bucket_upper_bounds`` (controller/settings.py).
 DEFAULT_BUCKET_BOUNDS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
