@@ -7,6 +7,7 @@
 #   make proto   regenerate the Python code for proto/specpilot/v1/*.proto
 #   make lint    the linters only
 #   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
+#   make sim     the simulator suite: every policy on benchmarks/scenarios/*.yaml (docs/benchmarks.md)
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -24,10 +25,10 @@ SETUP_STAMP    := $(VENV)/.specpilot-setup-$(PYPROJECT_HASH)
 SERVE_ARGS  ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup tools proto lint test serve bench clean
+.PHONY: help setup tools proto lint test serve bench sim clean
 
 help:
-	@sed -n '4,10p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,11p' Makefile | sed 's/^# \{0,1\}//'
 
 setup: $(SETUP_STAMP) tools
 
@@ -67,6 +68,10 @@ serve: setup
 bench: setup
 	@echo "==> bench: python benchmarks/ingest.py"
 	$(PY) benchmarks/ingest.py
+
+sim: setup
+	@echo "==> sim: specpilot simulate benchmarks/scenarios/*.yaml"
+	$(VENV)/bin/specpilot simulate benchmarks/scenarios/*.yaml --out benchmarks/results/sim --jobs 2
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -7,6 +7,7 @@
     specpilot policy watch [--class C] [--json]
     specpilot policy explain --class C [--bucket B] [--json]
     specpilot settings [--config FILE] [--markdown]
+    specpilot simulate SCENARIO.yaml [...] [--policy NAME ...] [--seed N] [--out DIR] [--jobs N]
 
 Settings come from defaults < the config file < SPECPILOT_* environment < flags. The policy
 commands reach ``--target`` (env SPECPILOT_TARGET, default 127.0.0.1:50051); writes send
@@ -33,6 +34,7 @@ from controller.server.app import ServeError, start_server
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
 from controller.settings import Settings, SettingsError, load_settings, settings_reference
+from controller.sim import run as sim_run
 from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -273,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument("--markdown", action="store_true",
                        help="print the reference of every setting as Markdown")
     shown.set_defaults(func=cmd_settings)
+
+    simulate = commands.add_parser(
+        "simulate", help="compare K policies on simulated traffic (docs/benchmarks.md)",
+        description=sim_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim_run.add_arguments(simulate)
+    simulate.set_defaults(func=sim_run.main)
 
     policy = commands.add_parser("policy", help="read, override, watch or explain the policy",
                                  parents=[_connection_options(with_defaults=True)])

@@ -260,7 +260,11 @@ class Pilot:
             state.drafted += drafted
             state.accepted += accepted
         batch = len(scheduler_output.num_scheduled_tokens)
-        if batch:
+        decode_tokens = batch + sum(
+            len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        # Only decode steps are timed: the cost model prices decode steps, and a step that also
+        # prefills is far longer (compute-bound), so averaging it in would skew every estimate.
+        if batch and scheduler_output.total_num_scheduled_tokens <= decode_tokens:
             # The drafter drafted k passes for every sequence (cuts come after drafting).
             k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
             self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,

@@ -15,6 +15,8 @@ import numpy as np
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import bucket_of
 from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
+from controller.core.goodput import expected_tokens_curve
+from controller.core.mix import BatchOthers, ClassMix, OtherClass
 from controller.core.policy import (
     ArmValue,
     BucketState,
@@ -107,6 +109,7 @@ class ControllerCore:
         self.config = config
         self.rng = rng
         self.estimator = AcceptanceEstimator(config.estimator)
+        self.mix = ClassMix(config.estimator.half_life_seconds)
         self.cost = StepCostModel(
             config.cost_knots_tokens,
             config.cost_prior,
@@ -116,6 +119,10 @@ class ControllerCore:
         )
         self.engines: dict[str, _EngineState] = {}
         self.classes: dict[str, _ClassState] = {DEFAULT_CLASS: _ClassState()}
+        # Offline classes are known before their first request, so they are pinned off from the
+        # first policy on instead of running the warm-up K until a report names them.
+        for name in sorted(config.offline_classes)[: max(config.max_classes - 1, 0)]:
+            self.classes.setdefault(name, _ClassState())
         self.overrides: dict[str, Override] = {}
         self.version = 0
         self.log: deque[DecisionEvent] = deque(maxlen=config.decision_log_size)
@@ -188,6 +195,10 @@ class ControllerCore:
             if self.estimator.observe(cls, rec.draft, rec.steps_by_accepted, now):
                 self.classes[cls].change_pending = True
                 changes.append((cls, rec.draft))
+        for req in report.finished:
+            # Each step emits its accepted drafts plus one token: steps ~ output - accepted.
+            self.mix.observe(mapping[req.traffic_class],
+                             max(req.output_tokens - req.accepted_tokens, 1), now)
         for st in report.step_timings:
             if st.steps <= 0:
                 continue
@@ -213,8 +224,42 @@ class ControllerCore:
         return self.overrides.get(traffic_class) or self.overrides.get(ALL_CLASSES)
 
 
+    def _mean_curve(self, name: str, draft: str, now: float,
+                    cache: dict[tuple[str, str], np.ndarray]) -> np.ndarray:
+        curve = cache.get((name, draft))
+        if curve is None:
+            curve = expected_tokens_curve(self.estimator.posterior(name, draft, now).mean)
+            cache[(name, draft)] = curve
+        return curve
+
+    def _others(self, name: str, drafts: tuple[DraftSpec, ...], now: float,
+                cache: dict[tuple[str, str], np.ndarray]) -> dict[int, BatchOthers]:
+        """Per bucket batch size: the rest of a batch as the other classes run now (empty while
+        the mix is unknown: every batch is then scored as if it were all this class)."""
+        shares = self.mix.shares()
+        if not shares:
+            return {}
+        model = {d.name for d in drafts if d.kind is DraftKind.MODEL}
+        known = {d.name for d in drafts}
+        out: dict[int, BatchOthers] = {}
+        for b in range(self.config.n_buckets):
+            others = []
+            for other, share in shares.items():
+                state = self.classes.get(other)
+                if other == name or share <= 0 or state is None:
+                    continue
+                d = state.decisions.get(b)
+                k, draft = (d.k, d.draft) if d is not None and d.draft in known else (0, "")
+                e = float(self._mean_curve(other, draft, now, cache)[k]) if k else 1.0
+                others.append(OtherClass(share, draft, draft in model, k, e))
+            batch = self.config.bucket_batch_size(b)
+            out[batch] = BatchOthers.build(batch, shares.get(name, 0.0), others)
+        return out
+
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
-                 now: float) -> ClassContext:
+                 now: float, cache: dict[tuple[str, str], np.ndarray] | None = None
+                 ) -> ClassContext:
+        cache = {} if cache is None else cache
         sampled, mean = {}, {}
         for d in drafts:
             post = self.estimator.posterior(name, d.name, now)
@@ -238,6 +283,9 @@ class ControllerCore:
             override=self._override_for(name),
             buckets=buckets,
             step_seconds=partial(self.cost.predict_curve, sunk_draft=self._sunk_draft()),
+            # Per-request engines draft max K for everyone anyway: the homogeneous view is exact.
+            others=self._others(name, drafts, now, cache) if self._sunk_draft() is None else {},
+            mixed_seconds=self.cost.predict_mixed,
         )
 
     def _sunk_draft(self) -> SunkDraft | None:
@@ -259,8 +307,9 @@ class ControllerCore:
             return []
         events: list[DecisionEvent] = []
         material = False
+        cache: dict[tuple[str, str], np.ndarray] = {}
         for name, state in self.classes.items():
-            ctx = self._context(name, state, drafts, now)
+            ctx = self._context(name, state, drafts, now, cache)
             for new in decide_class(ctx, self.config.policy):
                 old = state.decisions.get(new.bucket)
                 material |= _material(old, new)

@@ -190,6 +190,24 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float:
         return max(float(self.features(shape) @ self.theta), _MIN_STEP_SECONDS)
 
+    def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
+                      passes: dict[str, FloatArray], draft_tokens: dict[str, FloatArray]
+                      ) -> FloatArray:
+        """Step seconds of mixed steps, one per entry of ``verified_tokens``; ``passes`` and
+        ``draft_tokens`` give each model draft's (expected) passes and proposed tokens per entry.
+        Drafts without a cost column (n-gram, unknown) cost nothing."""
+        th = self.theta
+        v = np.asarray(verified_tokens, dtype=np.float64)
+        t = th[0] + th[1] * batch_size + th[2] * v
+        t = t + np.maximum(0.0, v[:, None] - self.knots[None, :]) @ th[3 : self._n_base]
+        for i, name in enumerate(self._drafts):
+            col = self._n_base + 2 * i
+            if name in passes:
+                t = t + th[col] * passes[name]
+            if name in draft_tokens:
+                t = t + th[col + 1] * draft_tokens[name]
+        return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
+
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
                     sunk_draft: SunkDraft | None = None) -> float:
         return float(self.predict_curve(batch_size, draft, draft_is_model, k, sunk_draft)[k])

@@ -18,18 +18,23 @@ posteriors, so exploration fades as they tighten). On top of the argmax:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
 
 from controller.core.goodput import expected_tokens_curve, goodput, speedup
+from controller.core.mix import BatchOthers
 from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason, arm_key
 
 FloatArray = npt.NDArray[np.float64]
 # (batch_size, draft, draft_is_model, max_k) -> predicted step seconds for K = 0..max_k
 StepSecondsFn = Callable[[int, str, bool, int], FloatArray]
+# (batch_size, verified tokens, passes per model draft, draft tokens per model draft) -> seconds,
+# one entry per element of the verified-tokens array.
+MixedSecondsFn = Callable[[float, FloatArray, dict[str, FloatArray], dict[str, FloatArray]],
+                          FloatArray]
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ class ClassContext:
     override: Override | None
     buckets: tuple[BucketState, ...]
     step_seconds: StepSecondsFn
+    # The expected rest of the batch per batch size, when the traffic mix is known; batch sizes
+    # not in it are scored as if the whole batch were this class.
+    others: Mapping[int, BatchOthers] = field(default_factory=dict)
+    mixed_seconds: MixedSecondsFn | None = None
 
     @cached_property
     def sampled_curves(self) -> dict[str, FloatArray]:
@@ -134,6 +143,9 @@ class ArmTable:
 def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArray],
               max_k: int) -> ArmTable:
     """Score "off" and every (draft, K) at ``batch_size`` from E(K) curves (one per draft)."""
+    others = ctx.others.get(batch_size)
+    if others is not None and ctx.mixed_seconds is not None:
+        return _mixed_arm_table(ctx, others, ctx.mixed_seconds, curves, max_k)
     keys: list[tuple[str, int]] = [("", 0)]
     expected: list[FloatArray] = [np.ones(1)]
     steps: list[FloatArray] = [ctx.step_seconds(batch_size, "", False, 0)[:1]]
@@ -145,6 +157,43 @@ def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArra
                                       k_max)[1:])
     e, t = np.concatenate(expected), np.concatenate(steps)
     return ArmTable(keys, e, t, goodput(e, batch_size, t), speedup(e, t, t[0]))
+
+
+def _mixed_arm_table(ctx: ClassContext, o: BatchOthers, seconds_fn: MixedSecondsFn,
+                     curves: Mapping[str, FloatArray], max_k: int) -> ArmTable:
+    """Arms scored by the whole batch's goodput, the other classes held at their current arms.
+
+    The goodput column is attributed to this class: its own rate with speculation off plus
+    what the arm adds to (or takes from) the batch, so that ``min_speedup`` and hysteresis keep
+    their per-class meaning; with no other classes it equals the homogeneous table.
+    """
+    n = o.self_count
+    model = [d.name for d in ctx.drafts if d.kind is DraftKind.MODEL]
+    keys: list[tuple[str, int]] = [("", 0)]
+    expected: list[FloatArray] = [np.ones(1)]
+    steps: list[FloatArray] = []
+
+    def seconds(draft: str, ks: FloatArray) -> FloatArray:
+        passes = {m: o.expected_passes(m, ks if m == draft else np.zeros_like(ks))
+                  for m in model}
+        tokens = {m: o.draft_tokens.get(m, 0.0) + (n * ks if m == draft else 0.0 * ks)
+                  for m in model}
+        return seconds_fn(o.batch_size, o.verified_tokens + n * (1 + ks), passes, tokens)
+
+    t_off = seconds("", np.zeros(1))
+    steps.append(t_off)
+    for spec in ctx.drafts:
+        k_max = min(max_k, spec.max_k)
+        ks = np.arange(1, k_max + 1, dtype=np.float64)
+        keys.extend((spec.name, k) for k in range(1, k_max + 1))
+        expected.append(curves[spec.name][1 : k_max + 1])
+        # More verified tokens never make a step faster (as in the cost model's curves).
+        steps.append(np.maximum.accumulate(np.maximum(seconds(spec.name, ks), t_off[0])))
+    e, t = np.concatenate(expected), np.concatenate(steps)
+    batch_rate = (n * e + o.tokens) / t
+    own_off = n / t[0]
+    attributed = own_off + batch_rate - batch_rate[0]
+    return ArmTable(keys, e, t, attributed, attributed / own_off)
 
 
 def arm_values(ctx: ClassContext, batch_size: int, rates: Mapping[str, FloatArray],

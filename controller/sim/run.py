@@ -1,0 +1,130 @@
+"""``specpilot simulate``: run policies on scenarios, side by side, and write the results.
+
+    specpilot simulate SCENARIO.yaml [SCENARIO.yaml ...] [--policy NAME ...] [--seed N]
+                       [--out DIR] [--jobs N] [--no-plots]
+    specpilot simulate --write-schema FILE     (the scenario format's JSON schema)
+
+Every policy of a scenario runs on the same request stream (same seed). Output per scenario in
+DIR/<scenario>/: result.json, table.md, k_timeline.png, ratios.png; with several scenarios also
+DIR/suite.{json,md,png}. Deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from controller.sim import policies
+from controller.sim.engine import RunResult, SimEngine
+from controller.sim.report import ScenarioResult, suite_markdown, write_scenario, write_suite
+from controller.sim.scenario import Scenario, ScenarioError, load_scenario, scenario_json_schema
+
+DEFAULT_OUT = "benchmarks/results/sim"
+
+
+def _run_one(scenario: Scenario, policy: str, seed: int | None, bar: bool) -> RunResult:
+    engine = SimEngine(scenario, seed)
+    if not bar:
+        return engine.run(policies.build(policy, engine))
+    from tqdm import tqdm
+
+    with tqdm(total=round(scenario.duration_seconds), unit="sim-s", leave=False,
+              desc=f"{scenario.name} {policy}", file=sys.stderr) as pbar:
+        def progress(now: float) -> None:
+            pbar.update(round(now) - pbar.n)
+
+        return engine.run(policies.build(policy, engine), progress)
+
+
+def simulate(scenarios: list[Scenario], policy_names: list[str] | None, seed: int | None,
+             jobs: int = 1, log: bool = True) -> list[ScenarioResult]:
+    """Run every policy on every scenario; ValueError for an unknown policy (before running)."""
+    plan: list[tuple[int, str]] = []
+    for i, s in enumerate(scenarios):
+        engine = SimEngine(s, seed)
+        names = policies.expand(policy_names or s.policies or list(policies.DEFAULT_POLICIES),
+                                engine)
+        for name in names:
+            policies.build(name, engine)  # validates the name for this scenario
+            plan.append((i, name))
+    runs: list[dict[str, RunResult]] = [{} for _ in scenarios]
+
+    def done(i: int, run: RunResult, n: int) -> None:
+        runs[i][run.policy] = run
+        if log:
+            print(f"[{n}/{len(plan)}] {run.scenario} {run.policy}: {run.throughput:.1f} tokens/s "
+                  f"({run.steps} steps, {run.wall_seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    if jobs <= 1:
+        for n, (i, name) in enumerate(plan, 1):
+            done(i, _run_one(scenarios[i], name, seed, bar=log), n)
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_run_one, scenarios[i], name, seed, False): i
+                       for i, name in plan}
+            for n, fut in enumerate(as_completed(futures), 1):
+                done(futures[fut], fut.result(), n)
+    out = []
+    for i, s in enumerate(scenarios):
+        order = [name for j, name in plan if j == i]
+        out.append(ScenarioResult(s.name, s.kind, s.description,
+                                  s.seed if seed is None else seed,
+                                  {name: runs[i][name] for name in order}))
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenarios", nargs="*", metavar="SCENARIO.yaml")
+    p.add_argument("--write-schema", metavar="FILE",
+                   help="write the scenario format's JSON schema to FILE and exit")
+    p.add_argument("--policy", action="append", dest="policies", metavar="NAME",
+                   help="policy to run (repeatable; default: the scenario's list or all): "
+                   "off, static:K[@DRAFT], static:all, batch-table, hf-heuristic, "
+                   "sglang-adaptive, banditspec-ucb, trtllm-threshold, specpilot, oracle")
+    p.add_argument("--seed", type=int, default=None, help="override the scenarios' seeds")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    p.add_argument("--jobs", type=int, default=1, help="parallel runs (processes)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.write_schema:
+        Path(args.write_schema).write_text(scenario_json_schema(), encoding="utf-8")
+        return 0
+    if not args.scenarios:
+        print("specpilot simulate: give at least one SCENARIO.yaml", file=sys.stderr)
+        return 2
+    try:
+        scenarios = [load_scenario(path) for path in args.scenarios]
+    except ScenarioError as exc:
+        print(f"specpilot simulate: {exc}", file=sys.stderr)
+        return 2
+    names = [s.name for s in scenarios]
+    if len(set(names)) != len(names):
+        print(f"specpilot simulate: scenario names repeat: {names}", file=sys.stderr)
+        return 2
+    try:
+        results = simulate(scenarios, args.policies, args.seed, jobs=args.jobs)
+    except ValueError as exc:
+        print(f"specpilot simulate: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    plots = not args.no_plots
+    if plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("specpilot simulate: matplotlib is not installed (pip install "
+                  "'specpilot[sim]'): writing JSON and markdown only", file=sys.stderr)
+            plots = False
+    written: list[Path] = []
+    for r in results:
+        written += write_scenario(r, out / r.name, plots)
+        print((out / r.name / "table.md").read_text(encoding="utf-8"))
+    if len(results) > 1:
+        written += write_suite(results, out, plots)
+        print(suite_markdown(results))
+    print(f"specpilot simulate: wrote {len(written)} files under {out}", file=sys.stderr)
+    return 0

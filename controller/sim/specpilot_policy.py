@@ -1,0 +1,170 @@
+"""specpilot in the simulator: the real ``ControllerCore`` behind the engine plugin's report path.
+
+The adapter plays the plugin's part (nothing of the controller is re-implemented): it applies the
+pushed decisions per (class, batch bucket) with stable per-request probing, aggregates per-step
+counts into the plugin's report records (acceptance histograms per (class, draft, K),
+counterfactual n-gram histograms for a share of requests, step timings per (batch bucket, model
+draft, passes), finished-request summaries), and every report interval of simulated time hands an
+``EngineReport`` to ``ControllerCore.ingest`` and then ``decide``, as the server does.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from controller.core.controller import ControllerCore
+from controller.core.types import (
+    AcceptanceRecord,
+    DraftKind,
+    DraftSpec,
+    EngineHello,
+    EngineReport,
+    RequestSummaryRecord,
+    StepTimingRecord,
+)
+from controller.settings import core_config, load_settings
+from controller.sim.step import NO_DRAFT, Assignment, EngineInfo, StepOutcome, StepView
+
+ENGINE_ID = "sim-engine-0"
+_VOCAB = "simulated-vocabulary"
+
+
+def _probe_u(request_ids: np.ndarray) -> np.ndarray:
+    """A stable uniform per request (Knuth's multiplicative hash), so a request's probe status
+    does not flip from step to step."""
+    return ((request_ids.astype(np.uint64) * np.uint64(2654435761)) % np.uint64(2**32)).astype(
+        np.float64) / 2**32
+
+
+class SpecPilotPolicy:
+    name = "specpilot"
+
+    def __init__(self, info: EngineInfo, settings_overrides: dict[str, Any], seed: int,
+                 report_interval_seconds: float) -> None:
+        self.info = info
+        offline = [c for c, off in zip(info.classes, info.offline, strict=True) if off]
+        overrides = dict(settings_overrides)
+        overrides["offline_classes"] = sorted(set(overrides.get("offline_classes", [])) |
+                                              set(offline))
+        overrides.setdefault("seed", seed)
+        self.settings = load_settings(None, **overrides)
+        self.core = ControllerCore(core_config(self.settings),
+                                   np.random.default_rng(self.settings.seed))
+        self.interval = report_interval_seconds
+        kinds = [DraftKind.MODEL if m else DraftKind.NGRAM for m in info.draft_is_model]
+        self.has_ngram = DraftKind.NGRAM in kinds
+        self.wants_counterfactual = self.has_ngram
+        self.ngram = kinds.index(DraftKind.NGRAM) if self.has_ngram else None
+        self.core.connect_engine(EngineHello(
+            engine_id=ENGINE_ID, model="simulated-target", target_vocab_hash=_VOCAB,
+            drafts=tuple(DraftSpec(n, kind, info.max_k, _VOCAB)
+                         for n, kind in zip(info.drafts, kinds, strict=True)),
+            max_k=info.max_k, per_request_k=True, batch_wide_k=True,
+            ngram_counterfactual=self.has_ngram, engine_version="simulated",
+            plugin_version="simulated", max_batch_size=info.max_batch), now=0.0)
+        self.core.decide(0.0)
+        n_c, n_d, k1 = len(info.classes), len(info.drafts), info.max_k + 1
+        n_b = self.core.config.n_buckets
+        self._tables = {name: np.zeros((n_c, n_b), dtype=dtype) for name, dtype in (
+            ("k", np.int64), ("draft", np.int64), ("probe_rate", np.float64),
+            ("probe_k", np.int64), ("probe_draft", np.int64))}
+        self._refresh()
+        self._hist = np.zeros((n_c, n_d, k1, k1), dtype=np.int64)
+        self._cf = np.zeros((n_c, k1), dtype=np.int64)
+        self._steps: dict[tuple[int, str, int], list[float]] = defaultdict(lambda: [0.0] * 5)
+        self._finished: list[RequestSummaryRecord] = []
+        self._last_report = 0.0
+        self._sequence = 0
+        self.reports = 0
+
+    # --- applying the policy ---------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Dense (class, bucket) tables of the decisions in force, like the plugin's view."""
+        defaults = {d.bucket: d for d in self.core.default_decisions()}
+        draft_index = {n: i for i, n in enumerate(self.info.drafts)}
+        t = self._tables
+        for ci, name in enumerate(self.info.classes):
+            for b in range(self.core.config.n_buckets):
+                d = self.core.decision(name, b) or defaults[b]
+                t["k"][ci, b] = d.k
+                t["draft"][ci, b] = draft_index.get(d.draft, NO_DRAFT)
+                t["probe_rate"][ci, b] = d.probe_rate
+                t["probe_k"][ci, b] = d.probe_k
+                t["probe_draft"][ci, b] = draft_index.get(d.probe_draft, NO_DRAFT)
+        self._version = self.core.version
+
+    def assign(self, view: StepView) -> Assignment:
+        b = self.core.config.bucket_of(view.batch_size)
+        t, cls = self._tables, view.classes
+        k, draft = t["k"][cls, b].copy(), t["draft"][cls, b].copy()
+        probe = (k == 0) & (t["probe_k"][cls, b] > 0) & (
+            _probe_u(view.request_ids) < t["probe_rate"][cls, b])
+        k[probe], draft[probe] = t["probe_k"][cls, b][probe], t["probe_draft"][cls, b][probe]
+        return Assignment(np.where(k > 0, draft, NO_DRAFT), k)
+
+    # --- the plugin's aggregation and the report lap -----------------------------------------
+    def observe(self, o: StepOutcome) -> None:
+        info, cls = self.info, o.view.classes
+        k, draft = o.assignment.k, o.assignment.draft
+        spec = k > 0
+        np.add.at(self._hist, (cls[spec], draft[spec], k[spec], o.accepted[spec]), 1)
+        if o.counterfactual_accepted is not None:
+            scored = o.counterfactual_accepted >= 0
+            np.add.at(self._cf, (cls[scored], o.counterfactual_accepted[scored]), 1)
+        if not o.view.prefill_tokens:  # the plugin times decode steps only
+            self._record_step(o)
+        for f in o.finished:
+            self._finished.append(RequestSummaryRecord(
+                info.classes[f.traffic_class], "", f.prompt_tokens, f.output_tokens,
+                f.drafted_tokens, f.accepted_tokens, f.latency_seconds))
+        now = o.view.now + o.seconds
+        if now - self._last_report >= self.interval:
+            self._report(now, running=o.view.batch_size)
+
+    def _record_step(self, o: StepOutcome) -> None:
+        """Step sums per (batch bucket, model draft with the most passes, passes)."""
+        info = self.info
+        model = [d for d in range(len(info.drafts)) if info.draft_is_model[d] and o.draft_passes[d]]
+        top = max(model, key=lambda d: o.draft_passes[d]) if model else None
+        key = (self.core.config.bucket_of(o.view.batch_size),
+               info.drafts[top] if top is not None else "",
+               int(o.draft_passes[top]) if top is not None else 0)
+        s = self._steps[key]
+        s[0] += 1
+        s[1] += o.view.batch_size
+        s[2] += o.verified_tokens
+        s[3] += int(o.draft_tokens[top]) if top is not None else 0
+        s[4] += o.seconds
+
+    def _report(self, now: float, running: int) -> None:
+        info = self.info
+        acceptance = []
+        for ci, di, k in zip(*np.nonzero(self._hist.sum(axis=3)), strict=True):
+            acceptance.append(AcceptanceRecord(
+                info.classes[ci], info.drafts[di], int(k),
+                tuple(int(x) for x in self._hist[ci, di, k, : k + 1])))
+        if self.ngram is not None:
+            for ci in np.flatnonzero(self._cf.sum(axis=1)):
+                acceptance.append(AcceptanceRecord(
+                    info.classes[ci], info.drafts[self.ngram], info.max_k,
+                    tuple(int(x) for x in self._cf[ci]), counterfactual=True))
+        timings = tuple(
+            StepTimingRecord(b, d, k, int(s[0]), int(s[1]), int(s[2]), int(s[3]), s[4])
+            for (b, d, k), s in sorted(self._steps.items()))
+        self._sequence += 1
+        report = EngineReport(self._sequence, now - self._last_report, self.core.version,
+                              tuple(acceptance), tuple(self._finished), timings,
+                              running_requests=running)
+        self.core.ingest(ENGINE_ID, report, now)
+        self.core.decide(now)
+        if self.core.version != self._version:
+            self._refresh()
+        self._hist[:] = 0
+        self._cf[:] = 0
+        self._steps.clear()
+        self._finished.clear()
+        self._last_report = now
+        self.reports += 1

@@ -1,0 +1,113 @@
+"""The simulated engine, the oracle and specpilot's adapter, on small scenarios."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from controller.sim import policies
+from controller.sim.engine import SimEngine
+from controller.sim.oracle import Oracle
+from controller.sim.scenario import Scenario, parse_scenario
+from controller.sim.specpilot_policy import SpecPilotPolicy
+from tests.sim.conftest import scenario_data
+
+
+def test_runs_are_deterministic_and_conserve_tokens(tiny: Scenario) -> None:
+    engine = SimEngine(tiny)
+    a = engine.run(policies.build("specpilot", engine))
+    b = engine.run(policies.build("specpilot", engine))
+    assert a.tokens == b.tokens and a.steps == b.steps and a.k_timeline == b.k_timeline
+    assert a.tokens == sum(a.class_tokens.values()) == sum(a.phase_tokens)
+    assert a.finished > 0
+    # Another seed: a different run.
+    c = SimEngine(tiny, seed=99).run(policies.build("specpilot", SimEngine(tiny, seed=99)))
+    assert c.tokens != a.tokens
+
+
+def test_speculation_raises_tokens_per_step_as_acceptance_says() -> None:
+    # One class at acceptance 0.9, K=4: E(K) ~ 4.1 tokens per step (lower with per-request spread).
+    s = parse_scenario(scenario_data(classes=[
+        {"name": "easy", "share": 1, "prompt_tokens": 50, "output_tokens": 5000, "spread": 0,
+         "acceptance": {"small": 0.9, "ngram": 0.2}}]))
+    engine = SimEngine(s)
+    run = engine.run(policies.build("static:4", engine))
+    expected = (1 - 0.9**5) / (1 - 0.9)
+    per_step = run.tokens / run.steps / 2  # two requests decode in every step
+    assert abs(per_step - expected) < 0.1
+    rate = run.class_acceptance()["easy"]
+    assert rate is not None and abs(rate - (expected - 1) / 4) < 0.02
+
+
+def brute_force(oracle: Oracle, counts: np.ndarray, batch: int, now: float = 0.0) -> float:
+    """Best expected tokens/s over every combination of arms, straight from the definitions."""
+    curves = oracle.truth.expected_curves(now, running=True)
+    cost = oracle.cost
+    best = 0.0
+    live = [c for c in range(counts.size) if counts[c]]
+    for arms in itertools.product(range(oracle.arm_k.size), repeat=len(live)):
+        tokens, verified = 0.0, 0
+        passes = np.zeros(len(oracle.info.drafts))
+        dtok = np.zeros(len(oracle.info.drafts))
+        for c, a in zip(live, arms, strict=True):
+            k, d = int(oracle.arm_k[a]), int(oracle.arm_draft[a])
+            tokens += counts[c] * (curves[c, d, k] if k else 1.0)
+            verified += counts[c] * (1 + k)
+            if k:
+                passes[d] = max(passes[d], k)
+                dtok[d] += counts[c] * k
+        best = max(best, tokens / cost.seconds(batch, verified, passes, dtok))
+    return best
+
+
+def test_oracle_finds_the_joint_optimum(tiny: Scenario) -> None:
+    engine = SimEngine(tiny)
+    oracle = policies.build("oracle", engine)
+    assert isinstance(oracle, Oracle)
+    for counts in ([1, 0], [2, 1], [5, 9], [16, 0]):
+        c = np.array(counts, dtype=np.int64)
+        arms = oracle.best_arms(0.0, c, int(c.sum()), 0)
+        curves = engine.truth.expected_curves(0.0, running=True)
+        values = np.array([oracle._class_arm_values(curves, i) for i in range(2)])
+        got = oracle._responses(c, arms, values, 0, int(c.sum()), 0, 0.0)[arms[0]]
+        assert abs(got - brute_force(oracle, c, int(c.sum()))) < 1e-9 * got
+
+
+def test_the_oracle_is_not_beaten_beyond_noise(tiny: Scenario) -> None:
+    engine = SimEngine(tiny)
+    names = ["off", "static:1", "static:3", "static:5", "sglang-adaptive", "specpilot", "oracle"]
+    runs = {n: engine.run(policies.build(n, engine)) for n in names}
+    ceiling = runs["oracle"].throughput
+    for name, run in runs.items():
+        assert run.throughput <= 1.02 * ceiling, (name, run.throughput, ceiling)
+
+
+def test_specpilot_runs_the_real_core_through_reports(tiny: Scenario) -> None:
+    engine = SimEngine(tiny)
+    policy = policies.build("specpilot", engine)
+    assert isinstance(policy, SpecPilotPolicy)
+    engine.run(policy)
+    core = policy.core
+    # About one report per simulated second, every one accepted in order.
+    assert abs(policy.reports - tiny.duration_seconds) <= 2
+    assert core.engines["sim-engine-0"].last_sequence == policy.reports
+    # What it learned from the reports alone: the easy class speculates, the hard one does not.
+    easy, hard = core.decision("easy", 1), core.decision("hard", 1)
+    assert easy is not None and hard is not None
+    assert easy.k >= 3 and easy.draft == "small"
+    # The hard class never runs the model draft (n-gram drafts cost nothing, so a short one may
+    # still pay a little).
+    assert hard.k == 0 or (hard.draft == "ngram" and hard.k <= 2)
+    # Its class mix estimate comes from the finished-request summaries.
+    assert set(core.mix.shares()) == {"easy", "hard"}
+
+
+def test_offline_classes_reach_the_controller_pinned_off() -> None:
+    data = scenario_data()
+    data["classes"][0]["offline"] = True
+    engine = SimEngine(parse_scenario(data))
+    policy = policies.build("specpilot", engine)
+    run = engine.run(policy)
+    assert run.class_drafted["easy"] == 0
+    assert "easy" in policy.core.config.offline_classes  # type: ignore[attr-defined]

@@ -1,0 +1,79 @@
+"""Batch-aware scoring: the class mix, the expected rest of a batch, and the mixed arm table."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from controller.core.cost_model import CostPrior, StepCostModel
+from controller.core.mix import BatchOthers, ClassMix, OtherClass
+from controller.core.policy import BucketState, ClassContext, arm_table
+from controller.core.types import DraftKind, DraftSpec
+
+DRAFTS = (DraftSpec("small", DraftKind.MODEL, 6), DraftSpec("ngram", DraftKind.NGRAM, 6))
+
+
+def test_mix_shares_follow_request_steps_and_forget() -> None:
+    mix = ClassMix(half_life_seconds=10.0)
+    assert mix.shares() == {}
+    mix.observe("a", 300, now=0.0)
+    mix.observe("b", 100, now=0.0)
+    assert mix.shares() == {"a": 0.75, "b": 0.25}
+    mix.observe("b", 150, now=10.0)  # a halves to 150, b to 50 + 150
+    assert abs(mix.shares()["a"] - 150 / 350) < 1e-12
+
+
+def test_expected_passes_is_the_mean_of_the_largest_k() -> None:
+    # Batch of 3: two other sequences; class x (share 0.5) runs K=4, class y (share 0.5) K=2.
+    o = BatchOthers.build(3, 0.0, [OtherClass(0.5, "small", True, 4, 2.5),
+                                   OtherClass(0.5, "small", True, 2, 1.8)])
+    p4 = 1 - 0.5**2  # some other sequence is x
+    p2 = 0.5**2 * (1 - 0.5**2)  # none is x, some is y
+    got = o.expected_passes("small", np.array([0.0, 3.0, 5.0]))
+    want = [p4 * 4 + p2 * 2, p4 * 4 + (1 - p4) * 3, 5.0]
+    assert np.allclose(got, want)
+    assert o.tokens == 2 * 0.5 * 2.5 + 2 * 0.5 * 1.8
+    assert np.allclose(o.expected_passes("other", np.array([2.0])), [2.0])
+
+
+def _ctx(others: dict[int, BatchOthers], model: StepCostModel) -> ClassContext:
+    rates = {"small": np.full(6, 0.8), "ngram": np.full(6, 0.3)}
+    return ClassContext(
+        traffic_class="c", now=0.0, drafts=DRAFTS, sampled_rates=rates, mean_rates=rates,
+        has_data=True, change_detected=False, recovering=False, offline=False, override=None,
+        buckets=(BucketState(0, 8, None, None),), step_seconds=model.predict_curve,
+        others=others, mixed_seconds=model.predict_mixed)
+
+
+def _model() -> StepCostModel:
+    model = StepCostModel((32, 64, 128), CostPrior(draft_seconds_per_pass=4e-3), 60.0,
+                          [1, 8, 64], 6)
+    model.ensure_drafts(["small"])
+    return model
+
+
+def test_mixed_table_without_other_classes_is_the_homogeneous_one() -> None:
+    model = _model()
+    alone = BatchOthers.build(8, 1.0, [])
+    ctx = _ctx({}, model)
+    curves = ctx.sampled_curves
+    homogeneous = arm_table(ctx, 8, curves, 6)
+    mixed = arm_table(_ctx({8: alone}, model), 8, curves, 6)
+    assert mixed.keys == homogeneous.keys
+    assert np.allclose(mixed.step_seconds, homogeneous.step_seconds)
+    assert np.allclose(mixed.goodput, homogeneous.goodput)
+    assert np.allclose(mixed.speedup, homogeneous.speedup)
+
+
+def test_passes_another_class_pays_for_make_longer_drafts_cheap() -> None:
+    model = _model()
+    ctx = _ctx({}, model)
+    curves = ctx.sampled_curves
+    # The other half of the batch already drafts 6 passes of the same model.
+    busy = BatchOthers.build(8, 0.5, [OtherClass(0.5, "small", True, 6, 3.0)])
+    quiet = BatchOthers.build(8, 0.5, [OtherClass(0.5, "", False, 0, 1.0)])
+    t_busy = arm_table(_ctx({8: busy}, model), 8, curves, 6)
+    t_quiet = arm_table(_ctx({8: quiet}, model), 8, curves, 6)
+    k_busy = t_busy.keys[t_busy.best()]
+    k_quiet = t_quiet.keys[t_quiet.best()]
+    assert k_busy == ("small", 6)
+    assert k_quiet[0] == "small" and k_quiet[1] < 6
