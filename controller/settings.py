@@ -125,6 +125,9 @@ class Settings(BaseSettings):
     dwell_seconds: float = Field(
         10.0, ge=0, description="Minimum time a (class, bucket) choice stays, seconds."
     )
+    joint_interval_seconds: float = Field(
+        5.0, gt=0, description="How often the joint (whole-batch) arm search reruns, seconds."
+    )
     hysteresis_ratio: float = Field(
         0.03, ge=0, description="Relative sampled-goodput gain a new arm needs to replace the "
         "current one (0.03 = 3%)."
@@ -211,6 +214,7 @@ def core_config(settings: Settings) -> CoreConfig:
             max_k=s.max_k,
             warmup_k=s.warmup_k,
             dwell_seconds=s.dwell_seconds,
+            joint_interval_seconds=s.joint_interval_seconds,
             hysteresis_ratio=s.hysteresis_ratio,
             min_speedup=s.min_speedup,
             probe_rate_initial=s.probe_rate_initial,

@@ -193,3 +193,24 @@ def test_per_request_engines_pay_the_drafter_whatever_k() -> None:
         plain = float(ctx.step_seconds(8, "", False, 0)[0])
         bare = core.cost.predict_arm(8, 0, "", False)
         assert (plain > bare) is off_pays_drafter
+
+
+def test_batch_mix_counts_verification_steps_and_finished_requests_of_silent_classes() -> None:
+    core = _core()
+    # Batch-wide K: the drafter drafts only the K asked (per-request engines draft max K for all,
+    # so there the homogeneous view is exact and no joint search runs).
+    core.connect_engine(replace(HELLO, batch_wide_k=True), now=0.0)
+    report = EngineReport(
+        sequence=1, interval_seconds=1.0, policy_version=0,
+        acceptance=(AcceptanceRecord("code", "d", 3, (10, 20, 30, 40)),  # 100 steps
+                    AcceptanceRecord("code", "ngram", 4, (50, 0, 0, 0, 0), counterfactual=True)),
+        finished=(RequestSummaryRecord("code", "d", 10, 200, 150, 90, 1.0),  # counted above
+                  RequestSummaryRecord("chat", "", 10, 301, 0, 0, 1.0)),  # off: 301 steps
+    )
+    core.ingest("e1", report, now=1.0)
+    shares = core.mix.shares()
+    assert shares == pytest.approx({"code": 100 / 401, "chat": 301 / 401})
+    # The joint search ran for every bucket and kept each class's arm valid.
+    core.decide(now=1.0)
+    assert set(core.joint) == set(range(core.config.n_buckets))
+    assert all(set(arms) == {"code", "chat"} for arms in core.joint.values())

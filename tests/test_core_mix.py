@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from controller.core.cost_model import CostPrior, StepCostModel
-from controller.core.mix import BatchOthers, ClassMix, OtherClass
+from controller.core.mix import BatchOthers, ClassMix, JointClass, OtherClass, joint_arms
 from controller.core.policy import BucketState, ClassContext, arm_table
 from controller.core.types import DraftKind, DraftSpec
 
@@ -77,3 +77,31 @@ def test_passes_another_class_pays_for_make_longer_drafts_cheap() -> None:
     k_quiet = t_quiet.keys[t_quiet.best()]
     assert k_busy == ("small", 6)
     assert k_quiet[0] == "small" and k_quiet[1] < 6
+
+
+def test_joint_search_escapes_where_class_by_class_moves_stall() -> None:
+    """Two halves of a batch share a costly draft: alone, neither gains from a longer draft (it
+    pays the extra pass by itself); together both do. The search must find the joint move."""
+    model = _model()
+    curve = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(np.full(6, 0.8)))))
+    curves = {"small": curve, "ngram": np.ones(7)}
+    stuck = [JointClass("a", 0.5, curves, ("small", 1)), JointClass("b", 0.5, curves,
+                                                                   ("small", 1))]
+
+    def batch_rate(arms: dict[str, tuple[str, int]]) -> float:
+        o = BatchOthers.build(16, 0.5, [OtherClass(0.5, arms["b"][0], True, arms["b"][1],
+                                                   float(curve[arms["b"][1]]))])
+        k = arms["a"][1]
+        t = model.predict_mixed(16, np.array([o.verified_tokens + o.self_count * (1 + k)]),
+                                {"small": o.expected_passes("small", np.array([float(k)]))},
+                                {"small": np.array([o.draft_tokens.get("small", 0.0)
+                                                    + o.self_count * k])})
+        return float((o.self_count * curve[k] + o.tokens) / t[0])
+
+    found = joint_arms(16, stuck, DRAFTS, 6, model.predict_mixed)
+    assert batch_rate(found) >= max(batch_rate({"a": ("small", i), "b": ("small", j)})
+                                    for i in range(1, 7) for j in range(1, 7)) * (1 - 1e-9)
+    # Held classes stay where they are.
+    held = [JointClass("a", 0.5, curves, ("small", 1)),
+            JointClass("b", 0.5, curves, ("small", 1), free=False)]
+    assert joint_arms(16, held, DRAFTS, 6, model.predict_mixed)["b"] == ("small", 1)

@@ -6,11 +6,12 @@ step with a >= i. Positions after the first rejection were never tried; they are
 rejected, so they add nothing to that position's evidence.
 
 Each position's conditional acceptance rate has a Beta posterior: prior (alpha0, beta0) plus the
-evidence, which decays by 2^(-dt / half_life) before new counts are added. A second, fast-decaying
-copy of the evidence feeds the change detector: when the fast and slow means at some position
-differ by more than ``z_threshold`` standard errors, the slow evidence is replaced by the fast one
-and, for ``RECOVERY_HALF_LIVES`` fast half-lives, decays at the fast rate, so the remains of the old
-regime wash out within seconds instead of over a slow half-life.
+evidence, which decays by 2^(-dt / half_life) before new counts are added. A second,
+fast-decaying copy of the evidence feeds the change detector: when the fast and slow means at
+some position differ by more than ``z_threshold`` standard errors, the slow evidence
+is replaced by the fast one, cut down to ``min_tries`` per position, and for
+``RECOVERY_HALF_LIVES`` fast half-lives decays at the fast rate, so the remains of the old regime
+wash out within seconds instead of over a half-life.
 """
 
 from __future__ import annotations
@@ -147,8 +148,13 @@ class AcceptanceEstimator:
             ev.accepts[:k] += accepts
             ev.rejects[:k] += tries - accepts
         if self._shifted(slow, fast):
-            slow.accepts = fast.accepts.copy()
-            slow.rejects = fast.rejects.copy()
+            # The fast estimate still holds about a fast half-life of the old regime: keep it only
+            # as ``min_tries`` of evidence per position, so the new regime's data outweighs it
+            # within a report or two instead of a fast half-life.
+            n_fast = fast.accepts + fast.rejects
+            keep = np.minimum(1.0, cfg.min_tries / np.maximum(n_fast, 1e-12))
+            slow.accepts = fast.accepts * keep
+            slow.rejects = fast.rejects * keep
             self._changes[key] = self._changes.get(key, 0) + 1
             self._recover_until[key] = now + RECOVERY_HALF_LIVES * cfg.fast_half_life_seconds
             return True

@@ -16,7 +16,7 @@ from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import bucket_of
 from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
 from controller.core.goodput import expected_tokens_curve
-from controller.core.mix import BatchOthers, ClassMix, OtherClass
+from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, OtherClass, joint_arms
 from controller.core.policy import (
     ArmValue,
     BucketState,
@@ -110,6 +110,9 @@ class ControllerCore:
         self.rng = rng
         self.estimator = AcceptanceEstimator(config.estimator)
         self.mix = ClassMix(config.estimator.half_life_seconds)
+        # Per bucket: the arms of the best whole batch (the joint search), and when it ran.
+        self.joint: dict[int, dict[str, Arm]] = {}
+        self._joint_at: float | None = None
         self.cost = StepCostModel(
             config.cost_knots_tokens,
             config.cost_prior,
@@ -195,10 +198,20 @@ class ControllerCore:
             if self.estimator.observe(cls, rec.draft, rec.steps_by_accepted, now):
                 self.classes[cls].change_pending = True
                 changes.append((cls, rec.draft))
+        # The batch mix in decode request-steps: verification steps as they happen for classes
+        # that speculate, finished requests' output - accepted (each step emits its accepted
+        # drafts plus one token) for classes that do not.
+        verified: dict[str, int] = {}
+        for rec in report.acceptance:
+            if not rec.counterfactual:
+                cls = mapping[rec.traffic_class]
+                verified[cls] = verified.get(cls, 0) + sum(rec.steps_by_accepted)
+        for cls, steps in verified.items():
+            self.mix.observe(cls, steps, now)
         for req in report.finished:
-            # Each step emits its accepted drafts plus one token: steps ~ output - accepted.
-            self.mix.observe(mapping[req.traffic_class],
-                             max(req.output_tokens - req.accepted_tokens, 1), now)
+            cls = mapping[req.traffic_class]
+            if cls not in verified:
+                self.mix.observe(cls, max(req.output_tokens - req.accepted_tokens, 1), now)
         for st in report.step_timings:
             if st.steps <= 0:
                 continue
@@ -250,11 +263,50 @@ class ControllerCore:
                     continue
                 d = state.decisions.get(b)
                 k, draft = (d.k, d.draft) if d is not None and d.draft in known else (0, "")
+                target = self.joint.get(b, {}).get(other)
+                if target is not None and target[0] in known | {""}:
+                    draft, k = target
                 e = float(self._mean_curve(other, draft, now, cache)[k]) if k else 1.0
                 others.append(OtherClass(share, draft, draft in model, k, e))
             batch = self.config.bucket_batch_size(b)
             out[batch] = BatchOthers.build(batch, shares.get(name, 0.0), others)
         return out
+
+    def _refresh_joint(self, drafts: tuple[DraftSpec, ...], now: float,
+                       cache: dict[tuple[str, str], np.ndarray]) -> None:
+        """Rerun the joint search every joint_interval_seconds (sooner after a detected change):
+        per bucket, the arms that make the expected batch fastest. Each class then scores its
+        own arms with the others at these arms, so the per-class decisions (with their Thompson
+        draws, hysteresis and dwell) land on the batch optimum instead of stalling where only a
+        joint move gains."""
+        shares = self.mix.shares()
+        due = (self._joint_at is None
+               or now - self._joint_at >= self.config.policy.joint_interval_seconds
+               or any(s.change_pending for s in self.classes.values()))
+        if not shares or not due or self._sunk_draft() is not None:
+            return
+        self._joint_at = now
+        classes = []
+        for name, share in shares.items():
+            state = self.classes.get(name)
+            if state is None or share <= 0:
+                continue
+            free = (name not in self.config.offline_classes
+                    and self._override_for(name) is None
+                    and any(self.estimator.has_data(name, d.name) for d in drafts))
+            curves = {d.name: self._mean_curve(name, d.name, now, cache) for d in drafts}
+            classes.append((name, share, curves, state, free))
+        if not any(free for *_, free in classes):
+            return
+        for b in range(self.config.n_buckets):
+            batch = self.config.bucket_batch_size(b)
+            joint = []
+            for name, share, curves, state, free in classes:
+                d = state.decisions.get(b)
+                arm = d.arm if d is not None and d.draft in curves | {"": None} else ("", 0)
+                joint.append(JointClass(name, share, curves, arm, free))
+            self.joint[b] = joint_arms(batch, joint, drafts, self.config.policy.max_k,
+                                       self.cost.predict_mixed)
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
                  now: float, cache: dict[tuple[str, str], np.ndarray] | None = None
@@ -308,6 +360,7 @@ class ControllerCore:
         events: list[DecisionEvent] = []
         material = False
         cache: dict[tuple[str, str], np.ndarray] = {}
+        self._refresh_joint(drafts, now, cache)
         for name, state in self.classes.items():
             ctx = self._context(name, state, drafts, now, cache)
             for new in decide_class(ctx, self.config.policy):

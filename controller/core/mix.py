@@ -8,19 +8,30 @@ batch were all that class (the homogeneous view) misses both. With the mix known
 scored by the whole batch's goodput, the other classes held at their current choices: repeated
 every decide round, this is coordinate ascent toward the batch optimum.
 
-The mix comes from finished-request summaries the engine already sends: a request decoded for
-about ``output_tokens - accepted_tokens`` steps (every step emits its accepted drafts plus one).
+The mix comes from what the engine already sends: the verification steps of classes that
+speculate, as they happen, and for the others the finished-request summaries (a request decoded
+for about ``output_tokens - accepted_tokens`` steps: every step emits its accepted drafts plus
+one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from controller.core.types import DraftKind, DraftSpec
+
 FloatArray = npt.NDArray[np.float64]
+# (batch_size, verified tokens, passes per model draft, draft tokens per model draft) -> seconds,
+# one entry per element of the verified-tokens array.
+MixedSecondsFn = Callable[[float, FloatArray, dict[str, FloatArray], dict[str, FloatArray]],
+                          FloatArray]
+Arm = tuple[str, int]
+# Coordinate-ascent sweeps of the joint search (it stops earlier when no class moves).
+_JOINT_SWEEPS = 4
 
 
 class ClassMix:
@@ -108,3 +119,106 @@ class BatchOthers:
             out += p * np.maximum(own, k)
             none -= p
         return np.asarray(out + max(none, 0.0) * own, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class ArmRates:
+    """Every arm of one class in a mixed batch: row 0 is off, then each draft's K = 1..max."""
+
+    keys: list[Arm]
+    expected_tokens: FloatArray  # E(K) of this class's sequences
+    step_seconds: FloatArray
+    batch_rate: FloatArray  # tokens per second of the whole batch
+
+
+def arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec], curves: Mapping[str, FloatArray],
+              max_k: int, seconds_fn: MixedSecondsFn) -> ArmRates:
+    """The whole batch's tokens per second for each arm of the class, the others fixed."""
+    n = o.self_count
+    model = [d.name for d in drafts if d.kind is DraftKind.MODEL]
+
+    def seconds(draft: str, ks: FloatArray) -> FloatArray:
+        passes = {m: o.expected_passes(m, ks if m == draft else np.zeros_like(ks))
+                  for m in model}
+        tokens = {m: o.draft_tokens.get(m, 0.0) + (n * ks if m == draft else 0.0 * ks)
+                  for m in model}
+        return seconds_fn(o.batch_size, o.verified_tokens + n * (1 + ks), passes, tokens)
+
+    keys: list[Arm] = [("", 0)]
+    expected: list[FloatArray] = [np.ones(1)]
+    t_off = seconds("", np.zeros(1))
+    steps: list[FloatArray] = [t_off]
+    for spec in drafts:
+        k_max = min(max_k, spec.max_k)
+        ks = np.arange(1, k_max + 1, dtype=np.float64)
+        keys.extend((spec.name, k) for k in range(1, k_max + 1))
+        expected.append(np.asarray(curves[spec.name][1 : k_max + 1], dtype=np.float64))
+        # More verified tokens never make a step faster (as in the cost model's curves).
+        steps.append(np.maximum.accumulate(np.maximum(seconds(spec.name, ks), t_off[0])))
+    e, t = np.concatenate(expected), np.concatenate(steps)
+    return ArmRates(keys, e, t, (n * e + o.tokens) / t)
+
+
+@dataclass(frozen=True)
+class JointClass:
+    """One class in the joint search: its share of the batch, its mean E(K) curve per draft,
+    the arm it runs now, and whether the search may move it (offline or overridden classes and
+    classes without data are held)."""
+
+    name: str
+    share: float
+    curves: Mapping[str, FloatArray]
+    arm: Arm
+    free: bool = True
+
+    def expected(self, arm: Arm) -> float:
+        draft, k = arm
+        return float(self.curves[draft][k]) if k else 1.0
+
+
+def _others(classes: Sequence[JointClass], arms: Mapping[str, Arm], skip: str,
+            model: set[str]) -> list[OtherClass]:
+    return [OtherClass(c.share, arms[c.name][0], arms[c.name][0] in model, arms[c.name][1],
+                       c.expected(arms[c.name]))
+            for c in classes if c.name != skip]
+
+
+def joint_arms(batch_size: int, classes: Sequence[JointClass], drafts: Sequence[DraftSpec],
+               max_k: int, seconds_fn: MixedSecondsFn) -> dict[str, Arm]:
+    """The arms that maximise the batch's expected tokens per second, by coordinate ascent
+    from several starts: the arms now, all free classes off, and all free classes on one model
+    draft at each K (class-by-class moves alone stall where two classes would only gain by
+    lengthening their shared draft together)."""
+    model = {d.name for d in drafts if d.kind is DraftKind.MODEL}
+    free = [c for c in classes if c.free]
+    if not free:
+        return {c.name: c.arm for c in classes}
+    starts: list[dict[str, Arm]] = [{c.name: c.arm for c in classes}]
+    uniform: list[Arm] = [("", 0)] + [(d.name, k) for d in drafts if d.name in model
+                                      for k in range(1, min(max_k, d.max_k) + 1)]
+    for arm in uniform:
+        starts.append({c.name: (arm if c.free else c.arm) for c in classes})
+    reference = free[0]
+    best_arms, best_rate = starts[0], -np.inf
+    for start in starts:
+        arms = dict(start)
+        rate = -np.inf
+        for _ in range(_JOINT_SWEEPS):
+            moved = False
+            for c in free:
+                o = BatchOthers.build(batch_size, c.share, _others(classes, arms, c.name, model))
+                r = arm_rates(o, drafts, c.curves, max_k, seconds_fn)
+                i = int(np.argmax(r.batch_rate))
+                if r.keys[i] != arms[c.name] and r.batch_rate[i] > r.batch_rate[
+                        r.keys.index(arms[c.name])] * (1 + 1e-9):
+                    arms[c.name] = r.keys[i]
+                    moved = True
+            if not moved:
+                break
+        o = BatchOthers.build(batch_size, reference.share,
+                              _others(classes, arms, reference.name, model))
+        r = arm_rates(o, drafts, reference.curves, max_k, seconds_fn)
+        rate = float(r.batch_rate[r.keys.index(arms[reference.name])])
+        if rate > best_rate:
+            best_arms, best_rate = arms, rate
+    return best_arms

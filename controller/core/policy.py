@@ -25,16 +25,12 @@ import numpy as np
 import numpy.typing as npt
 
 from controller.core.goodput import expected_tokens_curve, goodput, speedup
-from controller.core.mix import BatchOthers
+from controller.core.mix import BatchOthers, MixedSecondsFn, arm_rates
 from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason, arm_key
 
 FloatArray = npt.NDArray[np.float64]
 # (batch_size, draft, draft_is_model, max_k) -> predicted step seconds for K = 0..max_k
 StepSecondsFn = Callable[[int, str, bool, int], FloatArray]
-# (batch_size, verified tokens, passes per model draft, draft tokens per model draft) -> seconds,
-# one entry per element of the verified-tokens array.
-MixedSecondsFn = Callable[[float, FloatArray, dict[str, FloatArray], dict[str, FloatArray]],
-                          FloatArray]
 
 
 @dataclass(frozen=True)
@@ -42,6 +38,7 @@ class PolicyConfig:
     max_k: int
     warmup_k: int = 2
     dwell_seconds: float = 10.0
+    joint_interval_seconds: float = 5.0
     hysteresis_ratio: float = 0.03
     min_speedup: float = 1.02
     probe_rate_initial: float = 0.05
@@ -161,39 +158,16 @@ def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArra
 
 def _mixed_arm_table(ctx: ClassContext, o: BatchOthers, seconds_fn: MixedSecondsFn,
                      curves: Mapping[str, FloatArray], max_k: int) -> ArmTable:
-    """Arms scored by the whole batch's goodput, the other classes held at their current arms.
+    """Arms scored by the whole batch's goodput, the other classes held at their arms.
 
     The goodput column is attributed to this class: its own rate with speculation off plus
     what the arm adds to (or takes from) the batch, so that ``min_speedup`` and hysteresis keep
     their per-class meaning; with no other classes it equals the homogeneous table.
     """
-    n = o.self_count
-    model = [d.name for d in ctx.drafts if d.kind is DraftKind.MODEL]
-    keys: list[tuple[str, int]] = [("", 0)]
-    expected: list[FloatArray] = [np.ones(1)]
-    steps: list[FloatArray] = []
-
-    def seconds(draft: str, ks: FloatArray) -> FloatArray:
-        passes = {m: o.expected_passes(m, ks if m == draft else np.zeros_like(ks))
-                  for m in model}
-        tokens = {m: o.draft_tokens.get(m, 0.0) + (n * ks if m == draft else 0.0 * ks)
-                  for m in model}
-        return seconds_fn(o.batch_size, o.verified_tokens + n * (1 + ks), passes, tokens)
-
-    t_off = seconds("", np.zeros(1))
-    steps.append(t_off)
-    for spec in ctx.drafts:
-        k_max = min(max_k, spec.max_k)
-        ks = np.arange(1, k_max + 1, dtype=np.float64)
-        keys.extend((spec.name, k) for k in range(1, k_max + 1))
-        expected.append(curves[spec.name][1 : k_max + 1])
-        # More verified tokens never make a step faster (as in the cost model's curves).
-        steps.append(np.maximum.accumulate(np.maximum(seconds(spec.name, ks), t_off[0])))
-    e, t = np.concatenate(expected), np.concatenate(steps)
-    batch_rate = (n * e + o.tokens) / t
-    own_off = n / t[0]
-    attributed = own_off + batch_rate - batch_rate[0]
-    return ArmTable(keys, e, t, attributed, attributed / own_off)
+    r = arm_rates(o, ctx.drafts, curves, max_k, seconds_fn)
+    own_off = o.self_count / r.step_seconds[0]
+    attributed = own_off + r.batch_rate - r.batch_rate[0]
+    return ArmTable(r.keys, r.expected_tokens, r.step_seconds, attributed, attributed / own_off)
 
 
 def arm_values(ctx: ClassContext, batch_size: int, rates: Mapping[str, FloatArray],

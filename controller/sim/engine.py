@@ -124,6 +124,7 @@ class RunResult:
     # Per class, per timeline bin: mean K over the class's decoding request-steps (None: idle).
     k_timeline: dict[str, list[float | None]]
     batch_timeline: list[float | None]
+    tokens_timeline: list[int]  # tokens emitted per timeline bin
     wall_seconds: float = 0.0
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -157,6 +158,8 @@ class SimEngine:
         s, info, truth, cost = self.s, self.info, self.truth, self.cost
         started = wallclock.perf_counter()
         rng = np.random.default_rng([self.seed, 3])
+        # Counterfactual draws have their own stream: scoring them must not shift the others.
+        cf_rng = np.random.default_rng([self.seed, 4])
         traffic = _Traffic(s, self.seed)
         starts = [*s.phase_starts(), s.duration_seconds]
         n_cls, n_drafts, max_k = len(info.classes), len(info.drafts), info.max_k
@@ -164,6 +167,7 @@ class SimEngine:
         bins = max(1, math.ceil(s.duration_seconds / s.timeline_seconds))
         k_sum, k_n = np.zeros((n_cls, bins)), np.zeros((n_cls, bins))
         b_sum, b_n = np.zeros(bins), np.zeros(bins)
+        tok_bins = np.zeros(bins, dtype=np.int64)
         phase_tokens = [0] * len(s.load)
         class_tokens, class_drafted, class_accepted = (np.zeros(n_cls, dtype=np.int64)
                                                        for _ in range(3))
@@ -236,7 +240,7 @@ class SimEngine:
                 if idx.size:
                     offsets = np.array([decoding[i].offset for i in idx])
                     rates = truth.request_rates(now, cls[idx], np.full(idx.size, ngram), offsets)
-                    ok = rng.random(rates.shape) < rates
+                    ok = cf_rng.random(rates.shape) < rates
                     cf[idx] = np.cumprod(ok, axis=1).sum(axis=1)
 
             # --- cost ---
@@ -285,6 +289,7 @@ class SimEngine:
             np.add.at(k_sum[:, b], cls, k)
             np.add.at(k_n[:, b], cls, 1)
             b_sum[b] += batch
+            tok_bins[b] += int(emitted.sum())
             b_n[b] += 1
             steps += 1
             policy.observe(StepOutcome(view, a.__class__(draft, k), seconds, accepted, emitted,
@@ -311,5 +316,6 @@ class SimEngine:
             k_timeline={c: [float(k_sum[i, j] / k_n[i, j]) if k_n[i, j] else None
                             for j in range(bins)] for i, c in enumerate(names)},
             batch_timeline=[float(b_sum[j] / b_n[j]) if b_n[j] else None for j in range(bins)],
+            tokens_timeline=tok_bins.tolist(),
             wall_seconds=wallclock.perf_counter() - started,
         )
