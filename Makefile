@@ -71,7 +71,7 @@ bench: setup
 
 sim: setup
 	@echo "==> sim: specpilot simulate benchmarks/scenarios/*.yaml"
-	$(VENV)/bin/specpilot simulate benchmarks/scenarios/*.yaml --out benchmarks/results/sim --jobs 2
+	$(VENV)/bin/specpilot simulate benchmarks/scenarios/*.yaml --seeds 3 --out benchmarks/results/sim --jobs 2
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -123,7 +123,7 @@ class Settings(BaseSettings):
     # --- policy --------------------------------------------------------------------------------
     warmup_k: int = Field(2, ge=0, description="K used for a class before any data, tokens.")
     dwell_seconds: float = Field(
-        10.0, ge=0, description="Minimum time a (class, bucket) choice stays, seconds."
+        5.0, ge=0, description="Minimum time a (class, bucket) choice stays, seconds."
     )
     joint_interval_seconds: float = Field(
         5.0, gt=0, description="How often the joint (whole-batch) arm search reruns, seconds."

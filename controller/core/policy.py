@@ -37,7 +37,7 @@ StepSecondsFn = Callable[[int, str, bool, int], FloatArray]
 class PolicyConfig:
     max_k: int
     warmup_k: int = 2
-    dwell_seconds: float = 10.0
+    dwell_seconds: float = 5.0
     joint_interval_seconds: float = 5.0
     hysteresis_ratio: float = 0.03
     min_speedup: float = 1.02

@@ -143,6 +143,33 @@ class RunResult:
                 for c in self.class_tokens}
 
 
+def pool_runs(runs: list[RunResult]) -> RunResult:
+    """One policy's runs on several seeds as one: counts and times summed (throughputs are then
+    pooled ratios), latency weighted by finished requests, timelines from the first run."""
+    first = runs[0]
+    if len(runs) == 1:
+        return first
+    finished = sum(r.finished for r in runs)
+
+    def total(attr: str) -> dict[str, int]:
+        return {c: sum(getattr(r, attr)[c] for r in runs) for c in getattr(first, attr)}
+
+    return RunResult(
+        scenario=first.scenario, policy=first.policy,
+        duration_seconds=sum(r.duration_seconds for r in runs),
+        tokens=sum(r.tokens for r in runs), steps=sum(r.steps for r in runs), finished=finished,
+        mean_latency_seconds=(sum(r.mean_latency_seconds * r.finished for r in runs) / finished
+                              if finished else 0.0),
+        phase_labels=first.phase_labels,
+        phase_tokens=[sum(x) for x in zip(*(r.phase_tokens for r in runs), strict=True)],
+        phase_seconds=[sum(x) for x in zip(*(r.phase_seconds for r in runs), strict=True)],
+        class_tokens=total("class_tokens"), class_drafted=total("class_drafted"),
+        class_accepted=total("class_accepted"), timeline_seconds=first.timeline_seconds,
+        k_timeline=first.k_timeline, batch_timeline=first.batch_timeline,
+        tokens_timeline=first.tokens_timeline,
+        wall_seconds=sum(r.wall_seconds for r in runs))
+
+
 ProgressFn = Callable[[float], None]
 
 

@@ -27,6 +27,7 @@ class ScenarioResult:
     description: str
     seed: int
     runs: dict[str, RunResult]
+    seeds: int = 1  # runs pooled per policy: seeds seed .. seed + seeds - 1
 
     def ratio(self, policy: str, to: str = "oracle") -> float | None:
         if policy not in self.runs or to not in self.runs:
@@ -85,6 +86,7 @@ def scenario_json(result: ScenarioResult) -> dict[str, object]:
         data["class_acceptance"] = run.class_acceptance()
         runs[name] = data
     return {"scenario": result.name, "kind": result.kind, "seed": result.seed,
+            "seeds": result.seeds,
             "description": result.description,
             "checks": [{"check": c, "met": ok} for c, ok in result.checks()], "runs": runs}
 
@@ -101,7 +103,10 @@ def scenario_markdown(result: ScenarioResult) -> str:
     classes = list(any_run.class_tokens)
     head = (["policy", "tokens/s", "vs oracle"] + [f"phase {p}" for p in phases]
             + [f"{c} tok/s" for c in classes])
-    lines = [f"### {result.name} ({result.kind})", "", result.description.strip(), "",
+    last = result.seed + result.seeds - 1
+    pooled = f" Pooled over {result.seeds} seeds ({result.seed}..{last})." if last > result.seed \
+        else ""
+    lines = [f"### {result.name} ({result.kind})", "", result.description.strip() + pooled, "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, run in sorted(runs.items(), key=lambda kv: -kv[1].throughput):
         ct = run.class_throughput()

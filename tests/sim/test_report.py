@@ -36,3 +36,15 @@ def test_scenario_and_suite_outputs(tmp_path: Path) -> None:
     text = suite_markdown(results)
     assert "geomean" in text and "of off >= 0.98" in text  # the no_gain target applies to b
     assert (tmp_path / "suite.png").read_bytes()[:8] == PNG
+
+
+def test_seeds_are_pooled(tmp_path: Path) -> None:
+    s = parse_scenario(scenario_data(load=[{"duration_seconds": 10, "concurrency": 2}]))
+    one = [simulate([s], ["static:2"], seed=s.seed + j, log=False)[0].runs["static:2"]
+           for j in range(2)]
+    pooled = simulate([s], ["static:2"], seed=None, log=False, seeds=2)[0]
+    run = pooled.runs["static:2"]
+    assert pooled.seeds == 2
+    assert run.tokens == one[0].tokens + one[1].tokens
+    assert run.duration_seconds == 20
+    assert run.throughput == (one[0].tokens + one[1].tokens) / 20
