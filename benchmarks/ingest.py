@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -71,10 +72,14 @@ def bench_core(reports: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     batch = [realistic_report(i + 1, rng) for i in range(reports)]
     hello = EngineHello("e", "m", "v", (DraftSpec("draft", DraftKind.MODEL, 8, "v"),), 8)
+    # A batch-wide engine drafts only the K asked, so decide also runs the joint (whole-batch)
+    # arm search (two stale buckets per decide round; a bucket is stale after 5 reports here).
+    batch_wide = replace(hello, batch_wide_k=True)
     results = {}
-    for label, decide in (("ingest", False), ("ingest_and_decide", True)):
+    for label, decide, engine in (("ingest", False, hello), ("ingest_and_decide", True, hello),
+                                  ("ingest_and_decide_batch_wide", True, batch_wide)):
         core = ControllerCore(core_config(settings), np.random.default_rng(0))
-        core.connect_engine(hello, 0.0)
+        core.connect_engine(engine, 0.0)
         start = time.perf_counter()
         for i, rep in enumerate(batch):
             now = float(i)
@@ -169,6 +174,8 @@ def main() -> int:
         f"| core ingest, reports/s (8 classes, K=4, 9 timing groups, 32 requests) "
         f"| {core['ingest']:,.0f} |",
         f"| core ingest + decide, reports/s | {core['ingest_and_decide']:,.0f} |",
+        f"| core ingest + decide, batch-wide engine (8 classes in the joint search), reports/s | "
+        f"{core['ingest_and_decide_batch_wide']:,.0f} |",
         f"| decide cost (ingest-only rate / ingest+decide rate) "
         f"| {result['decide_cost_ratio']:.1f}x |",
         f"| gRPC loopback report round trips/s (one stream, one in flight) "

@@ -126,7 +126,8 @@ class Settings(BaseSettings):
         5.0, ge=0, description="Minimum time a (class, bucket) choice stays, seconds."
     )
     joint_interval_seconds: float = Field(
-        5.0, gt=0, description="How often the joint (whole-batch) arm search reruns, seconds."
+        5.0, gt=0, description="Age after which a bucket's joint (whole-batch) arm search is "
+        "rerun, seconds (two buckets per decide round; all after a detected change)."
     )
     hysteresis_ratio: float = Field(
         0.03, ge=0, description="Relative sampled-goodput gain a new arm needs to replace the "

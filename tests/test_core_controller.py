@@ -210,7 +210,15 @@ def test_batch_mix_counts_verification_steps_and_finished_requests_of_silent_cla
     core.ingest("e1", report, now=1.0)
     shares = core.mix.shares()
     assert shares == pytest.approx({"code": 100 / 401, "chat": 301 / 401})
-    # The joint search ran for every bucket and kept each class's arm valid.
+    # The joint search needs two classes with data; it refreshes two stale buckets per round
+    # (batch size 1 has no others), so four rounds cover the eight buckets above batch 1.
     core.decide(now=1.0)
-    assert set(core.joint) == set(range(core.config.n_buckets))
+    assert core.joint == {}
+    core.ingest("e1", EngineReport(sequence=2, interval_seconds=1.0, policy_version=0,
+                                   acceptance=(AcceptanceRecord("chat", "d", 2, (5, 5, 10)),)),
+                now=2.0)
+    for t in range(2, 6):
+        core.decide(now=float(t))
+    wanted = {b for b in range(core.config.n_buckets) if core.config.bucket_batch_size(b) > 1}
+    assert set(core.joint) == wanted
     assert all(set(arms) == {"code", "chat"} for arms in core.joint.values())

@@ -42,6 +42,9 @@ from controller.core.types import (
 )
 from controller.core.validation import check_class_name, check_hello, check_report
 
+# Buckets the joint search may refresh in one decide round (it costs ~10-50 ms per bucket with
+# many classes; the rest wait for later rounds).
+_JOINT_BUCKETS_PER_DECIDE = 2
 # A probe share that moved by less than this factor is not worth a new policy version.
 _PROBE_RATE_MATERIAL_FACTOR = 1.25
 
@@ -112,7 +115,7 @@ class ControllerCore:
         self.mix = ClassMix(config.estimator.half_life_seconds)
         # Per bucket: the arms of the best whole batch (the joint search), and when it ran.
         self.joint: dict[int, dict[str, Arm]] = {}
-        self._joint_at: float | None = None
+        self._joint_at: dict[int, float] = {}
         self.cost = StepCostModel(
             config.cost_knots_tokens,
             config.cost_prior,
@@ -274,18 +277,28 @@ class ControllerCore:
 
     def _refresh_joint(self, drafts: tuple[DraftSpec, ...], now: float,
                        cache: dict[tuple[str, str], np.ndarray]) -> None:
-        """Rerun the joint search every joint_interval_seconds (sooner after a detected change):
-        per bucket, the arms that make the expected batch fastest. Each class then scores its
-        own arms with the others at these arms, so the per-class decisions (with their Thompson
-        draws, hysteresis and dwell) land on the batch optimum instead of stalling where only a
-        joint move gains."""
+        """Per bucket, the arms that make the expected batch fastest (the joint search). Each
+        class then scores its own arms with the others at these arms, so the per-class decisions
+        (with their Thompson draws, hysteresis and dwell) land on the batch optimum instead of
+        stalling where only a joint move gains.
+
+        A bucket is refreshed when its result is older than joint_interval_seconds, at most
+        ``_JOINT_BUCKETS_PER_DECIDE`` per call (stalest first) so no decide round stalls the
+        server; every bucket at once after a detected change. Batch size 1 has no others."""
         shares = self.mix.shares()
-        due = (self._joint_at is None
-               or now - self._joint_at >= self.config.policy.joint_interval_seconds
-               or any(s.change_pending for s in self.classes.values()))
-        if not shares or not due or self._sunk_draft() is not None:
+        if not shares or self._sunk_draft() is not None:
             return
-        self._joint_at = now
+        interval = self.config.policy.joint_interval_seconds
+        buckets = [b for b in range(self.config.n_buckets)
+                   if self.config.bucket_batch_size(b) > 1]
+        if any(s.change_pending for s in self.classes.values()):
+            due = buckets
+        else:
+            stale = [b for b in buckets if now - self._joint_at.get(b, -np.inf) >= interval]
+            stale.sort(key=lambda b: self._joint_at.get(b, -np.inf))
+            due = stale[:_JOINT_BUCKETS_PER_DECIDE]
+        if not due:
+            return
         classes = []
         for name, share in shares.items():
             state = self.classes.get(name)
@@ -296,17 +309,17 @@ class ControllerCore:
                     and any(self.estimator.has_data(name, d.name) for d in drafts))
             curves = {d.name: self._mean_curve(name, d.name, now, cache) for d in drafts}
             classes.append((name, share, curves, state, free))
-        if not any(free for *_, free in classes):
-            return
-        for b in range(self.config.n_buckets):
-            batch = self.config.bucket_batch_size(b)
+        if sum(free for *_, free in classes) < 2:
+            return  # one class alone: its own decision is already the batch's best
+        for b in due:
+            self._joint_at[b] = now
             joint = []
             for name, share, curves, state, free in classes:
                 d = state.decisions.get(b)
                 arm = d.arm if d is not None and d.draft in curves | {"": None} else ("", 0)
                 joint.append(JointClass(name, share, curves, arm, free))
-            self.joint[b] = joint_arms(batch, joint, drafts, self.config.policy.max_k,
-                                       self.cost.predict_mixed)
+            self.joint[b] = joint_arms(self.config.bucket_batch_size(b), joint, drafts,
+                                       self.config.policy.max_k, self.cost.predict_mixed)
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
                  now: float, cache: dict[tuple[str, str], np.ndarray] | None = None
