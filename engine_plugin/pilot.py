@@ -247,7 +247,9 @@ class Pilot:
         sampled = runner_output.sampled_token_ids
         index = runner_output.req_id_to_index
         invalid = scheduler_output.num_invalid_spec_tokens or {}
+        scheduled_drafts = 0
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            scheduled_drafts += len(drafts)
             i = index.get(req_id)
             if i is None or not sampled or not sampled[i]:
                 continue
@@ -260,8 +262,7 @@ class Pilot:
             state.drafted += drafted
             state.accepted += accepted
         batch = len(scheduler_output.num_scheduled_tokens)
-        decode_tokens = batch + sum(
-            len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+        decode_tokens = batch + scheduled_drafts
         # Only decode steps are timed: the cost model prices decode steps, and a step that also
         # prefills is far longer (compute-bound), so averaging it in would skew every estimate.
         if batch and scheduler_output.total_num_scheduled_tokens <= decode_tokens:

@@ -19,13 +19,14 @@ import math
 import time as wallclock
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from controller.sim.scenario import Scenario
 from controller.sim.step import (
     NO_DRAFT,
+    Assignment,
     EngineInfo,
     FinishedRequest,
     IntArray,
@@ -126,7 +127,6 @@ class RunResult:
     batch_timeline: list[float | None]
     tokens_timeline: list[int]  # tokens emitted per timeline bin
     wall_seconds: float = 0.0
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def throughput(self) -> float:
@@ -319,7 +319,7 @@ class SimEngine:
             tok_bins[b] += int(emitted.sum())
             b_n[b] += 1
             steps += 1
-            policy.observe(StepOutcome(view, a.__class__(draft, k), seconds, accepted, emitted,
+            policy.observe(StepOutcome(view, Assignment(draft, k), seconds, accepted, emitted,
                                        verified, passes, dtok, tuple(done), cf))
             now = t_end
             if progress is not None and now - last_progress >= 1.0:
