@@ -196,12 +196,14 @@ def _run_until(llm: Any, controller: ControllerThread, traffic_class: str, want:
 
 def test_controller_converges_from_real_engine_reports(tiny_models: Any,
                                                        controller: ControllerThread) -> None:
-    # The target drafting for itself: acceptance 1.0 -> the controller pushes the maximum K.
+    # The target drafting for itself: acceptance 1.0 -> the controller pushes a long draft. Not
+    # necessarily the maximum: on a CPU each extra verified token costs target compute, so K=3
+    # and K=4 can be within the hysteresis margin of each other by the measured step costs.
     spec = {"model": tiny_models.target, "num_speculative_tokens": 4}
     with plugin_env(controller=controller.target), llm_session(
             tiny_models.target, spec, SCHEDULER) as llm:
-        rounds = _run_until(llm, controller, "easy", lambda d: d.k == 4)
-        logging.getLogger(__name__).info("easy reached K=4 after %d rounds", rounds)
+        rounds = _run_until(llm, controller, "easy", lambda d: d.k >= 3)
+        logging.getLogger(__name__).info("easy reached K>=3 after %d rounds", rounds)
         post = controller.call(lambda core: core.estimator.posterior(
             "easy", tiny_models.target.name, time.time()))
         assert post.mean[0] > 0.95
