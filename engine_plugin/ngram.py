@@ -84,14 +84,14 @@ class CounterfactualNgram:
             known = tokens[pending.start : pending.start + len(pending.tokens)]
             accepted = accepted_prefix(pending.tokens, known)
             # Resolved once the continuation covers the proposal or already diverged from it.
+            # Scored as K asked, not as the proposal's length: a short or empty proposal (no
+            # match) is a step that yields 1 + accepted tokens, like rejections at the end.
             if len(known) == len(pending.tokens) or accepted < len(known):
-                scored = (len(pending.tokens), accepted)
+                scored = (self.k, accepted)
                 del self._pending[req_id]
                 pending = None
         if pending is None and len(tokens) >= num_prompt_tokens:
-            proposal = self._propose(tokens, self.k)
-            if proposal:
-                self._pending[req_id] = _Pending(len(tokens), proposal)
+            self._pending[req_id] = _Pending(len(tokens), self._propose(tokens, self.k))
         return scored
 
     def forget(self, req_id: str) -> None:

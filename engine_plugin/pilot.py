@@ -35,6 +35,8 @@ class _Request:
     drafted: int = 0
     accepted: int = 0
     score_ngram: bool = False  # in the random subset scored counterfactually
+    # K asked of the n-gram draft this step (its proposal may be shorter, or empty).
+    ngram_k: int = 0
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,10 @@ class Pilot:
             engine_id=self.config.engine_id, model=e.model, target_vocab_hash=target_hash,
             drafts=drafts, max_k=e.max_k,
             capabilities=engine_pb2.EngineCapabilities(
-                per_request_k=self.config.k_mode == "per_request",
-                batch_wide_k=self.config.k_mode == "batch_wide",
+                per_request_k=self.config.k_mode != "batch_wide",
+                # The drafter's passes follow the K chosen (not the configured K) in both batch
+                # modes: the controller then prices draft passes as the batch's largest K.
+                batch_wide_k=self.config.k_mode != "per_request",
                 ngram_substitution=substitute,
                 ngram_counterfactual=substitute),
             engine_version=_vllm_version(), plugin_version=package_version(),
@@ -188,11 +192,22 @@ class Pilot:
         self._step_started = time.monotonic()
 
     def batch_k(self, running: Iterable[Any]) -> int:
-        """Batch-wide mode: one K for the whole step, the median of what the requests' classes
-        want (mixed K would cost uniform-decode CUDA graphs on GPU)."""
+        """The K the drafter drafts this step in the batch modes. ``batch_max``: the largest K
+        any request wants from the drafter (n-gram requests get their drafts by substitution and
+        need no passes); each request is then cut to its own. ``batch_wide``: the median, one K
+        for all (keeps uniform-decode CUDA graphs on GPUs)."""
         running = list(running)
-        ks = sorted(self._choice(r, len(running)).k for r in running)
-        return ks[len(ks) // 2] if ks else self.view.static_k
+        choices = [self._choice(r, len(running)) for r in running]
+        if not choices:
+            return self.view.static_k
+        if self.config.k_mode == "batch_max":
+            return max((c.k for c in choices if not self._substituted(c)), default=0)
+        ks = sorted(c.k for c in choices)
+        return ks[len(ks) // 2]
+
+    def _substituted(self, choice: Choice) -> bool:
+        return (choice.draft == NGRAM_DRAFT and self.engine.can_substitute_ngram
+                and self.ngram is not None)
 
     def _choice(self, request: Any, batch_size: int) -> Choice:
         state = self.requests.get(request.request_id)
@@ -204,21 +219,42 @@ class Pilot:
 
     def on_drafts(self, requests: Mapping[str, Any], req_ids: Iterable[str],
                   batch_size: int, batch_k: int | None) -> None:
-        """After the drafter proposed: cut each request's drafts to its K (never lengthen), or
-        substitute n-gram drafts where the policy picks them."""
+        """After the drafter proposed: cut each request's drafts to its K, or substitute n-gram
+        drafts where the policy picks them.
+
+        Drafts are only ever lengthened by n-gram substitution in ``batch_max`` mode, where the
+        drafter skipped the passes n-gram requests do not need, and never beyond the configured
+        K (what the engine sized its buffers for). Any deterministic draft keeps the output
+        distribution exactly the target's."""
+        lengthen = self.config.k_mode == "batch_max"
         for req_id in req_ids:
             request = requests.get(req_id)
-            if request is None or not request.spec_token_ids:
+            if request is None or request.is_finished() or request.is_prefill_chunk:
                 continue
-            proposed = request.spec_token_ids
+            proposed = request.spec_token_ids or []
             choice = self._choice(request, batch_size)
-            k = min(choice.k if batch_k is None else batch_k, len(proposed))
+            want = choice.k if batch_k is None else batch_k
             state = self.requests.get(req_id)
-            if choice.draft == NGRAM_DRAFT and self.engine.can_substitute_ngram and k:
+            if self._substituted(choice):
+                room = (self.engine.max_k if lengthen and not request.use_structured_output
+                        else len(proposed))
+                k = min(want, room)
+                if not k:
+                    continue
                 assert self.ngram is not None
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids, k)
                 draft = NGRAM_DRAFT
+                if state is not None:
+                    # Scored as K asked: a short proposal counts its missing tail as rejected,
+                    # an empty one (no match) as a step with none accepted, so E(K) for n-gram
+                    # drafts is tokens per step, comparable with the model draft's.
+                    state.ngram_k = k
+                    if not request.spec_token_ids:
+                        self.stats.record_verification(state.traffic_class, NGRAM_DRAFT, k, 0)
             else:
+                if not proposed:
+                    continue
+                k = min(want, len(proposed))
                 if k < len(proposed):
                     request.spec_token_ids = proposed[:k]
                 draft = self.engine.drafter
@@ -258,6 +294,8 @@ class Pilot:
             state = self.requests.get(req_id)
             if state is None or drafted <= 0:
                 continue
+            if state.draft == NGRAM_DRAFT:
+                drafted = max(drafted, state.ngram_k)
             self.stats.record_verification(state.traffic_class, state.draft, drafted, accepted)
             state.drafted += drafted
             state.accepted += accepted

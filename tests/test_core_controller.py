@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from controller.core.controller import ControllerCore
+from controller.core.policy import arm_table
 from controller.core.types import (
     ALL_CLASSES,
     OTHER_CLASS,
@@ -193,6 +194,26 @@ def test_per_request_engines_pay_the_drafter_whatever_k() -> None:
         plain = float(ctx.step_seconds(8, "", False, 0)[0])
         bare = core.cost.predict_arm(8, 0, "", False)
         assert (plain > bare) is off_pays_drafter
+
+
+def test_substituted_ngram_pays_the_model_drafters_passes_only_under_one_k_per_step() -> None:
+    """Next to a model draft, n-gram drafts are substituted into the drafter's proposals. With
+    one K for the whole step (batch_wide) an n-gram K runs the drafter's K passes, so it is
+    priced like the model draft; with per-request K after a batch-max draft (batch_max) the
+    plugin skips those passes, so n-gram K costs verification only."""
+    for per_request, carrier in ((False, "d"), (True, "")):
+        core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+        core.connect_engine(replace(HELLO, batch_wide_k=True, per_request_k=per_request),
+                            now=0.0)
+        specs = {d.name: d for d in core.drafts()}
+        assert specs["ngram"].carrier == carrier and specs["d"].pass_draft == "d"
+        ctx = core._context("code", core.classes["default"], core.drafts(), now=0.0)
+        table = arm_table(ctx, 8, {"d": np.ones(7), "ngram": np.ones(5)}, max_k=4)
+        seconds = dict(zip(table.keys, table.step_seconds, strict=True))
+        if carrier:
+            assert seconds[("ngram", 3)] == pytest.approx(seconds[("d", 3)])
+        else:
+            assert seconds[("ngram", 3)] < seconds[("d", 3)]
 
 
 def test_batch_mix_counts_verification_steps_and_finished_requests_of_silent_classes() -> None:

@@ -17,7 +17,8 @@ and /usr/share/common-licenses) in a few seconds, with fixed seeds, and cached o
   it silently: only a vocabulary guard notices.
 
 Every model directory holds its tokenizer next to the weights (``save_pretrained``,
-safetensors). A build is complete when ``<root>/tiny-models.json`` holds the current
+safetensors). The corpus and tokenizer training live in :mod:`controller.demo.corpus` (shared
+with the demo models). A build is complete when ``<root>/tiny-models.json`` holds the current
 :data:`VERSION`; :func:`build_tiny_models` returns such a build at once.
 """
 
@@ -26,25 +27,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from controller.demo.cache import build_once
+from controller.demo.corpus import SPECIAL_TOKENS, train_tokenizer, wrap_tokenizer
+from controller.demo.models import LlamaShape, build_llama
+
 VERSION = "specpilot-tiny-models-2"
 MARKER = "tiny-models.json"
 VOCAB_SIZE = 2000
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 TARGET_SEED = 1234
 DRAFT_SEED = 4321
 # Scale of the target's LM head over its random init (std 0.02 * 25 = 0.5): logits with a std of
 # about 4 instead of 0.16, so temperature-1 distributions are peaked, not flat.
 TARGET_LM_HEAD_SCALE = 25.0
 DRAFT_LM_HEAD_SCALE = 25.0
-# Enough text for 2000 merges while training stays ~1-2 s on 2 cores.
-CORPUS_MAX_BYTES = 3_000_000
-_LICENSES = Path("/usr/share/common-licenses")
 
 
 @dataclass(frozen=True)
@@ -62,69 +62,12 @@ class TinyModels:
     build_seconds: float
 
 
-def _corpus_files() -> list[Path]:
-    files: list[Path] = []
-    if _LICENSES.is_dir():
-        files += sorted(p for p in _LICENSES.iterdir() if p.is_file())
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    if stdlib.is_dir():
-        files += sorted(stdlib.glob("*.py"))
-        files += sorted(stdlib.glob("*/*.py"))
-    return files
-
-
-def _corpus() -> list[str]:
-    texts: list[str] = []
-    total = 0
-    for path in _corpus_files():
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        texts.append(text)
-        total += len(text)
-        if total >= CORPUS_MAX_BYTES:
-            break
-    if total < 200_000:
-        raise RuntimeError(
-            f"not enough local text to train a tokenizer ({total} chars from "
-            f"{_LICENSES} and the Python standard library)"
-        )
-    return texts
-
-
 def _train_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
-    bos_id = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
-    )
-    return tok
+    return train_tokenizer(VOCAB_SIZE)
 
 
 def _wrap(tok: Any) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        model_max_length=512,
-    )
+    return wrap_tokenizer(tok, model_max_length=512)
 
 
 def _swap_two_tokens(tok: Any) -> tuple[Any, tuple[str, str]]:
@@ -141,28 +84,10 @@ def _swap_two_tokens(tok: Any) -> tuple[Any, tuple[str, str]]:
 
 
 def _llama(vocab_size: int, layers: int, seed: int, special: dict[str, int]) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        # hidden 64 / 4 heads would give head_dim 16, which vLLM's CPU attention rejects
-        # ("Unsupported CPU attention configuration: head_dim=16"); it supports 32, 64, ...
-        head_dim=32,
-        max_position_embeddings=512,
-        vocab_size=vocab_size,
-        tie_word_embeddings=False,
-        bos_token_id=special["<s>"],
-        eos_token_id=special["</s>"],
-        pad_token_id=special["<pad>"],
-        dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    # hidden 64 / 4 heads would give head_dim 16, which vLLM's CPU attention rejects
+    # ("Unsupported CPU attention configuration: head_dim=16"); it supports 32, 64, ...
+    model = build_llama(LlamaShape(hidden=64, layers=layers, heads=4, head_dim=32,
+                                   intermediate=128), vocab_size, special, seed)
     model.eval()
     return model
 
@@ -176,14 +101,8 @@ def _save(model: Any, tokenizer: Any, path: Path, lm_head_scale: float) -> None:
     tokenizer.save_pretrained(path)
 
 
-def _read_marker(root: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((root / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        return None
-    return data
+def _valid(data: dict[str, Any]) -> bool:
+    return data.get("version") == VERSION
 
 
 def _models(root: Path, data: dict[str, Any]) -> TinyModels:
@@ -208,16 +127,9 @@ def build_tiny_models(root: Path) -> TinyModels:
     interrupted build never looks complete and concurrent builders do not mix files.
     """
     root = Path(root)
-    data = _read_marker(root)
-    if data is not None:
-        return _models(root, data)
-
     started = time.perf_counter()
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def build(tmp: Path) -> dict[str, Any]:
         raw = _train_tokenizer()
         tokenizer = _wrap(raw)
         tokenizer.save_pretrained(tmp / "tokenizer")
@@ -236,35 +148,14 @@ def build_tiny_models(root: Path) -> TinyModels:
         for name in os.listdir(tmp / "tokenizer"):
             (tmp / "mismatched_draft" / name).unlink(missing_ok=True)
         mismatched.save_pretrained(tmp / "mismatched_draft")
-
-        data = {
+        return {
             "version": VERSION,
             "vocab_size": vocab_size,
             "mismatched_tokens": list(mismatched_tokens),
             "build_seconds": round(time.perf_counter() - started, 3),
         }
-        (tmp / MARKER).write_text(json.dumps(data, indent=2) + "\n")
 
-        if root.exists():
-            # An incomplete or outdated build, or a concurrent builder that just finished.
-            if _read_marker(root) is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-                done = _read_marker(root)
-                assert done is not None
-                return _models(root, done)
-            shutil.rmtree(root)
-        try:
-            tmp.rename(root)
-        except OSError:
-            done = _read_marker(root)
-            if done is None:
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-            return _models(root, done)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _models(root, data)
+    return _models(root, build_once(root, MARKER, _valid, build))
 
 
 if __name__ == "__main__":  # pragma: no cover - manual use: python -m tests.tiny_models DIR

@@ -7,7 +7,7 @@ gRPC server, the simulator and the tests all drive this same object.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -16,7 +16,7 @@ from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import bucket_of
 from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
 from controller.core.goodput import expected_tokens_curve
-from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, OtherClass, joint_arms
+from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
 from controller.core.policy import (
     ArmValue,
     BucketState,
@@ -150,6 +150,13 @@ class ControllerCore:
                 rejected.append((d.name, "engine max_k is 0: speculation not configured"))
                 continue
             accepted[d.name] = DraftSpec(d.name, d.kind, min(d.max_k, hello.max_k), d.vocab_hash)
+        # vLLM runs one drafter: next to a model draft, an n-gram draft is substituted into its
+        # proposals. With one K for the whole step (batch-wide, not per request) the n-gram
+        # requests' K sets the drafter's passes too, so it costs that model's passes.
+        models = [n for n, d in accepted.items() if d.kind is DraftKind.MODEL]
+        if models and hello.batch_wide_k and not hello.per_request_k:
+            accepted = {n: (replace(d, carrier=models[0]) if d.kind is not DraftKind.MODEL else d)
+                        for n, d in accepted.items()}
         self.engines[hello.engine_id] = _EngineState(hello, accepted, last_report_at=now)
         self.cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
         return HelloOutcome(tuple(accepted), tuple(rejected))
@@ -255,7 +262,6 @@ class ControllerCore:
         shares = self.mix.shares()
         if not shares:
             return {}
-        model = {d.name for d in drafts if d.kind is DraftKind.MODEL}
         known = {d.name for d in drafts}
         out: dict[int, BatchOthers] = {}
         for b in range(self.config.n_buckets):
@@ -270,7 +276,7 @@ class ControllerCore:
                 if target is not None and target[0] in known | {""}:
                     draft, k = target
                 e = float(self._mean_curve(other, draft, now, cache)[k]) if k else 1.0
-                others.append(OtherClass(share, draft, draft in model, k, e))
+                others.append(other_class(share, (draft, k), e, drafts))
             batch = self.config.bucket_batch_size(b)
             out[batch] = BatchOthers.build(batch, shares.get(name, 0.0), others)
         return out

@@ -63,7 +63,9 @@ class OtherClass:
     """Another class in the batch as it runs now."""
 
     share: float
-    draft: str  # "" when off
+    # The model draft whose passes its arm runs (its own, or the carrier of a substituted
+    # n-gram draft); "" when off or when the arm runs no model passes.
+    draft: str
     draft_is_model: bool
     k: int
     expected_tokens: float  # E(K) per step of its sequences under its current arm
@@ -154,7 +156,7 @@ def arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec], curves: Mapping[str, 
         keys.extend((spec.name, k) for k in range(1, k_max + 1))
         expected.append(np.asarray(curves[spec.name][1 : k_max + 1], dtype=np.float64))
         # More verified tokens never make a step faster (as in the cost model's curves).
-        steps.append(np.maximum.accumulate(np.maximum(seconds(spec.name, ks), t_off[0])))
+        steps.append(np.maximum.accumulate(np.maximum(seconds(spec.pass_draft, ks), t_off[0])))
     e, t = np.concatenate(expected), np.concatenate(steps)
     return ArmRates(keys, e, t, (n * e + o.tokens) / t)
 
@@ -177,26 +179,35 @@ class JointClass:
 
 
 def _others(classes: Sequence[JointClass], arms: Mapping[str, Arm], skip: str,
-            model: set[str]) -> list[OtherClass]:
-    return [OtherClass(c.share, arms[c.name][0], arms[c.name][0] in model, arms[c.name][1],
-                       c.expected(arms[c.name]))
+            drafts: Sequence[DraftSpec]) -> list[OtherClass]:
+    return [other_class(c.share, arms[c.name], c.expected(arms[c.name]), drafts)
             for c in classes if c.name != skip]
+
+
+def other_class(share: float, arm: Arm, expected_tokens: float,
+                drafts: Sequence[DraftSpec]) -> OtherClass:
+    """Another class at ``arm``, priced by the model draft whose passes its arm runs."""
+    draft, k = arm
+    spec = next((d for d in drafts if d.name == draft), None)
+    pass_draft = spec.pass_draft if spec is not None and k else ""
+    return OtherClass(share, pass_draft, bool(pass_draft), k, expected_tokens)
 
 
 def joint_arms(batch_size: int, classes: Sequence[JointClass], drafts: Sequence[DraftSpec],
                max_k: int, seconds_fn: MixedSecondsFn) -> dict[str, Arm]:
     """The arms that maximise the batch's expected tokens per second, by coordinate ascent
-    from several starts: the arms now, all free classes off, and all free classes on one model
-    draft at K = 1, 2, 4, ... (class-by-class moves alone stall where two classes would only gain
+    from several starts: the arms now, all free classes off, and all free classes on one draft
+    at K = 1, 2, 4, ... (class-by-class moves alone stall where two classes would only gain
     by lengthening their shared draft together)."""
-    model = {d.name for d in drafts if d.kind is DraftKind.MODEL}
     free = [c for c in classes if c.free]
     if not free:
         return {c.name: c.arm for c in classes}
     starts: list[dict[str, Arm]] = [{c.name: c.arm for c in classes}]
-    # Uniform starts at a few K per model draft (1, 2, 4, ... max): the ascent refines the rest.
+    # Uniform starts at a few K per draft (1, 2, 4, ... max): the ascent refines the rest. Every
+    # draft, not only model drafts: where n-gram drafts skip the drafter's passes, all classes
+    # moving to them together can gain while no single class gains by moving alone.
     uniform: list[Arm] = [("", 0)] + [
-        (d.name, k) for d in drafts if d.name in model
+        (d.name, k) for d in drafts
         for k in sorted({min(2**i, min(max_k, d.max_k)) for i in range(8)})]
     for arm in uniform:
         starts.append({c.name: (arm if c.free else c.arm) for c in classes})
@@ -208,7 +219,7 @@ def joint_arms(batch_size: int, classes: Sequence[JointClass], drafts: Sequence[
         for _ in range(_JOINT_SWEEPS):
             moved = False
             for c in free:
-                o = BatchOthers.build(batch_size, c.share, _others(classes, arms, c.name, model))
+                o = BatchOthers.build(batch_size, c.share, _others(classes, arms, c.name, drafts))
                 r = arm_rates(o, drafts, c.curves, max_k, seconds_fn)
                 i = int(np.argmax(r.batch_rate))
                 if r.keys[i] != arms[c.name] and r.batch_rate[i] > r.batch_rate[
@@ -218,7 +229,7 @@ def joint_arms(batch_size: int, classes: Sequence[JointClass], drafts: Sequence[
             if not moved:
                 break
         o = BatchOthers.build(batch_size, reference.share,
-                              _others(classes, arms, reference.name, model))
+                              _others(classes, arms, reference.name, drafts))
         r = arm_rates(o, drafts, reference.curves, max_k, seconds_fn)
         rate = float(r.batch_rate[r.keys.index(arms[reference.name])])
         if rate > best_rate:

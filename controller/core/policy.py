@@ -150,7 +150,7 @@ def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArra
         k_max = min(max_k, spec.max_k)
         keys.extend((spec.name, k) for k in range(1, k_max + 1))
         expected.append(curves[spec.name][1 : k_max + 1])
-        steps.append(ctx.step_seconds(batch_size, spec.name, spec.kind is DraftKind.MODEL,
+        steps.append(ctx.step_seconds(batch_size, spec.pass_draft, bool(spec.pass_draft),
                                       k_max)[1:])
     e, t = np.concatenate(expected), np.concatenate(steps)
     return ArmTable(keys, e, t, goodput(e, batch_size, t), speedup(e, t, t[0]))

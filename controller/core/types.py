@@ -38,6 +38,15 @@ class DraftSpec:
     kind: DraftKind
     max_k: int
     vocab_hash: str = ""
+    # A deterministic draft the engine substitutes into its model drafter's proposals: that
+    # model's name, whose K passes this draft's K costs (the drafter runs, then its tokens are
+    # replaced). Empty: the draft costs no model passes.
+    carrier: str = ""
+
+    @property
+    def pass_draft(self) -> str:
+        """The model draft whose passes K of this draft runs ("" when none)."""
+        return self.name if self.kind is DraftKind.MODEL else self.carrier
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
+from controller.plots import pyplot
 from controller.sim.engine import RunResult
 
 ORACLE_TARGET = {"stationary": 0.97, "shifting": 0.93}
@@ -149,20 +149,12 @@ def suite_markdown(results: list[ScenarioResult]) -> str:
 
 
 # --- plots -----------------------------------------------------------------------------------
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
 
 def plot_k_timeline(result: ScenarioResult, path: Path,
                     policies: tuple[str, ...] = ("oracle", "specpilot")) -> None:
     """Mean K per class over time, one panel per class, for the chosen policies (and batch size
     on a second axis)."""
-    plt = _pyplot()
+    plt = pyplot()
     shown = [p for p in policies if p in result.runs]
     any_run = result.runs[shown[0]]
     classes = list(any_run.k_timeline)
@@ -192,7 +184,7 @@ def plot_k_timeline(result: ScenarioResult, path: Path,
 def plot_ratios(labels: list[str], ratios: dict[str, list[float | None]], path: Path,
                 title: str) -> None:
     """Grouped bars: ratio to the oracle per policy (one group per scenario or one group)."""
-    plt = _pyplot()
+    plt = pyplot()
     policies = list(ratios)
     width = 0.8 / max(len(policies), 1)
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(labels) * max(1, len(policies) / 4)), 4))

@@ -17,6 +17,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from controller.plots import plots_available
 from controller.sim import policies
 from controller.sim.engine import RunResult, SimEngine, pool_runs
 from controller.sim.report import ScenarioResult, suite_markdown, write_scenario, write_suite
@@ -119,14 +120,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"specpilot simulate: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    plots = not args.no_plots
-    if plots:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("specpilot simulate: matplotlib is not installed (pip install "
-                  "'specpilot[sim]'): writing JSON and markdown only", file=sys.stderr)
-            plots = False
+    plots = not args.no_plots and plots_available("simulate")
     written: list[Path] = []
     for r in results:
         written += write_scenario(r, out / r.name, plots)

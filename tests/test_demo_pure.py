@@ -1,0 +1,127 @@
+"""The demo's pure parts: the request plan, and the benchmark's medians, ratios and identity
+check on hand-made runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from controller.demo.bench import BENCH_WORKLOAD, markdown, report_json, rotated, summarize
+from controller.demo.configs import SPECPILOT, bench_configs
+from controller.demo.driver import PhaseResult, RequestResult, RunResult
+from controller.demo.summary import class_figures, median, output_mismatches
+from controller.demo.workload import (
+    DEFAULT_WORKLOAD,
+    EDIT_SEPARATOR,
+    ClassSpec,
+    Phase,
+    Workload,
+    build_plan,
+)
+
+TEXTS = {"code": [" ".join(f"def f{i}(x): return x + {i}" for i in range(400))],
+         "prose": [" ".join(f"word{i % 97}" for i in range(3000))]}
+
+
+def encode(text: str) -> list[int]:
+    # One token per character: deterministic and reversible.
+    return [ord(c) for c in text]
+
+
+def test_plan_is_deterministic_and_follows_the_workload() -> None:
+    a = build_plan(DEFAULT_WORKLOAD, TEXTS, encode)
+    b = build_plan(DEFAULT_WORKLOAD, TEXTS, encode)
+    assert a.requests == b.requests
+    assert [len(p) for p in a.by_phase] == [p.requests for p in DEFAULT_WORKLOAD.phases]
+    assert len({r.request_id for r in a.requests}) == len(a.requests)
+    burst = a.by_phase[1]
+    counts = {c.name: sum(r.traffic_class == c.name for r in burst)
+              for c in DEFAULT_WORKLOAD.classes}
+    for spec in DEFAULT_WORKLOAD.classes:  # shares rounded by largest remainder
+        assert abs(counts[spec.name] - spec.share * len(burst)) < 1
+    for r in a.requests:
+        spec = next(c for c in DEFAULT_WORKLOAD.classes if c.name == r.traffic_class)
+        assert r.max_tokens == spec.max_tokens
+        if spec.shape == "plain":
+            assert len(r.prompt_token_ids) == spec.prompt_tokens
+    other = build_plan(Workload(DEFAULT_WORKLOAD.classes, DEFAULT_WORKLOAD.phases, seed=9),
+                       TEXTS, encode)
+    assert other.requests != a.requests
+
+
+def test_edit_prompts_restart_their_passage_after_the_separator() -> None:
+    plan = build_plan(DEFAULT_WORKLOAD, TEXTS, encode)
+    edits = [r for r in plan.requests if r.traffic_class == "edit"]
+    assert edits
+    for r in edits:
+        text = "".join(map(chr, r.prompt_token_ids))
+        passage, restart = text.split(EDIT_SEPARATOR)
+        assert restart and passage.startswith(restart)
+
+
+def test_plan_rejects_text_that_is_too_short() -> None:
+    workload = Workload((ClassSpec("c", "code", 1.0, prompt_tokens=10**6, max_tokens=4),),
+                        (Phase("p", 1, 1),))
+    with pytest.raises(ValueError, match="no text has"):
+        build_plan(workload, TEXTS, encode)
+    with pytest.raises(ValueError, match="no texts of kind"):
+        build_plan(Workload((ClassSpec("c", "poetry", 1.0, 4, 4),), (Phase("p", 1, 1),)),
+                   TEXTS, encode)
+
+
+def _run(config: str, phase_rates: list[float], tokens: tuple[int, ...] = (1, 2, 3),
+         drafted: int = 8, accepted: int = 4) -> RunResult:
+    phases = tuple(PhaseResult(p.name, p.concurrency, 10.0, int(rate * 10))
+                   for p, rate in zip(BENCH_WORKLOAD.phases, phase_rates, strict=True))
+    requests = (RequestResult("r0", 0, "code", tokens, 0.0, 1.0, drafted, accepted,
+                              (1, 1, 1)),)
+    return RunResult(config, phases, requests)
+
+
+def test_summary_takes_medians_and_ratios_against_static_configs() -> None:
+    runs = {
+        "off": [_run("off", [10, 100, 10], drafted=0, accepted=0)] * 3,
+        "draft:4": [_run("draft:4", [30, 60, 30]), _run("draft:4", [20, 60, 20]),
+                    _run("draft:4", [25, 60, 25])],
+        SPECPILOT: [_run(SPECPILOT, [20, 95, 20]), _run(SPECPILOT, [28, 99, 28]),
+                    _run(SPECPILOT, [29, 99, 29])],
+    }
+    report = summarize(BENCH_WORKLOAD, runs, runs["off"][0], seconds=60.0)
+    ours = report.figures(SPECPILOT)
+    assert ours is not None and ours.phase_tokens_per_second == (28.0, 99.0, 28.0)
+    # Whole-run medians: off 40, draft:4 (25+60+25)/3 = 36.7, specpilot (28+99+28)/3 = 51.7.
+    assert report.best_static == "off"
+    assert report.ratio_best_static == pytest.approx((155 / 3) / 40)
+    assert report.best_per_phase == ("draft:4", "off", "draft:4")
+    assert report.ratio_per_phase == pytest.approx((28 / 25, 0.99, 28 / 25))
+    assert report.specpilot_first_run_tokens_per_second == pytest.approx(135 / 3)
+    assert report.identical_outputs
+    assert math.isnan(report.figures("off").acceptance["code"])  # type: ignore[union-attr]
+    assert ours.acceptance["code"] == pytest.approx(0.5)
+    text = markdown(report)
+    assert "goal >= 1.1: met" in text and "identical to no speculation in every run: yes" in text
+    assert report_json(report)["configs"][0]["acceptance"]["code"] is None
+
+
+def test_a_changed_output_is_caught() -> None:
+    ref = _run("off", [1, 1, 1])
+    bad = _run("draft:4", [1, 1, 1], tokens=(1, 2, 4))
+    assert output_mismatches(ref, bad) == ["r0"]
+    report = summarize(BENCH_WORKLOAD, {"off": [ref], "draft:4": [bad]}, ref, 1.0)
+    assert not report.identical_outputs and math.isnan(report.ratio_best_static)
+    assert "NO" in markdown(report)
+
+
+def test_helpers() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([1.0, 2.0]) == 1.5
+    assert math.isnan(median([]))
+    names = [c.name for c in bench_configs()]
+    assert names == ["off", "draft:2", "draft:4", "ngram:4", "draft-table", SPECPILOT]
+    assert rotated(bench_configs(), 1)[0].name == "draft:2"
+    assert rotated(bench_configs(), 6)[0].name == "off"
+    figures = class_figures(_run("x", [1, 1, 1]).requests)["code"]
+    assert figures.tokens_per_verify_step == pytest.approx(1 + 4 / 3)
+    spec = bench_configs()[4].speculative_config(draft_dir=Path("/d"))
+    assert spec is not None and spec["num_speculative_tokens_per_batch_size"][0] == [1, 2, 4]
