@@ -69,9 +69,10 @@ class DemoResult:
 
 
 def demo_texts() -> dict[str, list[str]]:
-    from controller.demo.corpus import heldout_texts
+    """Held-out local text by kind, where the demo's prompts come from."""
+    from controller.demo.corpus import KINDS, heldout_texts
 
-    return {"code": heldout_texts("code"), "prose": heldout_texts("prose")}
+    return {kind: heldout_texts(kind) for kind in KINDS}
 
 
 def demo_controller_settings(workload: Workload,
