@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from controller.demo.configs import EngineConfig
 from controller.demo.workload import DEFAULT_CLASSES, Phase, Workload
+
+if TYPE_CHECKING:
+    from controller.demo.models import ModelSet
 
 ACCEPTANCE_FILE = "acceptance.json"
 # Requests per class in the measurement, and how many run at once.
@@ -28,9 +31,10 @@ def measurement_workload() -> Workload:
                                     REQUESTS_PER_CLASS * len(classes)),), seed=7)
 
 
-def record_acceptance(models: Any, echo: Any = print) -> dict[str, dict[str, float | None]]:
-    """{config: {class: accepted/drafted}} for ``models`` (a ModelSet); measured once."""
-    path = Path(models.root) / ACCEPTANCE_FILE
+def record_acceptance(models: ModelSet, echo: Callable[[str], None] = print
+                      ) -> dict[str, dict[str, float | None]]:
+    """{config: {class: accepted/drafted}} for ``models``; measured once, then read back."""
+    path = models.root / ACCEPTANCE_FILE
     try:
         cached: dict[str, dict[str, float | None]] = json.loads(path.read_text())
         return cached

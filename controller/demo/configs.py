@@ -48,10 +48,6 @@ class EngineConfig:
         return spec
 
 
-def table_name(table: tuple[tuple[int, int, int], ...]) -> str:
-    return "table:" + ",".join(f"{a}-{b}:{k}" for a, b, k in table)
-
-
 def bench_configs(max_k: int = 4) -> list[EngineConfig]:
     """The issue's line-up: off, static draft K=2 and K=4, static n-gram K=4, vLLM's static
     batch-size table, and specpilot (draft model up to ``max_k``, n-gram drafts offered)."""

