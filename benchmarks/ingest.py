@@ -18,7 +18,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
+from benchmarks.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
 from controller.core.controller import ControllerCore  # noqa: E402
 from controller.core.types import (  # noqa: E402
     AcceptanceRecord,
@@ -39,9 +40,9 @@ from controller.core.types import (  # noqa: E402
     StepTimingRecord,
 )
 from controller.server.app import start_server  # noqa: E402
+from controller.server.stubs import engine_stub  # noqa: E402
 from controller.settings import core_config, load_settings  # noqa: E402
-from specpilot.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
-from tests.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
+from specpilot.v1 import engine_pb2  # noqa: E402
 
 CLASSES = [f"class-{i}" for i in range(8)]
 K = 4
@@ -104,13 +105,13 @@ async def bench_grpc(reports: int) -> dict[str, float]:
     latencies: list[float] = []
     round_trips: list[float] = []
 
-    async def requests():  # type: ignore[no-untyped-def]
+    async def requests() -> AsyncIterator[engine_pb2.ConnectRequest]:
         while True:
             yield await outbox.get()
 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-            call = engine_pb2_grpc.EngineServiceStub(channel).Connect(requests())
+            call = engine_stub(channel).Connect(requests())
             await outbox.put(engine.hello())
             responses = aiter(call)
 
@@ -131,8 +132,11 @@ async def bench_grpc(reports: int) -> dict[str, float]:
                 await outbox.put(engine.report())
                 await until(lambda m: m.WhichOneof("message") == "report_result")
                 round_trips.append(time.perf_counter() - sent)
-                msg = await until(lambda m, v=version: m.WhichOneof("message") == "policy"
-                                  and m.policy.version > v)
+
+                def newer(m: engine_pb2.ConnectResponse, v: int = version) -> bool:
+                    return m.WhichOneof("message") == "policy" and m.policy.version > v
+
+                msg = await until(newer)
                 latencies.append(time.perf_counter() - sent)
                 engine.policy = msg.policy
                 _progress("grpc report -> policy", i + 1, reports)

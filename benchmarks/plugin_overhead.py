@@ -8,7 +8,7 @@ Three engines on the tiny target, each with the target as its own draft (K=4, ac
 
 - ``base``: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler``;
 - ``plugin``: ``engine_plugin.scheduler.SpecPilotScheduler`` connected to the real controller
-  (``tests.controller_thread.ControllerThread``, run in a child process as in a sidecar
+  (``benchmarks.controller_thread.ControllerThread``, run in a child process as in a sidecar
   deployment, so that its server and decisions do not share this process's GIL; the plugin's own
   link thread stays here, as in production). The controller pins every class to K=4 (operator
   override), so all engines do the same work: same steps, tokens and drafts;
@@ -106,8 +106,8 @@ PROMPT_SEEDS = [
 def controller_child() -> None:
     """Run the real controller on loopback, pin every class to K=4, print its address, and serve
     until stdin closes."""
+    from benchmarks.controller_thread import ControllerThread
     from controller.core.types import Override
-    from tests.controller_thread import ControllerThread
 
     ctl = ControllerThread(seed=1)
     ctl.call(lambda core: core.set_override(Override("*", pin_k=K), time.time()))
@@ -418,8 +418,8 @@ def main() -> None:
 
     t_start = time.monotonic()
     print("importing vLLM...", flush=True)
-    from tests.engine.harness import apply_engine_env, make_llm, shutdown_llm
-    from tests.tiny_models import build_tiny_models
+    from benchmarks.demo.engine import apply_engine_env, make_llm, shutdown_llm
+    from benchmarks.demo.tiny_models import build_tiny_models
 
     apply_engine_env()
     models = build_tiny_models(Path(os.environ.get("SPECPILOT_TEST_CACHE", ROOT / ".cache"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -28,17 +29,16 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import yaml
 
-from controller.demo import cli as demo_cli
 from controller.server.app import ServeError, start_server
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
 from controller.settings import Settings, SettingsError, load_settings, settings_reference
-from controller.sim import run as sim_run
 from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -258,7 +258,37 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 # --- parser --------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class ToolCommand:
+    """A command that lives outside the sidecar (the simulator, the demo, the benchmarks): its
+    module is imported only when the command runs or shows its own help."""
+
+    module: str
+    add_arguments: str
+    run: str
+    help: str
+
+    def attach(self, parser: argparse.ArgumentParser) -> None:
+        module = importlib.import_module(self.module)
+        parser.description = module.__doc__
+        getattr(module, self.add_arguments)(parser)
+        parser.set_defaults(func=getattr(module, self.run))
+
+
+TOOL_COMMANDS = {
+    "simulate": ToolCommand("benchmarks.sim.run", "add_arguments", "main",
+                            "compare K policies on simulated traffic (docs/benchmarks.md)"),
+    "demo": ToolCommand("benchmarks.demo.cli", "add_demo_arguments", "demo_main",
+                        "controller + vLLM-CPU engine with the plugin + mixed traffic, live"),
+    "models": ToolCommand("benchmarks.demo.cli", "add_models_arguments", "models_main",
+                          "build (or reuse) the demo's tiny trained models"),
+    "bench": ToolCommand("benchmarks.demo.cli", "add_bench_arguments", "bench_main",
+                         "benchmarks on a real engine (docs/benchmarks.md)"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; the arguments of a tool command are loaded only when ``command`` names it."""
     parser = argparse.ArgumentParser(prog="specpilot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -280,25 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print the reference of every setting as Markdown")
     shown.set_defaults(func=cmd_settings)
 
-    simulate = commands.add_parser(
-        "simulate", help="compare K policies on simulated traffic (docs/benchmarks.md)",
-        description=sim_run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim_run.add_arguments(simulate)
-    simulate.set_defaults(func=sim_run.main)
-
-    demo = commands.add_parser(
-        "demo", help="controller + vLLM-CPU engine with the plugin + mixed traffic, live",
-        description=demo_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    demo_cli.add_demo_arguments(demo)
-    demo.set_defaults(func=demo_cli.demo_main)
-
-    models = commands.add_parser("models", help="build (or reuse) the demo's tiny trained models")
-    demo_cli.add_models_arguments(models)
-    models.set_defaults(func=demo_cli.models_main)
-
-    bench = commands.add_parser("bench", help="benchmarks on a real engine (docs/benchmarks.md)")
-    demo_cli.add_bench_arguments(bench)
-    bench.set_defaults(func=demo_cli.bench_main)
+    for name, tool in TOOL_COMMANDS.items():
+        sub = commands.add_parser(name, help=tool.help,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == command:
+            tool.attach(sub)
 
     policy = commands.add_parser("policy", help="read, override, watch or explain the policy",
                                  parents=[_connection_options(with_defaults=True)])
@@ -351,6 +367,8 @@ def _connection_options(with_defaults: bool) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     result: int = args.func(args)
     return result

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from controller.demo.bench import BENCH_WORKLOAD, markdown, report_json, rotated, summarize
-from controller.demo.configs import SPECPILOT, bench_configs
-from controller.demo.driver import PhaseResult, RequestResult, RunResult
-from controller.demo.summary import class_figures, median, output_mismatches
-from controller.demo.workload import (
+from benchmarks.demo.bench import BENCH_WORKLOAD, markdown, report_json, rotated, summarize
+from benchmarks.demo.configs import SPECPILOT, bench_configs
+from benchmarks.demo.driver import PhaseResult, RequestResult, RunResult
+from benchmarks.demo.summary import class_figures, median, output_mismatches
+from benchmarks.demo.workload import (
     DEFAULT_WORKLOAD,
     EDIT_SEPARATOR,
     ClassSpec,

@@ -17,8 +17,8 @@ import grpc
 from controller.core.controller import ControllerCore
 from controller.core.types import ReportRejected
 from controller.metrics import Metrics, RejectReason
-from controller.server.convert import hello_ack_to_proto, hello_from_proto, report_from_proto
 from controller.server.hub import EngineSession, Hub
+from controller.wire import hello_ack_to_proto, hello_from_proto, report_from_proto
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from controller.core.controller import ControllerCore
 from controller.metrics import Metrics
-from controller.server.convert import event_to_proto
 from controller.server.views import policy_response, to_json_dict
+from controller.wire import event_to_proto
 
 
 def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float]) -> web.Application:

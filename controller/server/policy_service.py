@@ -16,9 +16,9 @@ import grpc
 from controller.core.controller import ControllerCore
 from controller.core.types import DecisionEvent
 from controller.metrics import Metrics
-from controller.server.convert import event_to_proto, explanation_to_proto, override_from_proto
 from controller.server.hub import Hub
 from controller.server.views import policy_response
+from controller.wire import event_to_proto, explanation_to_proto, override_from_proto
 from specpilot.v1 import policy_pb2
 
 Context = grpc.aio.ServicerContext[Any, Any]

@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 from controller.core.controller import ControllerCore
 from controller.core.goodput import expected_tokens_curve
 from controller.core.types import ALL_CLASSES
-from controller.server.convert import decision_to_proto, override_to_proto
+from controller.wire import decision_to_proto, override_to_proto
 from specpilot.v1 import engine_pb2, policy_pb2
 
 # Width of the credible interval reported per position.

@@ -4,9 +4,9 @@
 - Without an importable vLLM (or transformers/tokenizers) these tests skip with the reason;
   with ``CI=true`` they fail instead: CI must never pass by skipping.
 - ``tiny_models`` (session): tokenizer, target, draft and mismatched draft
-  (:mod:`tests.tiny_models`), cached under ``$SPECPILOT_TEST_CACHE/tiny-models`` or
+  (:mod:`benchmarks.demo.tiny_models`), cached under ``$SPECPILOT_TEST_CACHE/tiny-models`` or
   ``<repo>/.cache/tiny-models``.
-- :func:`make_llm` / :func:`llm_session` (from :mod:`tests.engine.harness`): an in-process
+- :func:`make_llm` / :func:`llm_session` (from :mod:`benchmarks.demo.engine`): an in-process
   engine with the fast settings; ``llm_session`` shuts it down and frees it afterwards.
 """
 
@@ -19,16 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.harness import (
+from benchmarks.demo.engine import (
     ENGINE_DEFAULTS,
-    SpecCounters,
     apply_engine_env,
     llm_session,
     make_llm,
     shutdown_llm,
-    spec_counters,
 )
-from tests.tiny_models import TinyModels, build_tiny_models
+from benchmarks.demo.tiny_models import TinyModels, build_tiny_models
+from tests.engine.harness import SpecCounters, spec_counters
 
 __all__ = [
     "ENGINE_DEFAULTS",
@@ -104,6 +103,6 @@ def tiny_models(engine_deps: None) -> TinyModels:
 
 @pytest.fixture(scope="session")
 def demo_models_root(engine_deps: None) -> Path:
-    """Cache folder of the demo's model builds (``controller.demo.models``) for tests:
+    """Cache folder of the demo's model builds (``benchmarks.demo.models``) for tests:
     ``$SPECPILOT_TEST_CACHE/demo-models`` or ``<repo>/.cache/demo-models``."""
     return tiny_models_root().parent / "demo-models"

@@ -1,25 +1,13 @@
-"""Engine test helpers: vLLM's spec-decode counters. Engine start/stop lives in the product
-(:mod:`controller.demo.engine`) and is re-exported here for the tests."""
+"""Engine test helpers: vLLM's spec-decode counters. Engine start and stop live in
+:mod:`benchmarks.demo.engine`, which the tests import directly."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controller.demo.engine import (
-    ENGINE_DEFAULTS,
-    ENGINE_ENV,
-    apply_engine_env,
-    llm_session,
-    make_llm,
-    shutdown_llm,
-)
-
 if TYPE_CHECKING:
     from vllm import LLM
-
-__all__ = ["ENGINE_DEFAULTS", "ENGINE_ENV", "SpecCounters", "apply_engine_env", "llm_session",
-           "make_llm", "shutdown_llm", "spec_counters"]
 
 
 @dataclass(frozen=True)

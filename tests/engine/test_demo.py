@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.demo.demo import DemoOptions, run_demo
-from controller.demo.workload import DEFAULT_CLASSES, Phase, Workload
+from benchmarks.demo.demo import DemoOptions, run_demo
+from benchmarks.demo.workload import DEFAULT_CLASSES, Phase, Workload
 
 pytestmark = pytest.mark.engine
 
@@ -50,8 +50,8 @@ def test_demo_pipeline_reports_and_applied_policy(tmp_path: Path,
 
 
 def test_models_command_records_acceptance_per_class_once(demo_models_root: Path) -> None:
-    from controller.demo.acceptance import ACCEPTANCE_FILE, MEASURED, record_acceptance
-    from controller.demo.models import prepare_models
+    from benchmarks.demo.acceptance import ACCEPTANCE_FILE, MEASURED, record_acceptance
+    from benchmarks.demo.models import prepare_models
 
     models = prepare_models(demo_models_root, "untrained", progress=False)
     (models.root / ACCEPTANCE_FILE).unlink(missing_ok=True)

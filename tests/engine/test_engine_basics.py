@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.engine.harness import llm_session, spec_counters
-from tests.tiny_models import TinyModels
+from benchmarks.demo.engine import llm_session
+from benchmarks.demo.tiny_models import TinyModels
+from tests.engine.harness import spec_counters
 
 pytestmark = pytest.mark.engine
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
+from benchmarks.controller_thread import ControllerThread
+from benchmarks.demo.engine import SCHEDULER as ENGINE_SCHEDULER
+from benchmarks.demo.engine import llm_session, plugin_environment
 from controller.core.types import Override
-from controller.demo.engine import SCHEDULER as ENGINE_SCHEDULER
-from controller.demo.engine import plugin_environment
-from controller.server.thread import ControllerThread
-from tests.engine.harness import llm_session, spec_counters
+from tests.engine.harness import spec_counters
 
 pytestmark = pytest.mark.engine
 

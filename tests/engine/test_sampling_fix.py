@@ -31,9 +31,10 @@ from typing import Any
 
 import pytest
 
+from benchmarks.demo.engine import ENGINE_DEFAULTS, ENGINE_ENV, llm_session
+from benchmarks.demo.tiny_models import TinyModels
 from tests.engine.conftest import IN_CI, REPO_ROOT, require_engine_deps
-from tests.engine.harness import ENGINE_DEFAULTS, ENGINE_ENV, llm_session, spec_counters
-from tests.tiny_models import TinyModels
+from tests.engine.harness import spec_counters
 
 try:
     import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from tests.tiny_models import MARKER, VERSION, TinyModels, build_tiny_models
+from benchmarks.demo.tiny_models import MARKER, VERSION, TinyModels, build_tiny_models
 
 
 def test_build_is_cached_and_complete(tiny_models: TinyModels) -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from benchmarks.synthetic_engine import SyntheticEngine, TrueCost, best_k, drive
 from controller.server.app import RunningServer, start_server
 from controller.settings import load_settings
-from tests.synthetic_engine import SyntheticEngine, TrueCost, best_k, drive
 
 pytestmark = pytest.mark.integration
 

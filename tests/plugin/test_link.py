@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.controller_thread import ControllerThread
 from controller.core.controller import ControllerCore
 from controller.server import app
-from controller.server.thread import ControllerThread
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import KEEPALIVE_OPTIONS, ControllerLink, backoff_delay
 from engine_plugin.policy_view import Choice, PolicyView

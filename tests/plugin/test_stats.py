@@ -9,7 +9,7 @@ import pytest
 
 from controller.core.types import DraftKind, DraftSpec, RequestSummaryRecord, StepTimingRecord
 from controller.core.validation import check_report
-from controller.server.convert import report_from_proto
+from controller.wire import report_from_proto
 from engine_plugin.stats import (
     AcceptanceHistogram,
     BatchStepSums,

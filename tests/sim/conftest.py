@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from controller.sim.scenario import Scenario, parse_scenario
+from benchmarks.sim.scenario import Scenario, parse_scenario
 
 
 def scenario_data(**changes: Any) -> dict[str, Any]:

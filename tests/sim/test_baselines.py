@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.sim.baselines import (
+from benchmarks.sim.baselines import (
     BanditSpecUCB,
     BatchTable,
     HFHeuristic,
@@ -13,7 +13,7 @@ from controller.sim.baselines import (
     Static,
     TRTLLMThreshold,
 )
-from controller.sim.step import NO_DRAFT, Assignment, EngineInfo, StepOutcome, StepView
+from benchmarks.sim.step import NO_DRAFT, Assignment, EngineInfo, StepOutcome, StepView
 
 INFO = EngineInfo(classes=("a", "b"), drafts=("small", "ngram"), draft_is_model=(True, False),
                   max_k=16, max_batch=64, offline=(False, False))
@@ -26,7 +26,7 @@ def view(batch: int = 1, ids: tuple[int, ...] = (0,), now: float = 0.0) -> StepV
 
 def outcome(v: StepView, a: Assignment, accepted: list[int], seconds: float = 0.02,
             finished: tuple[int, ...] = ()) -> StepOutcome:
-    from controller.sim.step import FinishedRequest
+    from benchmarks.sim.step import FinishedRequest
 
     acc = np.array(accepted, dtype=np.int64)
     return StepOutcome(v, a, seconds, acc, acc + 1, int(len(acc) + a.k.sum()),

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller.sim.engine import SimEngine
-from controller.sim.scenario import load_scenario
-from controller.sim.truth import breakeven_acceptance, homogeneous_speedup
+from benchmarks.sim.engine import SimEngine
+from benchmarks.sim.scenario import load_scenario
+from benchmarks.sim.truth import breakeven_acceptance, homogeneous_speedup
 
 PRESET = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios" / "h100-70b-8b.yaml"
 

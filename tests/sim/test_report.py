@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from controller.sim.report import suite_markdown, write_scenario, write_suite
-from controller.sim.run import simulate
-from controller.sim.scenario import parse_scenario
+from benchmarks.sim.report import suite_markdown, write_scenario, write_suite
+from benchmarks.sim.run import simulate
+from benchmarks.sim.scenario import parse_scenario
 from tests.sim.conftest import scenario_data
 
 PNG = b"\x89PNG\r\n\x1a\n"

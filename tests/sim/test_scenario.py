@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.sim.scenario import (
+from benchmarks.sim.scenario import (
     ScenarioError,
     load_scenario,
     parse_scenario,

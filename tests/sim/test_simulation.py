@@ -6,11 +6,11 @@ import itertools
 
 import numpy as np
 
-from controller.sim import policies
-from controller.sim.engine import SimEngine
-from controller.sim.oracle import Oracle
-from controller.sim.scenario import Scenario, parse_scenario
-from controller.sim.specpilot_policy import SpecPilotPolicy
+from benchmarks.sim import policies
+from benchmarks.sim.engine import SimEngine
+from benchmarks.sim.oracle import Oracle
+from benchmarks.sim.scenario import Scenario, parse_scenario
+from benchmarks.sim.specpilot_policy import SpecPilotPolicy
 from tests.sim.conftest import scenario_data
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks.sim.scenario import Acceptance, Scenario
 from controller.core.goodput import expected_tokens_curve
-from controller.sim.scenario import Acceptance, Scenario
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

@@ -10,14 +10,15 @@ the true parameters (``best_k``), computed here independently of the controller'
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
 
 from controller.core.buckets import bucket_of
-from specpilot.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from controller.server.stubs import engine_stub
+from specpilot.v1 import common_pb2, engine_pb2
 
 DRAFT = "draft-small"
 VOCAB = "vocab-hash-0001"
@@ -68,7 +69,8 @@ def draw_histogram(rng: np.random.Generator, rates: np.ndarray, k: int, steps: i
     """Steps by number of accepted drafts: each step accepts positions until the first reject."""
     accepted = rng.random((steps, k)) < rates[:k]
     first_reject = np.where(accepted.all(axis=1), k, np.argmin(accepted, axis=1))
-    return np.bincount(first_reject, minlength=k + 1).tolist()
+    counts: list[int] = np.bincount(first_reject, minlength=k + 1).tolist()
+    return counts
 
 
 @dataclass
@@ -160,12 +162,12 @@ async def drive(
     """
     outbox: asyncio.Queue[engine_pb2.ConnectRequest | None] = asyncio.Queue()
 
-    async def requests():
+    async def requests() -> AsyncIterator[engine_pb2.ConnectRequest]:
         while (msg := await outbox.get()) is not None:
             yield msg
 
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        stub = engine_stub(channel)
         call = stub.Connect(requests())
         await outbox.put(engine.hello())
         sent = 0

@@ -27,7 +27,7 @@ import itertools
 
 import numpy as np
 
-from controller.sim.step import (
+from benchmarks.sim.step import (
     NO_DRAFT,
     Assignment,
     EngineInfo,
@@ -36,7 +36,7 @@ from controller.sim.step import (
     StepOutcome,
     StepView,
 )
-from controller.sim.truth import AcceptanceTruth, StepCost
+from benchmarks.sim.truth import AcceptanceTruth, StepCost
 
 _SWEEPS = 6
 EXHAUSTIVE_LIMIT = 20_000

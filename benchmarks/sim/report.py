@@ -13,8 +13,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from controller.plots import pyplot
-from controller.sim.engine import RunResult
+from benchmarks.plots import pyplot
+from benchmarks.sim.engine import RunResult
 
 ORACLE_TARGET = {"stationary": 0.97, "shifting": 0.93}
 OFF_TARGET = 0.98

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from controller.demo.configs import DEFAULT_CACHE
+from benchmarks.demo.configs import DEFAULT_CACHE
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -67,7 +67,7 @@ def _fail(command: str, exc: BaseException) -> int:
 
 
 def demo_main(args: argparse.Namespace) -> int:
-    from controller.demo.demo import DemoOptions, run_demo
+    from benchmarks.demo.demo import DemoOptions, run_demo
 
     base = DemoOptions()
     options = DemoOptions(cache_dir=Path(args.cache_dir), profile=args.profile,
@@ -82,8 +82,8 @@ def demo_main(args: argparse.Namespace) -> int:
 
 
 def models_main(args: argparse.Namespace) -> int:
-    from controller.demo.acceptance import record_acceptance
-    from controller.demo.models import prepare_models
+    from benchmarks.demo.acceptance import record_acceptance
+    from benchmarks.demo.models import prepare_models
 
     try:
         models = prepare_models(Path(args.cache_dir), args.profile)
@@ -100,8 +100,8 @@ def models_main(args: argparse.Namespace) -> int:
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    from controller.demo.bench import BenchOptions, run_bench
-    from controller.plots import plots_available
+    from benchmarks.demo.bench import BenchOptions, run_bench
+    from benchmarks.plots import plots_available
 
     plots = not args.no_plots and plots_available("bench engine")
     base = BenchOptions()

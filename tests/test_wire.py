@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from controller import wire
 from controller.core.types import (
     AcceptanceRecord,
     Decision,
@@ -21,7 +22,6 @@ from controller.core.types import (
     RequestSummaryRecord,
     StepTimingRecord,
 )
-from controller.server import convert
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
 
 HELLO = EngineHello(
@@ -49,16 +49,16 @@ def _no_defaults(record: object) -> None:
 
 def test_hello_round_trip() -> None:
     _no_defaults(HELLO)
-    assert convert.hello_from_proto(convert.hello_to_proto(HELLO)) == HELLO
+    assert wire.hello_from_proto(wire.hello_to_proto(HELLO)) == HELLO
 
 
 def test_report_round_trip() -> None:
     for record in (REPORT, *REPORT.acceptance, *REPORT.finished, *REPORT.step_timings):
         _no_defaults(record)
-    msg = convert.report_to_proto(REPORT)
+    msg = wire.report_to_proto(REPORT)
     assert msg.acceptance[0].steps_by_accepted == [3, 4, 5]
     assert msg.step_timings[0].sum_step_seconds == 0.5
-    back = convert.report_from_proto(engine_pb2.EngineReport.FromString(msg.SerializeToString()))
+    back = wire.report_from_proto(engine_pb2.EngineReport.FromString(msg.SerializeToString()))
     assert back == REPORT
     assert isinstance(back.acceptance[0].steps_by_accepted, tuple)
 
@@ -66,35 +66,35 @@ def test_report_round_trip() -> None:
 @pytest.mark.parametrize("reason", list(Reason))
 def test_decision_round_trip_for_every_reason(reason: Reason) -> None:
     d = Decision("chat", 3, "d1", 4, reason, 1.7, 0.02, 2, "d1")
-    msg = convert.decision_to_proto(d)
+    msg = wire.decision_to_proto(d)
     assert common_pb2.DecisionReason.Name(msg.reason) == f"DECISION_REASON_{reason.name}"
-    assert convert.decision_from_proto(msg) == d
+    assert wire.decision_from_proto(msg) == d
 
 
 def test_draft_kinds_map_by_name() -> None:
     for kind in DraftKind:
-        value = convert.draft_kind_to_proto(kind)
+        value = wire.draft_kind_to_proto(kind)
         assert common_pb2.DraftKind.Name(value) == f"DRAFT_KIND_{kind.name}"
-        assert convert.draft_kind_from_proto(value) is kind
+        assert wire.draft_kind_from_proto(value) is kind
 
 
 def test_unset_enums_are_refused_naming_the_field() -> None:
-    msg = convert.hello_to_proto(HELLO)
+    msg = wire.hello_to_proto(HELLO)
     msg.drafts[1].kind = common_pb2.DRAFT_KIND_UNSPECIFIED
     with pytest.raises(ReportRejected, match=r"hello\.drafts\[1\]\.kind"):
-        convert.hello_from_proto(msg)
+        wire.hello_from_proto(msg)
     with pytest.raises(ReportRejected, match=r"decision\.reason"):
-        convert.decision_from_proto(common_pb2.Decision(traffic_class="x"))
+        wire.decision_from_proto(common_pb2.Decision(traffic_class="x"))
 
 
 def test_event_carries_the_previous_choice() -> None:
     new = Decision("chat", 0, "d1", 3, Reason.GOODPUT)
     off_before = Decision("chat", 0, "d1", 0, Reason.GOODPUT)
-    msg = convert.event_to_proto(DecisionEvent(5, 123.5, new, off_before))
+    msg = wire.event_to_proto(DecisionEvent(5, 123.5, new, off_before))
     assert (msg.policy_version, msg.unix_seconds, msg.decision.k) == (5, 123.5, 3)
     # "off" has no draft, whatever the stale field says.
     assert (msg.previous_draft, msg.previous_k) == ("", 0)
-    first = convert.event_to_proto(DecisionEvent(1, 1.0, new, None))
+    first = wire.event_to_proto(DecisionEvent(1, 1.0, new, None))
     assert (first.previous_draft, first.previous_k) == ("", 0)
 
 
@@ -105,11 +105,11 @@ def test_event_carries_the_previous_choice() -> None:
     Override("chat", force_off=True),
 ])
 def test_override_round_trip(override: Override) -> None:
-    assert convert.override_from_proto(convert.override_to_proto(override)) == override
+    assert wire.override_from_proto(wire.override_to_proto(override)) == override
 
 
 def test_override_without_action_is_refused() -> None:
     with pytest.raises(ValueError, match=r"override\.action"):
-        convert.override_from_proto(policy_pb2.Override(traffic_class="chat"))
+        wire.override_from_proto(policy_pb2.Override(traffic_class="chat"))
     with pytest.raises(ValueError, match=r"override\.force_off"):
-        convert.override_from_proto(policy_pb2.Override(traffic_class="chat", force_off=False))
+        wire.override_from_proto(policy_pb2.Override(traffic_class="chat", force_off=False))

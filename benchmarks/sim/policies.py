@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.sim.baselines import (
+from benchmarks.sim.baselines import (
     BATCH_SLOTS,
     BanditSpecUCB,
     BatchTable,
@@ -26,10 +26,10 @@ from controller.sim.baselines import (
     Static,
     TRTLLMThreshold,
 )
-from controller.sim.engine import SimEngine
-from controller.sim.oracle import Oracle
-from controller.sim.specpilot_policy import SpecPilotPolicy
-from controller.sim.step import Policy
+from benchmarks.sim.engine import SimEngine
+from benchmarks.sim.oracle import Oracle
+from benchmarks.sim.specpilot_policy import SpecPilotPolicy
+from benchmarks.sim.step import Policy
 
 ADAPTIVE = ("batch-table", "hf-heuristic", "sglang-adaptive", "banditspec-ucb",
             "trtllm-threshold", "specpilot")

@@ -1,7 +1,7 @@
 """Model preparation for ``specpilot demo`` / ``specpilot bench engine``: target and draft.
 
 Everything is built locally, with fixed seeds, from text every machine with Python has
-(:mod:`controller.demo.corpus`: standard-library sources as *code*, licence and Debian copyright
+(:mod:`benchmarks.demo.corpus`: standard-library sources as *code*, licence and Debian copyright
 files as *prose*), and cached on disk so it runs once:
 
 - one byte-level BPE tokenizer (~2000 tokens), saved next to every model directory;
@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.demo.cache import build_once, read_marker
-from controller.demo.corpus import (
+from benchmarks.demo.cache import build_once, read_marker
+from benchmarks.demo.corpus import (
     KINDS,
     SPECIAL_TOKENS,
     corpus_texts,

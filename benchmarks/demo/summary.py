@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from controller.demo.driver import RequestResult, RunResult
+from benchmarks.demo.driver import RequestResult, RunResult
 
 
 @dataclass(frozen=True)

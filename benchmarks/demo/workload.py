@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Text kinds a class draws its passages from (see controller.demo.models.heldout_texts).
+# Text kinds a class draws its passages from (see benchmarks.demo.models.heldout_texts).
 TextKind = str
 
 

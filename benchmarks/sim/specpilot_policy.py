@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.sim.step import NO_DRAFT, Assignment, EngineInfo, StepOutcome, StepView
 from controller.core.controller import ControllerCore
 from controller.core.types import (
     AcceptanceRecord,
@@ -26,7 +27,6 @@ from controller.core.types import (
     StepTimingRecord,
 )
 from controller.settings import core_config, load_settings
-from controller.sim.step import NO_DRAFT, Assignment, EngineInfo, StepOutcome, StepView
 
 ENGINE_ID = "sim-engine-0"
 _VOCAB = "simulated-vocabulary"

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from controller.sim.scenario import Scenario
-from controller.sim.step import (
+from benchmarks.sim.scenario import Scenario
+from benchmarks.sim.step import (
     NO_DRAFT,
     Assignment,
     EngineInfo,
@@ -34,7 +34,7 @@ from controller.sim.step import (
     StepOutcome,
     StepView,
 )
-from controller.sim.truth import AcceptanceTruth, StepCost
+from benchmarks.sim.truth import AcceptanceTruth, StepCost
 
 # Share of requests scored counterfactually with the n-gram draft (the plugin's default).
 COUNTERFACTUAL_SHARE = 0.25

@@ -1,7 +1,7 @@
 """``specpilot bench engine``: the demo's traffic replayed on a real vLLM-CPU engine under every
 configuration, alternating, repeated; medians, ratios, and the greedy-identity check.
 
-Configurations (``controller.demo.configs.bench_configs``): no speculation, static draft K=2 and
+Configurations (``benchmarks.demo.configs.bench_configs``): no speculation, static draft K=2 and
 K=4, static n-gram K=4, vLLM's static batch-size table, and specpilot. Each repetition runs every
 configuration once, in an order rotated by one per repetition, so slow drifts of a noisy machine
 spread over all of them. One controller serves every specpilot run, as a sidecar lives across
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.demo.configs import DEFAULT_CACHE, SPECPILOT, EngineConfig, bench_configs
-from controller.demo.driver import LiveWindow, RunResult, run_plan
-from controller.demo.summary import class_figures, median, output_mismatches
-from controller.demo.workload import DEFAULT_CLASSES, Phase, Workload
+from benchmarks.demo.configs import DEFAULT_CACHE, SPECPILOT, EngineConfig, bench_configs
+from benchmarks.demo.driver import LiveWindow, RunResult, run_plan
+from benchmarks.demo.summary import class_figures, median, output_mismatches
+from benchmarks.demo.workload import DEFAULT_CLASSES, Phase, Workload
 
 Printer = Callable[[str], None]
 
@@ -182,7 +182,7 @@ def report_json(report: BenchReport) -> dict[str, Any]:
 def plot(report: BenchReport, path: Path) -> None:
     import numpy as np
 
-    from controller.plots import pyplot
+    from benchmarks.plots import pyplot
 
     plt = pyplot()
 
@@ -205,10 +205,10 @@ def plot(report: BenchReport, path: Path) -> None:
 
 
 def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> BenchReport:
-    from controller.demo.demo import demo_controller_settings, make_plan
-    from controller.demo.engine import apply_engine_env, config_session
-    from controller.demo.models import prepare_models
-    from controller.demo.sidecar import Sidecar
+    from benchmarks.demo.demo import demo_controller_settings, make_plan
+    from benchmarks.demo.engine import apply_engine_env, config_session
+    from benchmarks.demo.models import prepare_models
+    from benchmarks.demo.sidecar import Sidecar
 
     apply_engine_env()
     started = time.monotonic()

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.demo.configs import EngineConfig
+from benchmarks.demo.configs import EngineConfig
 
 if TYPE_CHECKING:
     from vllm import LLM

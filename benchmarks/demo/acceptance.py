@@ -12,11 +12,11 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from controller.demo.configs import EngineConfig
-from controller.demo.workload import DEFAULT_CLASSES, Phase, Workload
+from benchmarks.demo.configs import EngineConfig
+from benchmarks.demo.workload import DEFAULT_CLASSES, Phase, Workload
 
 if TYPE_CHECKING:
-    from controller.demo.models import ModelSet
+    from benchmarks.demo.models import ModelSet
 
 ACCEPTANCE_FILE = "acceptance.json"
 # Requests per class in the measurement, and how many run at once.
@@ -40,10 +40,10 @@ def record_acceptance(models: ModelSet, echo: Callable[[str], None] = print
         return cached
     except (OSError, ValueError):
         pass
-    from controller.demo.demo import make_plan
-    from controller.demo.driver import run_plan
-    from controller.demo.engine import apply_engine_env, config_session
-    from controller.demo.summary import class_figures
+    from benchmarks.demo.demo import make_plan
+    from benchmarks.demo.driver import run_plan
+    from benchmarks.demo.engine import apply_engine_env, config_session
+    from benchmarks.demo.summary import class_figures
 
     apply_engine_env()
     plan = make_plan(measurement_workload(), models.target)

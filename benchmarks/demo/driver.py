@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.demo.workload import DemoRequest, RequestPlan
+from benchmarks.demo.workload import DemoRequest, RequestPlan
 
 
 @dataclass(frozen=True)

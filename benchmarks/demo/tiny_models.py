@@ -17,7 +17,7 @@ and /usr/share/common-licenses) in a few seconds, with fixed seeds, and cached o
   it silently: only a vocabulary guard notices.
 
 Every model directory holds its tokenizer next to the weights (``save_pretrained``,
-safetensors). The corpus and tokenizer training live in :mod:`controller.demo.corpus` (shared
+safetensors). The corpus and tokenizer training live in :mod:`benchmarks.demo.corpus` (shared
 with the demo models). A build is complete when ``<root>/tiny-models.json`` holds the current
 :data:`VERSION`; :func:`build_tiny_models` returns such a build at once.
 """
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.demo.cache import build_once
-from controller.demo.corpus import SPECIAL_TOKENS, train_tokenizer, wrap_tokenizer
-from controller.demo.models import LlamaShape, build_llama
+from benchmarks.demo.cache import build_once
+from benchmarks.demo.corpus import SPECIAL_TOKENS, train_tokenizer, wrap_tokenizer
+from benchmarks.demo.models import LlamaShape, build_llama
 
 VERSION = "specpilot-tiny-models-2"
 MARKER = "tiny-models.json"
@@ -158,7 +158,8 @@ def build_tiny_models(root: Path) -> TinyModels:
     return _models(root, build_once(root, MARKER, _valid, build))
 
 
-if __name__ == "__main__":  # pragma: no cover - manual use: python -m tests.tiny_models DIR
+# Manual use: python -m benchmarks.demo.tiny_models DIR
+if __name__ == "__main__":  # pragma: no cover
     import sys
 
     built = build_tiny_models(Path(sys.argv[1] if len(sys.argv) > 1 else ".cache/tiny-models"))
