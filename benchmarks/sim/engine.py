@@ -29,6 +29,7 @@ from benchmarks.sim.step import (
     Assignment,
     EngineInfo,
     FinishedRequest,
+    FloatArray,
     IntArray,
     Policy,
     StepOutcome,
@@ -173,6 +174,167 @@ def pool_runs(runs: list[RunResult]) -> RunResult:
 ProgressFn = Callable[[float], None]
 
 
+def _phase_bounds(s: Scenario) -> list[float]:
+    """Phase i runs from bounds[i] to bounds[i + 1]; the last bound is the run's end."""
+    return [*s.phase_starts(), s.duration_seconds]
+
+
+@dataclass
+class _Tally:
+    """What a run counts, added to after each step; ``result`` turns it into a RunResult.
+
+    Counts are per class index (tokens emitted, drafts proposed and accepted) and per load phase
+    (tokens); the timelines sum per bin of ``timeline_seconds`` (binned by the step's start):
+    K and request-steps per class, batch size and steps, tokens emitted."""
+
+    timeline_seconds: float
+    phase_tokens: list[int]
+    class_tokens: IntArray
+    class_drafted: IntArray
+    class_accepted: IntArray
+    k_sum: FloatArray  # (classes, bins)
+    k_n: FloatArray  # (classes, bins)
+    batch_sum: FloatArray
+    batch_n: FloatArray
+    bin_tokens: IntArray
+    steps: int = 0
+    finished: int = 0
+    latency_sum: float = 0.0
+
+    @classmethod
+    def empty(cls, s: Scenario) -> _Tally:
+        n_cls, bins = len(s.classes), max(1, math.ceil(s.duration_seconds / s.timeline_seconds))
+        def counts() -> IntArray:
+            return np.zeros(n_cls, dtype=np.int64)
+
+        return cls(s.timeline_seconds, [0] * len(s.load), counts(), counts(), counts(),
+                   np.zeros((n_cls, bins)), np.zeros((n_cls, bins)),
+                   np.zeros(bins), np.zeros(bins), np.zeros(bins, dtype=np.int64))
+
+    def first_token(self, cls: int, phase: int) -> None:
+        """A prefill's last chunk sampled its request's first token."""
+        self.class_tokens[cls] += 1
+        self.phase_tokens[phase] += 1
+
+    def finish(self, latency: float) -> None:
+        self.finished += 1
+        self.latency_sum += latency
+
+    def step(self, now: float, phase: int, batch: int, cls: IntArray, k: IntArray,
+             accepted: IntArray, emitted: IntArray) -> None:
+        """A step that started at ``now``; arrays are per decoding request."""
+        np.add.at(self.class_tokens, cls, emitted)
+        np.add.at(self.class_drafted, cls, k)
+        np.add.at(self.class_accepted, cls, accepted)
+        self.phase_tokens[phase] += int(emitted.sum())
+        b = min(int(now / self.timeline_seconds), self.bin_tokens.size - 1)
+        np.add.at(self.k_sum[:, b], cls, k)
+        np.add.at(self.k_n[:, b], cls, 1)
+        self.batch_sum[b] += batch
+        self.bin_tokens[b] += int(emitted.sum())
+        self.batch_n[b] += 1
+        self.steps += 1
+
+    def result(self, s: Scenario, policy: str, wall_seconds: float) -> RunResult:
+        names = [c.name for c in s.classes]
+
+        def per_class(counts: IntArray) -> dict[str, int]:
+            return {c: int(counts[i]) for i, c in enumerate(names)}
+
+        def mean(total: FloatArray, n: FloatArray) -> list[float | None]:
+            return [float(total[j] / n[j]) if n[j] else None for j in range(n.size)]
+
+        return RunResult(
+            scenario=s.name, policy=policy, duration_seconds=s.duration_seconds,
+            tokens=int(sum(self.phase_tokens)), steps=self.steps, finished=self.finished,
+            mean_latency_seconds=self.latency_sum / self.finished if self.finished else 0.0,
+            phase_labels=[s.phase_label(i) for i in range(len(s.load))],
+            phase_tokens=self.phase_tokens,
+            phase_seconds=[b - a for a, b in itertools.pairwise(_phase_bounds(s))],
+            class_tokens=per_class(self.class_tokens),
+            class_drafted=per_class(self.class_drafted),
+            class_accepted=per_class(self.class_accepted),
+            timeline_seconds=s.timeline_seconds,
+            k_timeline={c: mean(self.k_sum[i], self.k_n[i]) for i, c in enumerate(names)},
+            batch_timeline=mean(self.batch_sum, self.batch_n),
+            tokens_timeline=self.bin_tokens.tolist(),
+            wall_seconds=wall_seconds,
+        )
+
+
+class _Admission:
+    """The requests in the system, waiting (``queue``) or ``running``, fed by the load phases:
+    closed loop keeps ``concurrency`` in the system, open loop admits Poisson arrivals; a phase
+    change restarts the arrival clock."""
+
+    def __init__(self, s: Scenario, traffic: _Traffic, max_batch: int) -> None:
+        self.s, self.traffic, self.max_batch = s, traffic, max_batch
+        self.bounds = _phase_bounds(s)
+        self.phase = 0
+        self.next_arrival: float | None = None
+        self.queue: deque[_Request] = deque()
+        self.running: list[_Request] = []
+
+    def admit(self, now: float) -> None:
+        """Enter the phase ``now`` is in, add the requests that arrived, and start what fits."""
+        while now >= self.bounds[self.phase + 1]:
+            self.phase += 1
+            self.next_arrival = None
+        p = self.s.load[self.phase]
+        if p.concurrency is not None:
+            while len(self.queue) + len(self.running) < p.concurrency:
+                self.queue.append(self.traffic.new(now, self.phase))
+        else:
+            rate = float(p.arrival_rate_per_second or 0.0)
+            if self.next_arrival is None:
+                self.next_arrival = self.traffic.next_arrival(now, rate)
+            while self.next_arrival <= now:
+                self.queue.append(self.traffic.new(self.next_arrival, self.phase))
+                self.next_arrival = self.traffic.next_arrival(self.next_arrival, rate)
+        while self.queue and len(self.running) < self.max_batch:
+            self.running.append(self.queue.popleft())
+
+    def idle_until(self) -> float:
+        """With nothing running (open loop only): the next arrival or phase change."""
+        assert self.next_arrival is not None
+        return min(self.next_arrival, self.bounds[self.phase + 1])
+
+    def retire(self, t_end: float, tally: _Tally) -> tuple[FinishedRequest, ...]:
+        """Remove the requests done by ``t_end`` (all tokens out, prefill complete)."""
+        done: list[FinishedRequest] = []
+        keep = []
+        for r in self.running:
+            if r.remaining <= 0 and r.prefill_left == 0:
+                tally.finish(t_end - r.arrived)
+                done.append(FinishedRequest(r.rid, r.cls, r.prompt, r.output, r.drafted,
+                                            r.accepted, t_end - r.arrived))
+            else:
+                keep.append(r)
+        self.running = keep
+        return tuple(done)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A step's batch: the decoding requests (``view``'s arrays follow their order) and the
+    prefill chunks scheduled in the token budget they leave."""
+
+    decoding: list[_Request]
+    prefill: list[tuple[_Request, int]]
+    view: StepView
+
+
+@dataclass(frozen=True)
+class _Charge:
+    """What a step costs: its seconds (noise included), target tokens, and per draft the
+    sequential passes and proposed tokens."""
+
+    seconds: float
+    verified: int
+    passes: IntArray
+    draft_tokens: IntArray
+
+
 class SimEngine:
     def __init__(self, scenario: Scenario, seed: int | None = None) -> None:
         self.s = scenario
@@ -180,169 +342,137 @@ class SimEngine:
         self.info = engine_info(scenario)
         self.truth = AcceptanceTruth(scenario)
         self.cost = StepCost.from_scenario(scenario)
+        self.ngram = next((i for i, m in enumerate(self.info.draft_is_model) if not m), None)
 
     def run(self, policy: Policy, progress: ProgressFn | None = None) -> RunResult:
-        s, info, truth, cost = self.s, self.info, self.truth, self.cost
+        """Run ``policy`` for the scenario's duration; ``progress`` gets the simulated time about
+        once per simulated second and at the end."""
         started = wallclock.perf_counter()
         rng = np.random.default_rng([self.seed, 3])
         # Counterfactual draws have their own stream: scoring them must not shift the others.
         cf_rng = np.random.default_rng([self.seed, 4])
-        traffic = _Traffic(s, self.seed)
-        starts = [*s.phase_starts(), s.duration_seconds]
-        n_cls, n_drafts, max_k = len(info.classes), len(info.drafts), info.max_k
-        ngram = next((i for i, m in enumerate(info.draft_is_model) if not m), None)
-        bins = max(1, math.ceil(s.duration_seconds / s.timeline_seconds))
-        k_sum, k_n = np.zeros((n_cls, bins)), np.zeros((n_cls, bins))
-        b_sum, b_n = np.zeros(bins), np.zeros(bins)
-        tok_bins = np.zeros(bins, dtype=np.int64)
-        phase_tokens = [0] * len(s.load)
-        class_tokens, class_drafted, class_accepted = (np.zeros(n_cls, dtype=np.int64)
-                                                       for _ in range(3))
-        queue: deque[_Request] = deque()
-        running: list[_Request] = []
-        now, steps, finished, latency_sum = 0.0, 0, 0, 0.0
-        next_arrival: float | None = None
-        phase = 0
-        last_progress = 0.0
-
-        while now < s.duration_seconds:
-            while now >= starts[phase + 1]:
-                phase += 1
-                next_arrival = None
-            p = s.load[phase]
-            # --- admission ---
-            if p.concurrency is not None:
-                while len(queue) + len(running) < p.concurrency:
-                    queue.append(traffic.new(now, phase))
-            else:
-                rate = float(p.arrival_rate_per_second or 0.0)
-                if next_arrival is None:
-                    next_arrival = traffic.next_arrival(now, rate)
-                while next_arrival <= now:
-                    queue.append(traffic.new(next_arrival, phase))
-                    next_arrival = traffic.next_arrival(next_arrival, rate)
-            while queue and len(running) < info.max_batch:
-                running.append(queue.popleft())
-            if not running:  # idle: jump to the next arrival or phase
-                assert next_arrival is not None
-                now = min(next_arrival, starts[phase + 1])
+        reqs = _Admission(self.s, _Traffic(self.s, self.seed), self.info.max_batch)
+        tally = _Tally.empty(self.s)
+        now, last_progress = 0.0, 0.0
+        while now < self.s.duration_seconds:
+            reqs.admit(now)
+            if not reqs.running:
+                now = reqs.idle_until()
                 continue
-
-            # --- the policy's choice for decoding requests ---
-            decoding = [r for r in running if r.prefill_left == 0]
-            budget = s.engine.max_batched_tokens
-            ids = np.fromiter((r.rid for r in decoding), dtype=np.int64, count=len(decoding))
-            cls = np.fromiter((r.cls for r in decoding), dtype=np.int64, count=len(decoding))
-            # Prefill chunks fill what decode leaves; decode asks for at most 1 + max_k each.
-            prefill_room = budget - len(decoding) * (1 + max_k)
-            prefill_plan: list[tuple[_Request, int]] = []
-            for r in running:
-                if r.prefill_left and prefill_room > 0:
-                    chunk = min(r.prefill_left, prefill_room)
-                    prefill_plan.append((r, chunk))
-                    prefill_room -= chunk
-            prefill_tokens = sum(c for _, c in prefill_plan)
-            batch = len(decoding) + len(prefill_plan)
-            view = StepView(now, batch, prefill_tokens, ids, cls)
-            a = policy.assign(view)
-            k = np.clip(a.k, 0, max_k)
-            draft = np.where(k > 0, a.draft, NO_DRAFT)
-            if np.any((draft == NO_DRAFT) & (k > 0)):
-                raise RuntimeError(f"policy {policy.name}: K > 0 without a draft")
-
-            # --- verification draws ---
-            accepted = np.zeros(len(decoding), dtype=np.int64)
-            spec = np.flatnonzero(k > 0)
-            if spec.size:
-                offsets = np.array([decoding[i].offset for i in spec])
-                rates = truth.request_rates(now, cls[spec], draft[spec], offsets)
-                ok = rng.random(rates.shape) < rates
-                ok &= np.arange(max_k)[None, :] < k[spec, None]
-                accepted[spec] = np.cumprod(ok, axis=1).sum(axis=1)
-            cf: IntArray | None = None
-            if policy.wants_counterfactual and ngram is not None and len(decoding):
-                cf = np.full(len(decoding), -1, dtype=np.int64)
-                pick = np.array([r.counterfactual for r in decoding]) & (draft != ngram)
-                idx = np.flatnonzero(pick)
-                if idx.size:
-                    offsets = np.array([decoding[i].offset for i in idx])
-                    rates = truth.request_rates(now, cls[idx], np.full(idx.size, ngram), offsets)
-                    ok = cf_rng.random(rates.shape) < rates
-                    cf[idx] = np.cumprod(ok, axis=1).sum(axis=1)
-
-            # --- cost ---
-            passes = np.zeros(n_drafts, dtype=np.int64)
-            dtok = np.zeros(n_drafts, dtype=np.int64)
-            for d in range(n_drafts):
-                mine = k[draft == d]
-                if mine.size:
-                    passes[d], dtok[d] = int(mine.max()), int(mine.sum())
-            verified = int(len(decoding) + k.sum()) + prefill_tokens
-            seconds = cost.seconds(batch, verified, passes, dtok)
-            if cost.noise:
-                seconds *= float(np.exp(cost.noise * rng.standard_normal()))
-
-            # --- advance ---
-            t_end = now + seconds
-            remaining = np.fromiter((r.remaining for r in decoding), dtype=np.int64,
-                                    count=len(decoding))
-            emitted = np.minimum(accepted + 1, remaining)
-            done: list[FinishedRequest] = []
-            for i, r in enumerate(decoding):
-                r.remaining -= int(emitted[i])
-                r.drafted += int(k[i])
-                r.accepted += int(accepted[i])
-            for r, chunk in prefill_plan:
-                r.prefill_left -= chunk
-                if r.prefill_left == 0:  # the prefill's last chunk samples the first token
-                    r.remaining -= 1
-                    class_tokens[r.cls] += 1
-                    phase_tokens[phase] += 1
-            keep = []
-            for r in running:
-                if r.remaining <= 0 and r.prefill_left == 0:
-                    finished += 1
-                    latency_sum += t_end - r.arrived
-                    done.append(FinishedRequest(r.rid, r.cls, r.prompt, r.output, r.drafted,
-                                                r.accepted, t_end - r.arrived))
-                else:
-                    keep.append(r)
-            running = keep
-            np.add.at(class_tokens, cls, emitted)
-            np.add.at(class_drafted, cls, k)
-            np.add.at(class_accepted, cls, accepted)
-            phase_tokens[phase] += int(emitted.sum())
-            b = min(int(now / s.timeline_seconds), bins - 1)
-            np.add.at(k_sum[:, b], cls, k)
-            np.add.at(k_n[:, b], cls, 1)
-            b_sum[b] += batch
-            tok_bins[b] += int(emitted.sum())
-            b_n[b] += 1
-            steps += 1
-            policy.observe(StepOutcome(view, Assignment(draft, k), seconds, accepted, emitted,
-                                       verified, passes, dtok, tuple(done), cf))
-            now = t_end
+            now = self._step(policy, now, reqs, tally, rng, cf_rng)
             if progress is not None and now - last_progress >= 1.0:
                 last_progress = now
-                progress(min(now, s.duration_seconds))
+                progress(min(now, self.s.duration_seconds))
         if progress is not None:
-            progress(s.duration_seconds)
+            progress(self.s.duration_seconds)
+        return tally.result(self.s, policy.name, wallclock.perf_counter() - started)
 
-        phase_seconds = [b - a for a, b in itertools.pairwise(starts)]
-        names = list(info.classes)
-        return RunResult(
-            scenario=s.name, policy=policy.name, duration_seconds=s.duration_seconds,
-            tokens=int(sum(phase_tokens)), steps=steps, finished=finished,
-            mean_latency_seconds=latency_sum / finished if finished else 0.0,
-            phase_labels=[s.phase_label(i) for i in range(len(s.load))],
-            phase_tokens=phase_tokens, phase_seconds=phase_seconds,
-            class_tokens={c: int(class_tokens[i]) for i, c in enumerate(names)},
-            class_drafted={c: int(class_drafted[i]) for i, c in enumerate(names)},
-            class_accepted={c: int(class_accepted[i]) for i, c in enumerate(names)},
-            timeline_seconds=s.timeline_seconds,
-            k_timeline={c: [float(k_sum[i, j] / k_n[i, j]) if k_n[i, j] else None
-                            for j in range(bins)] for i, c in enumerate(names)},
-            batch_timeline=[float(b_sum[j] / b_n[j]) if b_n[j] else None for j in range(bins)],
-            tokens_timeline=tok_bins.tolist(),
-            wall_seconds=wallclock.perf_counter() - started,
-        )
+    def _step(self, policy: Policy, now: float, reqs: _Admission, tally: _Tally,
+              rng: np.random.Generator, cf_rng: np.random.Generator) -> float:
+        """One engine step from ``now`` on the running requests: plan, assign, verify, charge,
+        emit, retire, count, tell the policy. Returns the time the step ends."""
+        plan = self._plan(now, reqs.running)
+        draft, k = self._assign(policy, plan.view)
+        decoding, cls = plan.decoding, plan.view.classes
+        accepted = np.zeros(len(decoding), dtype=np.int64)
+        spec = np.flatnonzero(k > 0)
+        if spec.size:
+            accepted[spec] = self._accepted(rng, now, plan, spec, draft[spec], k[spec])
+        cf: IntArray | None = None
+        if policy.wants_counterfactual and self.ngram is not None and len(decoding):
+            cf = self._counterfactual(cf_rng, now, plan, draft, self.ngram)
+        charge = self._charge(rng, plan, draft, k)
+        t_end = now + charge.seconds
+        emitted = self._emit(plan, k, accepted, reqs.phase, tally)
+        done = reqs.retire(t_end, tally)
+        tally.step(now, reqs.phase, plan.view.batch_size, cls, k, accepted, emitted)
+        policy.observe(StepOutcome(plan.view, Assignment(draft, k), charge.seconds, accepted,
+                                   emitted, charge.verified, charge.passes, charge.draft_tokens,
+                                   done, cf))
+        return t_end
+
+    def _plan(self, now: float, running: list[_Request]) -> _Plan:
+        """Decode first, prefill chunks in the budget left (as vLLM's V1 scheduler does)."""
+        decoding = [r for r in running if r.prefill_left == 0]
+        ids = np.fromiter((r.rid for r in decoding), dtype=np.int64, count=len(decoding))
+        cls = np.fromiter((r.cls for r in decoding), dtype=np.int64, count=len(decoding))
+        # Prefill chunks fill what decode leaves; decode asks for at most 1 + max_k each.
+        prefill_room = self.s.engine.max_batched_tokens - len(decoding) * (1 + self.info.max_k)
+        prefill: list[tuple[_Request, int]] = []
+        for r in running:
+            if r.prefill_left and prefill_room > 0:
+                chunk = min(r.prefill_left, prefill_room)
+                prefill.append((r, chunk))
+                prefill_room -= chunk
+        prefill_tokens = sum(c for _, c in prefill)
+        view = StepView(now, len(decoding) + len(prefill), prefill_tokens, ids, cls)
+        return _Plan(decoding, prefill, view)
+
+    def _assign(self, policy: Policy, view: StepView) -> tuple[IntArray, IntArray]:
+        """The policy's (draft, K) per decoding request, K clipped to [0, max_k]: RuntimeError
+        for K > 0 without a draft."""
+        a = policy.assign(view)
+        k = np.clip(a.k, 0, self.info.max_k)
+        draft = np.where(k > 0, a.draft, NO_DRAFT)
+        if np.any((draft == NO_DRAFT) & (k > 0)):
+            raise RuntimeError(f"policy {policy.name}: K > 0 without a draft")
+        return draft, k
+
+    def _accepted(self, gen: np.random.Generator, now: float, plan: _Plan, idx: IntArray,
+                  draft: IntArray, k: IntArray | None) -> IntArray:
+        """Drafts accepted for decoding requests ``idx`` (each with ``draft``, proposing ``k``;
+        None: max_k), drawn position by position from their true rates until the first miss."""
+        offsets = np.array([plan.decoding[i].offset for i in idx])
+        rates = self.truth.request_rates(now, plan.view.classes[idx], draft, offsets)
+        ok = gen.random(rates.shape) < rates
+        if k is not None:
+            ok &= np.arange(self.info.max_k)[None, :] < k[:, None]
+        return np.asarray(np.cumprod(ok, axis=1).sum(axis=1), dtype=np.int64)
+
+    def _counterfactual(self, gen: np.random.Generator, now: float, plan: _Plan, draft: IntArray,
+                        ngram: int) -> IntArray:
+        """What the n-gram draft would have had accepted at max K, for the requests picked for
+        scoring that did not use it; -1 for the others."""
+        cf = np.full(len(plan.decoding), -1, dtype=np.int64)
+        pick = np.array([r.counterfactual for r in plan.decoding]) & (draft != ngram)
+        idx = np.flatnonzero(pick)
+        if idx.size:
+            cf[idx] = self._accepted(gen, now, plan, idx, np.full(idx.size, ngram), None)
+        return cf
+
+    def _charge(self, rng: np.random.Generator, plan: _Plan, draft: IntArray,
+                k: IntArray) -> _Charge:
+        """The true step cost: a model draft runs as many sequential passes as the largest K asked
+        of it and proposes sum(K) tokens; the target verifies 1 + K per decoding request plus the
+        prefill chunks."""
+        passes = np.zeros(len(self.info.drafts), dtype=np.int64)
+        dtok = np.zeros(len(self.info.drafts), dtype=np.int64)
+        for d in range(len(self.info.drafts)):
+            mine = k[draft == d]
+            if mine.size:
+                passes[d], dtok[d] = int(mine.max()), int(mine.sum())
+        verified = int(len(plan.decoding) + k.sum()) + plan.view.prefill_tokens
+        seconds = self.cost.seconds(plan.view.batch_size, verified, passes, dtok)
+        if self.cost.noise:
+            seconds *= float(np.exp(self.cost.noise * rng.standard_normal()))
+        return _Charge(seconds, verified, passes, dtok)
+
+    @staticmethod
+    def _emit(plan: _Plan, k: IntArray, accepted: IntArray, phase: int,
+              tally: _Tally) -> IntArray:
+        """Advance the requests: decoding ones emit their accepted drafts plus one (up to what
+        they have left), prefilling ones consume their chunk. Returns tokens emitted per decoding
+        request; a completed prefill's first token is counted here."""
+        remaining = np.fromiter((r.remaining for r in plan.decoding), dtype=np.int64,
+                                count=len(plan.decoding))
+        emitted = np.minimum(accepted + 1, remaining)
+        for i, r in enumerate(plan.decoding):
+            r.remaining -= int(emitted[i])
+            r.drafted += int(k[i])
+            r.accepted += int(accepted[i])
+        for r, chunk in plan.prefill:
+            r.prefill_left -= chunk
+            if r.prefill_left == 0:  # the prefill's last chunk samples the first token
+                r.remaining -= 1
+                tally.first_token(r.cls, phase)
+        return emitted
