@@ -3,7 +3,7 @@ and without the plugin, measured side by side in one run on a real in-process vL
 
     .venv/bin/python benchmarks/plugin_overhead.py [--repeats N] [--out benchmarks/results]
 
-Three engines on the tiny target, each with the target as its own draft (K=4, acceptance 1.0),
+Four engines on the tiny target, each with the target as its own draft (K=4, acceptance 1.0),
 ``max_num_seqs=16``, live side by side in this process:
 
 - ``base``: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler``;
