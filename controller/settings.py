@@ -1,6 +1,12 @@
-"""Every controller setting, in one place, each with its unit and default.
+"""The controller's settings, derived from the config dataclasses of each concern.
 
-Sources, later ones win: defaults below < YAML file (``--config`` or ``SPECPILOT_CONFIG``) <
+Each tunable lives in the dataclass of its concern (``CONCERNS``): the server's below, the core's
+in their core modules. There, once, are its default, its constraints (``controller.core.tunable``)
+and its documentation with the unit (the docstring under the field). ``Settings`` is generated
+from them with flat names: the field's name with the concern's prefix (``cost_prior_`` for
+``CostPrior``, none for the others), e.g. ``half_life_seconds`` or ``cost_prior_base_seconds``.
+
+Sources, later ones win: defaults < YAML file (``--config`` or ``SPECPILOT_CONFIG``) <
 environment (``SPECPILOT_<NAME>``, e.g. ``SPECPILOT_HALF_LIFE_SECONDS=120``) < command-line flags.
 Lists in the environment are JSON (``SPECPILOT_OFFLINE_CLASSES='["batch"]'``).
 A bad value stops start-up with one line naming the setting (see ``load_settings``).
@@ -9,165 +15,185 @@ A bad value stops start-up with one line naming the setting (see ``load_settings
 from __future__ import annotations
 
 import json
+from dataclasses import MISSING, dataclass, fields
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from types import GenericAlias
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import AfterValidator, SecretStr, ValidationError, create_model, model_validator
+from pydantic import Field as PydanticField
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controller.core.acceptance import EstimatorConfig
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS
 from controller.core.controller import CoreConfig
 from controller.core.cost_model import CostPrior
 from controller.core.policy import PolicyConfig
+from controller.core.tunable import CONSTRAINTS, Constraints, tunable
+from controller.fielddocs import field_docs, markdown_table
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class SettingsError(ValueError):
     """A setting has a bad value; the message names it."""
 
 
-class Settings(BaseSettings):
-    """Controller configuration. Units are in the field names or descriptions."""
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server: where the sidecar listens, what it accepts, and what it tells engines."""
+
+    grpc_host: str = "127.0.0.1"
+    """Address the gRPC services bind to."""
+    grpc_port: int = tunable(50051, ge=0, le=65535)
+    """gRPC port; 0 picks a free one."""
+    http_host: str = "127.0.0.1"
+    """Address of /metrics, /healthz and /api."""
+    http_port: int = tunable(9464, ge=0, le=65535)
+    """HTTP port; 0 picks a free one."""
+    policy_token: SecretStr | None = None
+    """Bearer token that PolicyService writes must carry. Unset: a random token is generated at
+    start-up and printed once."""
+    max_report_bytes: int = tunable(1 << 20, ge=1024)
+    """Largest accepted engine report, bytes; larger ones are rejected with a reason and the
+    stream stays up."""
+    report_interval_seconds: float = tunable(1.0, gt=0)
+    """How often engines report, seconds (sent in the hello ack)."""
+    fail_static_timeout_seconds: float = tunable(30.0, gt=0)
+    """Engines fall back to their static config after this long without hearing from the
+    controller, seconds."""
+    seed: int | None = None
+    """Seed of the Thompson-sampling RNG; unset: random."""
+
+
+@dataclass(frozen=True)
+class Concern:
+    """One config dataclass whose fields are settings: ``prefix`` + field name."""
+
+    config: type[DataclassInstance]
+    prefix: str = ""
+
+
+# The concerns, in the order of the reference. A field with a default is a setting; one without
+# is wiring: a nested concern is built from its own settings, any other field takes the setting
+# of its name that another concern owns (the estimator's max_k is the policy's).
+CONCERNS: tuple[Concern, ...] = (
+    Concern(ServerConfig),
+    Concern(CoreConfig),
+    Concern(EstimatorConfig),
+    Concern(CostPrior, prefix="cost_prior_"),
+    Concern(PolicyConfig),
+)
+_PREFIX: dict[type[Any], str] = {c.config: c.prefix for c in CONCERNS}
+
+
+@dataclass(frozen=True)
+class _Setting:
+    name: str
+    concern: type[Any]
+    default: Any
+    hint: Any  # the field's type in its dataclass
+    doc: str
+    constraints: Constraints
+
+
+# Each concern's field types, resolved once (the modules use postponed annotations).
+_HINTS: dict[type[Any], dict[str, Any]] = {c.config: get_type_hints(c.config) for c in CONCERNS}
+
+
+def _collect() -> dict[str, _Setting]:
+    """Every setting by name, from CONCERNS; TypeError on a clash or a dangling reference."""
+    found: dict[str, _Setting] = {}
+    wiring: list[str] = []
+    for concern in CONCERNS:
+        docs = field_docs(concern.config)
+        for f in fields(concern.config):
+            name = concern.prefix + f.name
+            hint = _HINTS[concern.config][f.name]
+            if f.default is MISSING:
+                if hint not in _PREFIX:
+                    wiring.append(name)
+                continue
+            if name in found:
+                raise TypeError(f"setting {name} is defined by {found[name].concern.__name__} "
+                                f"and {concern.config.__name__}")
+            found[name] = _Setting(name, concern.config, f.default, hint, docs[f.name],
+                                   f.metadata.get(CONSTRAINTS, Constraints()))
+    named = wiring + [other for s in found.values()
+                      for other in (s.constraints.at_most, s.constraints.one_of) if other]
+    if unknown := [n for n in named if n not in found]:
+        raise TypeError(f"no setting named {', '.join(unknown)}")
+    return found
+
+
+SETTINGS: dict[str, _Setting] = _collect()
+
+
+def _as_setting(value: Any) -> Any:
+    """A core value as the settings hold it: tuples and sets as (sorted) lists."""
+    if isinstance(value, frozenset):
+        return sorted(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _as_core(value: Any, hint: Any) -> Any:
+    """A setting's value as its dataclass field holds it (the inverse of ``_as_setting``)."""
+    origin = get_origin(hint)
+    return origin(value) if origin in (tuple, frozenset) else value
+
+
+def _increasing(values: list[int]) -> list[int]:
+    if not values or any(v <= 0 for v in values) or values != sorted(set(values)):
+        raise ValueError("must be positive and strictly increasing")
+    return values
+
+
+def _pydantic_field(s: _Setting) -> tuple[Any, Any]:
+    """(type, FieldInfo) of one setting: lists where the core holds tuples or sets."""
+    c = s.constraints
+    kind = s.hint
+    if get_origin(kind) in (tuple, frozenset):
+        kind = GenericAlias(list, get_args(kind)[0])
+    if c.increasing:
+        kind = Annotated[kind, AfterValidator(_increasing)]
+    default = _as_setting(s.default)
+    if isinstance(default, list):
+        return kind, PydanticField(default_factory=partial(list, default), description=s.doc,
+                                   ge=c.ge, gt=c.gt, le=c.le)
+    return kind, PydanticField(default, description=s.doc, ge=c.ge, gt=c.gt, le=c.le)
+
+
+class _SettingsModel(BaseSettings):
+    """The base of ``Settings``: sources, strictness and the checks between settings."""
 
     model_config = SettingsConfigDict(env_prefix="SPECPILOT_", extra="forbid", frozen=True)
 
-    # --- serving -------------------------------------------------------------------------------
-    grpc_host: str = Field("127.0.0.1", description="Address the gRPC services bind to.")
-    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
-    http_host: str = Field("127.0.0.1", description="Address of /metrics, /healthz and /api.")
-    http_port: int = Field(9464, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
-    policy_token: SecretStr | None = Field(
-        None,
-        description="Bearer token that PolicyService writes must carry. Unset: a random token is "
-        "generated at start-up and printed once.",
-    )
-    max_report_bytes: int = Field(
-        1 << 20, ge=1024, description="Largest accepted engine report, bytes; larger ones are "
-        "rejected with a reason and the stream stays up."
-    )
-    report_interval_seconds: float = Field(
-        1.0, gt=0, description="How often engines report, seconds (sent in the hello ack)."
-    )
-    fail_static_timeout_seconds: float = Field(
-        30.0, gt=0, description="Engines fall back to their static config after this long "
-        "without hearing from the controller, seconds."
-    )
-    decision_log_size: int = Field(1000, ge=1, description="Decisions kept for watch/replay.")
-    seed: int | None = Field(None, description="Seed of the Thompson-sampling RNG; unset: random.")
-
-    # --- traffic classes ----------------------------------------------------------------------
-    max_classes: int = Field(
-        16, ge=1, le=256, description="Distinct class names tracked; more fold into 'other'."
-    )
-    offline_classes: list[str] = Field(
-        default_factory=list, description="Classes of prefill-dominated batch work."
-    )
-    offline_mode: Literal["pin_off", "goodput"] = Field(
-        "pin_off",
-        description="pin_off: offline classes never speculate. goodput: decided by the same "
-        "goodput math at the largest batch bucket (offline work runs at full load).",
-    )
-
-    # --- acceptance estimator -----------------------------------------------------------------
-    max_k: int = Field(8, ge=1, le=32, description="Largest K the controller considers, tokens.")
-    half_life_seconds: float = Field(
-        300.0, gt=0, description="Half-life of acceptance evidence, seconds."
-    )
-    prior_alpha: float = Field(1.0, gt=0, description="Beta prior pseudo-accepts per position.")
-    prior_beta: float = Field(1.0, gt=0, description="Beta prior pseudo-rejects per position.")
-    change_fast_half_life_seconds: float = Field(
-        20.0, gt=0, description="Half-life of the change detector's fast estimate, seconds."
-    )
-    change_z_threshold: float = Field(
-        5.0, gt=0, description="|z| between fast and slow acceptance that flags a change."
-    )
-    change_min_tries: float = Field(
-        200.0, gt=0, description="Effective tries the fast estimate needs before it can flag."
-    )
-
-    # --- step-cost model ----------------------------------------------------------------------
-    batch_bucket_upper_bounds: list[int] = Field(
-        default_factory=lambda: list(DEFAULT_BUCKET_BOUNDS),
-        description="Inclusive upper bounds of batch-size buckets, sequences; one open bucket "
-        "follows the last.",
-    )
-    cost_knots_tokens: list[int] = Field(
-        default_factory=lambda: [16, 32, 64, 128, 256, 512, 1024],
-        description="Verified-token counts where the step-cost slope may change (hinge knots).",
-    )
-    cost_prior_base_seconds: float = Field(0.02, ge=0, description="Prior fixed step time, s.")
-    cost_prior_seconds_per_token: float = Field(
-        2e-5, ge=0, description="Prior step time per verified token below the ridge, s."
-    )
-    cost_prior_ridge_tokens: int = Field(
-        128, ge=1, description="Prior ridge point (memory- to compute-bound), verified tokens; "
-        "must be one of cost_knots_tokens."
-    )
-    cost_prior_seconds_per_token_above_ridge: float = Field(
-        2e-4, ge=0, description="Prior extra step time per verified token above the ridge, s."
-    )
-    cost_prior_draft_seconds_per_pass: float = Field(
-        1e-3, ge=0, description="Prior model-draft time per sequential draft pass, s."
-    )
-    cost_prior_draft_seconds_per_token: float = Field(
-        1e-5, ge=0, description="Prior model-draft time per proposed token, s."
-    )
-    cost_prior_strength_steps: float = Field(
-        20.0, gt=0, description="Weight of the cost prior, in equivalent observed steps."
-    )
-    cost_half_life_seconds: float = Field(
-        600.0, gt=0, description="Half-life of step-timing evidence, seconds."
-    )
-
-    # --- policy --------------------------------------------------------------------------------
-    warmup_k: int = Field(2, ge=0, description="K used for a class before any data, tokens.")
-    dwell_seconds: float = Field(
-        5.0, ge=0, description="Minimum time a (class, bucket) choice stays, seconds."
-    )
-    joint_interval_seconds: float = Field(
-        5.0, gt=0, description="Age after which a bucket's joint (whole-batch) arm search is "
-        "rerun, seconds (two buckets per decide round; all after a detected change)."
-    )
-    hysteresis_ratio: float = Field(
-        0.03, ge=0, description="Relative sampled-goodput gain a new arm needs to replace the "
-        "current one (0.03 = 3%)."
-    )
-    min_speedup: float = Field(
-        1.02, ge=1.0, description="Smallest expected speedup over no speculation (ratio) that "
-        "justifies drafting; smaller gains are inside the cost model's error."
-    )
-    probe_rate_initial: float = Field(
-        0.05, ge=0, le=1, description="Share of a class's requests probed right after it goes off."
-    )
-    probe_rate_min: float = Field(
-        0.005, ge=0, le=1, description="Floor of the probe share while off."
-    )
-    probe_half_life_seconds: float = Field(
-        120.0, gt=0, description="Half-life of the probe share while off, seconds."
-    )
-    probe_k: int = Field(2, ge=1, description="K of probed requests, tokens.")
-
-    # --- state store (Redis comes with the fleet issue) ----------------------------------------
-    state_store: Literal["memory"] = Field("memory", description="Where state lives.")
+    if TYPE_CHECKING:
+        # The fields are generated from CONCERNS, so the type checker cannot see them.
+        def __getattr__(self, name: str) -> Any: ...
 
     @model_validator(mode="after")
-    def _check_relations(self) -> Settings:
-        bounds = self.batch_bucket_upper_bounds
-        if not bounds or any(b <= 0 for b in bounds) or bounds != sorted(set(bounds)):
-            raise ValueError("batch_bucket_upper_bounds: must be positive and strictly increasing")
-        knots = self.cost_knots_tokens
-        if not knots or any(k <= 0 for k in knots) or knots != sorted(set(knots)):
-            raise ValueError("cost_knots_tokens: must be positive and strictly increasing")
-        if self.cost_prior_ridge_tokens not in knots:
-            raise ValueError("cost_prior_ridge_tokens: must be one of cost_knots_tokens")
-        if self.warmup_k > self.max_k:
-            raise ValueError("warmup_k: must not exceed max_k")
-        if self.probe_k > self.max_k:
-            raise ValueError("probe_k: must not exceed max_k")
-        if self.probe_rate_min > self.probe_rate_initial:
-            raise ValueError("probe_rate_min: must not exceed probe_rate_initial")
+    def _check_relations(self) -> _SettingsModel:
+        for s in SETTINGS.values():
+            value = getattr(self, s.name)
+            if (other := s.constraints.at_most) and value > getattr(self, other):
+                raise ValueError(f"{s.name}: must not exceed {other}")
+            if (other := s.constraints.one_of) and value not in getattr(self, other):
+                raise ValueError(f"{s.name}: must be one of {other}")
         return self
+
+
+if TYPE_CHECKING:
+    Settings = _SettingsModel
+else:
+    Settings = create_model(
+        "Settings", __base__=_SettingsModel, __module__=__name__,
+        __doc__="Controller configuration: one field per setting of CONCERNS, flat names.",
+        **{s.name: _pydantic_field(s) for s in SETTINGS.values()})
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
@@ -200,64 +226,44 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
 
 def core_config(settings: Settings) -> CoreConfig:
     """The pure core's configuration from the settings (the core never sees pydantic)."""
-    s = settings
-    return CoreConfig(
-        estimator=EstimatorConfig(
-            max_k=s.max_k,
-            half_life_seconds=s.half_life_seconds,
-            prior_alpha=s.prior_alpha,
-            prior_beta=s.prior_beta,
-            fast_half_life_seconds=s.change_fast_half_life_seconds,
-            z_threshold=s.change_z_threshold,
-            min_tries=s.change_min_tries,
-        ),
-        policy=PolicyConfig(
-            max_k=s.max_k,
-            warmup_k=s.warmup_k,
-            dwell_seconds=s.dwell_seconds,
-            joint_interval_seconds=s.joint_interval_seconds,
-            hysteresis_ratio=s.hysteresis_ratio,
-            min_speedup=s.min_speedup,
-            probe_rate_initial=s.probe_rate_initial,
-            probe_rate_min=s.probe_rate_min,
-            probe_half_life_seconds=s.probe_half_life_seconds,
-            probe_k=s.probe_k,
-            offline_mode=s.offline_mode,
-        ),
-        cost_prior=CostPrior(
-            base_seconds=s.cost_prior_base_seconds,
-            seconds_per_token=s.cost_prior_seconds_per_token,
-            ridge_tokens=s.cost_prior_ridge_tokens,
-            seconds_per_token_above_ridge=s.cost_prior_seconds_per_token_above_ridge,
-            draft_seconds_per_pass=s.cost_prior_draft_seconds_per_pass,
-            draft_seconds_per_token=s.cost_prior_draft_seconds_per_token,
-            strength_steps=s.cost_prior_strength_steps,
-        ),
-        cost_knots_tokens=tuple(s.cost_knots_tokens),
-        cost_half_life_seconds=s.cost_half_life_seconds,
-        batch_bucket_upper_bounds=tuple(s.batch_bucket_upper_bounds),
-        max_classes=s.max_classes,
-        offline_classes=frozenset(s.offline_classes),
-        decision_log_size=s.decision_log_size,
-    )
+    return _build(CoreConfig, settings)
+
+
+def _build(config: type[T], settings: Settings) -> T:
+    """``config`` filled from the settings, nested concerns built from their own settings."""
+    values: dict[str, Any] = {}
+    for f in fields(config):
+        hint = _HINTS[config][f.name]
+        if hint in _PREFIX:
+            values[f.name] = _build(hint, settings)
+        else:
+            values[f.name] = _as_core(getattr(settings, _PREFIX[config] + f.name), hint)
+    return config(**values)
+
+
+def _shown(default: Any) -> str:
+    value = _as_setting(default)
+    return "`unset`" if value is None else f"`{json.dumps(value)}`"
 
 
 def settings_reference() -> str:
-    """Markdown table of every setting: name, environment variable, default, meaning with unit.
-    docs/configuration.md is this text; a test keeps them equal."""
+    """Markdown reference of every setting, one table per concern: name, environment variable,
+    default, meaning with unit. docs/configuration.md is this text; a test keeps them equal."""
     rows = [
         "# Configuration reference",
         "",
-        "Generated from `controller/settings.py` by `specpilot settings --markdown`; do not edit.",
+        "Generated from the config dataclasses by `specpilot settings --markdown`; do not edit.",
+        "Each setting is documented once, under its field in the dataclass of its concern; the",
+        "setting's name is the field's (with the concern's prefix, if any).",
         "Sources, later ones win: defaults < YAML file (`--config`) < environment "
         "(`SPECPILOT_<NAME>`) < command-line flags.",
-        "",
-        "| setting | environment | default | meaning |",
-        "|---|---|---|---|",
     ]
-    for name, field in Settings.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        shown = "unset" if default is None else json.dumps(default)
-        desc = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `{name}` | `SPECPILOT_{name.upper()}` | `{shown}` | {desc} |")
+    for concern in CONCERNS:
+        cls = concern.config
+        summary = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
+        prefix = f" Setting names: `{concern.prefix}` + field name." if concern.prefix else ""
+        table = [(f"`{s.name}`", f"`SPECPILOT_{s.name.upper()}`", _shown(s.default), s.doc)
+                 for s in SETTINGS.values() if s.concern is cls]
+        rows += ["", f"## `{cls.__name__}` (`{cls.__module__}`)", "", summary + prefix, "",
+                 *markdown_table(("setting", "environment", "default", "meaning"), table)]
     return "\n".join(rows) + "\n"

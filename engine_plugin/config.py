@@ -5,39 +5,8 @@ in upper case, e.g. ``SPECPILOT_PLUGIN_CONTROLLER=127.0.0.1:50051``). An unset o
 means the default. A bad value raises ValueError naming the variable. A variable with the prefix
 that names no setting is logged as a warning (a typo would otherwise pass silently).
 
-Fields, with unit and default:
-
-- ``controller`` (``SPECPILOT_PLUGIN_CONTROLLER``, host:port, default empty): the controller's
-  gRPC address. Empty: no controller; the engine runs its own static configuration.
-- ``engine_id`` (``SPECPILOT_PLUGIN_ENGINE_ID``, default ``<hostname>-<pid>``): this engine's
-  name on the controller. A reconnecting engine must keep its id.
-- ``class_rules`` (``SPECPILOT_PLUGIN_CLASS_RULES``, file path, default empty = no rules): YAML
-  file of traffic-class rules (format in ``engine_plugin.classify``).
-- ``max_classes`` (``SPECPILOT_PLUGIN_MAX_CLASSES``, count >= 2, default 16): distinct class
-  names the engine ever reports, ``default`` and ``other`` included; later names fold into
-  ``other``.
-- ``report_interval_seconds`` (``SPECPILOT_PLUGIN_REPORT_INTERVAL_SECONDS``, seconds > 0,
-  default 1.0): how often the engine reports until the controller's HelloAck sets the interval.
-- ``fail_static_timeout_seconds`` (``SPECPILOT_PLUGIN_FAIL_STATIC_TIMEOUT_SECONDS``, seconds > 0,
-  default 30): after this long without hearing from the controller the engine reverts to its
-  static configuration (a PolicyUpdate's value replaces it).
-- ``queue_size`` (``SPECPILOT_PLUGIN_QUEUE_SIZE``, reports >= 1, default 64): reports waiting for
-  the sender thread; when full the oldest is dropped and counted.
-- ``reconnect_initial_seconds`` (``SPECPILOT_PLUGIN_RECONNECT_INITIAL_SECONDS``, seconds > 0,
-  default 0.5) and ``reconnect_max_seconds`` (``SPECPILOT_PLUGIN_RECONNECT_MAX_SECONDS``,
-  seconds >= initial, default 10): exponential reconnect backoff with full jitter.
-- ``k_mode`` (``SPECPILOT_PLUGIN_K_MODE``, ``per_request``, ``batch_max`` or ``batch_wide``,
-  default ``per_request``): ``per_request``: the drafter drafts the configured K and each
-  request's drafts are cut to its class's K (saves verification only). ``batch_max``: the drafter
-  drafts the largest K any request of the step wants, then each request is cut to its own K
-  (saves draft passes too; the best mode on CPUs). ``batch_wide``: one K for the whole step, the
-  median the requests want (keeps uniform-decode CUDA graphs on GPUs).
-- ``ngram_drafts`` (``SPECPILOT_PLUGIN_NGRAM_DRAFTS``, ``true`` or ``false``, default ``true``):
-  offer prompt-lookup drafts to the controller (substituted where the engine mode allows) and
-  score them counterfactually on all traffic.
-- ``ngram_counterfactual_share`` (``SPECPILOT_PLUGIN_NGRAM_COUNTERFACTUAL_SHARE``, 0..1, default
-  0.25): the stable random share of requests whose n-gram drafts are scored counterfactually.
-  A proposal costs ~10-70 us (context length); a random subset keeps the estimate unbiased.
+Each setting is documented once, with its unit, by the docstring under its field of
+``PluginConfig``; the table in docs/engine-plugin.md is generated from them (``settings_table``).
 """
 
 from __future__ import annotations
@@ -47,8 +16,10 @@ import math
 import os
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal, cast
+
+from controller.fielddocs import field_docs, markdown_table
 
 log = logging.getLogger(__name__)
 
@@ -65,35 +36,51 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
+# Field metadata: how the reference shows a default computed per process.
+SHOWN_DEFAULT = "specpilot.shown_default"
+
+
 @dataclass(frozen=True)
 class PluginConfig:
-    """Plugin settings; units and defaults in the module docstring and each field's comment."""
+    """Plugin settings, each documented under its field; defaults are the field values."""
 
-    # Controller gRPC address, host:port ("[::1]:50051" for IPv6). Empty: no controller.
     controller: str = ""
-    # This engine's id on the controller. Default: <hostname>-<pid>.
-    engine_id: str = field(default_factory=default_engine_id)
-    # Path of the YAML class-rules file; empty: no rules.
+    """The controller's gRPC address, ``host:port`` (``[::1]:50051`` for IPv6). Empty: no
+    controller; the engine keeps its static configuration."""
+    engine_id: str = field(default_factory=default_engine_id,
+                           metadata={SHOWN_DEFAULT: "<hostname>-<pid>"})
+    """This engine's id on the controller; a reconnecting engine must keep its id."""
     class_rules: str = ""
-    # Distinct class names ever reported, "default" and "other" included (count, >= 2).
+    """Path of the YAML file of traffic-class rules (format in ``engine_plugin.classify``, an
+    example in docs/engine-plugin.md); empty: no rules."""
     max_classes: int = 16
-    # Report interval until the controller's HelloAck sets it, seconds.
+    """Distinct class names the engine ever reports, count >= 2, ``default`` and ``other``
+    included; later names fold into ``other``."""
     report_interval_seconds: float = 1.0
-    # Silence after which the engine reverts to its static configuration, seconds.
+    """How often the engine reports, seconds > 0, until the controller's hello ack sets it."""
     fail_static_timeout_seconds: float = 30.0
-    # Reports queued for the sender thread before the oldest is dropped (count).
+    """Silence after which the engine reverts to its static configuration, seconds > 0 (the
+    controller's policy updates carry their own value)."""
     queue_size: int = 64
-    # First reconnect backoff ceiling, seconds (doubles per failure, full jitter).
+    """Reports waiting for the sender thread, count >= 1; when full the oldest is dropped and
+    counted."""
     reconnect_initial_seconds: float = 0.5
-    # Largest reconnect backoff ceiling, seconds.
+    """First reconnect backoff ceiling, seconds > 0; it doubles per failure, with full jitter."""
     reconnect_max_seconds: float = 10.0
-    # "per_request": drafts cut per request; "batch_max": the drafter drafts the batch's largest
-    # K, then cut per request; "batch_wide": one K (the median) for the whole step.
+    """Largest reconnect backoff ceiling, seconds, at least ``reconnect_initial_seconds``."""
     k_mode: KMode = "per_request"
-    # Offer n-gram drafts (substitution and counterfactual scoring).
+    """``per_request``: the drafter drafts the configured K and each request's drafts are cut to
+    its class's K (saves verification only). ``batch_max``: the drafter drafts the largest K any
+    request of the step wants, then each request is cut to its own (saves draft passes too; the
+    best mode on CPUs, used by the demo and the CPU benchmark). ``batch_wide``: one K for the
+    whole step, the median the requests want, and the drafter drafts only that many (keeps
+    uniform-decode CUDA graphs on GPUs)."""
     ngram_drafts: bool = True
-    # Share of requests whose n-gram drafts are scored counterfactually (0..1).
+    """Offer n-gram (prompt-lookup) drafts to the controller (substituted where the engine mode
+    allows) and score them counterfactually: ``true`` or ``false``."""
     ngram_counterfactual_share: float = 0.25
+    """Stable random share of requests whose n-gram drafts are scored counterfactually, 0..1. A
+    proposal costs 10-70 us (context length); a random subset keeps the estimate unbiased."""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -204,3 +191,20 @@ def _check(c: PluginConfig) -> None:
         raise bad("ngram_counterfactual_share", f"must be a number in 0..1, got {share!r}")
     if c.k_mode not in K_MODES:
         raise bad("k_mode", f"must be one of {', '.join(K_MODES)}, got {c.k_mode!r}")
+
+
+def settings_table() -> str:
+    """The Markdown table of every setting (variable, default, meaning) from ``PluginConfig``'s
+    fields; docs/engine-plugin.md holds it and a test keeps the two equal."""
+    docs = field_docs(PluginConfig)
+    rows = [(f"`{env_name(f.name)}`", _shown_default(f), docs[f.name])
+            for f in fields(PluginConfig)]
+    return "\n".join(markdown_table(("variable", "default", "meaning"), rows)) + "\n"
+
+
+def _shown_default(f: Field[Any]) -> str:
+    if SHOWN_DEFAULT in f.metadata:
+        return f"`{f.metadata[SHOWN_DEFAULT]}`"
+    if f.default == "":
+        return "empty"
+    return f"`{str(f.default).lower()}`" if isinstance(f.default, bool) else f"`{f.default}`"

@@ -76,7 +76,8 @@ def test_forgetting_halves_evidence_every_half_life() -> None:
 
 
 def test_forgetting_follows_drift() -> None:
-    est = _estimator(half_life_seconds=5.0, z_threshold=1e9)  # detector off: forgetting alone
+    # Detector off: forgetting alone.
+    est = _estimator(half_life_seconds=5.0, change_z_threshold=1e9)
     rng = np.random.default_rng(1)
     for t in range(50):
         est.observe("c", "d", _histogram(rng, np.array([0.9]), 200), now=float(t))
@@ -99,7 +100,7 @@ def test_credible_interval_contains_mean_and_shrinks_with_data() -> None:
 
 def test_change_detector_fires_on_a_shift_and_not_on_noise() -> None:
     rng = np.random.default_rng(5)
-    est = _estimator(half_life_seconds=300.0, fast_half_life_seconds=5.0)
+    est = _estimator(half_life_seconds=300.0, change_fast_half_life_seconds=5.0)
     fired_before = [
         est.observe("c", "d", _histogram(rng, np.array([0.72, 0.72]), 400), now=float(t))
         for t in range(200)

@@ -8,8 +8,8 @@ rejected, so they add nothing to that position's evidence.
 Each position's conditional acceptance rate has a Beta posterior: prior (alpha0, beta0) plus the
 evidence, which decays by 2^(-dt / half_life) before new counts are added. A second,
 fast-decaying copy of the evidence feeds the change detector: when the fast and slow means at
-some position differ by more than ``z_threshold`` standard errors, the slow evidence
-is replaced by the fast one, cut down to ``min_tries`` per position, and for
+some position differ by more than ``change_z_threshold`` standard errors, the slow evidence
+is replaced by the fast one, cut down to ``change_min_tries`` per position, and for
 ``RECOVERY_HALF_LIVES`` fast half-lives decays at the fast rate, so the remains of the old regime
 wash out within seconds instead of over a half-life.
 """
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from controller.core.tunable import tunable
 
 FloatArray = npt.NDArray[np.float64]
 RECOVERY_HALF_LIVES = 4.0
@@ -101,13 +103,22 @@ def _beta_ppf(q: float, a: FloatArray, b: FloatArray) -> FloatArray:
 
 @dataclass(frozen=True)
 class EstimatorConfig:
+    """Acceptance estimator: forgetting, the Beta prior and the change detector."""
+
     max_k: int
-    half_life_seconds: float
-    prior_alpha: float = 1.0
-    prior_beta: float = 1.0
-    fast_half_life_seconds: float = 20.0
-    z_threshold: float = 5.0
-    min_tries: float = 200.0
+    """Positions tracked per posterior, tokens: the setting ``max_k`` of the policy."""
+    half_life_seconds: float = tunable(300.0, gt=0)
+    """Half-life of acceptance evidence, seconds."""
+    prior_alpha: float = tunable(1.0, gt=0)
+    """Beta prior pseudo-accepts per position."""
+    prior_beta: float = tunable(1.0, gt=0)
+    """Beta prior pseudo-rejects per position."""
+    change_fast_half_life_seconds: float = tunable(20.0, gt=0)
+    """Half-life of the change detector's fast estimate, seconds."""
+    change_z_threshold: float = tunable(5.0, gt=0)
+    """|z| between fast and slow acceptance that flags a change."""
+    change_min_tries: float = tunable(200.0, gt=0)
+    """Effective tries the fast estimate needs before it can flag."""
 
 
 class AcceptanceEstimator:
@@ -143,20 +154,20 @@ class AcceptanceEstimator:
         slow = self._slow.setdefault(key, _Evidence.empty(cfg.max_k, now))
         fast = self._fast.setdefault(key, _Evidence.empty(cfg.max_k, now))
         slow_half_life = self._slow_half_life(key, now)
-        for ev, half_life in ((slow, slow_half_life), (fast, cfg.fast_half_life_seconds)):
+        for ev, half_life in ((slow, slow_half_life), (fast, cfg.change_fast_half_life_seconds)):
             ev.decay_to(now, half_life)
             ev.accepts[:k] += accepts
             ev.rejects[:k] += tries - accepts
         if self._shifted(slow, fast):
             # The fast estimate still holds about a fast half-life of the old regime: keep it only
-            # as ``min_tries`` of evidence per position, so the new regime's data outweighs it
-            # within a report or two instead of a fast half-life.
+            # as ``change_min_tries`` of evidence per position, so the new regime's data outweighs
+            # it within a report or two instead of a fast half-life.
             n_fast = fast.accepts + fast.rejects
-            keep = np.minimum(1.0, cfg.min_tries / np.maximum(n_fast, 1e-12))
+            keep = np.minimum(1.0, cfg.change_min_tries / np.maximum(n_fast, 1e-12))
             slow.accepts = fast.accepts * keep
             slow.rejects = fast.rejects * keep
             self._changes[key] = self._changes.get(key, 0) + 1
-            self._recover_until[key] = now + RECOVERY_HALF_LIVES * cfg.fast_half_life_seconds
+            self._recover_until[key] = now + RECOVERY_HALF_LIVES * cfg.change_fast_half_life_seconds
             return True
         return False
 
@@ -167,18 +178,18 @@ class AcceptanceEstimator:
     def _slow_half_life(self, key: tuple[str, str], now: float) -> float:
         cfg = self.config
         if self.recovering(*key, now):
-            return cfg.fast_half_life_seconds
+            return cfg.change_fast_half_life_seconds
         return cfg.half_life_seconds
 
     def _shifted(self, slow: _Evidence, fast: _Evidence) -> bool:
-        """Two-timescale test per position: |mean_fast - mean_slow| / se > z_threshold."""
+        """Two-timescale test per position: |mean_fast - mean_slow| / se > change_z_threshold."""
         cfg = self.config
         n_fast = fast.accepts + fast.rejects
         n_slow = slow.accepts + slow.rejects
         # The slow estimate must hold more (older) evidence than the fast one. Right after a reset
         # they are equal; as the fast one keeps moving the detector fires again, purging the old
         # regime from the slow evidence step by step.
-        usable = (n_fast >= cfg.min_tries) & (n_slow > n_fast * 1.01)
+        usable = (n_fast >= cfg.change_min_tries) & (n_slow > n_fast * 1.01)
         if not usable.any():
             return False
         p_fast = fast.accepts[usable] / n_fast[usable]
@@ -186,7 +197,7 @@ class AcceptanceEstimator:
         # Binomial standard error of the difference, floored so p near 0 or 1 cannot explode z.
         pooled = np.clip(p_slow, 0.02, 0.98)
         se = np.sqrt(pooled * (1.0 - pooled) * (1.0 / n_fast[usable] + 1.0 / n_slow[usable]))
-        return bool(np.any(np.abs(p_fast - p_slow) / se > cfg.z_threshold))
+        return bool(np.any(np.abs(p_fast - p_slow) / se > cfg.change_z_threshold))
 
     def posterior(self, traffic_class: str, draft: str, now: float) -> Posterior:
         """Posterior as of ``now`` (the prior alone for an unseen key)."""

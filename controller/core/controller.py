@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
-from controller.core.buckets import bucket_of
+from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of
 from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
 from controller.core.goodput import expected_tokens_curve
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
@@ -25,6 +25,7 @@ from controller.core.policy import (
     arm_values,
     decide_class,
 )
+from controller.core.tunable import tunable
 from controller.core.types import (
     ALL_CLASSES,
     DEFAULT_CLASS,
@@ -51,15 +52,30 @@ _PROBE_RATE_MATERIAL_FACTOR = 1.25
 
 @dataclass(frozen=True)
 class CoreConfig:
+    """Core: traffic classes, batch buckets, the step-cost model's shape and the decision log.
+
+    The nested configs are concerns of their own, each with its own settings."""
+
     estimator: EstimatorConfig
+    """The acceptance estimator's settings."""
     policy: PolicyConfig
+    """The decision rule's settings."""
     cost_prior: CostPrior
-    cost_knots_tokens: tuple[int, ...]
-    cost_half_life_seconds: float
-    batch_bucket_upper_bounds: tuple[int, ...]
-    max_classes: int = 16
-    offline_classes: frozenset[str] = frozenset()
-    decision_log_size: int = 1000
+    """The step-cost model's prior."""
+    cost_knots_tokens: tuple[int, ...] = tunable((16, 32, 64, 128, 256, 512, 1024),
+                                                 increasing=True)
+    """Verified-token counts where the step-cost slope may change (hinge knots)."""
+    cost_half_life_seconds: float = tunable(600.0, gt=0)
+    """Half-life of step-timing evidence, seconds."""
+    batch_bucket_upper_bounds: tuple[int, ...] = tunable(DEFAULT_BUCKET_BOUNDS, increasing=True)
+    """Inclusive upper bounds of batch-size buckets, sequences; one open bucket follows the
+    last."""
+    max_classes: int = tunable(16, ge=1, le=256)
+    """Distinct class names tracked; more fold into 'other'."""
+    offline_classes: frozenset[str] = tunable(frozenset())
+    """Classes of prefill-dominated batch work."""
+    decision_log_size: int = tunable(1000, ge=1)
+    """Decisions kept for watch/replay."""
 
     @property
     def n_buckets(self) -> int:

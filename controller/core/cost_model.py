@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from controller.core.tunable import tunable
+
 FloatArray = npt.NDArray[np.float64]
 SunkDraft = tuple[str, int]  # (model draft name, draft passes per step)
 _MIN_STEP_SECONDS = 1e-6
@@ -29,13 +31,23 @@ _RIDGE = 1e-9  # keeps the information matrix invertible for features no design 
 
 @dataclass(frozen=True)
 class CostPrior:
-    base_seconds: float = 0.02
-    seconds_per_token: float = 2e-5
-    ridge_tokens: int = 128
-    seconds_per_token_above_ridge: float = 2e-4
-    draft_seconds_per_pass: float = 1e-3
-    draft_seconds_per_token: float = 1e-5
-    strength_steps: float = 20.0
+    """Step-cost model prior: what a step costs before any timing is observed."""
+
+    base_seconds: float = tunable(0.02, ge=0)
+    """Prior fixed step time, seconds."""
+    seconds_per_token: float = tunable(2e-5, ge=0)
+    """Prior step time per verified token below the ridge, seconds."""
+    ridge_tokens: int = tunable(128, ge=1, one_of="cost_knots_tokens")
+    """Prior ridge point (memory- to compute-bound), verified tokens; must be one of
+    cost_knots_tokens."""
+    seconds_per_token_above_ridge: float = tunable(2e-4, ge=0)
+    """Prior extra step time per verified token above the ridge, seconds."""
+    draft_seconds_per_pass: float = tunable(1e-3, ge=0)
+    """Prior model-draft time per sequential draft pass, seconds."""
+    draft_seconds_per_token: float = tunable(1e-5, ge=0)
+    """Prior model-draft time per proposed token, seconds."""
+    strength_steps: float = tunable(20.0, gt=0)
+    """Weight of the cost prior, in equivalent observed steps."""
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from controller.core.goodput import expected_tokens_curve, goodput, speedup
 from controller.core.mix import BatchOthers, MixedSecondsFn, arm_rates
+from controller.core.tunable import tunable
 from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason, arm_key
 
 FloatArray = npt.NDArray[np.float64]
@@ -35,17 +37,33 @@ StepSecondsFn = Callable[[int, str, bool, int], FloatArray]
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    max_k: int
-    warmup_k: int = 2
-    dwell_seconds: float = 5.0
-    joint_interval_seconds: float = 5.0
-    hysteresis_ratio: float = 0.03
-    min_speedup: float = 1.02
-    probe_rate_initial: float = 0.05
-    probe_rate_min: float = 0.005
-    probe_half_life_seconds: float = 120.0
-    probe_k: int = 2
-    offline_mode: str = "pin_off"
+    """Policy: the decision rule's margins, dwell and probing."""
+
+    max_k: int = tunable(8, ge=1, le=32)
+    """Largest K the controller considers, tokens."""
+    warmup_k: int = tunable(2, ge=0, at_most="max_k")
+    """K used for a class before any data, tokens."""
+    dwell_seconds: float = tunable(5.0, ge=0)
+    """Minimum time a (class, bucket) choice stays, seconds."""
+    joint_interval_seconds: float = tunable(5.0, gt=0)
+    """Age after which a bucket's joint (whole-batch) arm search is rerun, seconds (two buckets
+    per decide round; all after a detected change)."""
+    hysteresis_ratio: float = tunable(0.03, ge=0)
+    """Relative sampled-goodput gain a new arm needs to replace the current one (0.03 = 3%)."""
+    min_speedup: float = tunable(1.02, ge=1.0)
+    """Smallest expected speedup over no speculation (ratio) that justifies drafting; smaller
+    gains are inside the cost model's error."""
+    probe_rate_initial: float = tunable(0.05, ge=0, le=1)
+    """Share of a class's requests probed right after it goes off."""
+    probe_rate_min: float = tunable(0.005, ge=0, le=1, at_most="probe_rate_initial")
+    """Floor of the probe share while off."""
+    probe_half_life_seconds: float = tunable(120.0, gt=0)
+    """Half-life of the probe share while off, seconds."""
+    probe_k: int = tunable(2, ge=1, at_most="max_k")
+    """K of probed requests, tokens."""
+    offline_mode: Literal["pin_off", "goodput"] = tunable("pin_off")
+    """pin_off: offline classes never speculate. goodput: decided by the same goodput math at the
+    largest batch bucket (offline work runs at full load)."""
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from engine_plugin.config import PluginConfig
+from controller.fielddocs import field_docs
+from engine_plugin.config import PluginConfig, settings_table
 
 
 def test_defaults() -> None:
@@ -86,3 +89,17 @@ def test_direct_construction_is_validated_too() -> None:
         PluginConfig(queue_size=0)
     with pytest.raises(ValueError, match=r"^SPECPILOT_PLUGIN_ENGINE_ID: must not be empty"):
         PluginConfig(engine_id="  ")
+
+
+def test_settings_table_in_the_docs_is_up_to_date() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "engine-plugin.md").read_text()
+    begin = doc.index("-->\n", doc.index("<!-- generated from PluginConfig")) + len("-->\n")
+    end = doc.index("<!-- end of generated settings -->")
+    assert doc[begin:end] == settings_table(), (
+        "docs/engine-plugin.md's settings table is stale: paste "
+        "`python -c 'from engine_plugin.config import settings_table as t; print(t(), end=\"\")'`")
+
+
+def test_every_setting_has_one_docstring() -> None:
+    docs = field_docs(PluginConfig)  # raises on a field without one
+    assert set(docs) == {f.name for f in fields(PluginConfig)} and all(docs.values())
