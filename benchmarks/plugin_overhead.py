@@ -110,7 +110,7 @@ def controller_child() -> None:
     from controller.core.types import Override
 
     ctl = ControllerThread(seed=1)
-    ctl.call(lambda core: core.set_override(Override("*", pin_k=K), time.time()))
+    ctl.call(lambda core: core.set_override(Override("*", pin_k=K)))
     print(ctl.target, flush=True)
     sys.stdin.read()
     ctl.stop()

@@ -35,7 +35,9 @@ from typing import Any
 import grpc
 import yaml
 
+from controller.core.types import arm_key
 from controller.server.app import ServeError, start_server
+from controller.server.explain import arm_label
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
 from controller.settings import Settings, SettingsError, load_settings, settings_reference
@@ -116,10 +118,6 @@ def _bucket_labels(bounds: Sequence[int]) -> list[str]:
     return [f"<={b}" for b in bounds] + [f">{bounds[-1]}" if bounds else "all"]
 
 
-def _arm(draft: str, k: int) -> str:
-    return "off" if k == 0 else f"{draft} K={k}"
-
-
 def _reason(value: int) -> str:
     return common_pb2.DecisionReason.Name(value).removeprefix("DECISION_REASON_").lower()
 
@@ -147,7 +145,7 @@ def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
     out = [f"policy version {resp.version}; engines: {', '.join(resp.engines) or 'none'}", ""]
     rows = [
         (c.traffic_class + (" (offline)" if c.offline else ""), labels[d.batch_bucket],
-         _arm(d.draft, d.k), _reason(d.reason), f"{d.expected_speedup:.2f}x",
+         arm_label(d.draft, d.k), _reason(d.reason), f"{d.expected_speedup:.2f}x",
          f"{d.probe_rate:.1%} at K={d.probe_k}" if d.k == 0 and d.probe_rate > 0 else "-")
         for c in resp.classes for d in c.decisions
     ]
@@ -172,13 +170,13 @@ def render_event(e: common_pb2.DecisionEvent) -> str:
     d = e.decision
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.unix_seconds))
     return (f"{when}  v{e.policy_version}  {d.traffic_class}  bucket {d.batch_bucket}  "
-            f"{_arm(e.previous_draft, e.previous_k)} -> {_arm(d.draft, d.k)}  "
+            f"{arm_label(e.previous_draft, e.previous_k)} -> {arm_label(d.draft, d.k)}  "
             f"({_reason(d.reason)}, {d.expected_speedup:.2f}x)")
 
 
 def render_explanation(resp: policy_pb2.ExplainDecisionResponse) -> str:
-    chosen = (resp.decision.draft if resp.decision.k else "", resp.decision.k)
-    rows = [("*" if (a.draft if a.k else "", a.k) == chosen else "", _arm(a.draft, a.k),
+    chosen = arm_key(resp.decision.draft, resp.decision.k)
+    rows = [("*" if arm_key(a.draft, a.k) == chosen else "", arm_label(a.draft, a.k),
              f"{a.expected_tokens:.2f}", f"{a.step_seconds * 1e3:.2f}",
              f"{a.goodput_tokens_per_second:.1f}", f"{a.speedup:.2f}x") for a in resp.arms]
     table = _table(("", "ARM", "E[TOKENS]", "STEP MS", "TOKENS/S", "SPEEDUP"), rows)

@@ -13,16 +13,15 @@ can run in one process (the tests do).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, get_args
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from controller.core.controller import ControllerCore
+from controller.core.snapshot import CoreSnapshot
 from controller.core.types import DecisionEvent, Reason
 
 RejectReason = Literal["validation", "oversized", "before_hello"]
@@ -33,7 +32,7 @@ WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied"]
 class Metrics:
     """The counters of one server instance, plus the collector that reads its core."""
 
-    def __init__(self, core: ControllerCore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, core: ControllerCore, clock: Callable[[], float]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         # prometheus_client appends "_total" to counter names.
@@ -104,91 +103,90 @@ class Metrics:
 
 
 class _CoreCollector(Collector):
-    """Gauges (and one counter) read from the core at scrape time."""
+    """Gauges (and one counter) read from the core's snapshot at scrape time."""
 
     def __init__(self, core: ControllerCore, clock: Callable[[], float]) -> None:
         self._core = core
         self._clock = clock
 
     def collect(self) -> Iterator[Metric]:
-        core, now = self._core, self._clock()
+        snap = self._core.snapshot(self._clock())
         yield GaugeMetricFamily("specpilot_engines_connected", "Engines with an open stream.",
-                                value=len(core.engines))
+                                value=len(snap.engines))
         yield GaugeMetricFamily("specpilot_policy_version",
-                                "Version of the policy pushed to engines.", value=core.version)
+                                "Version of the policy pushed to engines.", value=snap.version)
         yield GaugeMetricFamily("specpilot_classes_tracked",
                                 "Traffic classes tracked (including 'default' and 'other').",
-                                value=len(core.classes))
+                                value=len(snap.classes))
         yield GaugeMetricFamily("specpilot_overrides_active", "Operator overrides in force.",
-                                value=len(core.overrides))
-        yield from self._engines(now)
-        yield from self._acceptance(now)
-        yield from self._decisions()
+                                value=len(snap.overrides))
+        yield from _engines(snap)
+        yield from _acceptance(snap)
+        yield from _decisions(snap)
 
-    def _engines(self, now: float) -> Iterator[Metric]:
-        # Aggregates over engines, not per-engine series: engine ids are not a bounded label set.
-        engines = list(self._core.engines.values())
-        yield GaugeMetricFamily(
-            "specpilot_engine_running_requests",
-            "Sequences running on the connected engines at their last report, summed.",
-            value=sum(e.running_requests for e in engines))
-        yield GaugeMetricFamily(
-            "specpilot_engine_report_age_seconds",
-            "Seconds since the least recent connected engine last reported (0 with none).",
-            value=max((now - e.last_report_at for e in engines), default=0.0))
-        yield GaugeMetricFamily(
-            "specpilot_engine_policy_versions_behind",
-            "How many policy versions the most outdated engine's last report was behind.",
-            value=max((self._core.version - e.policy_version_applied for e in engines),
-                      default=0))
 
-    def _acceptance(self, now: float) -> Iterator[Metric]:
-        labels = ["class", "draft"]
-        first = GaugeMetricFamily(
-            "specpilot_acceptance_first_position_ratio",
-            "Posterior mean acceptance rate of draft position 1.", labels=labels)
-        pooled = GaugeMetricFamily(
-            "specpilot_acceptance_per_token_ratio",
-            "Posterior share of tried draft tokens that were accepted, all positions pooled "
-            "(positions after a rejection are not tried).", labels=labels)
-        changes = CounterMetricFamily(
-            "specpilot_acceptance_changes_detected",
-            "Times the change detector flagged an acceptance shift.", labels=labels)
-        est = self._core.estimator
-        with_evidence = est.keys()  # (class, draft) pairs; the rest would show the bare prior
-        for cls, draft in with_evidence:
-            post = est.posterior(cls, draft, now)
-            accepts = float(np.sum(post.alpha)) - post.prior_alpha * post.alpha.size
-            tries = float(np.sum(post.effective_tries))
-            rate = (accepts + post.prior_alpha) / (tries + post.prior_alpha + post.prior_beta)
-            first.add_metric([cls, draft], float(post.mean[0]))
-            pooled.add_metric([cls, draft], rate)
-            changes.add_metric([cls, draft], est.changes_detected(cls, draft))
-        yield from (first, pooled, changes)
+def _engines(snap: CoreSnapshot) -> Iterator[Metric]:
+    # Aggregates over engines, not per-engine series: engine ids are not a bounded label set.
+    engines = snap.engines
+    yield GaugeMetricFamily(
+        "specpilot_engine_running_requests",
+        "Sequences running on the connected engines at their last report, summed.",
+        value=sum(e.running_requests for e in engines))
+    yield GaugeMetricFamily(
+        "specpilot_engine_report_age_seconds",
+        "Seconds since the least recent connected engine last reported (0 with none).",
+        value=max((e.report_age_seconds for e in engines), default=0.0))
+    yield GaugeMetricFamily(
+        "specpilot_engine_policy_versions_behind",
+        "How many policy versions the most outdated engine's last report was behind.",
+        value=max((snap.version - e.policy_version_applied for e in engines), default=0))
 
-    def _decisions(self) -> Iterator[Metric]:
-        k = GaugeMetricFamily(
-            "specpilot_decision_speculative_tokens",
-            "K chosen: draft tokens per step, per class and batch bucket (0 = speculation off).",
-            labels=["class", "bucket"])
-        speedup = GaugeMetricFamily(
-            "specpilot_decision_expected_speedup_ratio",
-            "Expected speedup of the chosen arm over no speculation (1 = no gain).",
-            labels=["class", "bucket"])
-        probe = GaugeMetricFamily(
-            "specpilot_decision_probe_ratio",
-            "Share of the class's requests probed at a low K while speculation is off.",
-            labels=["class", "bucket"])
-        enabled = GaugeMetricFamily(
-            "specpilot_speculation_enabled",
-            "1 when the class speculates in at least one batch bucket, else 0.", labels=["class"])
-        for name, state in sorted(self._core.classes.items()):
-            if not state.decisions:
-                continue
-            for bucket, d in sorted(state.decisions.items()):
-                labels = [name, str(bucket)]
-                k.add_metric(labels, d.k)
-                speedup.add_metric(labels, d.expected_speedup)
-                probe.add_metric(labels, d.probe_rate)
-            enabled.add_metric([name], float(any(d.k > 0 for d in state.decisions.values())))
-        yield from (k, speedup, probe, enabled)
+
+def _acceptance(snap: CoreSnapshot) -> Iterator[Metric]:
+    labels = ["class", "draft"]
+    first = GaugeMetricFamily(
+        "specpilot_acceptance_first_position_ratio",
+        "Posterior mean acceptance rate of draft position 1.", labels=labels)
+    pooled = GaugeMetricFamily(
+        "specpilot_acceptance_per_token_ratio",
+        "Posterior share of tried draft tokens that were accepted, all positions pooled "
+        "(positions after a rejection are not tried).", labels=labels)
+    changes = CounterMetricFamily(
+        "specpilot_acceptance_changes_detected",
+        "Times the change detector flagged an acceptance shift.", labels=labels)
+    # Only (class, draft) pairs with evidence: the rest would show the bare prior.
+    with_evidence = sorted((e for c in snap.classes for e in c.estimates if e.has_evidence),
+                           key=lambda e: (e.traffic_class, e.draft))
+    for e in with_evidence:
+        first.add_metric([e.traffic_class, e.draft], float(e.posterior.mean[0]))
+        pooled.add_metric([e.traffic_class, e.draft], e.per_token_rate)
+        changes.add_metric([e.traffic_class, e.draft], e.changes_detected)
+    yield from (first, pooled, changes)
+
+
+def _decisions(snap: CoreSnapshot) -> Iterator[Metric]:
+    k = GaugeMetricFamily(
+        "specpilot_decision_speculative_tokens",
+        "K chosen: draft tokens per step, per class and batch bucket (0 = speculation off).",
+        labels=["class", "bucket"])
+    speedup = GaugeMetricFamily(
+        "specpilot_decision_expected_speedup_ratio",
+        "Expected speedup of the chosen arm over no speculation (1 = no gain).",
+        labels=["class", "bucket"])
+    probe = GaugeMetricFamily(
+        "specpilot_decision_probe_ratio",
+        "Share of the class's requests probed at a low K while speculation is off.",
+        labels=["class", "bucket"])
+    enabled = GaugeMetricFamily(
+        "specpilot_speculation_enabled",
+        "1 when the class speculates in at least one batch bucket, else 0.", labels=["class"])
+    for c in snap.classes:
+        if not c.decisions:
+            continue
+        for d in c.decisions:
+            labels = [c.name, str(d.bucket)]
+            k.add_metric(labels, d.k)
+            speedup.add_metric(labels, d.expected_speedup)
+            probe.add_metric(labels, d.probe_rate)
+        enabled.add_metric([c.name], float(c.speculating))
+    yield from (k, speedup, probe, enabled)

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from google.protobuf.message import Message
 
-from controller.core.controller import Explanation, HelloOutcome
+from controller.core.controller import HelloOutcome
 from controller.core.policy import ArmValue
+from controller.core.snapshot import AcceptanceEstimate, ClassView, CoreSnapshot, Explanation
 from controller.core.types import (
     AcceptanceRecord,
     Decision,
@@ -286,9 +287,58 @@ def arm_to_proto(arm: ArmValue) -> policy_pb2.ArmScore:
     )
 
 
-def explanation_to_proto(ex: Explanation) -> policy_pb2.ExplainDecisionResponse:
+def explanation_to_proto(ex: Explanation, text: str) -> policy_pb2.ExplainDecisionResponse:
+    """``text``: the explanation in words, rendered at the edge (the core gives numbers)."""
     msg = policy_pb2.ExplainDecisionResponse(
-        arms=[arm_to_proto(a) for a in ex.arms], text=ex.text, batch_size=ex.batch_size)
+        arms=[arm_to_proto(a) for a in ex.arms], text=text, batch_size=ex.batch_size)
     if ex.decision is not None:
         msg.decision.CopyFrom(decision_to_proto(ex.decision))
     return msg
+
+
+# --- the read model (controller.core.snapshot) ------------------------------------------------
+def policy_update_to_proto(
+    snap: CoreSnapshot, fail_static_timeout_seconds: float
+) -> engine_pb2.PolicyUpdate:
+    """Everything an engine applies: every (class, bucket) decision plus the defaults."""
+    return engine_pb2.PolicyUpdate(
+        version=snap.version,
+        decisions=[decision_to_proto(d) for c in snap.classes for d in c.decisions],
+        default_decisions=[decision_to_proto(d) for d in snap.default_decisions],
+        fail_static_timeout_seconds=fail_static_timeout_seconds,
+    )
+
+
+def estimate_to_proto(e: AcceptanceEstimate, credible_level: float) -> policy_pb2.DraftEstimate:
+    mean, tries = e.mean, e.effective_tries
+    lower, upper = e.credible_interval(credible_level)
+    return policy_pb2.DraftEstimate(
+        draft=e.draft,
+        positions=[policy_pb2.PositionEstimate(position=i + 1, mean=float(mean[i]),
+                                               lower=float(lower[i]), upper=float(upper[i]),
+                                               effective_tries=float(tries[i]))
+                   for i in range(e.positions)],
+        expected_tokens=e.expected_tokens.tolist(),
+        changes_detected=e.changes_detected,
+    )
+
+
+def class_view_to_proto(c: ClassView, credible_level: float) -> policy_pb2.ClassPolicy:
+    return policy_pb2.ClassPolicy(
+        traffic_class=c.name,
+        decisions=[decision_to_proto(d) for d in c.decisions],
+        estimates=[estimate_to_proto(e, credible_level) for e in c.estimates],
+        overrides=[override_to_proto(o) for o in c.overrides],
+        offline=c.offline,
+    )
+
+
+def policy_response_to_proto(snap: CoreSnapshot, classes: tuple[ClassView, ...],
+                             credible_level: float) -> policy_pb2.GetPolicyResponse:
+    """The policy of ``classes`` (of ``snap``) and the estimates behind it."""
+    return policy_pb2.GetPolicyResponse(
+        version=snap.version,
+        batch_bucket_upper_bounds=snap.batch_bucket_upper_bounds,
+        classes=[class_view_to_proto(c, credible_level) for c in classes],
+        engines=[e.engine_id for e in snap.engines],
+    )

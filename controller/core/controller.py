@@ -2,6 +2,10 @@
 
 Pure: time is passed in, randomness comes from the injected Generator, nothing here does I/O. The
 gRPC server, the simulator and the tests all drive this same object.
+
+Writes (``connect_engine``, ``ingest``, ``set_override``, ``clear_override``) change state only;
+``decide`` turns the state into decisions. Readers use ``snapshot`` (the read model in
+``controller.core.snapshot``), ``decision``, ``explain`` and ``version``, never the state itself.
 """
 
 from __future__ import annotations
@@ -18,12 +22,18 @@ from controller.core.cost_model import CostPrior, StepCostModel, StepShape, Sunk
 from controller.core.goodput import expected_tokens_curve
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
 from controller.core.policy import (
-    ArmValue,
     BucketState,
     ClassContext,
     PolicyConfig,
     arm_values,
     decide_class,
+)
+from controller.core.snapshot import (
+    AcceptanceEstimate,
+    ClassView,
+    CoreSnapshot,
+    EngineView,
+    Explanation,
 )
 from controller.core.tunable import tunable
 from controller.core.types import (
@@ -97,14 +107,6 @@ class HelloOutcome:
     rejected_drafts: tuple[tuple[str, str], ...]
 
 
-@dataclass(frozen=True)
-class Explanation:
-    decision: Decision | None
-    batch_size: int
-    arms: tuple[ArmValue, ...]
-    text: str
-
-
 @dataclass
 class _EngineState:
     hello: EngineHello
@@ -126,11 +128,11 @@ class _ClassState:
 class ControllerCore:
     def __init__(self, config: CoreConfig, rng: np.random.Generator) -> None:
         self.config = config
-        self.rng = rng
+        self._rng = rng
         self.estimator = AcceptanceEstimator(config.estimator)
         self.mix = ClassMix(config.estimator.half_life_seconds)
         # Per bucket: the arms of the best whole batch (the joint search), and when it ran.
-        self.joint: dict[int, dict[str, Arm]] = {}
+        self._joint: dict[int, dict[str, Arm]] = {}
         self._joint_at: dict[int, float] = {}
         self.cost = StepCostModel(
             config.cost_knots_tokens,
@@ -145,9 +147,9 @@ class ControllerCore:
         # first policy on instead of running the warm-up K until a report names them.
         for name in sorted(config.offline_classes)[: max(config.max_classes - 1, 0)]:
             self.classes.setdefault(name, _ClassState())
-        self.overrides: dict[str, Override] = {}
-        self.version = 0
-        self.log: deque[DecisionEvent] = deque(maxlen=config.decision_log_size)
+        self._overrides: dict[str, Override] = {}
+        self._version = 0
+        self._log: deque[DecisionEvent] = deque(maxlen=config.decision_log_size)
 
     # --- engines ----------------------------------------------------------------------------
     def connect_engine(self, hello: EngineHello, now: float) -> HelloOutcome:
@@ -260,7 +262,7 @@ class ControllerCore:
 
     # --- decisions --------------------------------------------------------------------------
     def _override_for(self, traffic_class: str) -> Override | None:
-        return self.overrides.get(traffic_class) or self.overrides.get(ALL_CLASSES)
+        return self._overrides.get(traffic_class) or self._overrides.get(ALL_CLASSES)
 
 
     def _mean_curve(self, name: str, draft: str, now: float,
@@ -288,7 +290,7 @@ class ControllerCore:
                     continue
                 d = state.decisions.get(b)
                 k, draft = (d.k, d.draft) if d is not None and d.draft in known else (0, "")
-                target = self.joint.get(b, {}).get(other)
+                target = self._joint.get(b, {}).get(other)
                 if target is not None and target[0] in known | {""}:
                     draft, k = target
                 e = float(self._mean_curve(other, draft, now, cache)[k]) if k else 1.0
@@ -340,7 +342,7 @@ class ControllerCore:
                 d = state.decisions.get(b)
                 arm = d.arm if d is not None and d.draft in curves | {"": None} else ("", 0)
                 joint.append(JointClass(name, share, curves, arm, free))
-            self.joint[b] = joint_arms(self.config.bucket_batch_size(b), joint, drafts,
+            self._joint[b] = joint_arms(self.config.bucket_batch_size(b), joint, drafts,
                                        self.config.policy.max_k, self.cost.predict_mixed)
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
@@ -350,7 +352,7 @@ class ControllerCore:
         sampled, mean = {}, {}
         for d in drafts:
             post = self.estimator.posterior(name, d.name, now)
-            sampled[d.name] = post.sample(self.rng)
+            sampled[d.name] = post.sample(self._rng)
             mean[d.name] = post.mean
         buckets = tuple(
             BucketState(b, self.config.bucket_batch_size(b), state.decisions.get(b),
@@ -412,9 +414,9 @@ class ControllerCore:
                 events.append(DecisionEvent(0, now, new, old))
             state.change_pending = False
         if material:
-            self.version += 1
-        stamped = [DecisionEvent(self.version, e.at, e.decision, e.previous) for e in events]
-        self.log.extend(stamped)
+            self._version += 1
+        stamped = [DecisionEvent(self._version, e.at, e.decision, e.previous) for e in events]
+        self._log.extend(stamped)
         return stamped
 
     def default_decisions(self) -> list[Decision]:
@@ -425,8 +427,9 @@ class ControllerCore:
                 for b in range(self.config.n_buckets)]
 
     # --- overrides --------------------------------------------------------------------------
-    def set_override(self, override: Override, now: float) -> list[DecisionEvent]:
-        """Raise ValueError (naming the field) for a class that cannot be tracked."""
+    def set_override(self, override: Override) -> None:
+        """Put ``override`` in force from the next ``decide``. Raise ValueError (naming the
+        field), changing nothing, for a class that cannot be tracked."""
         name = override.traffic_class
         if name != ALL_CLASSES:
             check_class_name(name, "override.traffic_class")
@@ -436,20 +439,97 @@ class ControllerCore:
                     f"(max_classes={self.config.max_classes}) is reached, so its traffic is "
                     f"folded into {OTHER_CLASS!r}: override {OTHER_CLASS!r} instead")
             self.classes.setdefault(name, _ClassState())
-        self.overrides[name] = override
-        return self.decide(now)
+        self._overrides[name] = override
 
-    def clear_override(self, traffic_class: str, now: float) -> tuple[bool, list[DecisionEvent]]:
-        if self.overrides.pop(traffic_class, None) is None:
-            return False, []
-        return True, self.decide(now)
+    def clear_override(self, traffic_class: str) -> bool:
+        """Lift the override on ``traffic_class`` from the next ``decide``; False if none was
+        set."""
+        return self._overrides.pop(traffic_class, None) is not None
 
     # --- read side --------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Version of the policy: moves when a decide round changed what engines must apply."""
+        return self._version
+
     def decision(self, traffic_class: str, bucket: int) -> Decision | None:
         state = self.classes.get(traffic_class)
         return state.decisions.get(bucket) if state else None
 
+    def snapshot(self, now: float) -> CoreSnapshot:
+        """The whole state as of ``now``, frozen (posteriors decay with time, so ``now``
+        matters for the estimates and the engines' report ages)."""
+        drafts = self.drafts()
+        with_evidence = self.estimator.keys()
+        shares = self.mix.shares()
+        classes = tuple(
+            ClassView(
+                name=name,
+                decisions=tuple(d for _, d in sorted(self.classes[name].decisions.items())),
+                estimates=self._estimates(name, drafts, with_evidence, now),
+                overrides=tuple(self._overrides[c] for c in (name, ALL_CLASSES)
+                                if c in self._overrides),
+                offline=name in self.config.offline_classes,
+                share=shares.get(name),
+            )
+            for name in sorted(self.classes)
+        )
+        engines = tuple(
+            EngineView(
+                engine_id=engine_id,
+                model=e.hello.model,
+                drafts=tuple(e.drafts.values()),
+                running_requests=e.running_requests,
+                last_report_at=e.last_report_at,
+                report_age_seconds=now - e.last_report_at,
+                last_sequence=e.last_sequence,
+                policy_version_applied=e.policy_version_applied,
+            )
+            for engine_id, e in sorted(self.engines.items())
+        )
+        return CoreSnapshot(
+            at=now,
+            version=self._version,
+            classes=classes,
+            engines=engines,
+            overrides=tuple(ov for _, ov in sorted(self._overrides.items())),
+            default_decisions=tuple(self.default_decisions()),
+            log=tuple(self._log),
+            batch_bucket_upper_bounds=self.config.batch_bucket_upper_bounds,
+            offline_classes=self.config.offline_classes,
+            max_classes=self.config.max_classes,
+        )
+
+    def estimate(self, traffic_class: str, draft: str, now: float,
+                 positions: int | None = None) -> AcceptanceEstimate:
+        """The acceptance posterior of (class, draft) as of ``now``: the bare prior when no
+        report named it. ``positions`` shown: the estimator's max K unless given."""
+        post = self.estimator.posterior(traffic_class, draft, now)
+        return AcceptanceEstimate(
+            traffic_class=traffic_class,
+            draft=draft,
+            alpha=tuple(post.alpha.tolist()),
+            beta=tuple(post.beta.tolist()),
+            prior_alpha=post.prior_alpha,
+            prior_beta=post.prior_beta,
+            positions=self.config.estimator.max_k if positions is None else positions,
+            changes_detected=self.estimator.changes_detected(traffic_class, draft),
+            has_evidence=self.estimator.has_data(traffic_class, draft),
+        )
+
+    def _estimates(self, name: str, drafts: tuple[DraftSpec, ...],
+                   with_evidence: list[tuple[str, str]], now: float
+                   ) -> tuple[AcceptanceEstimate, ...]:
+        # Drafts of connected engines, plus any the class has evidence for from earlier engines.
+        positions = {d.name: d.max_k for d in drafts}
+        for cls, draft in with_evidence:
+            if cls == name:
+                positions.setdefault(draft, self.config.estimator.max_k)
+        return tuple(self.estimate(name, draft, now, k) for draft, k in positions.items())
+
     def explain(self, traffic_class: str, bucket: int, now: float) -> Explanation:
+        """The numbers behind the decision of one (class, bucket). KeyError naming what is
+        unknown."""
         if traffic_class not in self.classes:
             raise KeyError(f"unknown class {traffic_class!r}")
         if not 0 <= bucket < self.config.n_buckets:
@@ -458,9 +538,10 @@ class ControllerCore:
         ctx = self._context(traffic_class, state, self.drafts(), now)
         batch = self.config.bucket_batch_size(bucket)
         arms = tuple(arm_values(ctx, batch, ctx.mean_rates, self.config.policy.max_k))
-        decision = state.decisions.get(bucket)
-        return Explanation(decision, batch, arms, _explain_text(traffic_class, decision, batch,
-                                                               arms, ctx))
+        rates = tuple((d.name, tuple(float(r) for r in ctx.mean_rates[d.name][: d.max_k]))
+                      for d in ctx.drafts)
+        return Explanation(traffic_class, state.decisions.get(bucket), batch, arms, rates,
+                           ctx.override)
 
 
 def _material(old: Decision | None, new: Decision) -> bool:
@@ -471,36 +552,3 @@ def _material(old: Decision | None, new: Decision) -> bool:
         return True
     lo, hi = sorted((old.probe_rate, new.probe_rate))
     return hi > 0 and (lo == 0 or hi / lo > _PROBE_RATE_MATERIAL_FACTOR)
-
-
-def _explain_text(name: str, decision: Decision | None, batch: int, arms: tuple[ArmValue, ...],
-                  ctx: ClassContext) -> str:
-    if decision is None:
-        return f"class {name!r} has no decision yet: no engine has connected."
-    best = max(arms, key=lambda a: a.goodput)
-    chosen = next((a for a in arms if a.arm == decision.arm), None)
-    what = "speculation off" if decision.k == 0 else f"draft {decision.draft!r} with K={decision.k}"
-    lines = [f"class {name!r} at batch {batch}: {what} (reason: {decision.reason.value})."]
-    if chosen is not None:
-        lines.append(
-            f"Expected {chosen.expected_tokens:.2f} tokens per step in "
-            f"{chosen.step_seconds * 1e3:.2f} ms: {chosen.goodput:.1f} tokens/s, "
-            f"{chosen.speedup:.2f}x no speculation."
-        )
-    if best.arm != decision.arm:
-        label = "off" if best.k == 0 else f"{best.draft!r} K={best.k}"
-        lines.append(
-            f"By posterior means the best arm is {label} at {best.speedup:.2f}x; the choice holds "
-            "by hysteresis, dwell time, an override or an exploratory draw."
-        )
-    for d in ctx.drafts:
-        rates = ", ".join(f"{r:.2f}" for r in ctx.mean_rates[d.name][: d.max_k])
-        lines.append(f"Acceptance by position for {d.name!r}: {rates}.")
-    if ctx.override is not None:
-        lines.append(f"Override in force: {ctx.override}.")
-    if decision.k == 0 and decision.probe_rate > 0:
-        lines.append(
-            f"Probing {decision.probe_rate:.1%} of requests at K={decision.probe_k} with "
-            f"{decision.probe_draft!r} so a recovery is noticed."
-        )
-    return " ".join(lines)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -99,13 +100,13 @@ def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def _decide_periodically(core: ControllerCore, hub: Hub, interval: float) -> None:
+async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: float) -> None:
     """Re-decide without waiting for reports, so overrides and the decaying probe share reach
     the engines within one report interval even when none is reporting."""
     while True:
         await asyncio.sleep(interval)
         try:
-            hub.publish(core.decide(time.time()))
+            hub.decide(clock())
         except Exception:  # one failed round must not stop all later ones
             log.exception("periodic decide failed")
 
@@ -152,7 +153,7 @@ async def start_server(settings: Settings) -> RunningServer:
     clock = time.time
     core = ControllerCore(core_config(settings), np.random.default_rng(settings.seed))
     metrics = Metrics(core, clock)
-    hub = Hub(core, metrics, settings.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT)
+    hub = Hub(core, metrics, clock, settings.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT)
     given = settings.policy_token.get_secret_value() if settings.policy_token else ""
     token = given or secrets.token_urlsafe(24)
     engine = EngineService(core, hub, metrics, controller_version=package_version(),
@@ -173,6 +174,6 @@ async def start_server(settings: Settings) -> RunningServer:
         _grpc=grpc_server, _http=runner, _health=health, _hub=hub,
     )
     running._tasks.append(asyncio.create_task(
-        _decide_periodically(core, hub, settings.report_interval_seconds)))
+        _decide_periodically(hub, clock, settings.report_interval_seconds)))
     return running
 

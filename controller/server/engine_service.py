@@ -92,7 +92,7 @@ class EngineService:
             max_classes=cfg.max_classes,
         )))
         # The new engine's drafts may change decisions; either way it gets the policy once.
-        self._hub.publish(self._core.decide(now))
+        self._hub.decide(now)
         session.push_policy()
         return session
 
@@ -137,7 +137,7 @@ class EngineService:
         session.send(engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
             sequence=report.sequence, accepted=True, code=grpc.StatusCode.OK.value[0],
             folded_classes=result.folded_classes)))
-        self._hub.publish(self._core.decide(now))
+        self._hub.decide(now)
 
     def _reject(self, session: EngineSession, sequence: int, category: RejectReason,
                 reason: str) -> None:

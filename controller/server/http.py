@@ -23,25 +23,26 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float])
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "engines_connected": len(core.engines),
-                                  "policy_version": core.version})
+        snap = core.snapshot(clock())
+        return web.json_response({"status": "ok", "engines_connected": len(snap.engines),
+                                  "policy_version": snap.version})
 
     async def policy(request: web.Request) -> web.Response:
         try:
-            msg = policy_response(core, clock(), request.query.get("class", ""))
+            msg = policy_response(core.snapshot(clock()), request.query.get("class", ""))
         except KeyError as exc:
             return web.json_response({"error": exc.args[0]}, status=404)
         return web.json_response(to_json_dict(msg))
 
     async def decisions(request: web.Request) -> web.Response:
         """The recent decision log, oldest first; ?class= filters, ?limit= keeps the newest N."""
-        name = request.query.get("class", "")
+        snap = core.snapshot(clock())
         try:
-            limit = int(request.query.get("limit", len(core.log)))
+            limit = int(request.query.get("limit", len(snap.log)))
         except ValueError:
             return web.json_response({"error": "limit: must be an integer"}, status=400)
-        events = [e for e in core.log if not name or e.decision.traffic_class == name]
-        kept = events[-limit:] if limit > 0 else []
+        events = snap.events(request.query.get("class", ""))
+        kept = events[-limit:] if limit > 0 else ()
         return web.json_response({"events": [to_json_dict(event_to_proto(e)) for e in kept]})
 
     app = web.Application()

@@ -1,5 +1,9 @@
 """Fan-out from the core to open streams: policy updates to engines, decision events to watchers.
 
+``Hub.decide`` is the one place a decision round runs on the server: whatever prompted it (a
+report, a hello, an override, the periodic task), its events reach watchers, metrics and engines
+the same way.
+
 Everything here runs on the server's event loop, like every access to the core, so no locks.
 Each stream owns an ``Outbox`` (an asyncio queue) that its RPC handler drains; producers never
 await, so a decision made while handling one engine's report reaches every engine's queue before
@@ -9,16 +13,17 @@ the loop does anything else.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
 
 from controller.core.controller import ControllerCore
+from controller.core.snapshot import concerns
 from controller.core.types import DecisionEvent
 from controller.metrics import Metrics
-from controller.server.views import policy_update
+from controller.wire import policy_update_to_proto
 from specpilot.v1 import engine_pb2
 
 T = TypeVar("T")
@@ -104,14 +109,15 @@ class Watcher:
         self.outbox: Outbox[DecisionEvent] = Outbox(limit)
 
     def wants(self, e: DecisionEvent) -> bool:
-        return not self.traffic_class or e.decision.traffic_class == self.traffic_class
+        return concerns(e, self.traffic_class)
 
 
 class Hub:
-    def __init__(self, core: ControllerCore, metrics: Metrics, fail_static_timeout_seconds: float,
-                 queue_limit: int) -> None:
+    def __init__(self, core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
+                 fail_static_timeout_seconds: float, queue_limit: int) -> None:
         self._core = core
         self._metrics = metrics
+        self._clock = clock
         self._fail_static = fail_static_timeout_seconds
         self._limit = queue_limit
         self.sessions: dict[str, EngineSession] = {}
@@ -141,16 +147,19 @@ class Hub:
     def policy_message(self) -> engine_pb2.ConnectResponse:
         """The current PolicyUpdate, built once per policy version."""
         if self._cached is None or self._cached.policy.version != self._core.version:
-            self._cached = engine_pb2.ConnectResponse(
-                policy=policy_update(self._core, self._fail_static))
+            self._cached = engine_pb2.ConnectResponse(policy=policy_update_to_proto(
+                self._core.snapshot(self._clock()), self._fail_static))
         self._metrics.policy_update_sent()
         return self._cached
 
     # --- decisions -----------------------------------------------------------------------------
-    def publish(self, events: Iterable[DecisionEvent]) -> None:
+    def decide(self, now: float) -> None:
+        """Re-decide every class as of ``now`` and publish what changed."""
+        self._publish(self._core.decide(now))
+
+    def _publish(self, events: list[DecisionEvent]) -> None:
         """Hand new decisions to watchers and metrics; push the policy to every engine when its
         version moved."""
-        events = list(events)
         self._metrics.decisions(events)
         for watcher in self._watchers:
             for e in events:
@@ -165,7 +174,7 @@ class Hub:
         """The recent log (for replay) and a watcher for what follows, with no gap between."""
         watcher = Watcher(traffic_class, self._limit)
         self._watchers.add(watcher)
-        return [e for e in self._core.log if watcher.wants(e)], watcher
+        return list(self._core.snapshot(self._clock()).events(traffic_class)), watcher
 
     def unwatch(self, watcher: Watcher) -> None:
         self._watchers.discard(watcher)

@@ -16,6 +16,7 @@ import grpc
 from controller.core.controller import ControllerCore
 from controller.core.types import DecisionEvent
 from controller.metrics import Metrics
+from controller.server.explain import explanation_text
 from controller.server.hub import Hub
 from controller.server.views import policy_response
 from controller.wire import event_to_proto, explanation_to_proto, override_from_proto
@@ -54,7 +55,7 @@ class PolicyService:
         self, request: policy_pb2.GetPolicyRequest, context: Context
     ) -> policy_pb2.GetPolicyResponse:
         try:
-            return policy_response(self._core, self._clock(), request.traffic_class)
+            return policy_response(self._core.snapshot(self._clock()), request.traffic_class)
         except KeyError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
 
@@ -67,11 +68,11 @@ class PolicyService:
             await self._invalid(context, "override: must be set")
         try:
             override = dataclasses.replace(override_from_proto(request.override), set_at=now)
-            events = self._core.set_override(override, now)
+            self._core.set_override(override)
         except ValueError as exc:  # ReportRejected (bad class name) is a ValueError too
             await self._invalid(context, str(exc))
         self._metrics.policy_write("ok")
-        self._hub.publish(events)
+        self._hub.decide(now)
         return policy_pb2.SetOverrideResponse(policy_version=self._core.version)
 
     async def ClearOverride(
@@ -80,9 +81,10 @@ class PolicyService:
         await self._authorize(context)
         if not request.traffic_class:
             await self._invalid(context, "traffic_class: must not be empty (use '*' for all)")
-        cleared, events = self._core.clear_override(request.traffic_class, self._clock())
+        cleared = self._core.clear_override(request.traffic_class)
         self._metrics.policy_write("ok")
-        self._hub.publish(events)
+        if cleared:
+            self._hub.decide(self._clock())
         return policy_pb2.ClearOverrideResponse(policy_version=self._core.version, cleared=cleared)
 
     async def WatchDecisions(
@@ -100,14 +102,17 @@ class PolicyService:
     async def ExplainDecision(
         self, request: policy_pb2.ExplainDecisionRequest, context: Context
     ) -> policy_pb2.ExplainDecisionResponse:
-        name, bucket = request.traffic_class, request.batch_bucket
-        if name not in self._core.classes:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown class {name!r}")
-        n_buckets = self._core.config.n_buckets
-        if bucket >= n_buckets:
+        name, bucket, now = request.traffic_class, request.batch_bucket, self._clock()
+        snap = self._core.snapshot(now)
+        try:
+            snap.class_view(name)
+        except KeyError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        if bucket >= snap.n_buckets:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"batch_bucket: {bucket} outside 0..{n_buckets - 1}")
-        return explanation_to_proto(self._core.explain(name, bucket, self._clock()))
+                                f"batch_bucket: {bucket} outside 0..{snap.n_buckets - 1}")
+        ex = self._core.explain(name, bucket, now)
+        return explanation_to_proto(ex, explanation_text(ex))
 
 
 def _watch_response(e: DecisionEvent) -> policy_pb2.WatchDecisionsResponse:

@@ -18,6 +18,7 @@ import pytest
 from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import SCHEDULER as ENGINE_SCHEDULER
 from benchmarks.demo.engine import llm_session, plugin_environment
+from controller.core.controller import ControllerCore
 from controller.core.types import Override
 from tests.engine.harness import spec_counters
 
@@ -70,14 +71,25 @@ def wait_for_policy(llm: Any, controller: ControllerThread, timeout: float = 20.
     raise AssertionError(f"engine did not reach the controller's policy (view {view.version})")
 
 
+def one_engine(core: ControllerCore) -> bool:
+    return len(core.snapshot(time.time()).engines) == 1
+
+
 def set_override(controller: ControllerThread, override: Override) -> None:
-    controller.call(lambda core: core.set_override(override, time.time()))
+    """Straight on the core, decided at once so ``core.version`` moves now; the server's
+    periodic decide pushes the new version."""
+    def set_(core: ControllerCore) -> None:
+        core.set_override(override)
+        core.decide(time.time())
+
+    controller.call(set_)
 
 
 def clear_overrides(controller: ControllerThread) -> None:
-    def clear(core: Any) -> None:
-        for name in list(core.overrides):
-            core.clear_override(name, time.time())
+    def clear(core: ControllerCore) -> None:
+        for ov in core.snapshot(time.time()).overrides:
+            core.clear_override(ov.traffic_class)
+            core.decide(time.time())
 
     controller.call(clear)
 
@@ -194,7 +206,7 @@ def test_controller_converges_from_real_engine_reports(tiny_models: Any,
             tiny_models.target, spec, SCHEDULER) as llm:
         rounds = _run_until(llm, controller, "easy", lambda d: d.k >= 3)
         logging.getLogger(__name__).info("easy reached K>=3 after %d rounds", rounds)
-        post = controller.call(lambda core: core.estimator.posterior(
+        post = controller.call(lambda core: core.estimate(
             "easy", tiny_models.target.name, time.time()))
         assert post.mean[0] > 0.95
     # A random draft: acceptance ~0 -> speculation off (probes only). No n-gram drafts here:
@@ -203,7 +215,7 @@ def test_controller_converges_from_real_engine_reports(tiny_models: Any,
     with plugin_env(controller=controller.target, ngram_drafts="false"), llm_session(
             tiny_models.target, spec, SCHEDULER) as llm:
         _run_until(llm, controller, "hard", lambda d: d.k == 0)
-        post = controller.call(lambda core: core.estimator.posterior(
+        post = controller.call(lambda core: core.estimate(
             "hard", tiny_models.draft.name, time.time()))
         assert post.mean[0] < 0.3
 
@@ -216,8 +228,8 @@ def test_counterfactual_ngram_acceptance_matches_ngram_serving(
     long_prompts = PROMPTS * 3
 
     def ngram_acceptance(traffic_class: str) -> tuple[float, float]:
-        post = controller.call(lambda core: core.estimator.posterior(
-            traffic_class, "ngram", time.time()))
+        post = controller.call(lambda core: core.estimate(
+            traffic_class, "ngram", time.time()).posterior)
         tries = float(post.effective_tries.sum())
         accepts = float((post.alpha - post.prior_alpha).sum())
         return accepts / max(tries, 1.0), tries
@@ -266,7 +278,7 @@ def test_controller_killed_mid_generation_and_restarted(tiny_models: Any,
         restarted = ControllerThread(grpc_port=port, **quick)
         try:
             set_override(restarted, Override("*", pin_k=3))
-            restarted.wait_for(lambda core: len(core.engines) == 1, what="the reconnect")
+            restarted.wait_for(one_engine, what="the reconnect")
             wait_for_policy(llm, restarted)
             assert pilot.link.connected and not pilot.view.fail_static
             before = spec_counters(llm)
@@ -300,7 +312,7 @@ def test_tokenizer_mismatch_is_refused(tiny_models: Any, controller: ControllerT
         before = spec_counters(llm)
         out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)
         refused = spec_counters(llm) - before
-        controller.wait_for(lambda core: len(core.engines) == 1, what="the engine's hello")
+        controller.wait_for(one_engine, what="the engine's hello")
         # The controller refuses the draft too: its hash travelled in the hello.
         assert controller.call(lambda core: core.drafts()) == ()
     assert token_ids(out) == baseline

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
 
+from controller.core.snapshot import CoreSnapshot
 from controller.server.app import RunningServer, start_server
 from controller.settings import load_settings
 
@@ -18,6 +20,11 @@ FAST_SETTINGS: dict[str, Any] = {
     "grpc_port": 0, "http_port": 0, "report_interval_seconds": 0.05, "policy_token": TOKEN,
     "seed": 1, "max_classes": 4, "max_report_bytes": 4096,
 }
+
+
+def snapshot(server: RunningServer) -> CoreSnapshot:
+    """The server's core as of now (call it on the server's loop, as the tests here do)."""
+    return server.core.snapshot(time.time())
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import pytest
 from controller import cli
 from controller.server.app import RunningServer
 from controller.settings import settings_reference
-from tests.integration.conftest import TOKEN
+from tests.integration.conftest import TOKEN, snapshot
 from tests.integration.engine_client import DRAFT, EngineClient, report
 
 pytestmark = pytest.mark.integration
@@ -166,7 +166,7 @@ async def test_policy_commands(
     code, out, _ = await _cli(capsys, server, "--token", TOKEN, "set", "--class", "chat",
                               "--pin-k", "1", "--note", "canary")
     assert code == 0 and out.startswith("override on chat: pin K=1 (canary); policy version")
-    assert server.core.overrides["chat"].pin_k == 1
+    assert [(o.traffic_class, o.pin_k) for o in snapshot(server).overrides] == [("chat", 1)]
 
     code, out, _ = await _cli(capsys, server, "explain", "--class", "chat")
     assert code == 0
@@ -175,7 +175,7 @@ async def test_policy_commands(
     assert chosen == [next(line for line in out.splitlines() if f"{DRAFT} K=1 " in line)]
 
     code, out, _ = await _cli(capsys, server, "--token", TOKEN, "clear", "--class", "chat")
-    assert code == 0 and "cleared" in out and "chat" not in server.core.overrides
+    assert code == 0 and "cleared" in out and snapshot(server).overrides == ()
 
     code, _, err = await _cli(capsys, server, "explain", "--class", "nope")
     assert code == 1 and "NOT_FOUND" in err

@@ -11,7 +11,7 @@ import pytest
 from controller.server.app import RunningServer
 from controller.server.stubs import AsyncPolicyStub, async_policy_stub
 from specpilot.v1 import common_pb2, policy_pb2
-from tests.integration.conftest import TOKEN
+from tests.integration.conftest import TOKEN, snapshot
 from tests.integration.engine_client import DRAFT, EngineClient, report
 
 pytestmark = pytest.mark.integration
@@ -84,7 +84,7 @@ async def test_writes_need_the_bearer_token(
     code, _ = await _code(policy.ClearOverride(
         policy_pb2.ClearOverrideRequest(traffic_class="chat")))
     assert code == grpc.StatusCode.UNAUTHENTICATED
-    assert server.core.overrides == {}
+    assert snapshot(server).overrides == ()
 
     registry = server.metrics.registry
     assert registry.get_sample_value("specpilot_policy_writes_total",
@@ -99,7 +99,7 @@ async def test_set_and_clear_an_override(
     version = server.core.version
     resp = await policy.SetOverride(_pin("chat", 1, note="incident 42"), metadata=AUTH)
     assert resp.policy_version > version
-    decisions = server.core.classes["chat"].decisions.values()
+    decisions = snapshot(server).class_view("chat").decisions
     assert all(d.k == 1 and d.draft == DRAFT and d.reason.value == "override" for d in decisions)
     # The engine hears about it (after any update that was already on its way).
     while (update := await engine.next_policy()).version < resp.policy_version:
@@ -115,7 +115,7 @@ async def test_set_and_clear_an_override(
 
     cleared = await policy.ClearOverride(policy_pb2.ClearOverrideRequest(traffic_class="chat"),
                                          metadata=AUTH)
-    assert cleared.cleared and server.core.overrides == {}
+    assert cleared.cleared and snapshot(server).overrides == ()
     again = await policy.ClearOverride(policy_pb2.ClearOverrideRequest(traffic_class="chat"),
                                        metadata=AUTH)
     assert not again.cleared
@@ -127,7 +127,7 @@ async def test_force_off_for_all_classes(
     await policy.SetOverride(policy_pb2.SetOverrideRequest(
         override=policy_pb2.Override(traffic_class="*", force_off=True)), metadata=AUTH)
     for name in ("default", "chat"):
-        assert all(d.k == 0 for d in server.core.classes[name].decisions.values()), name
+        assert all(d.k == 0 for d in snapshot(server).class_view(name).decisions), name
 
 
 @pytest.mark.parametrize(("override", "field"), [
@@ -143,13 +143,13 @@ async def test_bad_override_is_invalid_argument(
         policy_pb2.SetOverrideRequest(override=override), metadata=AUTH))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert field in details
-    assert server.core.overrides == {}
+    assert snapshot(server).overrides == ()
 
 
 async def test_watch_replays_then_streams_new_decisions(
     server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
 ) -> None:
-    replayed = [e for e in server.core.log if e.decision.traffic_class == "chat"]
+    replayed = snapshot(server).events("chat")
     assert replayed
     call = policy.WatchDecisions(policy_pb2.WatchDecisionsRequest(traffic_class="chat"))
     stream = aiter(call)
@@ -158,7 +158,7 @@ async def test_watch_replays_then_streams_new_decisions(
         assert (event.policy_version, event.decision.batch_bucket) == (
             expected.policy_version, expected.decision.bucket)
 
-    before = {b: d.k for b, d in server.core.classes["chat"].decisions.items()}
+    before = {d.bucket: d.k for d in snapshot(server).class_view("chat").decisions}
     await policy.SetOverride(_pin("default", 0), metadata=AUTH)  # filtered out
     await policy.SetOverride(_pin("chat", 3), metadata=AUTH)
     event = (await asyncio.wait_for(anext(stream), 5)).event
@@ -176,7 +176,7 @@ async def test_explain(
         policy_pb2.ExplainDecisionRequest(traffic_class="chat", batch_bucket=0))
     assert "class 'chat' at batch 1" in resp.text
     assert resp.batch_size == 1
-    decision = server.core.classes["chat"].decisions[0]
+    decision = snapshot(server).class_view("chat").decisions[0]
     assert (resp.decision.k, resp.decision.draft) == (decision.k, decision.draft)
     arms = {(a.draft, a.k) for a in resp.arms}
     assert ("", 0) in arms and (DRAFT, 4) in arms

@@ -24,7 +24,7 @@ from controller.core.types import Override
 from controller.server.app import RunningServer
 from controller.server.stubs import async_policy_stub
 from specpilot.v1 import engine_pb2, policy_pb2
-from tests.integration.conftest import FAST_SETTINGS, TOKEN
+from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import (
     DRAFT,
     EngineClient,
@@ -45,13 +45,12 @@ def _metric(server: RunningServer, name: str, **labels: str) -> float:
 
 def _snapshot(server: RunningServer, at: float) -> tuple[Any, ...]:
     """Everything a report could change, seen at one instant ``at`` (posteriors decay with time,
-    so only snapshots taken at the same instant compare)."""
-    core = server.core
-    with_evidence = core.estimator.keys()
-    posteriors = {key: (p.alpha.tolist(), p.beta.tolist())
-                  for key in with_evidence for p in [core.estimator.posterior(*key, at)]}
-    engine = core.engines["engine-1"]
-    return (posteriors, sorted(core.classes), engine.last_sequence, core.cost.theta.tolist())
+    so only snapshots taken at the same instant compare). Decisions are left out: the periodic
+    decide task may move them at any time. The cost model has no read model: white-box."""
+    snap = server.core.snapshot(at)
+    estimates = [e for c in snap.classes for e in c.estimates if e.has_evidence]
+    return (estimates, [c.name for c in snap.classes], snap.engines,
+            server.core.cost.theta.tolist())
 
 
 # --- health and reflection ---------------------------------------------------------------------
@@ -98,7 +97,7 @@ async def test_hello_gets_ack_then_policy(server: RunningServer, channel: grpc.a
     # The warm-up K with a draft the engine offered and the controller accepted.
     assert all(d.k == 2 and d.draft == DRAFT for d in default)
     assert policy.fail_static_timeout_seconds == 30.0
-    assert server.core.engines.keys() == {"engine-1"}
+    assert [e.engine_id for e in snapshot(server).engines] == ["engine-1"]
 
     msg = report(1)
     msg.records_dropped = 5
@@ -109,10 +108,10 @@ async def test_hello_gets_ack_then_policy(server: RunningServer, channel: grpc.a
     assert _metric(server, "specpilot_engine_hellos_total", outcome="accepted") == 1
     await engine.close()
     for _ in range(100):  # the disconnect is processed on the server's loop
-        if not server.core.engines:
+        if not snapshot(server).engines:
             break
         await asyncio.sleep(0.01)
-    assert server.core.engines == {}
+    assert snapshot(server).engines == ()
 
 
 async def test_report_before_hello_fails_the_stream(
@@ -125,7 +124,7 @@ async def test_report_before_hello_fails_the_stream(
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "hello" in (err.value.details() or "")
     assert _metric(server, "specpilot_reports_rejected_total", reason="before_hello") == 1
-    assert server.core.engines == {}
+    assert snapshot(server).engines == ()
 
 
 def _summary_accepted_above_drafted() -> engine_pb2.EngineReport:
@@ -197,10 +196,11 @@ async def test_classes_beyond_the_limit_fold_into_other(
     result = await engine.send(report(1, *(acceptance(n) for n in names)))
     assert result.accepted
     assert list(result.folded_classes) == ["c4", "c5"]
-    assert {"c1", "c2", "c3", "other"} <= server.core.classes.keys()
-    assert "c4" not in server.core.classes and "c5" not in server.core.classes
+    tracked = {c.name for c in snapshot(server).classes}
+    assert {"c1", "c2", "c3", "other"} <= tracked
+    assert "c4" not in tracked and "c5" not in tracked
     # Both folded histograms (10, 20, 70) landed on "other": 2 x 100 tries at position 1.
-    post = server.core.estimator.posterior("other", DRAFT, time.time())
+    post = server.core.estimate("other", DRAFT, time.time())
     assert post.effective_tries[0] == pytest.approx(200, rel=1e-3)
     assert _metric(server, "specpilot_report_classes_folded_total") == 2
     await engine.close()
@@ -232,7 +232,7 @@ async def test_a_reconnecting_engine_replaces_its_old_stream(
     assert err.value.code() == grpc.StatusCode.ABORTED
     # The old stream's end must not unregister the engine that the new stream registered.
     await asyncio.sleep(0.05)
-    assert server.core.engines.keys() == {"engine-1"}
+    assert [e.engine_id for e in snapshot(server).engines] == ["engine-1"]
     assert (await new.send(report(1))).accepted
     await new.close()
 
@@ -272,7 +272,7 @@ async def test_periodic_decisions_reach_engines_without_reports(
     engine = EngineClient(channel)
     await engine.connect()
     version = engine.policies[-1].version
-    server.core.overrides["default"] = Override("default", force_off=True)
+    server.core.set_override(Override("default", force_off=True))
     update = await engine.next_policy()
     assert update.version > version
     assert all(d.k == 0 for d in update.decisions if d.traffic_class == "default")
@@ -363,14 +363,15 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
     engine = EngineClient(channel)
     await engine.connect()
     assert (await engine.send(report(1))).accepted
-    for bucket, d in server.core.classes["chat"].decisions.items():
-        labels = {"class": "chat", "bucket": str(bucket)}
+    chat = snapshot(server).class_view("chat")
+    for d in chat.decisions:
+        labels = {"class": "chat", "bucket": str(d.bucket)}
         assert _metric(server, "specpilot_decision_speculative_tokens", **labels) == d.k
         assert _metric(server, "specpilot_decision_expected_speedup_ratio",
                        **labels) == d.expected_speedup
-    on = any(d.k for d in server.core.classes["chat"].decisions.values())
+    on = any(d.k for d in chat.decisions)
     assert _metric(server, "specpilot_speculation_enabled", **{"class": "chat"}) == float(on)
-    post = server.core.estimator.posterior("chat", DRAFT, time.time())
+    post = server.core.estimate("chat", DRAFT, time.time())
     assert _metric(server, "specpilot_acceptance_first_position_ratio",
                    **{"class": "chat", "draft": DRAFT}) == pytest.approx(post.mean[0], rel=1e-6)
     # Pooled over positions: (90 + 70 accepted + 1) / (100 + 90 tries + 2).
@@ -379,6 +380,6 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
     decisions = sum(_metric(server, "specpilot_decisions_total", reason=r)
                     for r in ("warmup", "goodput", "explore", "change_detected", "override",
                               "offline"))
-    assert decisions == len(server.core.log)
+    assert decisions == len(snapshot(server).log)
     assert np.isclose(_metric(server, "specpilot_policy_version"), server.core.version)
     await engine.close()

@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.controller_thread import ControllerThread
 from controller.core.controller import ControllerCore
+from controller.core.snapshot import EngineView
 from controller.server import app
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import KEEPALIVE_OPTIONS, ControllerLink, backoff_delay
@@ -112,10 +113,18 @@ def make_link(links: list[ControllerLink], target: str, view: PolicyView | None 
 def evidence(controller: ControllerThread, cls: str, draft: str) -> tuple[list[float], ...]:
     """Decayed accepts and rejects per position, minus the prior, read on the server's loop."""
     def read(core: ControllerCore) -> tuple[list[float], ...]:
-        if not core.estimator.has_data(cls, draft):
+        estimate = core.estimate(cls, draft, time.time())
+        if not estimate.has_evidence:
             return ([], [])
-        post = core.estimator.posterior(cls, draft, time.time())
+        post = estimate.posterior
         return ((post.alpha - post.prior_alpha).tolist(), (post.beta - post.prior_beta).tolist())
+    return controller.call(read)
+
+
+def engine_view(controller: ControllerThread) -> EngineView:
+    """This test's engine as the controller sees it, read on the server's loop."""
+    def read(core: ControllerCore) -> EngineView:
+        return next(e for e in core.snapshot(time.time()).engines if e.engine_id == ENGINE)
     return controller.call(read)
 
 
@@ -188,7 +197,7 @@ def test_submitted_payloads_reach_the_estimator(
     assert accepts[:2] == pytest.approx([9, 7], rel=0.01)
     assert rejects[:2] == pytest.approx([1, 2], rel=0.01)
     assert sum(accepts[2:]) == sum(rejects[2:]) == 0
-    engine = controller.call(lambda core: core.engines[ENGINE])
+    engine = engine_view(controller)
     if engine.last_sequence == 1:  # else a heartbeat followed (it carries the version then)
         assert engine.running_requests == 3
         # The version in force when the payload was submitted.
@@ -274,7 +283,7 @@ def test_controller_dies_and_returns(links: list[ControllerLink]) -> None:
         assert link.connects == 2
         wait_for(lambda: evidence(second, "chat", DRAFT)[0], "reports on the new controller")
         # Sequence numbers started again at 1 on the new stream (else it would reject them).
-        engine = second.call(lambda core: core.engines[ENGINE])
+        engine = engine_view(second)
         assert engine.last_sequence is not None
         assert engine.last_sequence < link.reports_sent + link.heartbeats_sent
     finally:
@@ -376,5 +385,5 @@ def test_steps_are_bucketed_with_the_controllers_bounds(
     link.start()
     wait_for(lambda: link.reports_accepted + link.reports_rejected >= 1, "the result")
     assert link.reports_rejected == 0
-    load = controller.call(lambda core: core.engines[ENGINE].running_requests)
+    load = engine_view(controller).running_requests
     assert load == 100
