@@ -370,3 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(command).parse_args(argv)
     result: int = args.func(args)
     return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
