@@ -229,6 +229,11 @@ def core_config(settings: Settings) -> CoreConfig:
     return _build(CoreConfig, settings)
 
 
+def server_config(settings: Settings) -> ServerConfig:
+    """The server's own settings, typed (``Settings`` is generated, so its fields are not)."""
+    return _build(ServerConfig, settings)
+
+
 def _build(config: type[T], settings: Settings) -> T:
     """``config`` filled from the settings, nested concerns built from their own settings."""
     values: dict[str, Any] = {}

@@ -28,7 +28,7 @@ from controller.server.http import make_app
 from controller.server.hub import Hub
 from controller.server.policy_service import PolicyService
 from controller.server.stubs import add_engine_service, add_policy_service
-from controller.settings import Settings, core_config
+from controller.settings import ServerConfig, Settings, core_config, server_config
 from specpilot.v1 import engine_pb2, policy_pb2
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: f
             log.exception("periodic decide failed")
 
 
-async def _start_grpc(settings: Settings, engine: EngineService, policy: PolicyService,
+async def _start_grpc(settings: ServerConfig, engine: EngineService, policy: PolicyService,
                       health: health_aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
     limit = RECEIVE_LIMIT_FACTOR * settings.max_report_bytes
     server = grpc.aio.server(options=[*KEEPALIVE_OPTIONS,
@@ -133,7 +133,7 @@ async def _start_grpc(settings: Settings, engine: EngineService, policy: PolicyS
     return server, port
 
 
-async def _start_http(settings: Settings, app: web.Application) -> tuple[web.AppRunner, int]:
+async def _start_http(settings: ServerConfig, app: web.Application) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.http_host, settings.http_port)
@@ -151,29 +151,30 @@ async def _start_http(settings: Settings, app: web.Application) -> tuple[web.App
 async def start_server(settings: Settings) -> RunningServer:
     """Start everything on the running loop; raise ServeError if a port cannot be bound."""
     clock = time.time
-    core = ControllerCore(core_config(settings), np.random.default_rng(settings.seed))
+    server = server_config(settings)
+    core = ControllerCore(core_config(settings), np.random.default_rng(server.seed))
     metrics = Metrics(core, clock)
-    hub = Hub(core, metrics, clock, settings.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT)
-    given = settings.policy_token.get_secret_value() if settings.policy_token else ""
+    hub = Hub(core, metrics, clock, server.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT)
+    given = server.policy_token.get_secret_value() if server.policy_token else ""
     token = given or secrets.token_urlsafe(24)
     engine = EngineService(core, hub, metrics, controller_version=package_version(),
-                           report_interval_seconds=settings.report_interval_seconds,
-                           max_report_bytes=settings.max_report_bytes, clock=clock)
+                           report_interval_seconds=server.report_interval_seconds,
+                           max_report_bytes=server.max_report_bytes, clock=clock)
     policy = PolicyService(core, hub, metrics, token, clock)
     health = health_aio.HealthServicer()
-    grpc_server, grpc_port = await _start_grpc(settings, engine, policy, health)
+    grpc_server, grpc_port = await _start_grpc(server, engine, policy, health)
     try:
-        runner, http_port = await _start_http(settings, make_app(core, metrics, clock))
+        runner, http_port = await _start_http(server, make_app(core, metrics, clock))
     except ServeError:
         await grpc_server.stop(None)
         raise
     running = RunningServer(
         core=core, metrics=metrics, token=token, token_generated=not given,
-        grpc_host=settings.grpc_host, grpc_port=grpc_port,
-        http_host=settings.http_host, http_port=http_port,
+        grpc_host=server.grpc_host, grpc_port=grpc_port,
+        http_host=server.http_host, http_port=http_port,
         _grpc=grpc_server, _http=runner, _health=health, _hub=hub,
     )
     running._tasks.append(asyncio.create_task(
-        _decide_periodically(hub, clock, settings.report_interval_seconds)))
+        _decide_periodically(hub, clock, server.report_interval_seconds)))
     return running
 
