@@ -25,7 +25,6 @@ Threading: call every ``StatsAggregator`` method from one thread, the scheduler'
 
 from __future__ import annotations
 
-import logging
 import math
 import operator
 import time
@@ -42,8 +41,6 @@ from controller.core.types import (
     StepTimingRecord,
 )
 from controller.core.validation import valid_class_name
-
-log = logging.getLogger(__name__)
 
 _INF = math.inf
 _MAX_UINT32 = 2**32 - 1
