@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from controller import wire
 from controller.core.buckets import bucket_of
+from controller.core.types import (
+    AcceptanceRecord,
+    DraftKind,
+    DraftSpec,
+    EngineHello,
+    EngineReport,
+    StepTimingRecord,
+)
 from controller.server.stubs import engine_stub
 from specpilot.v1 import common_pb2, engine_pb2
 
@@ -94,15 +103,14 @@ class SyntheticEngine:
         self.rng = np.random.default_rng(self.seed)
 
     def hello(self) -> engine_pb2.ConnectRequest:
-        return engine_pb2.ConnectRequest(hello=engine_pb2.EngineHello(
+        return engine_pb2.ConnectRequest(hello=wire.hello_to_proto(EngineHello(
             engine_id=self.engine_id, model="synthetic-target", target_vocab_hash=VOCAB,
-            drafts=[engine_pb2.DraftInfo(name=DRAFT, kind=common_pb2.DRAFT_KIND_MODEL,
-                                         vocab_hash=self.draft_vocab_hash, max_k=self.max_k)],
+            drafts=(DraftSpec(DRAFT, DraftKind.MODEL, self.max_k, self.draft_vocab_hash),),
             max_k=self.max_k,
             # Batch-wide: the synthetic drafter drafts only the K in force, so K=0 saves drafting.
-            capabilities=engine_pb2.EngineCapabilities(batch_wide_k=True),
+            per_request_k=False, batch_wide_k=True,
             engine_version="synthetic", plugin_version="synthetic", max_batch_size=64,
-        ))
+        )))
 
     def bucket(self) -> int:
         return bucket_of(tuple(self.bucket_bounds), self.batch_size)
@@ -122,7 +130,8 @@ class SyntheticEngine:
         return d.k if d is not None else self.max_k
 
     def report(self) -> engine_pb2.ConnectRequest:
-        acceptance, timings = [], []
+        acceptance: list[AcceptanceRecord] = []
+        timings: list[StepTimingRecord] = []
         for name, rates in self.rates.items():
             d = self.decision(name)
             k = d.k if d is not None else self.max_k
@@ -130,22 +139,22 @@ class SyntheticEngine:
             if k == 0 and d is not None and d.probe_k:
                 k, steps = d.probe_k, int(self.rng.binomial(steps, d.probe_rate))
             if k and steps:
-                acceptance.append(engine_pb2.AcceptanceCounts(
-                    traffic_class=name, draft=DRAFT, k=k,
-                    steps_by_accepted=draw_histogram(self.rng, rates, k, steps)))
+                acceptance.append(AcceptanceRecord(
+                    name, DRAFT, k, tuple(draw_histogram(self.rng, rates, k, steps))))
             k_run = d.k if d is not None else self.max_k
             b, n = self.batch_size, self.steps_per_report
             noise = 1.0 + 0.02 * float(self.rng.standard_normal())
-            timings.append(engine_pb2.StepTiming(
+            timings.append(StepTimingRecord(
                 batch_bucket=self.bucket(), draft=DRAFT if k_run else "", k=k_run, steps=n,
                 sum_batch_size=n * b, sum_verified_tokens=n * b * (1 + k_run),
                 sum_draft_tokens=n * b * k_run,
                 sum_step_seconds=n * self.cost.step_seconds(b, k_run) * noise))
         self.reports_sent += 1
-        return engine_pb2.ConnectRequest(report=engine_pb2.EngineReport(
+        return engine_pb2.ConnectRequest(report=wire.report_to_proto(EngineReport(
             sequence=self.reports_sent, interval_seconds=0.05,
             policy_version=self.policy.version if self.policy else 0,
-            acceptance=acceptance, step_timings=timings, running_requests=self.batch_size))
+            acceptance=tuple(acceptance), step_timings=tuple(timings),
+            running_requests=self.batch_size)))
 
 
 async def drive(

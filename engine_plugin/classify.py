@@ -48,7 +48,9 @@ from typing import Any
 
 import yaml
 
-# The controller's own rule, so the engine never sends a name the controller would reject.
+# The controller's own rules (names, folding), so the engine never sends a name the controller
+# would reject or fold.
+from controller.core.classes import DEFAULT_CLASS, OTHER_CLASS, fold_class
 from controller.core.validation import (
     CLASS_NAME_PATTERN,
     MAX_CLASS_NAME_LENGTH,
@@ -57,8 +59,6 @@ from controller.core.validation import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CLASS = "default"
-OTHER_CLASS = "other"
 TRAFFIC_CLASS_ARG = "traffic_class"
 
 _CONDITIONS = ("lora", "min_prompt_tokens", "max_max_tokens")
@@ -194,9 +194,6 @@ class Classifier:
         return DEFAULT_CLASS
 
     def _admit(self, name: str) -> str:
-        if name in self._seen:
-            return name
-        if len(self._seen) >= self._max:
-            return OTHER_CLASS
-        self._seen[name] = None
-        return name
+        folded = fold_class(name, self._seen, self._max)
+        self._seen.setdefault(folded, None)
+        return folded

@@ -2,11 +2,12 @@
 
 The scheduler calls ``submit(payload)`` once per report interval; it appends to a bounded queue
 (dropping the oldest payload when full) and returns at once. The sender thread connects, sends the
-hello, waits for the HelloAck, then turns queued payloads into reports. Every message from the
-controller counts as hearing from it (``PolicyView.heard_from_controller``); policy updates go to
-the ``PolicyView``; the HelloAck's bucket bounds go to the view and the aggregator. When the stream
-fails, the thread reconnects with exponential backoff and full jitter, sending the hello again;
-sequence numbers restart at 1 on every stream (the controller tracks them per stream).
+hello, waits for the HelloAck, then turns queued payloads into reports (the core's records, made
+messages by ``controller.wire``). Every message from the controller counts as hearing from it
+(``PolicyView.heard_from_controller``); policy updates go to the ``PolicyView``, and so do the
+HelloAck's bucket bounds, the ones reports are bucketed with. When the stream fails, the thread
+reconnects with exponential backoff and full jitter, sending the hello again; sequence numbers
+restart at 1 on every stream (the controller tracks them per stream).
 
 Why the synchronous gRPC API in a plain thread, not ``grpc.aio`` on an event loop inside the
 thread: the plugin lives in vLLM's process, which may run its own asyncio loops (the OpenAI
@@ -44,10 +45,11 @@ from typing import Any, cast
 
 import grpc
 
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, check_bucket_bounds
+from controller import wire
+from controller.core.types import EngineHello
 from engine_plugin.config import PluginConfig
 from engine_plugin.policy_view import PolicyView
-from engine_plugin.stats import ReportPayload, StatsAggregator, payload_to_report
+from engine_plugin.stats import ReportPayload
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,6 @@ _WARN_EVERY_SECONDS = 10.0
 # of the fail-static timeout, if that is shorter).
 _HEARTBEAT_INTERVALS = 2.0
 
-BucketBoundsSink = Callable[[tuple[int, ...]], None]
-
 
 def backoff_delay(failures: int, initial: float, maximum: float, rng: random.Random) -> float:
     """Seconds to wait before the next attempt, after ``failures`` failed attempts in a row (0:
@@ -99,7 +99,6 @@ class _Stream:
 
     ended: threading.Event = field(default_factory=threading.Event)
     acked: bool = False
-    bounds: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS
     sequence: int = 0
 
 
@@ -126,8 +125,9 @@ class _Throttled:
 class ControllerLink:
     """Owns the stream to the controller at ``target`` (host:port).
 
-    ``stats``: the aggregator, or a callable taking bucket bounds, or None; it gets the HelloAck's
-    bucket bounds. ``on_hello_ack``: called (on the sender thread) with every HelloAck, e.g. to
+    ``hello``: what the engine announces on every stream. ``view``: gets the policy, the HelloAck's
+    bucket bounds (reports are bucketed with the view's bounds) and the classes the controller
+    folded. ``on_hello_ack``: called (on the sender thread) with every HelloAck, e.g. to
     adopt the controller's ``max_classes``. ``start``: start the thread now (else ``start()``).
     With an empty ``target`` no thread ever starts: ``submit`` just queues (dropping the oldest)
     and the view stays on the static configuration.
@@ -136,9 +136,8 @@ class ControllerLink:
     def __init__(
         self,
         target: str,
-        hello: engine_pb2.EngineHello,
+        hello: EngineHello,
         view: PolicyView,
-        stats: StatsAggregator | BucketBoundsSink | None,
         config: PluginConfig,
         *,
         on_hello_ack: Callable[[engine_pb2.HelloAck], None] | None = None,
@@ -146,13 +145,9 @@ class ControllerLink:
         start: bool = True,
     ) -> None:
         self.target = target
-        self._hello = engine_pb2.ConnectRequest(hello=hello)
+        self._hello = engine_pb2.ConnectRequest(hello=wire.hello_to_proto(hello))
         self._engine_id = hello.engine_id
         self._view = view
-        if isinstance(stats, StatsAggregator):
-            self._bounds_sink: BucketBoundsSink | None = stats.set_bucket_bounds
-        else:
-            self._bounds_sink = stats
         self._on_ack = on_hello_ack
         self._config = config
         self._rng = rng or random.Random()
@@ -334,18 +329,17 @@ class ControllerLink:
                 running: int) -> engine_pb2.ConnectRequest:
         stream.sequence += 1
         if item is None:
-            report = engine_pb2.EngineReport(
-                sequence=stream.sequence, policy_version=self._view.version,
-                records_dropped=dropped, running_requests=min(max(running, 0), 2**32 - 1))
+            payload, version = ReportPayload.heartbeat(running), self._view.version
             self.heartbeats_sent += 1
         else:
             payload, version = item
             if payload.ignored_records:
                 log.debug("specpilot: %d invalid records left out of report %d",
                           payload.ignored_records, stream.sequence)
-            report = payload_to_report(payload, stream.sequence, version, dropped, stream.bounds)
             self.reports_sent += 1
-        return engine_pb2.ConnectRequest(report=report)
+        # Bucketed now, under the bounds of the controller this stream reaches.
+        report = payload.report(stream.sequence, version, dropped, self._view.bucket_bounds)
+        return engine_pb2.ConnectRequest(report=wire.report_to_proto(report))
 
     # --- messages from the controller ----------------------------------------------------------
     def _handle(self, msg: engine_pb2.ConnectResponse, stream: _Stream) -> None:
@@ -366,15 +360,10 @@ class ControllerLink:
             self._interval = ack.report_interval_seconds
         if ack.batch_bucket_upper_bounds:
             try:
-                bounds = check_bucket_bounds(ack.batch_bucket_upper_bounds)
+                self._view.set_bucket_bounds(ack.batch_bucket_upper_bounds)
             except ValueError as exc:
                 log.error("specpilot: controller %s sent bad bucket bounds (%s); keeping %s",
-                          self.target, exc, stream.bounds)
-            else:
-                stream.bounds = bounds
-                self._view.set_bucket_bounds(bounds)
-                if self._bounds_sink is not None:
-                    self._bounds_sink(bounds)
+                          self.target, exc, self._view.bucket_bounds)
         for rejected in ack.rejected_drafts:
             log.error("specpilot: controller %s REFUSED draft %r: %s. The controller will not "
                       "choose it for this engine.", self.target, rejected.name, rejected.reason)

@@ -11,22 +11,31 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from controller import package_version
+from controller.core.classes import DEFAULT_CLASS
+from controller.core.types import DraftKind, DraftSpec, EngineHello
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import ControllerLink
 from engine_plugin.ngram import NGRAM_DRAFT, CounterfactualNgram, NgramProposer
 from engine_plugin.policy_view import Choice, PolicyView, probe_point
 from engine_plugin.stats import StatsAggregator
-from engine_plugin.vocab import first_differences, vocab_hash
-from specpilot.v1 import common_pb2, engine_pb2
+from engine_plugin.vllm_types import (
+    ModelRunnerOutputLike,
+    RequestLike,
+    SchedulerOutputLike,
+    VllmConfigLike,
+)
+from engine_plugin.vocab import TokenizerLike, first_differences, vocab_hash
 
 log = logging.getLogger("specpilot.plugin")
+
+TokenizerLoader = Callable[[str], TokenizerLike]
+
 
 @dataclass
 class _Request:
@@ -46,7 +55,7 @@ class EngineSpec:
     model: str
     tokenizer: str
     drafter: str  # name of the engine's own drafter ("" without speculation)
-    drafter_kind: common_pb2.DraftKind
+    drafter_kind: DraftKind | None  # None without speculation
     drafter_tokenizer: str  # "" for n-gram
     max_k: int
     async_scheduling: bool
@@ -57,18 +66,18 @@ class EngineSpec:
     max_num_seqs: int
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any) -> EngineSpec:
+    def from_vllm(cls, vllm_config: VllmConfigLike) -> EngineSpec:
         spec = vllm_config.speculative_config
         model_cfg = vllm_config.model_config
-        drafter, kind, draft_tok = "", common_pb2.DRAFT_KIND_UNSPECIFIED, ""
+        drafter, kind, draft_tok = "", None, ""
         if spec is not None and spec.method == "ngram":
-            drafter, kind = NGRAM_DRAFT, common_pb2.DRAFT_KIND_NGRAM
+            drafter, kind = NGRAM_DRAFT, DraftKind.NGRAM
         elif spec is not None:
             # The draft's own tokenizer, from its directory: vLLM itself only compares vocabulary
             # sizes and runs the draft with the target's tokenizer (draft_model_config.tokenizer),
             # which is exactly how a silent mismatch gets in.
             drafter = Path(str(spec.model)).name or str(spec.method)
-            kind, draft_tok = common_pb2.DRAFT_KIND_MODEL, str(spec.model)
+            kind, draft_tok = DraftKind.MODEL, str(spec.model)
         return cls(
             model=str(model_cfg.served_model_name or model_cfg.model),
             tokenizer=str(model_cfg.tokenizer),
@@ -88,33 +97,88 @@ class EngineSpec:
     def can_substitute_ngram(self) -> bool:
         """Draft tokens can be replaced in the sync scheduler; greedy draft sampling treats
         them as one-hot, so the output distribution stays the target's."""
-        return (self.drafter_kind == common_pb2.DRAFT_KIND_MODEL and not self.async_scheduling
+        return (self.drafter_kind is DraftKind.MODEL and not self.async_scheduling
                 and self.greedy_draft_sampling)
 
 
-def _load_tokenizer(path: str) -> Any:
+@dataclass(frozen=True)
+class Announcement:
+    """What the engine tells the controller (``hello``) and the drafts it may run: those whose
+    vocabulary matches the target's (``drafts_allowed``)."""
+
+    hello: EngineHello
+    drafts_allowed: frozenset[str]
+
+
+def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) -> Announcement:
+    """The hello, after the tokenizer guard: a model draft whose vocabulary differs from the
+    target's is refused here (and flagged to the controller by its hash). Loads the target's
+    tokenizer, and the model draft's, with ``load``."""
+    e = engine
+    drafts: list[DraftSpec] = []
+    allowed: set[str] = set()
+    target = load(e.tokenizer)
+    target_hash = vocab_hash(target)
+    if e.drafter_kind is DraftKind.MODEL:
+        draft_tok = load(e.drafter_tokenizer)
+        draft_hash = vocab_hash(draft_tok)
+        if draft_hash != target_hash:
+            log.error(
+                "specpilot: draft %r tokenizer differs from the target's %r; speculation "
+                "refused (acceptance would be meaningless). First differences: %s",
+                e.drafter, e.tokenizer, "; ".join(first_differences(target, draft_tok)))
+        else:
+            allowed.add(e.drafter)
+        drafts.append(DraftSpec(e.drafter, DraftKind.MODEL, e.max_k, draft_hash))
+    elif e.drafter_kind is DraftKind.NGRAM:
+        allowed.add(e.drafter)
+        drafts.append(DraftSpec(e.drafter, DraftKind.NGRAM, e.max_k))
+    substitute = e.can_substitute_ngram and e.drafter in allowed and config.ngram_drafts
+    if substitute:
+        allowed.add(NGRAM_DRAFT)
+        drafts.append(DraftSpec(NGRAM_DRAFT, DraftKind.NGRAM, e.max_k))
+    hello = EngineHello(
+        engine_id=config.engine_id, model=e.model, target_vocab_hash=target_hash,
+        drafts=tuple(drafts), max_k=e.max_k,
+        per_request_k=config.k_mode != "batch_wide",
+        # The drafter's passes follow the K chosen (not the configured K) in both batch modes:
+        # the controller then prices draft passes as the batch's largest K.
+        batch_wide_k=config.k_mode != "per_request",
+        ngram_substitution=substitute,
+        ngram_counterfactual=substitute,
+        engine_version=_vllm_version(), plugin_version=package_version(),
+        max_batch_size=e.max_num_seqs,
+    )
+    return Announcement(hello, frozenset(allowed))
+
+
+def _load_tokenizer(path: str) -> TokenizerLike:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer: TokenizerLike = AutoTokenizer.from_pretrained(path)
+    return tokenizer
 
 
 class Pilot:
-    def __init__(self, engine: EngineSpec, config: PluginConfig,
-                 tokenizer_loader: Any = _load_tokenizer) -> None:
+    """The plugin's state in one engine. The constructor only wires the parts together (no I/O,
+    no thread); ``create`` reads the class rules, loads the tokenizers and starts the link."""
+
+    def __init__(self, engine: EngineSpec, config: PluginConfig, classifier: Classifier,
+                 announcement: Announcement) -> None:
         self.engine = engine
         self.config = config
-        self.classifier = Classifier.from_file(config.class_rules, config.max_classes)
-        self.drafts_allowed: set[str] = set()
-        hello = self._hello(tokenizer_loader)
+        self.classifier = classifier
+        self.drafts_allowed = announcement.drafts_allowed
+        hello = announcement.hello
         static_k = engine.max_k if engine.drafter in self.drafts_allowed else 0
         self.view = PolicyView(static_k=static_k, static_draft=engine.drafter,
                                fail_static_timeout_seconds=config.fail_static_timeout_seconds,
                                max_k=engine.max_k)
         # Records for drafts the controller was not told about are dropped here, not sent.
-        self.stats = StatsAggregator(self.view.bucket_bounds, max_k=max(engine.max_k, 1),
+        self.stats = StatsAggregator(max_k=max(engine.max_k, 1),
                                      drafts={d.name for d in hello.drafts})
         self.link = ControllerLink(
-            config.controller, hello, self.view, self.stats, config,
+            config.controller, hello, self.view, config,
             on_hello_ack=lambda ack: self.classifier.set_max_classes(ack.max_classes),
             start=False)
         self.ngram = (NgramProposer(engine.ngram_min, engine.ngram_max, engine.max_model_len)
@@ -127,54 +191,20 @@ class Pilot:
         self.requests: dict[str, _Request] = {}
         self._step_started = 0.0
         self._last_report = time.monotonic()
-        self.link.start()  # no thread without a controller: the static configuration stays
 
-    # --- start-up -------------------------------------------------------------------------------
-    def _hello(self, load: Any) -> engine_pb2.EngineHello:
-        """The hello, after the tokenizer guard: a model draft whose vocabulary differs from the
-        target's is refused here (and flagged to the controller by its hash)."""
-        e = self.engine
-        drafts: list[engine_pb2.DraftInfo] = []
-        target = load(e.tokenizer)
-        target_hash = vocab_hash(target)
-        if e.drafter_kind == common_pb2.DRAFT_KIND_MODEL:
-            draft_tok = load(e.drafter_tokenizer)
-            draft_hash = vocab_hash(draft_tok)
-            if draft_hash != target_hash:
-                log.error(
-                    "specpilot: draft %r tokenizer differs from the target's %r; speculation "
-                    "refused (acceptance would be meaningless). First differences: %s",
-                    e.drafter, e.tokenizer, "; ".join(first_differences(target, draft_tok)))
-            else:
-                self.drafts_allowed.add(e.drafter)
-            drafts.append(engine_pb2.DraftInfo(name=e.drafter, kind=e.drafter_kind,
-                                               vocab_hash=draft_hash, max_k=e.max_k))
-        elif e.drafter_kind == common_pb2.DRAFT_KIND_NGRAM:
-            self.drafts_allowed.add(e.drafter)
-            drafts.append(engine_pb2.DraftInfo(name=e.drafter, kind=e.drafter_kind,
-                                               max_k=e.max_k))
-        substitute = (e.can_substitute_ngram and e.drafter in self.drafts_allowed
-                      and self.config.ngram_drafts)
-        if substitute:
-            self.drafts_allowed.add(NGRAM_DRAFT)
-            drafts.append(engine_pb2.DraftInfo(name=NGRAM_DRAFT, kind=common_pb2.DRAFT_KIND_NGRAM,
-                                               max_k=e.max_k))
-        return engine_pb2.EngineHello(
-            engine_id=self.config.engine_id, model=e.model, target_vocab_hash=target_hash,
-            drafts=drafts, max_k=e.max_k,
-            capabilities=engine_pb2.EngineCapabilities(
-                per_request_k=self.config.k_mode != "batch_wide",
-                # The drafter's passes follow the K chosen (not the configured K) in both batch
-                # modes: the controller then prices draft passes as the batch's largest K.
-                batch_wide_k=self.config.k_mode != "per_request",
-                ngram_substitution=substitute,
-                ngram_counterfactual=substitute),
-            engine_version=_vllm_version(), plugin_version=package_version(),
-            max_batch_size=e.max_num_seqs,
-        )
+    @classmethod
+    def create(cls, engine: EngineSpec, config: PluginConfig,
+               tokenizer_loader: TokenizerLoader = _load_tokenizer) -> Pilot:
+        """A running pilot: the class rules read, the hello announced after the tokenizer guard,
+        and the link started (no thread without a controller: the static configuration stays).
+        Raises ValueError for a bad class-rules file."""
+        classifier = Classifier.from_file(config.class_rules, config.max_classes)
+        pilot = cls(engine, config, classifier, announce(engine, config, tokenizer_loader))
+        pilot.link.start()
+        return pilot
 
     # --- hooks ----------------------------------------------------------------------------------
-    def on_add_request(self, request: Any) -> None:
+    def on_add_request(self, request: RequestLike) -> None:
         params = request.sampling_params
         lora = request.lora_request
         self.requests[request.request_id] = _Request(
@@ -191,7 +221,7 @@ class Pilot:
     def on_schedule_start(self) -> None:
         self._step_started = time.monotonic()
 
-    def batch_k(self, running: Iterable[Any]) -> int:
+    def batch_k(self, running: Iterable[RequestLike]) -> int:
         """The K the drafter drafts this step in the batch modes. ``batch_max``: the largest K
         any request wants from the drafter (n-gram requests get their drafts by substitution and
         need no passes); each request is then cut to its own. ``batch_wide``: the median, one K
@@ -209,15 +239,15 @@ class Pilot:
         return (choice.draft == NGRAM_DRAFT and self.engine.can_substitute_ngram
                 and self.ngram is not None)
 
-    def _choice(self, request: Any, batch_size: int) -> Choice:
+    def _choice(self, request: RequestLike, batch_size: int) -> Choice:
         state = self.requests.get(request.request_id)
-        cls = state.traffic_class if state is not None else "default"
+        cls = state.traffic_class if state is not None else DEFAULT_CLASS
         choice = self.view.choice(cls, batch_size, request.request_id)
         if choice.k and choice.draft not in self.drafts_allowed:
             return Choice(self.engine.drafter, 0, False)
         return choice
 
-    def on_drafts(self, requests: Mapping[str, Any], req_ids: Iterable[str],
+    def on_drafts(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
                   batch_size: int, batch_k: int | None) -> None:
         """After the drafter proposed: cut each request's drafts to its K, or substitute n-gram
         drafts where the policy picks them.
@@ -261,7 +291,7 @@ class Pilot:
             if state is not None:
                 state.draft = draft
 
-    def on_placeholders(self, requests: Mapping[str, Any], req_ids: Iterable[str],
+    def on_placeholders(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
                         batch_size: int) -> None:
         """Async scheduling: each request gets a placeholder list of its own K (the scheduler
         shares one list of the batch K between all requests; never mutate that one)."""
@@ -276,7 +306,8 @@ class Pilot:
             if state is not None:
                 state.draft = self.engine.drafter
 
-    def on_output(self, scheduler_output: Any, runner_output: Any, running: int) -> None:
+    def on_output(self, scheduler_output: SchedulerOutputLike,
+                  runner_output: ModelRunnerOutputLike) -> None:
         """Before vLLM applies a step's output: count drafted/accepted per request and time the
         step."""
         seconds = time.monotonic() - self._step_started
@@ -309,7 +340,7 @@ class Pilot:
             self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,
                                    k * batch, self.engine.drafter if k else "", k, seconds)
 
-    def after_output(self, requests: Mapping[str, Any], req_ids: Iterable[str],
+    def after_output(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
                      running: int) -> None:
         """After vLLM appended the step's tokens (and freed finished requests): score pending
         counterfactual n-gram drafts, then hand a report to the link when one is due."""
@@ -322,7 +353,8 @@ class Pilot:
             if not payload.is_empty:
                 self.link.submit(payload)
 
-    def _score_counterfactual(self, requests: Mapping[str, Any], req_ids: Iterable[str]) -> None:
+    def _score_counterfactual(self, requests: Mapping[str, RequestLike],
+                              req_ids: Iterable[str]) -> None:
         if self.counterfactual is None:
             return
         for req_id in req_ids:
@@ -339,7 +371,7 @@ class Pilot:
                 self.stats.record_verification(state.traffic_class, NGRAM_DRAFT, k, accepted,
                                                counterfactual=True)
 
-    def on_free(self, request: Any) -> None:
+    def on_free(self, request: RequestLike) -> None:
         state = self.requests.pop(request.request_id, None)
         if self.counterfactual is not None:
             self.counterfactual.forget(request.request_id)

@@ -10,6 +10,10 @@ longer than the fail-static timeout, ``choice`` returns the engine's static conf
 ``version`` is 0. The last policy is kept: the next message from the controller brings it back
 (on a reconnect the controller sends its current policy right after the HelloAck).
 
+Batch buckets: the view holds the plugin's one copy of the bucket bounds, the defaults until a
+HelloAck announces the controller's (``set_bucket_bounds``). Decisions are looked up and reports
+are bucketed (``engine_plugin.link``) with these bounds, through ``controller.core.buckets``.
+
 Probing: while a class is off (k = 0) the controller may ask for a share ``probe_rate`` of its
 requests to run at ``probe_k`` with ``probe_draft``, so a recovery of acceptance is noticed. Which
 requests probe is decided by a hash of the request key (blake2b, uniform in [0, 1)), so the
@@ -29,11 +33,11 @@ from hashlib import blake2b
 from typing import NamedTuple
 
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
+from controller.core.classes import OTHER_CLASS
 from specpilot.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
 
-OTHER_CLASS = "other"
 _HASH_SCALE = float(2**64)
 
 

