@@ -53,7 +53,7 @@ def _good(seq: int = 1, cls: str = "code") -> EngineReport:
 def _snapshot(core: ControllerCore) -> tuple[CoreSnapshot, np.ndarray]:
     """The whole read model at one instant, and the cost model's fit (white-box: it has no read
     model)."""
-    return core.snapshot(10.0), core.cost.theta.copy()
+    return core.snapshot(10.0), core._cost.theta.copy()
 
 
 BAD_REPORTS = {
@@ -196,9 +196,9 @@ def test_per_request_engines_pay_the_drafter_whatever_k() -> None:
     for batch_wide, off_pays_drafter in ((False, True), (True, False)):
         core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
         core.connect_engine(replace(HELLO, batch_wide_k=batch_wide), now=0.0)
-        ctx = core._context("code", core.classes["default"], core.drafts(), now=0.0)
+        ctx = core._context("code", core._classes["default"], core.drafts(), now=0.0)
         plain = float(ctx.step_seconds(8, "", False, 0)[0])
-        bare = core.cost.predict_arm(8, 0, "", False)
+        bare = core._cost.predict_arm(8, 0, "", False)
         assert (plain > bare) is off_pays_drafter
 
 
@@ -213,7 +213,7 @@ def test_substituted_ngram_pays_the_model_drafters_passes_only_under_one_k_per_s
                             now=0.0)
         specs = {d.name: d for d in core.drafts()}
         assert specs["ngram"].carrier == carrier and specs["d"].pass_draft == "d"
-        ctx = core._context("code", core.classes["default"], core.drafts(), now=0.0)
+        ctx = core._context("code", core._classes["default"], core.drafts(), now=0.0)
         table = arm_table(ctx, 8, {"d": np.ones(7), "ngram": np.ones(5)}, max_k=4)
         seconds = dict(zip(table.keys, table.step_seconds, strict=True))
         if carrier:

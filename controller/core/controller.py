@@ -130,24 +130,24 @@ class ControllerCore:
     def __init__(self, config: CoreConfig, rng: np.random.Generator) -> None:
         self.config = config
         self._rng = rng
-        self.estimator = AcceptanceEstimator(config.estimator)
-        self.mix = ClassMix(config.estimator.half_life_seconds)
+        self._estimator = AcceptanceEstimator(config.estimator)
+        self._mix = ClassMix(config.estimator.half_life_seconds)
         # Per bucket: the arms of the best whole batch (the joint search), and when it ran.
         self._joint: dict[int, dict[str, Arm]] = {}
         self._joint_at: dict[int, float] = {}
-        self.cost = StepCostModel(
+        self._cost = StepCostModel(
             config.cost_knots_tokens,
             config.cost_prior,
             config.cost_half_life_seconds,
             [config.bucket_batch_size(b) for b in range(config.n_buckets)],
             config.policy.max_k,
         )
-        self.engines: dict[str, _EngineState] = {}
-        self.classes: dict[str, _ClassState] = {DEFAULT_CLASS: _ClassState()}
+        self._engines: dict[str, _EngineState] = {}
+        self._classes: dict[str, _ClassState] = {DEFAULT_CLASS: _ClassState()}
         # Offline classes are known before their first request, so they are pinned off from the
         # first policy on instead of running the warm-up K until a report names them.
         for name in sorted(config.offline_classes)[: max(config.max_classes - 1, 0)]:
-            self.classes.setdefault(name, _ClassState())
+            self._classes.setdefault(name, _ClassState())
         self._overrides: dict[str, Override] = {}
         self._version = 0
         self._log: deque[DecisionEvent] = deque(maxlen=config.decision_log_size)
@@ -176,17 +176,17 @@ class ControllerCore:
         if models and hello.batch_wide_k and not hello.per_request_k:
             accepted = {n: (replace(d, carrier=models[0]) if d.kind is not DraftKind.MODEL else d)
                         for n, d in accepted.items()}
-        self.engines[hello.engine_id] = _EngineState(hello, accepted, last_report_at=now)
-        self.cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
+        self._engines[hello.engine_id] = _EngineState(hello, accepted, last_report_at=now)
+        self._cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
         return HelloOutcome(tuple(accepted), tuple(rejected))
 
     def disconnect_engine(self, engine_id: str) -> None:
-        self.engines.pop(engine_id, None)
+        self._engines.pop(engine_id, None)
 
     def drafts(self) -> tuple[DraftSpec, ...]:
         """Drafts every connected engine accepted (union; first-seen order)."""
         merged: dict[str, DraftSpec] = {}
-        for engine in self.engines.values():
+        for engine in self._engines.values():
             for name, spec in engine.drafts.items():
                 merged.setdefault(name, spec)
         return tuple(merged.values())
@@ -194,11 +194,11 @@ class ControllerCore:
     # --- reports ----------------------------------------------------------------------------
     def canonical_class(self, name: str) -> str:
         """The tracked class for ``name`` now (unknown names beyond the limit map to "other")."""
-        return fold_class(name, self.classes, self.config.max_classes)
+        return fold_class(name, self._classes, self.config.max_classes)
 
     def ingest(self, engine_id: str, report: EngineReport, now: float) -> IngestResult:
         """Validate, then apply a report. On ReportRejected nothing has changed."""
-        engine = self.engines.get(engine_id)
+        engine = self._engines.get(engine_id)
         if engine is None:
             raise ReportRejected(f"engine {engine_id!r}: report before hello")
         check_report(report, engine.drafts, engine.hello.max_k, self.config.n_buckets,
@@ -206,15 +206,15 @@ class ControllerCore:
         # Class mapping is decided before any state changes, in report order.
         names = [r.traffic_class for r in report.acceptance] + [
             r.traffic_class for r in report.finished]
-        mapping, pending_new = fold_classes(names, self.classes, self.config.max_classes)
+        mapping, pending_new = fold_classes(names, self._classes, self.config.max_classes)
         # --- apply (nothing below can fail) ---
         for name in [*pending_new, *(v for v in mapping.values() if v == OTHER_CLASS)]:
-            self.classes.setdefault(name, _ClassState())
+            self._classes.setdefault(name, _ClassState())
         changes: list[tuple[str, str]] = []
         for rec in report.acceptance:
             cls = mapping[rec.traffic_class]
-            if self.estimator.observe(cls, rec.draft, rec.steps_by_accepted, now):
-                self.classes[cls].change_pending = True
+            if self._estimator.observe(cls, rec.draft, rec.steps_by_accepted, now):
+                self._classes[cls].change_pending = True
                 changes.append((cls, rec.draft))
         # The batch mix in decode request-steps: verification steps as they happen for classes
         # that speculate, finished requests' output - accepted (each step emits its accepted
@@ -225,11 +225,11 @@ class ControllerCore:
                 cls = mapping[rec.traffic_class]
                 verified[cls] = verified.get(cls, 0) + sum(rec.steps_by_accepted)
         for cls, steps in verified.items():
-            self.mix.observe(cls, steps, now)
+            self._mix.observe(cls, steps, now)
         for req in report.finished:
             cls = mapping[req.traffic_class]
             if cls not in verified:
-                self.mix.observe(cls, max(req.output_tokens - req.accepted_tokens, 1), now)
+                self._mix.observe(cls, max(req.output_tokens - req.accepted_tokens, 1), now)
         for st in report.step_timings:
             if st.steps <= 0:
                 continue
@@ -242,7 +242,7 @@ class ControllerCore:
                 draft_passes=float(st.k) if is_model and st.sum_draft_tokens > 0 else 0.0,
                 draft_tokens=st.sum_draft_tokens / st.steps if is_model else 0.0,
             )
-            self.cost.observe(shape, st.sum_step_seconds / st.steps, st.steps, now)
+            self._cost.observe(shape, st.sum_step_seconds / st.steps, st.steps, now)
         engine.last_sequence = report.sequence
         engine.running_requests = report.running_requests
         engine.last_report_at = now
@@ -259,7 +259,7 @@ class ControllerCore:
                     cache: dict[tuple[str, str], np.ndarray]) -> np.ndarray:
         curve = cache.get((name, draft))
         if curve is None:
-            curve = expected_tokens_curve(self.estimator.posterior(name, draft, now).mean)
+            curve = expected_tokens_curve(self._estimator.posterior(name, draft, now).mean)
             cache[(name, draft)] = curve
         return curve
 
@@ -267,7 +267,7 @@ class ControllerCore:
                 cache: dict[tuple[str, str], np.ndarray]) -> dict[int, BatchOthers]:
         """Per bucket batch size: the rest of a batch as the other classes run now (empty while
         the mix is unknown: every batch is then scored as if it were all this class)."""
-        shares = self.mix.shares()
+        shares = self._mix.shares()
         if not shares:
             return {}
         known = {d.name for d in drafts}
@@ -275,7 +275,7 @@ class ControllerCore:
         for b in range(self.config.n_buckets):
             others = []
             for other, share in shares.items():
-                state = self.classes.get(other)
+                state = self._classes.get(other)
                 if other == name or share <= 0 or state is None:
                     continue
                 d = state.decisions.get(b)
@@ -299,13 +299,13 @@ class ControllerCore:
         A bucket is refreshed when its result is older than joint_interval_seconds, at most
         ``_JOINT_BUCKETS_PER_DECIDE`` per call (stalest first) so no decide round stalls the
         server; every bucket at once after a detected change. Batch size 1 has no others."""
-        shares = self.mix.shares()
+        shares = self._mix.shares()
         if not shares or self._sunk_draft() is not None:
             return
         interval = self.config.policy.joint_interval_seconds
         buckets = [b for b in range(self.config.n_buckets)
                    if self.config.bucket_batch_size(b) > 1]
-        if any(s.change_pending for s in self.classes.values()):
+        if any(s.change_pending for s in self._classes.values()):
             due = buckets
         else:
             stale = [b for b in buckets if now - self._joint_at.get(b, -np.inf) >= interval]
@@ -315,12 +315,12 @@ class ControllerCore:
             return
         classes = []
         for name, share in shares.items():
-            state = self.classes.get(name)
+            state = self._classes.get(name)
             if state is None or share <= 0:
                 continue
             free = (name not in self.config.offline_classes
                     and self._override_for(name) is None
-                    and any(self.estimator.has_data(name, d.name) for d in drafts))
+                    and any(self._estimator.has_data(name, d.name) for d in drafts))
             curves = {d.name: self._mean_curve(name, d.name, now, cache) for d in drafts}
             classes.append((name, share, curves, state, free))
         if sum(free for *_, free in classes) < 2:
@@ -333,7 +333,7 @@ class ControllerCore:
                 arm = d.arm if d is not None and d.draft in curves | {"": None} else ("", 0)
                 joint.append(JointClass(name, share, curves, arm, free))
             self._joint[b] = joint_arms(self.config.bucket_batch_size(b), joint, drafts,
-                                       self.config.policy.max_k, self.cost.predict_mixed)
+                                       self.config.policy.max_k, self._cost.predict_mixed)
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
                  now: float, cache: dict[tuple[str, str], np.ndarray] | None = None
@@ -341,7 +341,7 @@ class ControllerCore:
         cache = {} if cache is None else cache
         sampled, mean = {}, {}
         for d in drafts:
-            post = self.estimator.posterior(name, d.name, now)
+            post = self._estimator.posterior(name, d.name, now)
             sampled[d.name] = post.sample(self._rng)
             mean[d.name] = post.mean
         buckets = tuple(
@@ -355,23 +355,23 @@ class ControllerCore:
             drafts=drafts,
             sampled_rates=sampled,
             mean_rates=mean,
-            has_data=any(self.estimator.has_data(name, d.name) for d in drafts),
+            has_data=any(self._estimator.has_data(name, d.name) for d in drafts),
             change_detected=state.change_pending,
-            recovering=any(self.estimator.recovering(name, d.name, now) for d in drafts),
+            recovering=any(self._estimator.recovering(name, d.name, now) for d in drafts),
             offline=name in self.config.offline_classes,
             override=self._override_for(name),
             buckets=buckets,
-            step_seconds=partial(self.cost.predict_curve, sunk_draft=self._sunk_draft()),
+            step_seconds=partial(self._cost.predict_curve, sunk_draft=self._sunk_draft()),
             # Per-request engines draft max K for everyone anyway: the homogeneous view is exact.
             others=self._others(name, drafts, now, cache) if self._sunk_draft() is None else {},
-            mixed_seconds=self.cost.predict_mixed,
+            mixed_seconds=self._cost.predict_mixed,
         )
 
     def _sunk_draft(self) -> SunkDraft | None:
         """The model drafter that runs every step whatever K is chosen, if any: engines in
         per-request K mode draft the configured K and only then cut. (With several engines the
         first such one stands for all.) Batch-wide engines draft only the K chosen."""
-        for engine in self.engines.values():
+        for engine in self._engines.values():
             if engine.hello.batch_wide_k:
                 continue
             for spec in engine.drafts.values():
@@ -382,13 +382,13 @@ class ControllerCore:
     def decide(self, now: float) -> list[DecisionEvent]:
         """Re-decide every class and bucket; return the events for choices that changed."""
         drafts = self.drafts()
-        if not drafts and not self.engines:
+        if not drafts and not self._engines:
             return []
         events: list[DecisionEvent] = []
         material = False
         cache: dict[tuple[str, str], np.ndarray] = {}
         self._refresh_joint(drafts, now, cache)
-        for name, state in self.classes.items():
+        for name, state in self._classes.items():
             ctx = self._context(name, state, drafts, now, cache)
             for new in decide_class(ctx, self.config.policy):
                 old = state.decisions.get(new.bucket)
@@ -428,7 +428,7 @@ class ControllerCore:
                     f"override.traffic_class: {name!r} is new and the class limit "
                     f"(max_classes={self.config.max_classes}) is reached, so its traffic is "
                     f"folded into {OTHER_CLASS!r}: override {OTHER_CLASS!r} instead")
-            self.classes.setdefault(name, _ClassState())
+            self._classes.setdefault(name, _ClassState())
         self._overrides[name] = override
 
     def clear_override(self, traffic_class: str) -> bool:
@@ -443,26 +443,26 @@ class ControllerCore:
         return self._version
 
     def decision(self, traffic_class: str, bucket: int) -> Decision | None:
-        state = self.classes.get(traffic_class)
+        state = self._classes.get(traffic_class)
         return state.decisions.get(bucket) if state else None
 
     def snapshot(self, now: float) -> CoreSnapshot:
         """The whole state as of ``now``, frozen (posteriors decay with time, so ``now``
         matters for the estimates and the engines' report ages)."""
         drafts = self.drafts()
-        with_evidence = self.estimator.keys()
-        shares = self.mix.shares()
+        with_evidence = self._estimator.keys()
+        shares = self._mix.shares()
         classes = tuple(
             ClassView(
                 name=name,
-                decisions=tuple(d for _, d in sorted(self.classes[name].decisions.items())),
+                decisions=tuple(d for _, d in sorted(self._classes[name].decisions.items())),
                 estimates=self._estimates(name, drafts, with_evidence, now),
                 overrides=tuple(self._overrides[c] for c in (name, ALL_CLASSES)
                                 if c in self._overrides),
                 offline=name in self.config.offline_classes,
                 share=shares.get(name),
             )
-            for name in sorted(self.classes)
+            for name in sorted(self._classes)
         )
         engines = tuple(
             EngineView(
@@ -475,7 +475,7 @@ class ControllerCore:
                 last_sequence=e.last_sequence,
                 policy_version_applied=e.policy_version_applied,
             )
-            for engine_id, e in sorted(self.engines.items())
+            for engine_id, e in sorted(self._engines.items())
         )
         return CoreSnapshot(
             at=now,
@@ -494,7 +494,7 @@ class ControllerCore:
                  positions: int | None = None) -> AcceptanceEstimate:
         """The acceptance posterior of (class, draft) as of ``now``: the bare prior when no
         report named it. ``positions`` shown: the estimator's max K unless given."""
-        post = self.estimator.posterior(traffic_class, draft, now)
+        post = self._estimator.posterior(traffic_class, draft, now)
         return AcceptanceEstimate(
             traffic_class=traffic_class,
             draft=draft,
@@ -503,8 +503,8 @@ class ControllerCore:
             prior_alpha=post.prior_alpha,
             prior_beta=post.prior_beta,
             positions=self.config.estimator.max_k if positions is None else positions,
-            changes_detected=self.estimator.changes_detected(traffic_class, draft),
-            has_evidence=self.estimator.has_data(traffic_class, draft),
+            changes_detected=self._estimator.changes_detected(traffic_class, draft),
+            has_evidence=self._estimator.has_data(traffic_class, draft),
         )
 
     def _estimates(self, name: str, drafts: tuple[DraftSpec, ...],
@@ -520,11 +520,11 @@ class ControllerCore:
     def explain(self, traffic_class: str, bucket: int, now: float) -> Explanation:
         """The numbers behind the decision of one (class, bucket). KeyError naming what is
         unknown."""
-        if traffic_class not in self.classes:
+        if traffic_class not in self._classes:
             raise KeyError(f"unknown class {traffic_class!r}")
         if not 0 <= bucket < self.config.n_buckets:
             raise KeyError(f"batch bucket {bucket} outside 0..{self.config.n_buckets - 1}")
-        state = self.classes[traffic_class]
+        state = self._classes[traffic_class]
         ctx = self._context(traffic_class, state, self.drafts(), now)
         batch = self.config.bucket_batch_size(bucket)
         arms = tuple(arm_values(ctx, batch, ctx.mean_rates, self.config.policy.max_k))

@@ -50,7 +50,7 @@ def _snapshot(server: RunningServer, at: float) -> tuple[Any, ...]:
     snap = server.core.snapshot(at)
     estimates = [e for c in snap.classes for e in c.estimates if e.has_evidence]
     return (estimates, [c.name for c in snap.classes], snap.engines,
-            server.core.cost.theta.tolist())
+            server.core._cost.theta.tolist())
 
 
 # --- health and reflection ---------------------------------------------------------------------
