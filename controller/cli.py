@@ -35,12 +35,13 @@ from typing import Any
 import grpc
 import yaml
 
-from controller.core.types import arm_key
+from controller.core.types import Override, arm_key
 from controller.server.app import ServeError, start_server
 from controller.server.explain import arm_label
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
 from controller.settings import Settings, SettingsError, load_settings, settings_reference
+from controller.wire import override_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -198,13 +199,13 @@ def policy_get(stub: PolicyStub, args: argparse.Namespace) -> int:
 
 
 def policy_set(stub: PolicyStub, args: argparse.Namespace) -> int:
-    ov = policy_pb2.Override(traffic_class=args.cls, note=args.note)
-    if args.pin_k is not None:
-        ov.pin_k = args.pin_k
-    elif args.force_draft is not None:
-        ov.force_draft = args.force_draft
-    else:
-        ov.force_off = True
+    try:
+        override = Override(args.cls, pin_k=args.pin_k, force_draft=args.force_draft,
+                            force_off=args.force_off, note=args.note)
+    except ValueError as exc:
+        _say(str(exc), err=True)
+        return 2
+    ov = override_to_proto(override)
     resp = stub.SetOverride(policy_pb2.SetOverrideRequest(override=ov), timeout=args.timeout,
                             metadata=_write_metadata(args))
     print(f"override on {args.cls}: {_override_text(ov)}; policy version {resp.policy_version}")
