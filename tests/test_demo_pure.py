@@ -71,12 +71,23 @@ def test_plan_rejects_text_that_is_too_short() -> None:
                    TEXTS, encode)
 
 
+# A three-phase workload of one greedy class ("code") and one sampled class ("chat").
+WORKLOAD = Workload((ClassSpec("code", "code", 1.0, 8, 8),
+                     ClassSpec("chat", "prose", 1.0, 8, 8, temperature=0.8)),
+                    (Phase("light", 1, 1), Phase("burst", 16, 1), Phase("light-again", 1, 1)))
+
+
 def _run(config: str, phase_rates: list[float], tokens: tuple[int, ...] = (1, 2, 3),
-         drafted: int = 8, accepted: int = 4) -> RunResult:
-    phases = tuple(PhaseResult(p.name, p.concurrency, 10.0, int(rate * 10))
-                   for p, rate in zip(BENCH_WORKLOAD.phases, phase_rates, strict=True))
-    requests = (RequestResult("r0", 0, "code", tokens, 0.0, 1.0, drafted, accepted,
-                              (1, 1, 1)),)
+         drafted: int = 8, accepted: int = 4, chat_tokens: tuple[int, ...] = (7, 8, 9),
+         step_seconds: float = 0.01) -> RunResult:
+    # Every phase: 10 s, rate x 10 tokens; its decode steps: 100 steps of ``step_seconds`` at
+    # batch 2, generating the same tokens.
+    phases = tuple(PhaseResult(p.name, p.concurrency, 10.0, int(rate * 10), 100,
+                               100 * step_seconds, int(rate * 10), 200)
+                   for p, rate in zip(WORKLOAD.phases, phase_rates, strict=True))
+    requests = (RequestResult("r0", 0, "code", tokens, 0.0, 1.0, drafted, accepted, (1, 1, 1)),
+                RequestResult("r1", 0, "chat", chat_tokens, 0.0, 1.0, drafted, accepted,
+                              (1, 1, 1)))
     return RunResult(config, phases, requests)
 
 
@@ -88,7 +99,7 @@ def test_summary_takes_medians_and_ratios_against_static_configs() -> None:
         SPECPILOT: [_run(SPECPILOT, [20, 95, 20]), _run(SPECPILOT, [28, 99, 28]),
                     _run(SPECPILOT, [29, 99, 29])],
     }
-    report = summarize(BENCH_WORKLOAD, runs, runs["off"][0], seconds=60.0)
+    report = summarize(WORKLOAD, runs, runs["off"][0], seconds=60.0)
     ours = report.figures(SPECPILOT)
     assert ours is not None and ours.phase_tokens_per_second == (28.0, 99.0, 28.0)
     # Whole-run medians: off 40, draft:4 (25+60+25)/3 = 36.7, specpilot (28+99+28)/3 = 51.7.
@@ -97,31 +108,68 @@ def test_summary_takes_medians_and_ratios_against_static_configs() -> None:
     assert report.best_per_phase == ("draft:4", "off", "draft:4")
     assert report.ratio_per_phase == pytest.approx((28 / 25, 0.99, 28 / 25))
     assert report.specpilot_first_run_tokens_per_second == pytest.approx(135 / 3)
+    # Decode: the same tokens in 1 s of decode steps per phase.
+    assert ours.phase_decode_tokens_per_second == (280.0, 990.0, 280.0)
+    assert ours.phase_step_seconds_per_sequence == pytest.approx((0.005,) * 3)
     assert report.identical_outputs
     assert math.isnan(report.figures("off").acceptance["code"])  # type: ignore[union-attr]
     assert ours.acceptance["code"] == pytest.approx(0.5)
+    assert ours.tokens_per_verify_step["code"] == pytest.approx(1 + 4 / 3)
     text = markdown(report)
     assert "goal >= 1.1: met" in text and "identical to no speculation in every run: yes" in text
+    assert "**ceiling**" in text
     assert report_json(report)["configs"][0]["acceptance"]["code"] is None
 
 
-def test_a_changed_output_is_caught() -> None:
+def test_the_ceiling_gives_each_class_its_best_configuration() -> None:
+    from benchmarks.demo.ceiling import ceiling
+
+    # code gains 3 tokens per step with the draft (at twice the step cost), chat nothing.
+    tau = [{"off": 0.01, "draft": 0.02}]
+    expected = {"code": {"off": 1.0, "draft": 3.0}, "chat": {"off": 1.0, "draft": 1.0}}
+    c = ceiling(["p"], [{"code": 60.0, "chat": 40.0}], tau, expected)
+    [p] = c.phases
+    assert p.best == {"code": "draft", "chat": "off"}
+    # time = 60 * 0.02 / 3 + 40 * 0.01 = 0.8 s for 100 tokens; off alone 1.0 s, draft alone 1.2.
+    assert p.tokens_per_second == pytest.approx(125.0)
+    assert p.modeled == pytest.approx({"off": 100.0, "draft": 100 / 1.2})
+    assert c.tokens_per_second == pytest.approx(125.0)
+
+
+def test_a_changed_greedy_output_is_caught_and_sampled_ones_are_not_compared() -> None:
     ref = _run("off", [1, 1, 1])
+    sampled_differs = _run("draft:4", [1, 1, 1], chat_tokens=(1, 1, 1))
+    assert output_mismatches(ref, sampled_differs, WORKLOAD.greedy_classes()) == []
+    assert output_mismatches(ref, sampled_differs) == ["r1"]
     bad = _run("draft:4", [1, 1, 1], tokens=(1, 2, 4))
-    assert output_mismatches(ref, bad) == ["r0"]
-    report = summarize(BENCH_WORKLOAD, {"off": [ref], "draft:4": [bad]}, ref, 1.0)
+    assert output_mismatches(ref, bad, WORKLOAD.greedy_classes()) == ["r0"]
+    report = summarize(WORKLOAD, {"off": [ref], "draft:4": [bad]}, ref, 1.0)
     assert not report.identical_outputs and math.isnan(report.ratio_best_static)
     assert "NO" in markdown(report)
+
+
+def test_a_shifted_sampled_distribution_is_caught() -> None:
+    ref = _run("off", [1, 1, 1])
+    same = {"chat": [[1, 2], [1, 3]] * 100}
+    shifted = {"chat": [[1, 2]] * 200}
+    ok = summarize(WORKLOAD, {"off": [ref], "x": [ref]}, ref, 1.0, {"off": same, "x": same})
+    assert ok.distributions_match and ok.exact
+    bad = summarize(WORKLOAD, {"off": [ref], "x": [ref]}, ref, 1.0, {"off": same, "x": shifted})
+    figures = bad.figures("x")
+    assert figures is not None and [c.same for c in figures.distribution["chat"]] == [True, False]
+    assert not bad.distributions_match and "DIFFERS" in markdown(bad)
 
 
 def test_helpers() -> None:
     assert median([3.0, 1.0, 2.0]) == 2.0 and median([1.0, 2.0]) == 1.5
     assert math.isnan(median([]))
     names = [c.name for c in bench_configs()]
-    assert names == ["off", "draft:2", "draft:4", "ngram:4", "draft-table", SPECPILOT]
-    assert rotated(bench_configs(), 1)[0].name == "draft:2"
+    assert names == ["off", "draft:2p", "draft:4p", "ngram:4", "draft-table-p", SPECPILOT]
+    assert rotated(bench_configs(), 1)[0].name == "draft:2p"
     assert rotated(bench_configs(), 6)[0].name == "off"
     figures = class_figures(_run("x", [1, 1, 1]).requests)["code"]
     assert figures.tokens_per_verify_step == pytest.approx(1 + 4 / 3)
     spec = bench_configs()[4].speculative_config(draft_dir=Path("/d"))
     assert spec is not None and spec["num_speculative_tokens_per_batch_size"][0] == [1, 2, 4]
+    assert spec["draft_sample_method"] == "probabilistic"
+    assert BENCH_WORKLOAD.max_concurrency == 32

@@ -1,8 +1,9 @@
 """Acceptance per traffic class of a prepared model set, measured on the real engine.
 
-Runs a few requests of every demo class through vLLM with static draft K=4 and with static
-n-gram K=4 (greedy), and records accepted / drafted tokens per class and draft in
-``<build root>/acceptance.json``. Cached: a second call reads the file.
+Runs a few requests of every demo class (each at its own temperature) through vLLM with static
+draft K=4 (probabilistic drafting) and with static n-gram K=4, and records accepted / drafted
+tokens per class and draft in ``<build root>/acceptance-v2.json`` (v2: the sampled classes).
+Cached: a second call reads the file.
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from benchmarks.demo.configs import EngineConfig
+from benchmarks.demo.configs import PROBABILISTIC, EngineConfig
 from benchmarks.demo.workload import DEFAULT_CLASSES, Phase, Workload
 
 if TYPE_CHECKING:
     from benchmarks.demo.models import ModelSet
 
-ACCEPTANCE_FILE = "acceptance.json"
+ACCEPTANCE_FILE = "acceptance-v2.json"
 # Requests per class in the measurement, and how many run at once.
 REQUESTS_PER_CLASS = 6
 CONCURRENCY = 4
-MEASURED = (EngineConfig("draft:4", "draft", 4), EngineConfig("ngram:4", "ngram", 4))
+MEASURED = (EngineConfig("draft:4p", "draft", 4, draft_sampling=PROBABILISTIC),
+            EngineConfig("ngram:4", "ngram", 4))
 
 
 def measurement_workload() -> Workload:

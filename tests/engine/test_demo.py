@@ -59,10 +59,10 @@ def test_models_command_records_acceptance_per_class_once(demo_models_root: Path
     table = record_acceptance(models, echo=lines.append)
     assert set(table) == {c.name for c in MEASURED}
     for by_class in table.values():
-        assert set(by_class) == {"code", "prose", "edit"}  # offline work is not measured
+        assert set(by_class) == {"chat", "codegen", "edit"}  # offline work is not measured
         assert all(v is None or 0.0 <= v <= 1.0 for v in by_class.values())
     # The random draft is rejected almost always; prompt lookup finds the random target's loops.
-    assert (table["draft:4"]["code"] or 0.0) < 0.3
+    assert (table["draft:4p"]["edit"] or 0.0) < 0.3
     assert len(lines) == 2
     # Cached: read back without starting an engine.
     assert record_acceptance(models, echo=lines.append) == table and len(lines) == 2

@@ -16,7 +16,6 @@ from the general plugin takes effect.
 
 from __future__ import annotations
 
-import collections
 import importlib.util
 import json
 import math
@@ -24,13 +23,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from benchmarks.demo.distribution import compare_positions, compare_samples
 from benchmarks.demo.engine import ENGINE_DEFAULTS, ENGINE_ENV, llm_session
 from benchmarks.demo.tiny_models import TinyModels
 from tests.engine.conftest import IN_CI, REPO_ROOT, require_engine_deps
@@ -225,52 +224,17 @@ N_SAMPLES = 400
 MAX_TOKENS = 4
 TEMPERATURE = 1.0
 PROMPT = "def foo(x):"
-# Two-sample chi-square homogeneity test per generated position, over the tokens seen >= 10
-# times in both samples together plus one bin for the rest. Fixed tolerances: p >= 1e-4 and
-# total variation (same bins) <= 0.25. Measured on the tiny target: same-distribution pairs
-# give p 0.14-0.8 and TV 0.06-0.12; without the fix the random-draft arm gives p ~1e-50..1e-72
-# and TV 0.38-0.59 at positions 1-3 (position 0 comes from the prefill sampler, not from
-# rejection sampling, and matches either way).
-MIN_BIN_COUNT = 10
-MIN_P_VALUE = 1e-4
-MAX_TV = 0.25
-
-
-def compare_samples(a: Sequence[int], b: Sequence[int]) -> tuple[float, int, float, float]:
-    """(chi-square statistic, degrees of freedom, p-value, total variation) of two samples."""
-    ca, cb = collections.Counter(a), collections.Counter(b)
-    pooled = ca + cb
-    bins = sorted(t for t, n in pooled.items() if n >= MIN_BIN_COUNT)
-    na, nb = len(a), len(b)
-    obs_a = [ca[t] for t in bins]
-    obs_b = [cb[t] for t in bins]
-    obs_a.append(na - sum(obs_a))
-    obs_b.append(nb - sum(obs_b))
-    stat = 0.0
-    used = 0
-    for x, y in zip(obs_a, obs_b, strict=True):
-        if x + y == 0:
-            continue
-        used += 1
-        ea, eb = (x + y) * na / (na + nb), (x + y) * nb / (na + nb)
-        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
-    df = max(used - 1, 1)
-    # Survival function of chi2(df): the regularized upper incomplete gamma Q(df/2, stat/2).
-    p = float(
-        torch.special.gammaincc(
-            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
-        )
-    )
-    tv = 0.5 * sum(abs(x / na - y / nb) for x, y in zip(obs_a, obs_b, strict=True))
-    return stat, df, p, tv
+# The two-sample test and its tolerances: benchmarks.demo.distribution (the real-engine
+# benchmark checks its sampled classes with the same test).
 
 
 def test_compare_samples_detects_a_shift() -> None:
     same = compare_samples([1] * 200 + [2] * 100 + [3] * 100, [1] * 190 + [2] * 110 + [3] * 100)
-    assert same[2] > 0.1 and same[3] < 0.05
+    assert same.p_value > 0.1 and same.total_variation < 0.05 and same.same
     shifted = compare_samples([1] * 200 + [2] * 200, [1] * 300 + [2] * 100)
-    assert shifted[2] < 1e-6 and shifted[3] == pytest.approx(0.25)
-    assert math.isclose(compare_samples([5] * 10, [5] * 10)[2], 1.0)
+    assert shifted.p_value < 1e-6 and shifted.total_variation == pytest.approx(0.25)
+    assert not shifted.same
+    assert math.isclose(compare_samples([5] * 10, [5] * 10).p_value, 1.0)
 
 
 def _sample(llm: Any, seed0: int) -> list[list[int]]:
@@ -319,13 +283,12 @@ def test_sampled_distribution_matches_no_speculation(
     print(f"\n[{arm}] {counts} acceptance={counts.acceptance:.3f}")
     assert counts.draft_tokens > 0
     failures = []
-    for pos in range(MAX_TOKENS):
-        stat, df, p, tv = compare_samples(
-            [s[pos] for s in plain_samples], [s[pos] for s in samples]
-        )
-        print(f"[{arm}] position {pos}: chi2={stat:.1f} df={df} p={p:.3g} tv={tv:.3f}")
-        if p < MIN_P_VALUE or tv > MAX_TV:
-            failures.append(f"position {pos}: chi2={stat:.1f} df={df} p={p:.3g} tv={tv:.3f}")
+    for pos, c in enumerate(compare_positions(plain_samples, samples)):
+        line = (f"position {pos}: chi2={c.statistic:.1f} df={c.degrees_of_freedom} "
+                f"p={c.p_value:.3g} tv={c.total_variation:.3f}")
+        print(f"[{arm}] {line}")
+        if not c.same:
+            failures.append(line)
     assert not failures, f"{arm}: sampled distribution differs from no speculation: {failures}"
     if arm == "self-probabilistic":
         # Without the fix this is ~0.01 (temperatures are uninitialised memory).
