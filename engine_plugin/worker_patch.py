@@ -35,6 +35,7 @@ leaves vLLM as it is.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -201,7 +202,8 @@ def _runner_class() -> tuple[type | None, str]:
         if have is None or have[:len(params)] != params:
             return None, f"GPUModelRunner.{name}{params} not found (have {have})"
     # The cached draft probabilities both patches read and reset.
-    names = getattr(getattr(vars(runner).get("__init__"), "__code__", None), "co_names", ())
+    init = inspect.unwrap(vars(runner).get("__init__", object.__init__))  # vLLM decorates it
+    names = getattr(getattr(init, "__code__", None), "co_names", ())
     if "_draft_probs" not in names or "_draft_prob_req_ids" not in names:
         return None, "GPUModelRunner keeps no _draft_probs/_draft_prob_req_ids"
     return runner, ""
