@@ -14,6 +14,7 @@ Policies are forced on the pilot directly (no controller): each request's class 
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -155,8 +156,8 @@ def sample(llm: Any, seed0: int, classes: list[str]) -> tuple[list[list[int]], i
     from vllm import SamplingParams
 
     params = [SamplingParams(temperature=TEMPERATURE, max_tokens=SAMPLE_TOKENS, ignore_eos=True,
-                             seed=seed0 + i, extra_args={"traffic_class": classes[i % len(classes)]})
-              for i in range(N_SAMPLES)]
+                             seed=seed0 + i, extra_args={"traffic_class": cls})
+              for i, cls in zip(range(N_SAMPLES), itertools.cycle(classes), strict=False)]
     outputs = llm.generate([SAMPLE_PROMPT] * N_SAMPLES, params, use_tqdm=False)
     return token_ids(outputs), len(outputs[0].prompt_token_ids)
 
