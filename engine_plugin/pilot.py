@@ -31,6 +31,7 @@ from engine_plugin.vllm_types import (
     VllmConfigLike,
 )
 from engine_plugin.vocab import TokenizerLike, first_differences, vocab_hash
+from engine_plugin.worker_patch import mark_step, patches_applicable
 
 log = logging.getLogger("specpilot.plugin")
 
@@ -64,6 +65,9 @@ class EngineSpec:
     ngram_max: int
     max_model_len: int
     max_num_seqs: int
+    # The worker verifies substituted drafts against one-hot probabilities whatever the draft
+    # sampling method (engine_plugin.worker_patch).
+    one_hot_rows: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfigLike) -> EngineSpec:
@@ -91,14 +95,16 @@ class EngineSpec:
             ngram_max=int(getattr(spec, "prompt_lookup_max", None) or 4),
             max_model_len=int(model_cfg.max_model_len),
             max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
+            one_hot_rows=patches_applicable(),
         )
 
     @property
     def can_substitute_ngram(self) -> bool:
-        """Draft tokens can be replaced in the sync scheduler; greedy draft sampling treats
-        them as one-hot, so the output distribution stays the target's."""
+        """Draft tokens can be replaced in the sync scheduler. They are verified as one-hot
+        (so the output distribution stays the target's) under greedy draft sampling, and under
+        probabilistic sampling when the worker patch rebuilds their rows."""
         return (self.drafter_kind is DraftKind.MODEL and not self.async_scheduling
-                and self.greedy_draft_sampling)
+                and (self.greedy_draft_sampling or self.one_hot_rows))
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,8 @@ class Pilot:
             if self.ngram is not None and NGRAM_DRAFT in self.drafts_allowed
             and engine.drafter != NGRAM_DRAFT else None)
         self.requests: dict[str, _Request] = {}
+        # Requests whose drafts were last replaced by n-gram tokens; consumed by mark_step.
+        self._deterministic: set[str] = set()
         self._step_started = 0.0
         self._last_report = time.monotonic()
 
@@ -273,6 +281,7 @@ class Pilot:
                     continue
                 assert self.ngram is not None
                 request.spec_token_ids = self.ngram.propose(request.all_token_ids, k)
+                self._deterministic.add(req_id)
                 draft = NGRAM_DRAFT
                 if state is not None:
                     # Scored as K asked: a short proposal counts its missing tail as rejected,
@@ -290,6 +299,16 @@ class Pilot:
                 draft = self.engine.drafter
             if state is not None:
                 state.draft = draft
+
+    def mark_step(self, output: SchedulerOutputLike) -> None:
+        """On a step's SchedulerOutput, for the worker (engine_plugin.worker_patch): which
+        scheduled drafts are deterministic (substituted since the last step), and whether the
+        drafter may skip its pass (batch modes; the worker also requires batch K 0 and a
+        decode-only step)."""
+        deterministic = self._deterministic.intersection(output.scheduled_spec_decode_tokens)
+        self._deterministic.clear()
+        skip = self.config.skip_idle_drafter and self.config.k_mode != "per_request"
+        mark_step(output, skip_drafter=skip, deterministic=deterministic)
 
     def on_placeholders(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
                         batch_size: int) -> None:

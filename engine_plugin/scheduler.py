@@ -28,6 +28,7 @@ from engine_plugin.config import PluginConfig
 from engine_plugin.pilot import EngineSpec, Pilot
 from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
 from engine_plugin.vllm_types import VllmConfigLike
+from engine_plugin.worker_patch import install_worker_patches
 
 log = logging.getLogger("specpilot.plugin")
 T = TypeVar("T")
@@ -40,6 +41,8 @@ def _start_pilot(vllm_config: VllmConfigLike) -> Pilot | None:
                   version, SUPPORTED_VLLM)
         return None
     try:
+        # In-process workers get the patches even where general plugins are filtered out.
+        install_worker_patches()
         engine = EngineSpec.from_vllm(vllm_config)
         if not engine.max_k:
             log.warning("specpilot: no speculative decoding configured; nothing to steer")
@@ -122,6 +125,7 @@ class SpecPilotScheduler(_PilotScheduler):
         if k is not None:
             # The drafter drafts this many for the next step: batch-wide K saves draft work too.
             output.num_spec_tokens_to_schedule = min(k, output.num_spec_tokens_to_schedule)
+        self._guard(lambda p: p.mark_step(output))
         return output
 
 

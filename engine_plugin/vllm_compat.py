@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import re
 import sys
 
@@ -21,6 +22,7 @@ __all__ = [
     "SUPPORTED_VLLM",
     "is_cpu_platform",
     "is_supported",
+    "method_parameters",
     "vllm_version",
 ]
 
@@ -137,3 +139,16 @@ def is_cpu_platform() -> bool:
         return bool(current_platform.is_cpu())
     except Exception:
         return False
+
+
+def method_parameters(cls: type, name: str) -> tuple[str, ...] | None:
+    """The parameter names of ``cls.name`` (``self`` included), or None when it is not a
+    function: how a worker-side patch checks that the vLLM internal it wraps has the shape it
+    was written against before wrapping it."""
+    method = getattr(cls, name, None)
+    if not callable(method):
+        return None
+    try:
+        return tuple(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return None
