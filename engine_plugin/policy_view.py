@@ -1,9 +1,9 @@
 """The policy in force: which (draft, K) each request runs with.
 
 The sender thread writes (``apply``, ``set_bucket_bounds``, ``heard_from_controller``), the
-scheduler thread reads (``choice``, ``version``). Writers build a new immutable snapshot and
-assign it to one attribute; an attribute assignment is atomic under the GIL, so readers need no
-lock and always see either the old or the new policy, never a mix.
+scheduler thread reads (``choice``, ``lookup``, ``version``). Writers build a new immutable
+snapshot and assign it to one attribute; an attribute assignment is atomic under the GIL, so
+readers need no lock and always see either the old or the new policy, never a mix.
 
 Fail-static: before the first policy, and whenever nothing was heard from the controller for
 longer than the fail-static timeout, ``choice`` returns the engine's static configuration and
