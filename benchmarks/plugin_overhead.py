@@ -31,8 +31,9 @@ differences, in microseconds and as a percentage of the base scheduler time and 
 time.
 
 A separate, untimed pass afterwards times each plugin hook (``Pilot.on_*``) and its main parts,
-times one n-gram proposal at several context lengths, and, when the overhead is above the 2% goal
-(or with ``--profile``), runs cProfile inside the hooks only. Without ``OMP_WAIT_POLICY`` set, the
+times one n-gram proposal at several context lengths, and, when the overhead is above either goal
+(10% of the base scheduler's time, 0.5% of the base engine step; or with ``--profile``), runs
+cProfile inside the hooks only. Without ``OMP_WAIT_POLICY`` set, the
 script sets it to PASSIVE (see below): the same in every configuration.
 
 Writes plugin_overhead.json and plugin_overhead.md (and plugin_overhead_profile.txt when
@@ -86,7 +87,9 @@ LABELS = {BASE: "vLLM `Scheduler` (base)",
           PLUGIN_NO_NGRAM: "`SpecPilotScheduler` + controller, `NGRAM_DRAFTS=false`"}
 K = 4
 BATCH = 16
-GOAL_PERCENT = 2.0
+# Goals (issue 11): the plugin's overhead as a share of the base scheduler's time and step.
+GOAL_SCHEDULER_PERCENT = 10.0
+GOAL_STEP_PERCENT = 0.5
 WRAPPED_CALLS = ("schedule", "update_from_output", "update_draft_token_ids")
 HOOKS = ("on_add_request", "on_schedule_start", "on_output", "after_output", "on_drafts",
          "on_free", "batch_k")
@@ -245,22 +248,32 @@ def hook_targets(pilot: Any, inner: bool) -> list[tuple[str, Any, str]]:
     return targets
 
 
-def ngram_cost(pilot: Any, contexts: tuple[int, ...] = (128, 512, 2048)) -> dict[str, float]:
-    """Microseconds per ``NgramProposer.propose`` call at several context lengths (the
-    counterfactual scorer calls it for about every running request every step)."""
+def ngram_cost(pilot: Any, contexts: tuple[int, ...] = (128, 512, 2048)
+               ) -> dict[str, dict[str, float]]:
+    """Microseconds per n-gram proposal at several context lengths: ``propose`` (a substituted
+    draft: the context sliced and converted) and ``propose_window`` (the counterfactual scorer's:
+    the request's int32 buffer passed as it is)."""
     import random
+
+    import numpy as np
 
     if pilot.ngram is None:
         return {}
     rng = random.Random(0)
-    out = {}
+    out: dict[str, dict[str, float]] = {"propose": {}, "propose_window": {}}
+    calls = 2000
     for n in contexts:
         tokens = [rng.randrange(2000) for _ in range(n)]
-        calls = 2000
+        window = np.asarray(tokens, dtype=np.int32)
         t0 = time.perf_counter()
         for _ in range(calls):
             pilot.ngram.propose(tokens, K)
-        out[str(n)] = 1e6 * (time.perf_counter() - t0) / calls
+        t1 = time.perf_counter()
+        for _ in range(calls):
+            pilot.ngram.propose_window(window, n, K)
+        t2 = time.perf_counter()
+        out["propose"][str(n)] = 1e6 * (t1 - t0) / calls
+        out["propose_window"][str(n)] = 1e6 * (t2 - t1) / calls
     return out
 
 
@@ -370,8 +383,12 @@ def markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
         for name, h in res["hooks"].items():
             lines.append(f"| {name} | {h['us_per_step']:.1f} | {h['calls_per_step']:.1f} |")
     if res.get("ngram_propose_us"):
-        costs = ", ".join(f"{us:.0f} us at {n} tokens" for n, us in res["ngram_propose_us"].items())
-        lines += ["", f"One n-gram proposal (`NgramProposer.propose`): {costs} of context."]
+        cost = {name: ", ".join(f"{us:.1f} us at {n}" for n, us in by_n.items())
+                for name, by_n in res["ngram_propose_us"].items()}
+        lines += ["", f"One n-gram proposal, by tokens of context: substituted "
+                      f"(`NgramProposer.propose`, context sliced) {cost['propose']}; "
+                      f"counterfactual (`propose_window`, the request's buffer) "
+                      f"{cost['propose_window']}."]
     lines += ["", f"{meta['repeats']} repetitions per configuration, alternating; {BATCH} "
                   f"concurrent greedy requests x {meta['max_tokens']} tokens "
                   f"(~{cfgs[BASE]['steps_per_rep']:.0f} steps at batch {BATCH}), K={K}, "
@@ -464,7 +481,6 @@ def main() -> None:
         res = analyse(reps)
 
         # Where the plugin's time goes, outside the timed repetitions (the wrappers cost a little).
-        over = res["overhead"][PLUGIN]["percent_of_scheduler"]
         print("hook breakdown (2 x 3 untimed batches)...", flush=True)
         res["hooks"] = hook_pass(llms[PLUGIN], recs[PLUGIN], args.max_tokens, 3, inner=False)
         res["hooks"].update(hook_pass(llms[PLUGIN], recs[PLUGIN], args.max_tokens, 3,
@@ -472,7 +488,7 @@ def main() -> None:
         pilot = llms[PLUGIN].llm_engine.engine_core.engine_core.scheduler._pilot
         res["ngram_propose_us"] = ngram_cost(pilot)
         profile_text = ""
-        if args.profile or over > GOAL_PERCENT:
+        if args.profile or over_goal(res["overhead"][PLUGIN]):
             print("cProfile inside the plugin hooks (2 untimed batches)...", flush=True)
             profiler = cProfile.Profile()
             hook_pass(llms[PLUGIN], recs[PLUGIN], args.max_tokens, 2, False, profiler)
@@ -514,11 +530,16 @@ def main() -> None:
         (args.out / "plugin_overhead_profile.txt").write_text(profile_text)
         print(profile_text)
     o = res["overhead"][PLUGIN]
-    verdict = "within" if o["percent_of_scheduler"] <= GOAL_PERCENT else "ABOVE"
+    verdict = "ABOVE" if over_goal(o) else "within"
     print(f"plugin overhead: {o['us_per_step']:.0f} us/step = {o['percent_of_scheduler']:.1f}% "
-          f"of scheduler time ({verdict} the {GOAL_PERCENT:.0f}% goal), "
-          f"{o['percent_of_step']:.2f}% of the engine step; {meta['seconds']} s; "
+          f"of scheduler time, {o['percent_of_step']:.2f}% of the engine step ({verdict} the "
+          f"goals: {GOAL_SCHEDULER_PERCENT:.0f}%, {GOAL_STEP_PERCENT}%); {meta['seconds']} s; "
           f"results in {args.out}")
+
+
+def over_goal(overhead: dict[str, Any]) -> bool:
+    return bool(overhead["percent_of_scheduler"] > GOAL_SCHEDULER_PERCENT
+                or overhead["percent_of_step"] > GOAL_STEP_PERCENT)
 
 
 def _vllm_version() -> str:

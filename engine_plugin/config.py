@@ -80,7 +80,8 @@ class PluginConfig:
     allows) and score them counterfactually: ``true`` or ``false``."""
     ngram_counterfactual_share: float = 0.25
     """Stable random share of requests whose n-gram drafts are scored counterfactually, 0..1. A
-    proposal costs 10-70 us (context length); a random subset keeps the estimate unbiased."""
+    proposal costs 1-3 us per scored request and step (the matcher on the request's own buffer of
+    its last 2,048 tokens); a random subset keeps the estimate unbiased."""
 
     skip_idle_drafter: bool = True
     """In the batch modes, skip the drafter's pass in a decode step whose batch K is 0 (every

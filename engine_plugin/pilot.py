@@ -22,7 +22,7 @@ from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import ControllerLink
 from engine_plugin.ngram import NGRAM_DRAFT, CounterfactualNgram, NgramProposer
-from engine_plugin.policy_view import Choice, PolicyView, probe_point
+from engine_plugin.policy_view import Choice, PolicyLookup, PolicyView, probe_point
 from engine_plugin.stats import StatsAggregator
 from engine_plugin.vllm_types import (
     ModelRunnerOutputLike,
@@ -190,13 +190,17 @@ class Pilot:
         self.ngram = (NgramProposer(engine.ngram_min, engine.ngram_max, engine.max_model_len)
                       if engine.max_k and config.ngram_drafts else None)
         self.counterfactual = (
-            CounterfactualNgram(self.ngram.propose, engine.max_k)
+            CounterfactualNgram(self.ngram.propose_window, engine.max_k)
             # Scored only where n-gram drafts are offered: the controller must know the draft.
             if self.ngram is not None and NGRAM_DRAFT in self.drafts_allowed
             and engine.drafter != NGRAM_DRAFT else None)
         self.requests: dict[str, _Request] = {}
         # Requests whose drafts were last replaced by n-gram tokens; consumed by mark_step.
         self._deterministic: set[str] = set()
+        # The requests in the counterfactual n-gram sample (a subset of ``requests``).
+        self._scored: dict[str, _Request] = {}
+        # This step's policy per batch size: one lookup per (class, bucket) per step.
+        self._lookups: dict[int, PolicyLookup] = {}
         self._step_started = 0.0
         self._last_report = time.monotonic()
 
@@ -215,7 +219,7 @@ class Pilot:
     def on_add_request(self, request: RequestLike) -> None:
         params = request.sampling_params
         lora = request.lora_request
-        self.requests[request.request_id] = _Request(
+        state = self.requests[request.request_id] = _Request(
             self.classifier.classify(
                 params.extra_args if params is not None else None,
                 lora.lora_name if lora is not None else None,
@@ -225,9 +229,12 @@ class Pilot:
             score_ngram=probe_point(request.request_id + "#ngram")
             < self.config.ngram_counterfactual_share,
         )
+        if state.score_ngram and self.counterfactual is not None:
+            self._scored[request.request_id] = state
 
     def on_schedule_start(self) -> None:
         self._step_started = time.monotonic()
+        self._lookups.clear()
 
     def batch_k(self, running: Iterable[RequestLike]) -> int:
         """The K the drafter drafts this step in the batch modes. ``batch_max``: the largest K
@@ -250,7 +257,10 @@ class Pilot:
     def _choice(self, request: RequestLike, batch_size: int) -> Choice:
         state = self.requests.get(request.request_id)
         cls = state.traffic_class if state is not None else DEFAULT_CLASS
-        choice = self.view.choice(cls, batch_size, request.request_id)
+        lookup = self._lookups.get(batch_size)
+        if lookup is None:
+            lookup = self._lookups[batch_size] = self.view.lookup(batch_size)
+        choice = lookup.choice(cls, request.request_id)
         if choice.k and choice.draft not in self.drafts_allowed:
             return Choice(self.engine.drafter, 0, False)
         return choice
@@ -374,17 +384,19 @@ class Pilot:
 
     def _score_counterfactual(self, requests: Mapping[str, RequestLike],
                               req_ids: Iterable[str]) -> None:
-        if self.counterfactual is None:
+        counterfactual, scored_states = self.counterfactual, self._scored
+        if counterfactual is None or not scored_states:
             return
         for req_id in req_ids:
-            request = requests.get(req_id)
-            state = self.requests.get(req_id)
+            state = scored_states.get(req_id)
             # Requests served by n-gram drafts are measured for real, not counterfactually.
-            if (request is None or state is None or not state.score_ngram
-                    or state.draft == NGRAM_DRAFT):
+            if state is None or state.draft == NGRAM_DRAFT:
                 continue
-            scored = self.counterfactual.step(req_id, request.all_token_ids,
-                                              request.num_prompt_tokens)
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            scored = counterfactual.step(req_id, request.all_token_ids,
+                                         request.num_prompt_tokens)
             if scored is not None:
                 k, accepted = scored
                 self.stats.record_verification(state.traffic_class, NGRAM_DRAFT, k, accepted,
@@ -392,6 +404,7 @@ class Pilot:
 
     def on_free(self, request: RequestLike) -> None:
         state = self.requests.pop(request.request_id, None)
+        self._scored.pop(request.request_id, None)
         if self.counterfactual is not None:
             self.counterfactual.forget(request.request_id)
         if state is None:

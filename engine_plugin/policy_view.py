@@ -1,9 +1,9 @@
 """The policy in force: which (draft, K) each request runs with.
 
 The sender thread writes (``apply``, ``set_bucket_bounds``, ``heard_from_controller``), the
-scheduler thread reads (``choice``, ``version``). Writers build a new immutable snapshot and
-assign it to one attribute; an attribute assignment is atomic under the GIL, so readers need no
-lock and always see either the old or the new policy, never a mix.
+scheduler thread reads (``choice``, ``lookup``, ``version``). Writers build a new immutable
+snapshot and assign it to one attribute; an attribute assignment is atomic under the GIL, so
+readers need no lock and always see either the old or the new policy, never a mix.
 
 Fail-static: before the first policy, and whenever nothing was heard from the controller for
 longer than the fail-static timeout, ``choice`` returns the engine's static configuration and
@@ -176,22 +176,63 @@ class PolicyView:
 
         Never raises: on any unexpected input it returns the static configuration.
         """
+        return self.lookup(batch_size).choice(traffic_class, request_key)
+
+    def lookup(self, batch_size: int) -> PolicyLookup:
+        """The policy in force now for a batch of ``batch_size``, as an object that resolves each
+        class once (what the plugin uses within one step: one lookup per class and bucket).
+        Never raises."""
         policy = self._policy
         if policy is None or self._clock() - self._heard_at > self._timeout:
-            return self._static
+            return PolicyLookup(self._static, None, 0, self._folded)
         try:
             bucket = bucket_of(self._bounds, batch_size)
-            entry = policy.decisions.get((traffic_class, bucket))
+        except Exception:
+            log.debug("bucket lookup failed; static configuration", exc_info=True)
+            return PolicyLookup(self._static, None, 0, self._folded)
+        return PolicyLookup(self._static, policy, bucket, self._folded)
+
+
+class PolicyLookup:
+    """One policy snapshot at one batch bucket: ``choice`` resolves a class's decision on its
+    first call and remembers it; the probe draw stays per request (``probe_point`` of its key).
+    Read it on one thread (the scheduler's); it never sees a later policy."""
+
+    __slots__ = ("_bucket", "_entries", "_folded", "_policy", "_static")
+
+    def __init__(self, static: Choice, policy: _Policy | None, bucket: int,
+                 folded: frozenset[str]) -> None:
+        self._static = static
+        self._policy = policy
+        self._bucket = bucket
+        self._folded = folded
+        self._entries: dict[str, _Entry | None] = {}
+
+    def choice(self, traffic_class: str, request_key: str) -> Choice:
+        """The (draft, K) for a request of ``traffic_class`` whose probe key is ``request_key``.
+        Never raises: on any unexpected input it returns the static configuration."""
+        try:
+            try:
+                entry = self._entries[traffic_class]
+            except KeyError:
+                entry = self._entries[traffic_class] = self._resolve(traffic_class)
             if entry is None:
-                if traffic_class in self._folded:
-                    entry = policy.decisions.get((OTHER_CLASS, bucket))
-                if entry is None:
-                    entry = policy.defaults.get(bucket)
-                    if entry is None:
-                        return self._static
+                return self._static
             if entry.probe_rate > 0.0 and probe_point(request_key) < entry.probe_rate:
                 return entry.probe_choice
             return entry.choice
         except Exception:
             log.debug("policy lookup failed; static configuration", exc_info=True)
             return self._static
+
+    def _resolve(self, traffic_class: str) -> _Entry | None:
+        policy = self._policy
+        if policy is None:
+            return None
+        bucket = self._bucket
+        entry = policy.decisions.get((traffic_class, bucket))
+        if entry is None and traffic_class in self._folded:
+            entry = policy.decisions.get((OTHER_CLASS, bucket))
+        if entry is None:
+            entry = policy.defaults.get(bucket)
+        return entry

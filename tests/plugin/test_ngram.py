@@ -1,19 +1,26 @@
 """Counterfactual n-gram scoring: proposals are scored as the K asked, so a short or empty
-proposal counts as the 1 + accepted tokens its step would really yield."""
+proposal counts as the 1 + accepted tokens its step would really yield; and the incremental
+scorer (per-request buffers appended with the new tokens) proposes and scores exactly what the
+first implementation, which re-read the whole context every step, did."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 
-from engine_plugin.ngram import CounterfactualNgram, NgramProposer
+import numpy as np
+import pytest
+
+from engine_plugin import ngram
+from engine_plugin.ngram import CounterfactualNgram, NgramProposer, accepted_prefix
 
 
 def test_short_and_empty_proposals_are_scored_as_k_asked() -> None:
     proposals = {3: [7, 8], 5: []}
 
-    def propose(tokens: Sequence[int], k: int) -> list[int]:
-        assert k == 4
-        return list(proposals.get(len(tokens), []))
+    def propose(window: np.ndarray, total: int, k: int) -> list[int]:
+        assert k == 4 and len(window) == total
+        return list(proposals.get(total, []))
 
     cf = CounterfactualNgram(propose, k=4)
     prompt = [1, 2]
@@ -30,3 +37,90 @@ def test_proposer_finds_the_continuation_of_a_repeated_ngram() -> None:
     tokens = [10, 11, 12, 13, 14, 15, 10, 11, 12]
     assert proposer.propose(tokens, 3) == [13, 14, 15]
     assert proposer.propose([1, 2, 3, 4], 3) == []
+    window = np.asarray(tokens, dtype=np.int32)
+    assert proposer.propose_window(window, len(tokens), 3) == [13, 14, 15]
+
+
+class ReferenceCounterfactual:
+    """The first implementation (re-slices the whole context every step): the oracle."""
+
+    def __init__(self, propose: Callable[[Sequence[int], int], list[int]], k: int) -> None:
+        self._propose, self.k = propose, k
+        self._pending: dict[str, tuple[int, list[int]]] = {}
+
+    def step(self, req_id: str, tokens: Sequence[int], num_prompt_tokens: int
+             ) -> tuple[int, int] | None:
+        scored = None
+        pending = self._pending.get(req_id)
+        if pending is not None:
+            start, proposal = pending
+            known = tokens[start : start + len(proposal)]
+            accepted = accepted_prefix(proposal, known)
+            if len(known) == len(proposal) or accepted < len(known):
+                scored = (self.k, accepted)
+                del self._pending[req_id]
+                pending = None
+        if pending is None and len(tokens) >= num_prompt_tokens:
+            self._pending[req_id] = (len(tokens), self._propose(tokens, self.k))
+        return scored
+
+    def forget(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+
+@pytest.mark.parametrize(("window", "steps"), [(16, 3000), (64, 3000), (2048, 600)])
+@pytest.mark.parametrize("seed", range(3))
+def test_incremental_scorer_matches_the_reference(monkeypatch: pytest.MonkeyPatch, window: int,
+                                                  steps: int, seed: int) -> None:
+    """Random streams of several interleaved requests: each step appends 1-6 tokens (a verified
+    step), sometimes hundreds (the request was served by n-gram drafts and not scored), sometimes
+    vLLM rewrites the list (a streaming session's next input: the last token dropped and prompt
+    tokens added, or only the last token replaced). Proposals and (K, accepted) records must be
+    identical, call by call."""
+    monkeypatch.setattr(ngram, "MAX_CONTEXT_TOKENS", window)
+    rng = random.Random(seed)
+    k = rng.choice([1, 3, 4, 8])
+    proposer = NgramProposer(2, rng.choice([3, 5]), max_model_len=6000)
+    new_proposals: list[list[int]] = []
+    old_proposals: list[list[int]] = []
+
+    def new_propose(w: np.ndarray, total: int, kk: int) -> list[int]:
+        new_proposals.append(proposer.propose_window(w, total, kk))
+        return new_proposals[-1]
+
+    def old_propose(tokens: Sequence[int], kk: int) -> list[int]:
+        old_proposals.append(proposer.propose(tokens, kk))
+        return old_proposals[-1]
+
+    new, old = CounterfactualNgram(new_propose, k), ReferenceCounterfactual(old_propose, k)
+    vocab = rng.choice([3, 8, 50])  # small vocabularies repeat n-grams: proposals are not empty
+    streams: dict[str, tuple[list[int], int]] = {}
+    for _ in range(steps):
+        req = f"r{rng.randrange(5)}"
+        if req not in streams or rng.random() < 0.002:
+            if req in streams:  # finished: forgotten, and the id comes back as a new request
+                new.forget(req)
+                old.forget(req)
+            prompt = rng.randrange(0, 40)
+            streams[req] = ([rng.randrange(vocab) for _ in range(prompt)], prompt)
+        tokens, num_prompt = streams[req]
+        r = rng.random()
+        if r < 0.01 and len(tokens) > num_prompt:  # streaming session: new input
+            del tokens[-1]
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randrange(0, 5)))
+            num_prompt = len(tokens)
+        elif r < 0.015 and len(tokens) > num_prompt:  # same, with no input: the prompt stays
+            tokens[-1] = vocab
+        elif r < 0.03:
+            jump = rng.randrange(window // 2, 3 * window)
+            tokens.extend(rng.randrange(vocab) for _ in range(jump))
+        else:
+            # Half the time the n-gram proposal itself comes true (then one token of the target's
+            # own), so proposals resolve both ways.
+            if rng.random() < 0.5:
+                tokens.extend(proposer.propose(tokens, rng.randrange(1, k + 1)))
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))
+        streams[req] = (tokens, num_prompt)
+        assert new.step(req, tokens, num_prompt) == old.step(req, tokens, num_prompt)
+    assert new_proposals == old_proposals
+    assert sum(map(bool, new_proposals)) > 100  # the comparison covered real proposals

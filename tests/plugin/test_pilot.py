@@ -83,3 +83,43 @@ def test_constructor_does_no_io_and_create_starts_the_link(tmp_path: Path) -> No
         assert created.classifier.classify(None, None, 1, None) == "everything"
     finally:
         created.close()
+
+
+class _Request:
+    """The parts of a vLLM request that ``on_drafts`` reads."""
+
+    def __init__(self, i: int) -> None:
+        self.request_id = f"r{i}"
+        self.sampling_params = None
+        self.lora_request = None
+        self.num_prompt_tokens, self.max_tokens = 4, 16
+        self.all_token_ids = [1, 2, 3, 4]
+        self.spec_token_ids = [5, 6, 7, 8]
+        self.is_prefill_chunk = self.use_structured_output = False
+
+    def is_finished(self) -> bool:
+        return False
+
+
+def test_the_policy_is_looked_up_once_per_batch_size_and_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    config = PluginConfig()
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    lookups: list[int] = []
+    real = pilot.view.lookup
+
+    def counted(batch_size: int) -> object:
+        lookups.append(batch_size)
+        return real(batch_size)
+
+    monkeypatch.setattr(pilot.view, "lookup", counted)
+    requests = {r.request_id: r for r in map(_Request, range(8))}
+    for r in requests.values():
+        pilot.on_add_request(r)  # type: ignore[arg-type]
+    for _ in range(3):
+        pilot.on_schedule_start()
+        pilot.on_drafts(requests, list(requests), 8, None)  # type: ignore[arg-type]
+        pilot.on_drafts(requests, list(requests), 8, None)  # type: ignore[arg-type]
+    assert lookups == [8, 8, 8]
+    assert all(r.spec_token_ids == [5, 6, 7, 8] for r in requests.values())  # static: K=4
+    pilot.close()

@@ -109,6 +109,22 @@ def test_probe_share_tracks_probe_rate_and_is_stable(view: PolicyView) -> None:
     assert not any(view.choice("chat", 1, k).probe for k in keys[:1000])
 
 
+def test_a_step_lookup_answers_as_choice_and_keeps_its_policy(view: PolicyView) -> None:
+    """``lookup``: one resolution per class for the step, the same answers as ``choice`` (probe
+    draws per request included), and the snapshot it was made from even after an update."""
+    keys = [f"req-{i}" for i in range(2000)]
+    for batch in (1, 5, 500):
+        lookup = view.lookup(batch)
+        for cls in ("hard", "chat", "new-class"):
+            assert [lookup.choice(cls, k) for k in keys] == [view.choice(cls, batch, k)
+                                                            for k in keys]
+    lookup = view.lookup(1)
+    before = lookup.choice("chat", "r")
+    changed = engine_pb2.PolicyUpdate(version=10, decisions=[decision("chat", 0, "d", 1)])
+    view.apply(changed)
+    assert lookup.choice("chat", "r") == before != view.choice("chat", 1, "r")
+
+
 def test_fail_static_after_timeout_and_recovery(view: PolicyView, clock: FakeClock) -> None:
     clock.now += 29.9
     assert view.choice("chat", 1, "r") == Choice("d", 4, False) and view.version == 7
