@@ -19,7 +19,7 @@ import numpy as np
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of
 from controller.core.classes import fold_class, fold_classes
-from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
+from controller.core.cost_model import CostPrior, PricedCosts, StepCostModel, StepShape, SunkDraft
 from controller.core.goodput import expected_tokens_curve
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
 from controller.core.policy import (
@@ -336,9 +336,12 @@ class ControllerCore:
                                        self.config.policy.max_k, self._cost.predict_mixed)
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
-                 now: float, cache: dict[tuple[str, str], np.ndarray] | None = None
-                 ) -> ClassContext:
+                 now: float, cache: dict[tuple[str, str], np.ndarray] | None = None,
+                 drawn: PricedCosts | None = None) -> ClassContext:
+        """``drawn``: the decide round's draw of the cost weights (None: sampled goodput is
+        priced by the mean costs, as explanations are)."""
         cache = {} if cache is None else cache
+        sunk = self._sunk_draft()
         sampled, mean = {}, {}
         for d in drafts:
             post = self._estimator.posterior(name, d.name, now)
@@ -361,10 +364,13 @@ class ControllerCore:
             offline=name in self.config.offline_classes,
             override=self._override_for(name),
             buckets=buckets,
-            step_seconds=partial(self._cost.predict_curve, sunk_draft=self._sunk_draft()),
+            step_seconds=partial(self._cost.predict_curve, sunk_draft=sunk),
             # Per-request engines draft max K for everyone anyway: the homogeneous view is exact.
-            others=self._others(name, drafts, now, cache) if self._sunk_draft() is None else {},
+            others=self._others(name, drafts, now, cache) if sunk is None else {},
             mixed_seconds=self._cost.predict_mixed,
+            drawn_step_seconds=(None if drawn is None
+                                else partial(drawn.predict_curve, sunk_draft=sunk)),
+            drawn_mixed_seconds=None if drawn is None else drawn.predict_mixed,
         )
 
     def _sunk_draft(self) -> SunkDraft | None:
@@ -388,8 +394,9 @@ class ControllerCore:
         material = False
         cache: dict[tuple[str, str], np.ndarray] = {}
         self._refresh_joint(drafts, now, cache)
+        drawn = self._cost.draw(self._rng)  # one cost draw per round, before acceptance draws
         for name, state in self._classes.items():
-            ctx = self._context(name, state, drafts, now, cache)
+            ctx = self._context(name, state, drafts, now, cache, drawn)
             for new in decide_class(ctx, self.config.policy):
                 old = state.decisions.get(new.bucket)
                 material |= _material(old, new)

@@ -193,7 +193,9 @@ def _run_until(llm: Any, controller: ControllerThread, traffic_class: str, want:
         decision = controller.call(lambda core: core.decision(traffic_class, bucket))
         if decision is not None and want(decision):
             return i
-    raise AssertionError(f"{traffic_class}: decision never satisfied the test, last {decision}")
+    explain = controller.call(lambda core: core.explain(traffic_class, bucket, time.time()))
+    raise AssertionError(f"{traffic_class}: decision never satisfied the test, last {decision}; "
+                         f"arms by means {explain.arms}")
 
 
 def test_controller_converges_from_real_engine_reports(tiny_models: Any,
