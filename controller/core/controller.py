@@ -178,7 +178,21 @@ class ControllerCore:
                         for n, d in accepted.items()}
         self._engines[hello.engine_id] = _EngineState(hello, accepted, last_report_at=now)
         self._cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
+        self._seed_costs(hello, accepted, now)
         return HelloOutcome(tuple(accepted), tuple(rejected))
+
+    def _seed_costs(self, hello: EngineHello, accepted: dict[str, DraftSpec], now: float) -> None:
+        """The engine's start-up profile enters the cost model as observed steps of stated
+        weight, so the model starts from this hardware and live timings still take over. Points
+        timing a draft the controller refused are skipped (their passes have no cost column)."""
+        weight = self.config.cost_prior.profile_weight_steps
+        for p in hello.step_profile:
+            spec = accepted.get(p.draft)
+            if weight <= 0 or (p.draft and (spec is None or spec.kind is not DraftKind.MODEL)):
+                continue
+            shape = StepShape(p.batch_size, p.verified_tokens, p.draft, p.draft_passes,
+                              p.batch_size * p.draft_passes)
+            self._cost.observe(shape, p.seconds, weight, now)
 
     def disconnect_engine(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)
@@ -496,6 +510,17 @@ class ControllerCore:
             offline_classes=self.config.offline_classes,
             max_classes=self.config.max_classes,
         )
+
+    def predicted_step_seconds(self, batch_size: int, draft: str, k: int) -> float:
+        """The cost model's mean step time for ``batch_size`` sequences each verifying K drafts
+        of ``draft`` ("" or K=0: no speculation), as decisions price it (a per-request engine's
+        drafter runs its passes whatever K is). KeyError for a draft no engine offers."""
+        spec = next((d for d in self.drafts() if d.name == draft), None)
+        if draft and spec is None:
+            raise KeyError(f"unknown draft {draft!r}")
+        pass_draft = spec.pass_draft if spec is not None and k > 0 else ""
+        return self._cost.predict_arm(batch_size, k, pass_draft, bool(pass_draft),
+                                      self._sunk_draft())
 
     def estimate(self, traffic_class: str, draft: str, now: float,
                  positions: int | None = None) -> AcceptanceEstimate:
