@@ -30,5 +30,8 @@ def register() -> None:
                       version, SUPPORTED_VLLM)
             return
         install_cpu_rejection_sampler_fix()  # logs itself; a no-op off the CPU platform
+        from engine_plugin.profile import install_step_profile
+
+        install_step_profile()  # times a few dummy steps after warm-up, for the hello
     except Exception:
         log.exception("specpilot: plugin registration failed; serving without specpilot")
