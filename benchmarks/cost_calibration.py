@@ -57,11 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--profile-weight", type=float, default=100.0,
+                   help="cost_prior_profile_weight_steps of the controller")
     args = p.parse_args(argv)
     target, draft = _models(args)
     from vllm import SamplingParams
 
-    ctl = ControllerThread(report_interval_seconds=0.2, dwell_seconds=0.2, seed=3)
+    ctl = ControllerThread(report_interval_seconds=0.2, dwell_seconds=0.2, seed=3,
+                           cost_prior_profile_weight_steps=args.profile_weight)
     timings: list[tuple[float, float, float]] = []  # (batch, mean step s, steps)
 
     def spy(core: ControllerCore) -> None:
@@ -81,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
             target, spec, SCHEDULER, max_num_seqs=max(args.batches)) as llm:
         ctl.wait_for(lambda core: bool(core.snapshot(time.time()).engines), what="hello")
         draft_name = ctl.call(lambda core: core.drafts()[0].name)
+        from engine_plugin.profile import step_profile
+
+        print("start-up profile (batch, verified tokens, passes, ms): " + ", ".join(
+            f"({p.batch_size}, {p.verified_tokens}, {p.draft_passes}, {p.seconds * 1e3:.2f})"
+            for p in step_profile(draft_name)))
         predicted = ctl.call(lambda core: {
             (b, k): core.predicted_step_seconds(b, draft_name if k else "", k)
             for b in args.batches for k in args.ks})

@@ -266,7 +266,8 @@ CPU_PROFILE = tuple(StepProfile(b, b * (1 + k), "d" if k else "", k, _cpu_second
 def test_the_start_up_profile_seeds_the_cost_model_toward_this_hardware() -> None:
     bare = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
     bare.connect_engine(WIDE, now=0.0)
-    seeded = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    seeded = ControllerCore(core_config(load_settings(cost_prior_profile_weight_steps=100.0)),
+                            np.random.default_rng(0))
     seeded.connect_engine(replace(WIDE, step_profile=CPU_PROFILE), now=0.0)
     for b, k in ((1, 0), (16, 0), (16, 2), (32, 4)):
         want = _cpu_seconds(b, k)
