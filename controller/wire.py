@@ -28,6 +28,7 @@ from controller.core.types import (
     Reason,
     ReportRejected,
     RequestSummaryRecord,
+    StepProfile,
     StepTimingRecord,
 )
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
@@ -139,6 +140,9 @@ def hello_from_proto(msg: engine_pb2.EngineHello) -> EngineHello:
         engine_version=msg.engine_version,
         plugin_version=msg.plugin_version,
         max_batch_size=msg.max_batch_size,
+        step_profile=tuple(
+            StepProfile(p.batch_size, p.verified_tokens, p.draft, p.draft_passes, p.seconds)
+            for p in msg.step_profile),
     )
 
 
@@ -158,6 +162,10 @@ def hello_to_proto(hello: EngineHello) -> engine_pb2.EngineHello:
         engine_version=hello.engine_version,
         plugin_version=hello.plugin_version,
         max_batch_size=hello.max_batch_size,
+        step_profile=[
+            engine_pb2.StepProfile(batch_size=p.batch_size, verified_tokens=p.verified_tokens,
+                                   draft=p.draft, draft_passes=p.draft_passes, seconds=p.seconds)
+            for p in hello.step_profile],
     )
 
 

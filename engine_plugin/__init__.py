@@ -34,5 +34,8 @@ def register() -> None:
             return
         install_cpu_rejection_sampler_fix()  # logs itself; a no-op off the CPU platform
         install_worker_patches()  # logs itself; inert without specpilot's scheduler
+        from engine_plugin.profile import install_step_profile
+
+        install_step_profile()  # times a few dummy steps after warm-up, for the hello
     except Exception:
         log.exception("specpilot: plugin registration failed; serving without specpilot")

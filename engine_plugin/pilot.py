@@ -23,6 +23,7 @@ from engine_plugin.config import PluginConfig
 from engine_plugin.link import ControllerLink
 from engine_plugin.ngram import NGRAM_DRAFT, CounterfactualNgram, NgramProposer
 from engine_plugin.policy_view import Choice, PolicyLookup, PolicyView, probe_point
+from engine_plugin.profile import step_profile
 from engine_plugin.stats import StatsAggregator
 from engine_plugin.vllm_types import (
     ModelRunnerOutputLike,
@@ -154,6 +155,7 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         ngram_counterfactual=substitute,
         engine_version=_vllm_version(), plugin_version=package_version(),
         max_batch_size=e.max_num_seqs,
+        step_profile=step_profile(e.drafter if e.drafter_kind is DraftKind.MODEL else ""),
     )
     return Announcement(hello, frozenset(allowed))
 

@@ -23,6 +23,7 @@ from controller.core.types import (
     Reason,
     ReportRejected,
     RequestSummaryRecord,
+    StepProfile,
     StepTimingRecord,
 )
 from controller.server.explain import explanation_text
@@ -249,3 +250,59 @@ def test_batch_mix_counts_verification_steps_and_finished_requests_of_silent_cla
     wanted = {b for b in range(core.config.n_buckets) if core.config.bucket_batch_size(b) > 1}
     assert set(core._joint) == wanted
     assert all(set(arms) == {"code", "chat"} for arms in core._joint.values())
+
+
+# This CPU, roughly: 2 ms a step plus 0.4 ms per verified token, 2 ms per draft pass.
+def _cpu_seconds(batch: int, k: int) -> float:
+    return 0.002 + 4e-4 * batch * (1 + k) + 0.002 * k
+
+
+# Batch-wide K: a step drafts only the K chosen (per-request engines pay max K passes always).
+WIDE = replace(HELLO, per_request_k=False, batch_wide_k=True)
+CPU_PROFILE = tuple(StepProfile(b, b * (1 + k), "d" if k else "", k, _cpu_seconds(b, k))
+                    for b in (1, 16, 32) for k in (0, 1, 2, 4))
+
+
+def test_the_start_up_profile_seeds_the_cost_model_toward_this_hardware() -> None:
+    bare = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    bare.connect_engine(WIDE, now=0.0)
+    seeded = ControllerCore(core_config(load_settings(cost_prior_profile_weight_steps=100.0)),
+                            np.random.default_rng(0))
+    seeded.connect_engine(replace(WIDE, step_profile=CPU_PROFILE), now=0.0)
+    for b, k in ((1, 0), (16, 0), (16, 2), (32, 4)):
+        want = _cpu_seconds(b, k)
+        prior_error = abs(bare.predicted_step_seconds(b, "d", k) - want)
+        seeded_error = abs(seeded.predicted_step_seconds(b, "d", k) - want)
+        assert seeded_error < 0.25 * prior_error, (b, k)
+        # Batch 1 (2.4 ms) keeps some of the prior's pull (20 ms base): ~14% at this weight.
+        assert seeded_error < (0.2 if b == 1 else 0.1) * want, (b, k)
+    # Live timings still take over: steps that disagree with the profile move the prediction.
+    before = seeded.predicted_step_seconds(16, "d", 2)
+    seeded.ingest("e1", replace(_good(), step_timings=(
+        StepTimingRecord(4, "d", 2, 1000, 16000, 48000, 32000, 1000 * 2 * before),)), now=1.0)
+    assert seeded.predicted_step_seconds(16, "d", 2) > 1.5 * before
+
+
+@pytest.mark.parametrize("bad", [
+    StepProfile(0, 1, "", 0, 0.01),         # no sequences
+    StepProfile(8, 4, "", 0, 0.01),         # fewer verified tokens than sequences
+    StepProfile(8, 8, "", 2, 0.01),         # passes without a draft
+    StepProfile(8, 8, "", 0, float("nan")),
+    StepProfile(8, 8, "", 0, 0.0),
+    StepProfile(8, 8, "", 0, 1e6),
+])
+def test_a_bad_start_up_profile_is_rejected(bad: StepProfile) -> None:
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    with pytest.raises(ReportRejected, match=r"hello\.step_profile\[1\]"):
+        core.connect_engine(replace(HELLO, step_profile=(CPU_PROFILE[0], bad)), now=0.0)
+    too_many = replace(HELLO, step_profile=CPU_PROFILE * 30)
+    with pytest.raises(ReportRejected, match="exceed"):
+        core.connect_engine(too_many, now=0.0)
+
+
+def test_older_plugins_without_a_profile_keep_the_prior() -> None:
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    core.connect_engine(WIDE, now=0.0)
+    assert core.predicted_step_seconds(1, "", 0) == pytest.approx(0.02 + 2e-5, rel=0.01)
+    # A per-request engine's drafter runs its max K passes even at K=0.
+    assert _core().predicted_step_seconds(1, "", 0) > core.predicted_step_seconds(1, "", 0)

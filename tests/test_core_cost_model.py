@@ -87,3 +87,43 @@ def test_step_curves_never_fall_with_more_drafts() -> None:
     for sunk in (None, ("d", 4)):
         curve = model.predict_curve(8, "d", True, 6, sunk)
         assert np.all(np.diff(curve) >= 0)
+
+
+def _fed(rng: np.random.Generator, ks: tuple[int, ...], noise: float = 5e-4) -> StepCostModel:
+    model = _model()
+    for i in range(200):
+        for k in ks:
+            # A report's mean over 10 steps, each with ``noise`` of its own.
+            y = _truth(8, k) + rng.normal(0.0, noise / np.sqrt(10.0))
+            model.observe(StepShape.for_arm(8, k, "d", True), y, 10.0, now=float(i))
+    return model
+
+
+def _drawn(model: StepCostModel, n: int, seed: int) -> np.ndarray:
+    """Step seconds at batch 8, K = 0..6, by ``n`` draws (the linear fit: no running maximum)."""
+    rng = np.random.default_rng(seed)
+    shapes = [StepShape.for_arm(8, k, "d", True) for k in range(7)]
+    return np.array([[p.predict(s) for s in shapes]
+                     for p in (model.draw(rng) for _ in range(n))])
+
+
+def test_the_mean_of_many_cost_draws_is_the_mean_prediction() -> None:
+    model = _fed(np.random.default_rng(1), (1, 2))
+    draws = _drawn(model, 4000, 2)
+    mean = np.array([model.predict(StepShape.for_arm(8, k, "d", True)) for k in range(7)])
+    assert np.all(np.abs(draws.mean(axis=0) - mean) < 4 * draws.std(axis=0) / np.sqrt(4000))
+
+
+def test_cost_draws_spread_more_where_no_step_was_observed() -> None:
+    model = _fed(np.random.default_rng(1), (1, 2))
+    spread = _drawn(model, 500, 3).std(axis=0)
+    # K=1 and 2 were observed; K=0 and K>=4 are priced by extrapolation.
+    assert min(spread[0], spread[4], spread[6]) > 3 * max(spread[1], spread[2])
+    assert spread[6] > spread[4]
+    # The noise level comes from the residuals: about the noise of one step.
+    assert np.sqrt(model.noise_variance()) == pytest.approx(5e-4, rel=0.3)
+
+
+def test_a_zero_sample_scale_prices_by_the_means() -> None:
+    model = StepCostModel(KNOTS, CostPrior(ridge_tokens=64, sample_scale=0.0), 1e9, [1, 8], 4)
+    assert model.draw(np.random.default_rng(0)) is model.mean

@@ -20,6 +20,7 @@ from controller.core.types import (
     Reason,
     ReportRejected,
     RequestSummaryRecord,
+    StepProfile,
     StepTimingRecord,
 )
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
@@ -29,6 +30,7 @@ HELLO = EngineHello(
     drafts=(DraftSpec("d1", DraftKind.MODEL, 5, "abc"), DraftSpec("ng", DraftKind.NGRAM, 3)),
     max_k=5, per_request_k=False, batch_wide_k=True, ngram_substitution=True,
     ngram_counterfactual=True, engine_version="0.9", plugin_version="0.1", max_batch_size=256,
+    step_profile=(StepProfile(16, 16, "", 0, 0.004), StepProfile(16, 48, "d1", 2, 0.009)),
 )
 REPORT = EngineReport(
     sequence=9, interval_seconds=1.5, policy_version=4,

@@ -19,7 +19,7 @@ import numpy as np
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of
 from controller.core.classes import fold_class, fold_classes
-from controller.core.cost_model import CostPrior, StepCostModel, StepShape, SunkDraft
+from controller.core.cost_model import CostPrior, PricedCosts, StepCostModel, StepShape, SunkDraft
 from controller.core.goodput import expected_tokens_curve
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
 from controller.core.policy import (
@@ -178,7 +178,21 @@ class ControllerCore:
                         for n, d in accepted.items()}
         self._engines[hello.engine_id] = _EngineState(hello, accepted, last_report_at=now)
         self._cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
+        self._seed_costs(hello, accepted, now)
         return HelloOutcome(tuple(accepted), tuple(rejected))
+
+    def _seed_costs(self, hello: EngineHello, accepted: dict[str, DraftSpec], now: float) -> None:
+        """The engine's start-up profile enters the cost model as observed steps of stated
+        weight, so the model starts from this hardware and live timings still take over. Points
+        timing a draft the controller refused are skipped (their passes have no cost column)."""
+        weight = self.config.cost_prior.profile_weight_steps
+        for p in hello.step_profile:
+            spec = accepted.get(p.draft)
+            if weight <= 0 or (p.draft and (spec is None or spec.kind is not DraftKind.MODEL)):
+                continue
+            shape = StepShape(p.batch_size, p.verified_tokens, p.draft, p.draft_passes,
+                              p.batch_size * p.draft_passes)
+            self._cost.observe(shape, p.seconds, weight, now)
 
     def disconnect_engine(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)
@@ -336,9 +350,12 @@ class ControllerCore:
                                        self.config.policy.max_k, self._cost.predict_mixed)
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
-                 now: float, cache: dict[tuple[str, str], np.ndarray] | None = None
-                 ) -> ClassContext:
+                 now: float, cache: dict[tuple[str, str], np.ndarray] | None = None,
+                 drawn: PricedCosts | None = None) -> ClassContext:
+        """``drawn``: the decide round's draw of the cost weights (None: sampled goodput is
+        priced by the mean costs, as explanations are)."""
         cache = {} if cache is None else cache
+        sunk = self._sunk_draft()
         sampled, mean = {}, {}
         for d in drafts:
             post = self._estimator.posterior(name, d.name, now)
@@ -361,10 +378,13 @@ class ControllerCore:
             offline=name in self.config.offline_classes,
             override=self._override_for(name),
             buckets=buckets,
-            step_seconds=partial(self._cost.predict_curve, sunk_draft=self._sunk_draft()),
+            step_seconds=partial(self._cost.predict_curve, sunk_draft=sunk),
             # Per-request engines draft max K for everyone anyway: the homogeneous view is exact.
-            others=self._others(name, drafts, now, cache) if self._sunk_draft() is None else {},
+            others=self._others(name, drafts, now, cache) if sunk is None else {},
             mixed_seconds=self._cost.predict_mixed,
+            drawn_step_seconds=(None if drawn is None
+                                else partial(drawn.predict_curve, sunk_draft=sunk)),
+            drawn_mixed_seconds=None if drawn is None else drawn.predict_mixed,
         )
 
     def _sunk_draft(self) -> SunkDraft | None:
@@ -388,8 +408,9 @@ class ControllerCore:
         material = False
         cache: dict[tuple[str, str], np.ndarray] = {}
         self._refresh_joint(drafts, now, cache)
+        drawn = self._cost.draw(self._rng)  # one cost draw per round, before acceptance draws
         for name, state in self._classes.items():
-            ctx = self._context(name, state, drafts, now, cache)
+            ctx = self._context(name, state, drafts, now, cache, drawn)
             for new in decide_class(ctx, self.config.policy):
                 old = state.decisions.get(new.bucket)
                 material |= _material(old, new)
@@ -489,6 +510,17 @@ class ControllerCore:
             offline_classes=self.config.offline_classes,
             max_classes=self.config.max_classes,
         )
+
+    def predicted_step_seconds(self, batch_size: int, draft: str, k: int) -> float:
+        """The cost model's mean step time for ``batch_size`` sequences each verifying K drafts
+        of ``draft`` ("" or K=0: no speculation), as decisions price it (a per-request engine's
+        drafter runs its passes whatever K is). KeyError for a draft no engine offers."""
+        spec = next((d for d in self.drafts() if d.name == draft), None)
+        if draft and spec is None:
+            raise KeyError(f"unknown draft {draft!r}")
+        pass_draft = spec.pass_draft if spec is not None and k > 0 else ""
+        return self._cost.predict_arm(batch_size, k, pass_draft, bool(pass_draft),
+                                      self._sunk_draft())
 
     def estimate(self, traffic_class: str, draft: str, now: float,
                  positions: int | None = None) -> AcceptanceEstimate:

@@ -27,6 +27,8 @@ FloatArray = npt.NDArray[np.float64]
 SunkDraft = tuple[str, int]  # (model draft name, draft passes per step)
 _MIN_STEP_SECONDS = 1e-6
 _RIDGE = 1e-9  # keeps the information matrix invertible for features no design point excites
+# Virtual reports behind the prior noise level: the noise estimate follows the data quickly.
+_NOISE_PRIOR_REPORTS = 2.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,16 @@ class CostPrior:
     """Prior model-draft time per proposed token, seconds."""
     strength_steps: float = tunable(20.0, gt=0)
     """Weight of the cost prior, in equivalent observed steps."""
+    noise_seconds: float = tunable(1e-3, gt=0)
+    """Prior standard deviation of one step's time around the model, seconds (held as two
+    virtual reports; the residuals of the observed reports take over)."""
+    profile_weight_steps: float = tunable(0.0, ge=0)
+    """Weight of each point of an engine's start-up step profile, in equivalent observed steps
+    (it decays like live timings, which soon outweigh it); 0 = profiles ignored (the default
+    until the profile is shown to match measured steps: 100 fits a clean profile within ~5%)."""
+    sample_scale: float = tunable(1.0, ge=0)
+    """Scale of the posterior cost draw each decide round prices its sampled goodput with
+    (1 = the posterior; 0 = decide on mean costs, no exploration over cost)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,59 @@ class StepShape:
         return cls(batch_size, tokens, draft, k, batch_size * k)
 
 
+class PricedCosts:
+    """Step-time predictions under one weight vector (the posterior mean, or one draw of it),
+    with the curve cache of that vector: the policy asks for the same few curves for every class,
+    so one set of weights serves a whole decide round."""
+
+    def __init__(self, model: StepCostModel, theta: FloatArray) -> None:
+        self._model = model
+        self.theta = theta
+        self._curve_cache: dict[tuple[int, str, int, SunkDraft | None], FloatArray] = {}
+
+    def predict(self, shape: StepShape) -> float:
+        return max(float(self._model.features(shape) @ self.theta), _MIN_STEP_SECONDS)
+
+    def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
+                      passes: dict[str, FloatArray], draft_tokens: dict[str, FloatArray]
+                      ) -> FloatArray:
+        """Step seconds of mixed steps, one per entry of ``verified_tokens``; ``passes`` and
+        ``draft_tokens`` give each model draft's (expected) passes and proposed tokens per entry.
+        Drafts without a cost column (n-gram, unknown) cost nothing."""
+        th, m = self.theta, self._model
+        v = np.asarray(verified_tokens, dtype=np.float64)
+        t = th[0] + th[1] * batch_size + th[2] * v
+        t = t + np.maximum(0.0, v[:, None] - m.knots[None, :]) @ th[3 : m.n_base]
+        for i, name in enumerate(m.drafts):
+            col = m.n_base + 2 * i
+            if name in passes:
+                t = t + th[col] * passes[name]
+            if name in draft_tokens:
+                t = t + th[col + 1] * draft_tokens[name]
+        return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
+
+    def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
+                    sunk_draft: SunkDraft | None = None) -> float:
+        return float(self.predict_curve(batch_size, draft, draft_is_model, k, sunk_draft)[k])
+
+    def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool, max_k: int,
+                      sunk_draft: SunkDraft | None = None) -> FloatArray:
+        """Step seconds for K = 0..max_k with ``draft`` at ``batch_size`` (read-only array)."""
+        key = (batch_size, draft if draft_is_model else "", max_k, sunk_draft)
+        curve = self._curve_cache.get(key)
+        if curve is None:
+            xs = np.array([
+                self._model.features(
+                    StepShape.for_arm(batch_size, k, draft, draft_is_model, sunk_draft))
+                for k in range(max_k + 1)])
+            # More verified tokens never make a step faster: the running maximum keeps a noisy or
+            # extrapolated fit (or a draw) from rewarding longer drafts with cheaper steps.
+            curve = np.maximum.accumulate(np.maximum(xs @ self.theta, _MIN_STEP_SECONDS))
+            curve.setflags(write=False)
+            self._curve_cache[key] = curve
+        return curve
+
+
 class StepCostModel:
     def __init__(
         self,
@@ -94,33 +159,39 @@ class StepCostModel:
         self._design_batch_sizes = list(design_batch_sizes)
         self._design_max_k = design_max_k
         self._drafts: list[str] = []  # model drafts with their own cost columns
-        self._evidence_a = np.zeros((self._n_base, self._n_base))
-        self._evidence_b = np.zeros(self._n_base)
+        self._evidence_a = np.zeros((self.n_base, self.n_base))
+        self._evidence_b = np.zeros(self.n_base)
+        # Decayed sums for the noise level: steps-weighted squared mean step times, and reports.
+        self._evidence_yy = 0.0
+        self._evidence_reports = 0.0
         self._at: float | None = None
         self._observed_steps = 0.0
-        # Step-time curves per (batch, model draft, max K) for the current theta: the policy asks
-        # for the same few curves for every class, so one solve serves a whole decide round.
-        self._curve_cache: dict[tuple[int, str, int, SunkDraft | None], FloatArray] = {}
-        self._theta: FloatArray | None = None
+        self._mean: PricedCosts | None = None
         self._rebuild_prior()
 
     # --- features ---------------------------------------------------------------------------
     @property
-    def _n_base(self) -> int:
+    def n_base(self) -> int:
+        """Columns of the target's terms (base, batch, tokens, hinges); draft columns follow."""
         return 3 + self.knots.size
 
     @property
     def n_features(self) -> int:
-        return self._n_base + 2 * len(self._drafts)
+        return self.n_base + 2 * len(self._drafts)
+
+    @property
+    def drafts(self) -> tuple[str, ...]:
+        """Model drafts with cost columns, in column order."""
+        return tuple(self._drafts)
 
     def features(self, shape: StepShape) -> FloatArray:
         x = np.zeros(self.n_features)
         x[0] = 1.0
         x[1] = shape.batch_size
         x[2] = shape.verified_tokens
-        x[3 : self._n_base] = np.maximum(0.0, shape.verified_tokens - self.knots)
+        x[3 : self.n_base] = np.maximum(0.0, shape.verified_tokens - self.knots)
         if shape.draft in self._drafts and shape.draft_passes > 0:
-            col = self._n_base + 2 * self._drafts.index(shape.draft)
+            col = self.n_base + 2 * self._drafts.index(shape.draft)
             x[col] = shape.draft_passes
             x[col + 1] = shape.draft_tokens
         return x
@@ -134,8 +205,8 @@ class StepCostModel:
             p.seconds_per_token_above_ridge
         )
         for i in range(len(self._drafts)):
-            theta[self._n_base + 2 * i] = p.draft_seconds_per_pass
-            theta[self._n_base + 2 * i + 1] = p.draft_seconds_per_token
+            theta[self.n_base + 2 * i] = p.draft_seconds_per_pass
+            theta[self.n_base + 2 * i + 1] = p.draft_seconds_per_token
         return theta
 
     def _rebuild_prior(self) -> None:
@@ -154,8 +225,7 @@ class StepCostModel:
         self._invalidate()
 
     def _invalidate(self) -> None:
-        self._theta = None
-        self._curve_cache.clear()
+        self._mean = None
 
     def ensure_drafts(self, model_drafts: Iterable[str]) -> None:
         """Add cost columns for model drafts not seen before; evidence so far is kept."""
@@ -179,10 +249,14 @@ class StepCostModel:
             self._evidence_a *= f
             self._evidence_b *= f
             self._observed_steps *= f
+            self._evidence_yy *= f
+            self._evidence_reports *= f
         self._at = now if self._at is None else max(self._at, now)
         x = self.features(shape)
         self._evidence_a += steps * np.outer(x, x)
         self._evidence_b += steps * x * mean_step_seconds
+        self._evidence_yy += steps * mean_step_seconds**2
+        self._evidence_reports += 1.0
         self._observed_steps += steps
         self._invalidate()
 
@@ -192,50 +266,58 @@ class StepCostModel:
         return self._observed_steps
 
     @property
+    def mean(self) -> PricedCosts:
+        """Predictions by the posterior mean weights (cached until the next observation)."""
+        if self._mean is None:
+            theta = np.linalg.solve(self._precision(), self._prior_b + self._evidence_b)
+            self._mean = PricedCosts(self, theta)
+        return self._mean
+
+    @property
     def theta(self) -> FloatArray:
-        if self._theta is None:
-            self._theta = np.linalg.solve(
-                self._prior_a + self._evidence_a, self._prior_b + self._evidence_b
-            )
-        return self._theta
+        return self.mean.theta
+
+    def _precision(self) -> FloatArray:
+        return np.asarray(self._prior_a + self._evidence_a, dtype=np.float64)
+
+    def noise_variance(self) -> float:
+        """Variance of one step's time around the fit, seconds^2: the prior level blended with
+        the reports' steps-weighted squared residuals. Per report, not per step: a report's mean
+        over n steps weighs n, so its weighted squared residual estimates one step's variance
+        (and a misfit or correlated noise shows up instead of averaging away)."""
+        th = self.theta
+        a, b = self._evidence_a, self._evidence_b
+        residual = max(float(self._evidence_yy - 2.0 * th @ b + th @ a @ th), 0.0)
+        prior = _NOISE_PRIOR_REPORTS * self.prior.noise_seconds**2
+        return (prior + residual) / (_NOISE_PRIOR_REPORTS + self._evidence_reports)
+
+    def draw(self, rng: np.random.Generator) -> PricedCosts:
+        """Predictions by one draw of the weights from their posterior, N(mean, s^2 sigma^2
+        precision^-1) with s = ``sample_scale``: one Cholesky factor of the precision. Where no
+        step was observed the prior's spread remains, so an arm priced by extrapolation is
+        sometimes priced cheap enough to be tried (and so corrected)."""
+        scale = self.prior.sample_scale * float(np.sqrt(self.noise_variance()))
+        if scale == 0.0:
+            return self.mean
+        chol = np.linalg.cholesky(self._precision())
+        # precision = L L^T  ->  L^-T z ~ N(0, precision^-1)
+        u = np.linalg.solve(chol.T, rng.standard_normal(self.n_features))
+        return PricedCosts(self, self.mean.theta + scale * u)
 
     def predict(self, shape: StepShape) -> float:
-        return max(float(self.features(shape) @ self.theta), _MIN_STEP_SECONDS)
+        return self.mean.predict(shape)
 
     def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
                       passes: dict[str, FloatArray], draft_tokens: dict[str, FloatArray]
                       ) -> FloatArray:
-        """Step seconds of mixed steps, one per entry of ``verified_tokens``; ``passes`` and
-        ``draft_tokens`` give each model draft's (expected) passes and proposed tokens per entry.
-        Drafts without a cost column (n-gram, unknown) cost nothing."""
-        th = self.theta
-        v = np.asarray(verified_tokens, dtype=np.float64)
-        t = th[0] + th[1] * batch_size + th[2] * v
-        t = t + np.maximum(0.0, v[:, None] - self.knots[None, :]) @ th[3 : self._n_base]
-        for i, name in enumerate(self._drafts):
-            col = self._n_base + 2 * i
-            if name in passes:
-                t = t + th[col] * passes[name]
-            if name in draft_tokens:
-                t = t + th[col + 1] * draft_tokens[name]
-        return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
+        return self.mean.predict_mixed(batch_size, verified_tokens, passes, draft_tokens)
 
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
                     sunk_draft: SunkDraft | None = None) -> float:
-        return float(self.predict_curve(batch_size, draft, draft_is_model, k, sunk_draft)[k])
+        return self.mean.predict_arm(batch_size, k, draft, draft_is_model, sunk_draft)
 
     def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool, max_k: int,
                       sunk_draft: SunkDraft | None = None) -> FloatArray:
-        """Step seconds for K = 0..max_k with ``draft`` at ``batch_size`` (read-only array)."""
-        key = (batch_size, draft if draft_is_model else "", max_k, sunk_draft)
-        curve = self._curve_cache.get(key)
-        if curve is None:
-            xs = np.array([
-                self.features(StepShape.for_arm(batch_size, k, draft, draft_is_model, sunk_draft))
-                for k in range(max_k + 1)])
-            # More verified tokens never make a step faster: the running maximum keeps a noisy or
-            # extrapolated fit from rewarding longer drafts with cheaper steps.
-            curve = np.maximum.accumulate(np.maximum(xs @ self.theta, _MIN_STEP_SECONDS))
-            curve.setflags(write=False)
-            self._curve_cache[key] = curve
-        return curve
+        """Step seconds for K = 0..max_k with ``draft`` at ``batch_size`` by the posterior mean
+        (read-only array)."""
+        return self.mean.predict_curve(batch_size, draft, draft_is_model, max_k, sunk_draft)

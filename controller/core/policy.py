@@ -3,7 +3,10 @@
 For one class and one batch bucket, every arm (draft, K in 1..max) and "off" is scored by goodput,
 accepted tokens per second = E(K) x batch / step seconds, with E(K) from ONE Thompson draw of the
 class's per-position acceptance rates per draft (per-arm statistics: each (class, draft) has its own
-posteriors, so exploration fades as they tighten). On top of the argmax:
+posteriors, so exploration fades as they tighten) and the step seconds from ONE draw of the
+step-cost model's weights per decide round (so an arm priced by extrapolation is sometimes priced
+cheap enough to be tried; the spread fades where steps were observed). Posterior means give the
+expected speedup, the "losing by means" test and explanations. On top of the argmax:
   - a speculative arm must beat no speculation by ``min_speedup``: gains inside the cost
     model's error are not worth drafting for;
   - hysteresis: a new arm must beat the current one's sampled goodput by ``hysteresis_ratio``,
@@ -97,6 +100,9 @@ class ClassContext:
     # not in it are scored as if the whole batch were this class.
     others: Mapping[int, BatchOthers] = field(default_factory=dict)
     mixed_seconds: MixedSecondsFn | None = None
+    # The same two by the decide round's draw of the cost weights (None: the means above).
+    drawn_step_seconds: StepSecondsFn | None = None
+    drawn_mixed_seconds: MixedSecondsFn | None = None
 
     @cached_property
     def sampled_curves(self) -> dict[str, FloatArray]:
@@ -156,20 +162,24 @@ class ArmTable:
 
 
 def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArray],
-              max_k: int) -> ArmTable:
-    """Score "off" and every (draft, K) at ``batch_size`` from E(K) curves (one per draft)."""
+              max_k: int, drawn_costs: bool = False) -> ArmTable:
+    """Score "off" and every (draft, K) at ``batch_size`` from E(K) curves (one per draft), step
+    seconds by the cost model's means, or by the decide round's draw with ``drawn_costs``."""
+    step_seconds, mixed_seconds = ctx.step_seconds, ctx.mixed_seconds
+    if drawn_costs:
+        step_seconds = ctx.drawn_step_seconds or step_seconds
+        mixed_seconds = ctx.drawn_mixed_seconds or mixed_seconds
     others = ctx.others.get(batch_size)
-    if others is not None and ctx.mixed_seconds is not None:
-        return _mixed_arm_table(ctx, others, ctx.mixed_seconds, curves, max_k)
+    if others is not None and mixed_seconds is not None:
+        return _mixed_arm_table(ctx, others, mixed_seconds, curves, max_k)
     keys: list[tuple[str, int]] = [("", 0)]
     expected: list[FloatArray] = [np.ones(1)]
-    steps: list[FloatArray] = [ctx.step_seconds(batch_size, "", False, 0)[:1]]
+    steps: list[FloatArray] = [step_seconds(batch_size, "", False, 0)[:1]]
     for spec in ctx.drafts:
         k_max = min(max_k, spec.max_k)
         keys.extend((spec.name, k) for k in range(1, k_max + 1))
         expected.append(curves[spec.name][1 : k_max + 1])
-        steps.append(ctx.step_seconds(batch_size, spec.pass_draft, bool(spec.pass_draft),
-                                      k_max)[1:])
+        steps.append(step_seconds(batch_size, spec.pass_draft, bool(spec.pass_draft), k_max)[1:])
     e, t = np.concatenate(expected), np.concatenate(steps)
     return ArmTable(keys, e, t, goodput(e, batch_size, t), speedup(e, t, t[0]))
 
@@ -266,7 +276,7 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         return _with_probe(ctx, cfg, state, Decision(
             name, state.bucket, first.name if k else "", k, Reason.WARMUP))
 
-    sampled = arm_table(ctx, batch, ctx.sampled_curves, cfg.max_k)
+    sampled = arm_table(ctx, batch, ctx.sampled_curves, cfg.max_k, drawn_costs=True)
     mean = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
     scores = sampled.scores(cfg.min_speedup)
     best_i = int(np.argmax(scores))

@@ -52,6 +52,19 @@ class DraftSpec:
 
 
 @dataclass(frozen=True)
+class StepProfile:
+    """One step shape timed at engine start-up: ``batch_size`` sequences, ``verified_tokens``
+    verified by the target over the step, ``draft_passes`` sequential passes of model draft
+    ``draft`` ("" = none), ``seconds`` its median wall time."""
+
+    batch_size: int
+    verified_tokens: int
+    draft: str
+    draft_passes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class EngineHello:
     engine_id: str
     model: str
@@ -65,6 +78,7 @@ class EngineHello:
     engine_version: str = ""
     plugin_version: str = ""
     max_batch_size: int = 0
+    step_profile: tuple[StepProfile, ...] = ()
 
 
 @dataclass(frozen=True)

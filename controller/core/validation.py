@@ -11,6 +11,10 @@ MAX_CLASS_NAME_LENGTH = 64
 CLASS_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
 # A single report covering more steps than this is a plugin bug, not traffic.
 MAX_STEPS_PER_RECORD = 10**12
+# A start-up profile is a few dozen timed shapes; more is a plugin bug.
+MAX_PROFILE_POINTS = 256
+# A profiled step slower than this is not a decode step.
+MAX_PROFILE_SECONDS = 60.0
 
 
 def valid_class_name(name: object) -> bool:
@@ -52,6 +56,20 @@ def check_hello(hello: EngineHello) -> None:
             raise ReportRejected(f"hello.drafts[{i}].name: must not be empty")
         if d.max_k < 1:
             raise ReportRejected(f"hello.drafts[{i}].max_k: must be >= 1, got {d.max_k}")
+    if len(hello.step_profile) > MAX_PROFILE_POINTS:
+        raise ReportRejected(f"hello.step_profile: {len(hello.step_profile)} points exceed "
+                             f"{MAX_PROFILE_POINTS}")
+    for i, p in enumerate(hello.step_profile):
+        where = f"hello.step_profile[{i}]"
+        if p.batch_size < 1 or p.verified_tokens < p.batch_size:
+            raise ReportRejected(f"{where}: needs batch_size >= 1 and verified_tokens >= "
+                                 f"batch_size, got {p.batch_size} and {p.verified_tokens}")
+        if p.draft_passes < 0 or (p.draft_passes > 0) != bool(p.draft):
+            raise ReportRejected(f"{where}: draft_passes {p.draft_passes} with draft "
+                                 f"{p.draft!r} (passes need a draft and a draft needs passes)")
+        if not (math.isfinite(p.seconds) and 0 < p.seconds <= MAX_PROFILE_SECONDS):
+            raise ReportRejected(f"{where}.seconds: must be in (0, {MAX_PROFILE_SECONDS}], got "
+                                 f"{p.seconds!r}")
 
 
 def check_report(

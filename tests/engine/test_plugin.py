@@ -193,7 +193,9 @@ def _run_until(llm: Any, controller: ControllerThread, traffic_class: str, want:
         decision = controller.call(lambda core: core.decision(traffic_class, bucket))
         if decision is not None and want(decision):
             return i
-    raise AssertionError(f"{traffic_class}: decision never satisfied the test, last {decision}")
+    explain = controller.call(lambda core: core.explain(traffic_class, bucket, time.time()))
+    raise AssertionError(f"{traffic_class}: decision never satisfied the test, last {decision}; "
+                         f"arms by means {explain.arms}")
 
 
 def test_controller_converges_from_real_engine_reports(tiny_models: Any,
@@ -374,3 +376,36 @@ def test_batch_max_skips_draft_passes_for_ngram_requests(
     assert passes and set(passes) == {0}  # the drafter ran no draft passes for this batch
     assert used.draft_tokens > 0 and used.draft_tokens <= 4 * used.drafts
     assert used.accepted_tokens > 0
+
+
+def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: ControllerThread,
+                                                 baseline: list[list[int]]) -> None:
+    """The worker times a few dummy decode steps after warm-up; the hello carries them; the
+    serving is unaffected (greedy outputs identical to no speculation)."""
+    seen: list[Any] = []
+
+    def spy(core: ControllerCore) -> None:
+        original = core.connect_engine
+
+        def connect(hello: Any, now: float) -> Any:
+            seen.append(hello)
+            return original(hello, now)
+
+        core.connect_engine = connect  # type: ignore[method-assign]
+
+    controller.call(spy)
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    started = time.perf_counter()
+    with plugin_env(controller=controller.target), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        built = time.perf_counter() - started
+        controller.wait_for(one_engine, what="the engine's hello")
+        out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)
+    assert token_ids(out) == baseline
+    hello = seen[-1]
+    points = {(p.batch_size, p.draft_passes): p for p in hello.step_profile}
+    print(f"engine built in {built:.1f} s; profile: " + ", ".join(
+        f"B={b} passes={k}: {p.seconds * 1e3:.2f} ms" for (b, k), p in sorted(points.items())))
+    assert (1, 0) in points and (1, 4) in points and len(points) >= 4
+    assert all(p.draft in ("", tiny_models.draft.name) for p in hello.step_profile)
+    assert all(0 < p.seconds < 1.0 for p in hello.step_profile)

@@ -98,9 +98,14 @@ def test_specpilot_runs_the_real_core_through_reports(tiny: Scenario) -> None:
     easy, hard = core.decision("easy", 1), core.decision("hard", 1)
     assert easy is not None and hard is not None
     assert easy.k >= 3 and easy.draft == "small"
-    # The hard class never runs the model draft (n-gram drafts cost nothing, so a short one may
-    # still pay a little).
-    assert hard.k == 0 or (hard.draft == "ngram" and hard.k <= 2)
+    # The hard class never runs the model draft (n-gram drafts cost nothing, so one may still pay
+    # a little). Which n-gram K is a near-tie (K=1..6 within ~1.5% by means, inside the
+    # hysteresis margin), so the K it lands on depends on the seed, not on what it learned.
+    assert hard.k == 0 or hard.draft == "ngram"
+    ngram = [a.speedup for a in core.explain("hard", 1, float(tiny.duration_seconds)).arms
+             if a.draft == "ngram"]
+    margin = 1 + core.config.policy.hysteresis_ratio
+    assert hard.k == 0 or ngram[hard.k - 1] >= max(ngram) / margin
     # Its class mix estimate comes from the finished-request summaries.
     assert {c.name for c in snap.classes if c.share is not None} == {"easy", "hard"}
 

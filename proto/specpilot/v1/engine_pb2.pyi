@@ -50,7 +50,7 @@ class DraftInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.DraftKind, str]] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ...) -> None: ...
 
 class EngineHello(_message.Message):
-    __slots__ = ("engine_id", "model", "target_vocab_hash", "drafts", "max_k", "capabilities", "engine_version", "plugin_version", "max_batch_size")
+    __slots__ = ("engine_id", "model", "target_vocab_hash", "drafts", "max_k", "capabilities", "engine_version", "plugin_version", "max_batch_size", "step_profile")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class EngineHello(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLUGIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_PROFILE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     target_vocab_hash: str
@@ -69,7 +70,22 @@ class EngineHello(_message.Message):
     engine_version: str
     plugin_version: str
     max_batch_size: int
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., target_vocab_hash: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., max_k: _Optional[int] = ..., capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., engine_version: _Optional[str] = ..., plugin_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    step_profile: _containers.RepeatedCompositeFieldContainer[StepProfile]
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., target_vocab_hash: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., max_k: _Optional[int] = ..., capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., engine_version: _Optional[str] = ..., plugin_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., step_profile: _Optional[_Iterable[_Union[StepProfile, _Mapping]]] = ...) -> None: ...
+
+class StepProfile(_message.Message):
+    __slots__ = ("batch_size", "verified_tokens", "draft", "draft_passes", "seconds")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PASSES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    verified_tokens: int
+    draft: str
+    draft_passes: int
+    seconds: float
+    def __init__(self, batch_size: _Optional[int] = ..., verified_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_passes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("controller_version", "accepted_drafts", "rejected_drafts", "report_interval_seconds", "batch_bucket_upper_bounds", "max_classes")

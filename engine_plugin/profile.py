@@ -1,0 +1,170 @@
+"""Start-up step profile: a few timed dummy decode steps, so the controller's step-cost model starts
+from this hardware instead of its generic prior.
+
+Worker side: ``install_step_profile`` (from the general plugin's ``register``) wraps the worker's
+``compile_or_warm_up_model``, which runs after the model is loaded and the KV cache exists. The
+wrapper times the runner's ``_dummy_run`` (a uniform decode batch: the target's forward and, for a
+model drafter, its passes; ``uniform_decode_query_len`` is set to 1 + K for the call and restored)
+at a few batch sizes x K, and the drafter's own ``dummy_run`` to price one draft pass, medians of a
+few repeats, within a time budget; torch's RNG state is restored afterwards, so serving is
+unaffected. The result waits in this module for the scheduler side (``step_profile``), which puts it
+in the hello: with the ``uni`` executor (the CPU and single-GPU default) the worker runs in the
+engine-core process. With several worker processes the scheduler finds nothing here and the hello
+carries no profile (the controller then starts from its prior).
+
+Approximation: the dummy drafter runs its passes over all the step's tokens, a real one over the
+batch after the first pass; at decode batch sizes a pass is latency-bound, so this is small.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from controller.core.types import StepProfile
+
+log = logging.getLogger("specpilot.plugin")
+
+PROFILE_BATCH_SIZES = (1, 16, 32)
+PROFILE_KS = (0, 1, 2, 4)
+_REPEATS = 5
+_WARM_UPS = 2  # first calls allocate, and the first shapes also wake the thread pool
+_BUDGET_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class RawProfile:
+    """What the worker measured. ``steps``: (batch, K, seconds) of whole dummy decode steps, the
+    drafter (if any) running all ``drafter_passes`` of its passes; ``pass_seconds``: (verified
+    tokens, seconds of one drafter pass)."""
+
+    drafter_passes: int
+    steps: tuple[tuple[int, int, float], ...]
+    pass_seconds: tuple[tuple[int, float], ...]
+
+
+_measured: RawProfile | None = None
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
+    for _ in range(_WARM_UPS):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawProfile:
+    """Time dummy decode steps on ``runner`` (a vLLM GPU/CPU model runner). Stops early when the
+    budget is spent; shapes beyond the engine's limits are skipped."""
+    import torch
+
+    spec = runner.speculative_config
+    drafter: Any = getattr(runner, "drafter", None)
+    passes = int(spec.num_speculative_tokens) if spec is not None else 0
+    model_drafter = drafter is not None and hasattr(drafter, "dummy_run") and (
+        spec.uses_draft_model() or spec.use_eagle())
+    max_seqs = int(runner.scheduler_config.max_num_seqs)
+    started = time.perf_counter()
+    steps: list[tuple[int, int, float]] = []
+    pass_seconds: dict[int, float] = {}
+    saved_q = runner.uniform_decode_query_len
+    rng = torch.get_rng_state()
+    try:
+        with torch.inference_mode():
+            for b in (b for b in PROFILE_BATCH_SIZES if b <= max_seqs):
+                for k in (k for k in PROFILE_KS if k <= passes):
+                    tokens = b * (1 + k)
+                    if tokens > runner.max_num_tokens:
+                        continue
+                    if time.perf_counter() - started > budget_seconds:
+                        return RawProfile(passes if model_drafter else 0, tuple(steps),
+                                          tuple(sorted(pass_seconds.items())))
+                    runner.uniform_decode_query_len = 1 + k
+                    steps.append((b, k, _median_seconds(partial(
+                        runner._dummy_run, tokens, uniform_decode=True, force_attention=True))))
+                    if model_drafter and passes:
+                        pass_seconds[tokens] = _median_seconds(partial(
+                            drafter.dummy_run, tokens, use_cudagraphs=False)) / passes
+    finally:
+        runner.uniform_decode_query_len = saved_q
+        torch.set_rng_state(rng)
+    return RawProfile(passes if model_drafter else 0, tuple(steps),
+                      tuple(sorted(pass_seconds.items())))
+
+
+def step_profile(drafter: str) -> tuple[StepProfile, ...]:
+    """The hello's profile from what the worker measured (empty if nothing was): per (batch, K),
+    the step with ``drafter`` running K passes (K=0: the target alone), i.e. the measured step
+    less the passes beyond K. ``drafter``: the model draft's name, "" if the engine has none."""
+    raw = _measured
+    if raw is None:
+        return ()
+    per_pass = dict(raw.pass_seconds)
+    out = []
+    for b, k, seconds in raw.steps:
+        tokens = b * (1 + k)
+        if raw.drafter_passes and tokens not in per_pass:
+            continue
+        target_alone = seconds - raw.drafter_passes * per_pass.get(tokens, 0.0)
+        if raw.drafter_passes and drafter and k:
+            out.append(StepProfile(b, tokens, drafter, k, target_alone + k * per_pass[tokens]))
+        else:
+            out.append(StepProfile(b, tokens, "", 0, target_alone))
+    return tuple(p for p in out if p.seconds > 0)
+
+
+def install_step_profile() -> bool:
+    """Wrap the worker's ``compile_or_warm_up_model`` to take the profile after it. Returns
+    whether it was installed; logs one line and does nothing when the internals are missing."""
+    try:
+        from engine_plugin.vllm_compat import is_cpu_platform
+
+        worker_cls: Any
+        if is_cpu_platform():
+            from vllm.v1.worker.cpu_worker import CPUWorker
+
+            worker_cls = CPUWorker
+        else:
+            from vllm.v1.worker.gpu_worker import Worker
+
+            worker_cls = Worker
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        if not hasattr(GPUModelRunner, "_dummy_run"):
+            raise AttributeError("GPUModelRunner._dummy_run")
+        original = worker_cls.compile_or_warm_up_model
+    except Exception as exc:  # missing internals: serve without a profile
+        log.info("specpilot: start-up step profile off (%s)", exc)
+        return False
+    if getattr(original, "_specpilot_profile", False):
+        return True
+
+    def compile_or_warm_up_model(self: Any) -> Any:
+        result = original(self)
+        global _measured
+        try:
+            from engine_plugin.config import PluginConfig
+
+            if not PluginConfig.from_env().step_profile:
+                return result
+            t0 = time.perf_counter()
+            _measured = take_profile(self.model_runner)
+            log.info("specpilot: start-up step profile, %d shapes in %.2f s",
+                     len(_measured.steps), time.perf_counter() - t0)
+        except Exception:
+            log.exception("specpilot: start-up step profile failed; the controller keeps its "
+                          "prior")
+        return result
+
+    compile_or_warm_up_model._specpilot_profile = True  # type: ignore[attr-defined]
+    worker_cls.compile_or_warm_up_model = compile_or_warm_up_model
+    return True

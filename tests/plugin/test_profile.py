@@ -1,0 +1,39 @@
+"""The start-up profile's hand-off: what the worker measured becomes the hello's step shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine_plugin import profile
+from engine_plugin.profile import RawProfile, step_profile
+
+
+@pytest.fixture
+def measured() -> Iterator[None]:
+    saved = profile._measured
+    try:
+        yield
+    finally:
+        profile._measured = saved
+
+
+def test_no_profile_means_an_empty_field(measured: None) -> None:
+    profile._measured = None
+    assert step_profile("d") == ()
+
+
+def test_passes_beyond_k_are_taken_off_the_measured_step(measured: None) -> None:
+    # Dummy steps run all 4 drafter passes: 2 ms a pass at these sizes.
+    profile._measured = RawProfile(4, ((1, 0, 0.010), (1, 2, 0.012)), ((1, 0.002), (3, 0.002)))
+    got = {(p.batch_size, p.draft_passes): p for p in step_profile("d")}
+    assert got[(1, 0)].draft == "" and got[(1, 0)].seconds == pytest.approx(0.002)
+    assert got[(1, 2)].draft == "d" and got[(1, 2)].verified_tokens == 3
+    assert got[(1, 2)].seconds == pytest.approx(0.012 - 4 * 0.002 + 2 * 0.002)
+
+
+def test_without_a_model_drafter_every_point_is_the_target_alone(measured: None) -> None:
+    profile._measured = RawProfile(0, ((16, 0, 0.004), (16, 2, 0.006)), ())
+    assert [(p.verified_tokens, p.draft, p.draft_passes) for p in step_profile("")] == [
+        (16, "", 0), (48, "", 0)]
