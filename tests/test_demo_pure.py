@@ -127,7 +127,7 @@ def test_the_ceiling_gives_each_class_its_best_configuration() -> None:
     # code gains 3 tokens per step with the draft (at twice the step cost), chat nothing.
     tau = [{"off": 0.01, "draft": 0.02}]
     expected = {"code": {"off": 1.0, "draft": 3.0}, "chat": {"off": 1.0, "draft": 1.0}}
-    c = ceiling(["p"], [{"code": 60.0, "chat": 40.0}], tau, expected)
+    c = ceiling(["p"], [{"code": 60.0, "chat": 40.0}], tau, [expected])
     [p] = c.phases
     assert p.best == {"code": "draft", "chat": "off"}
     # time = 60 * 0.02 / 3 + 40 * 0.01 = 0.8 s for 100 tokens; off alone 1.0 s, draft alone 1.2.

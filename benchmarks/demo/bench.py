@@ -22,7 +22,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,8 @@ class ConfigFigures:
     phase_step_seconds_per_sequence: tuple[float, ...]
     acceptance: dict[str, float]  # per class, pooled over repetitions (NaN: nothing drafted)
     tokens_per_verify_step: dict[str, float]  # per class, pooled (NaN: nothing drafted)
+    # The same per phase (the ceiling's E: a configuration may speculate in one phase only).
+    phase_tokens_per_verify_step: tuple[dict[str, float], ...]
     mismatched_requests: int  # greedy outputs that differ from the reference run
     # Sampled classes: the distribution test per generated position against no speculation.
     distribution: dict[str, tuple[Comparison, ...]] = field(default_factory=dict)
@@ -168,6 +170,10 @@ def _run_figures(workload: Workload, name: str, rs: Sequence[RunResult], referen
                     if r.phases[i].decode_steps]) for i in range(n_phases)),
         acceptance={cls: f.acceptance for cls, f in pooled.items()},
         tokens_per_verify_step={cls: f.tokens_per_verify_step for cls, f in pooled.items()},
+        phase_tokens_per_verify_step=tuple(
+            {cls: f.tokens_per_verify_step for cls, f in class_figures(
+                r for run in rs for r in run.requests if r.phase == i).items()}
+            for i in range(n_phases)),
         mismatched_requests=sum(
             len(output_mismatches(reference, r, workload.greedy_classes())) for r in rs),
         distribution=distribution)
@@ -184,9 +190,9 @@ def _ceiling(workload: Workload, statics: Sequence[ConfigFigures],
                                             + len(r.token_ids))
     tau = [{c.name: c.phase_step_seconds_per_sequence[i] for c in statics}
            for i in range(len(workload.phases))]
-    expected = {cls: {c.name: (1.0 if math.isnan(e := c.tokens_per_verify_step.get(cls, 1.0))
-                               else e) for c in statics}
-                for cls in workload.class_names()}
+    expected = [{cls: {c.name: (1.0 if math.isnan(e := c.phase_tokens_per_verify_step[i].get(
+                                    cls, 1.0)) else e) for c in statics}
+                 for cls in workload.class_names()} for i in range(len(workload.phases))]
     return ceiling([p.name for p in workload.phases], tokens, tau, expected)
 
 
@@ -446,9 +452,13 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
     report = summarize(options.workload, runs, reference, time.monotonic() - started, probes)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "engine.json").write_text(json.dumps(report_json(report), indent=2) + "\n")
+    # Every run as measured, and the probes' samples: the report can be recomputed from these.
+    (options.out / "runs.json").write_text(json.dumps(
+        {"runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
+         "probes": probes}) + "\n")
     (options.out / "engine.md").write_text(markdown(report) + "\n")
     if options.plots:
         plot(report, options.out / "engine.png")
     echo(markdown(report))
-    echo(f"written to {options.out}/engine.{{json,md{',png' if options.plots else ''}}}")
+    echo(f"written to {options.out}/engine.{{json,md{',png' if options.plots else ''}}} and runs.json")
     return report

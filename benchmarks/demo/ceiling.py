@@ -3,16 +3,17 @@ served every class, in every phase, with the static configuration best for it (p
 
 Model, from what the static runs measured. In phase p every configuration s keeps about B
 sequences in flight; a decode step costs ``tau[p][s]`` seconds per sequence in the batch
-(measured: mean decode-step time / mean batch), and a sequence of class c gains ``E[c][s]``
-tokens per verification step (measured: 1 + accepted / verification steps; 1 without
-speculation). Class c generates ``tokens[p][c]`` tokens in phase p, so it needs
-``tokens[p][c] / E[c][s]`` sequence-steps of ``tau[p][s]`` seconds each; the phase's decode time
-is their sum over classes, and its throughput is tokens / time:
+(measured: mean decode-step time / mean batch), and a sequence of class c gains ``E[p][c][s]``
+tokens per verification step (measured in that phase: 1 + accepted / verification steps; 1
+without speculation; per phase, because a configuration may speculate in one phase and not in
+another, as vLLM's batch-size table does). Class c generates ``tokens[p][c]`` tokens in phase
+p, so it needs ``tokens[p][c] / E[p][c][s]`` sequence-steps of ``tau[p][s]`` seconds each; the
+phase's decode time is their sum over classes, and its throughput is tokens / time:
 
-    throughput_p(assignment) = sum_c tokens[p][c] / sum_c tokens[p][c] * tau[p][a_c] / E[c][a_c]
+    throughput_p(a) = sum_c tokens[p][c] / sum_c tokens[p][c] * tau[p][a_c] / E[p][c][a_c]
 
 The time separates by class, so the best assignment gives each class its own
-``argmin_s tau[p][s] / E[c][s]``. Mixing configurations in one batch is priced as the
+``argmin_s tau[p][s] / E[p][c][s]``. Mixing configurations in one batch is priced as the
 sequence-weighted mix of their step costs, which is optimistic where a model drafter runs for
 the whole batch: the ceiling is an upper bound on the room there is. For a single static
 configuration the same formula reproduces its measured decode throughput (``modeled``), which
@@ -69,10 +70,11 @@ def phase_ceiling(phase: str, tokens: Mapping[str, float], tau: Mapping[str, flo
 
 def ceiling(phases: Sequence[str], tokens: Sequence[Mapping[str, float]],
             tau: Sequence[Mapping[str, float]],
-            expected: Mapping[str, Mapping[str, float]]) -> Ceiling:
-    """Every phase's ceiling and the whole run's (time-additive over phases)."""
-    per_phase = tuple(phase_ceiling(name, t, s, expected)
-                      for name, t, s in zip(phases, tokens, tau, strict=True))
+            expected: Sequence[Mapping[str, Mapping[str, float]]]) -> Ceiling:
+    """Every phase's ceiling and the whole run's (time-additive over phases); every argument has
+    one entry per phase."""
+    per_phase = tuple(phase_ceiling(name, t, s, e)
+                      for name, t, s, e in zip(phases, tokens, tau, expected, strict=True))
     measured = [(sum(t.values()), p.tokens_per_second) for t, p in zip(tokens, per_phase,
                                                                           strict=True)
                 if math.isfinite(p.tokens_per_second) and p.tokens_per_second > 0]
