@@ -460,5 +460,6 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
     if options.plots:
         plot(report, options.out / "engine.png")
     echo(markdown(report))
-    echo(f"written to {options.out}/engine.{{json,md{',png' if options.plots else ''}}} and runs.json")
+    kinds = "json,md,png" if options.plots else "json,md"
+    echo(f"written to {options.out}/engine.{{{kinds}}} and runs.json")
     return report
