@@ -95,8 +95,10 @@ class ConfigFigures:
     phase_step_seconds_per_sequence: tuple[float, ...]
     acceptance: dict[str, float]  # per class, pooled over repetitions (NaN: nothing drafted)
     tokens_per_verify_step: dict[str, float]  # per class, pooled (NaN: nothing drafted)
-    # The same per phase (the ceiling's E: a configuration may speculate in one phase only).
-    phase_tokens_per_verify_step: tuple[dict[str, float], ...]
+    # Tokens a request gains per engine step, per class and phase (the ceiling's E: every step
+    # counts, also one where the drafter proposed nothing; a configuration may speculate in
+    # one phase only).
+    phase_tokens_per_step: tuple[dict[str, float], ...]
     mismatched_requests: int  # greedy outputs that differ from the reference run
     # Sampled classes: the distribution test per generated position against no speculation.
     distribution: dict[str, tuple[Comparison, ...]] = field(default_factory=dict)
@@ -170,8 +172,8 @@ def _run_figures(workload: Workload, name: str, rs: Sequence[RunResult], referen
                     if r.phases[i].decode_steps]) for i in range(n_phases)),
         acceptance={cls: f.acceptance for cls, f in pooled.items()},
         tokens_per_verify_step={cls: f.tokens_per_verify_step for cls, f in pooled.items()},
-        phase_tokens_per_verify_step=tuple(
-            {cls: f.tokens_per_verify_step for cls, f in class_figures(
+        phase_tokens_per_step=tuple(
+            {cls: f.tokens_per_step for cls, f in class_figures(
                 r for run in rs for r in run.requests if r.phase == i).items()}
             for i in range(n_phases)),
         mismatched_requests=sum(
@@ -190,7 +192,7 @@ def _ceiling(workload: Workload, statics: Sequence[ConfigFigures],
                                             + len(r.token_ids))
     tau = [{c.name: c.phase_step_seconds_per_sequence[i] for c in statics}
            for i in range(len(workload.phases))]
-    expected = [{cls: {c.name: (1.0 if math.isnan(e := c.phase_tokens_per_verify_step[i].get(
+    expected = [{cls: {c.name: (1.0 if math.isnan(e := c.phase_tokens_per_step[i].get(
                                     cls, 1.0)) else e) for c in statics}
                  for cls in workload.class_names()} for i in range(len(workload.phases))]
     return ceiling([p.name for p in workload.phases], tokens, tau, expected)

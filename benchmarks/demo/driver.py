@@ -40,6 +40,8 @@ class RequestResult:
     accepted: int
     # Verification steps by accepted drafts (index = accepted count); empty without speculation.
     histogram: tuple[int, ...]
+    # Engine steps that gave it new tokens (its first, prefill, step included).
+    steps: int = 0
 
     @property
     def seconds(self) -> float:
@@ -132,7 +134,8 @@ def sampling_params(request: DemoRequest) -> Any:
                           ignore_eos=True, extra_args={"traffic_class": request.traffic_class})
 
 
-def _result(request: DemoRequest, output: Any, admitted: float, now: float) -> RequestResult:
+def _result(request: DemoRequest, output: Any, admitted: float, now: float,
+            steps: int) -> RequestResult:
     completion = output.outputs[0]
     metrics = getattr(completion, "spec_decode_metrics", None)
     histogram = tuple(int(x) for x in (metrics.histogram if metrics is not None else ()))
@@ -140,7 +143,7 @@ def _result(request: DemoRequest, output: Any, admitted: float, now: float) -> R
     drafted = int(metrics.num_draft_tokens) if metrics is not None else 0
     return RequestResult(request.request_id, request.phase, request.traffic_class,
                          tuple(int(t) for t in completion.token_ids), admitted, now,
-                         drafted, accepted, histogram)
+                         drafted, accepted, histogram, steps)
 
 
 def run_plan(llm: Any, plan: RequestPlan, config: str, *, on_tick: Tick | None = None,
@@ -155,6 +158,7 @@ def run_plan(llm: Any, plan: RequestPlan, config: str, *, on_tick: Tick | None =
     results: list[RequestResult] = []
     phases: list[PhaseResult] = []
     seen: dict[str, int] = {}
+    steps: dict[str, int] = {}
     window = LiveWindow()
     for p_index, phase_requests in enumerate(plan.by_phase):
         phase = plan.workload.phases[p_index]
@@ -184,13 +188,15 @@ def run_plan(llm: Any, plan: RequestPlan, config: str, *, on_tick: Tick | None =
                 new = n - seen.get(output.request_id, 0)
                 seen[output.request_id] = n
                 step_tokens += new
+                if new:
+                    steps[output.request_id] = steps.get(output.request_id, 0) + 1
                 if n:
                     prefilling.discard(output.request_id)
                 cls = request.traffic_class
                 window.tokens[cls] = window.tokens.get(cls, 0) + new
                 if output.finished:
                     results.append(_result(request, output, admitted.pop(request.request_id),
-                                           now))
+                                           now, steps.pop(request.request_id, 0)))
             tokens += step_tokens
             if decode_only and step_tokens:
                 decode[0] += 1

@@ -18,11 +18,19 @@ class ClassFigures:
     drafted: int
     accepted: int
     verify_steps: int
+    # Engine steps that gave the class's requests tokens, summed.
+    steps: int = 0
 
     @property
     def acceptance(self) -> float:
         """Accepted / drafted tokens; NaN when nothing was drafted."""
         return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens a request gains per engine step it is in (NaN without steps): what the
+        ceiling needs, since steps where a drafter proposed nothing count too."""
+        return self.tokens / self.steps if self.steps else float("nan")
 
     @property
     def tokens_per_verify_step(self) -> float:
@@ -41,7 +49,7 @@ def class_figures(results: Iterable[RequestResult]) -> dict[str, ClassFigures]:
             traffic_class=cls, requests=len(rs), tokens=sum(len(r.token_ids) for r in rs),
             request_tokens_per_second=sum(rates) / len(rates) if rates else 0.0,
             drafted=sum(r.drafted for r in rs), accepted=sum(r.accepted for r in rs),
-            verify_steps=sum(sum(r.histogram) for r in rs))
+            verify_steps=sum(sum(r.histogram) for r in rs), steps=sum(r.steps for r in rs))
     return out
 
 
