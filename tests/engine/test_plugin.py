@@ -397,7 +397,7 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
     controller.call(spy)
     spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
     started = time.perf_counter()
-    with plugin_env(controller=controller.target), llm_session(
+    with plugin_env(controller=controller.target, step_profile="true"), llm_session(
             tiny_models.target, spec, SCHEDULER) as llm:
         built = time.perf_counter() - started
         controller.wait_for(one_engine, what="the engine's hello")
