@@ -58,11 +58,20 @@ def reason_to_proto(reason: Reason) -> common_pb2.DecisionReason:
     return _REASON_TO_PROTO[reason]
 
 
-def reason_from_proto(value: int, where: str = "reason") -> Reason:
+_E = TypeVar("_E")
+
+
+def _enum_from_proto(table: dict[int, _E], value: int, where: str, what: str) -> _E:
+    """The core's enum member for a wire value; ReportRejected naming the field when unset or
+    unknown."""
     try:
-        return _REASON_FROM_PROTO[value]
+        return table[value]
     except KeyError:
-        raise ReportRejected(f"{where}: decision reason {value} is unset or unknown") from None
+        raise ReportRejected(f"{where}: {what} {value} is unset or unknown") from None
+
+
+def reason_from_proto(value: int, where: str = "reason") -> Reason:
+    return _enum_from_proto(_REASON_FROM_PROTO, value, where, "decision reason")
 
 
 def draft_kind_to_proto(kind: DraftKind) -> common_pb2.DraftKind:
@@ -70,10 +79,7 @@ def draft_kind_to_proto(kind: DraftKind) -> common_pb2.DraftKind:
 
 
 def draft_kind_from_proto(value: int, where: str = "kind") -> DraftKind:
-    try:
-        return _KIND_FROM_PROTO[value]
-    except KeyError:
-        raise ReportRejected(f"{where}: draft kind {value} is unset or unknown") from None
+    return _enum_from_proto(_KIND_FROM_PROTO, value, where, "draft kind")
 
 
 # --- records whose fields mirror their message one to one ----------------------------------------
