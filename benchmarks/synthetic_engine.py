@@ -24,9 +24,11 @@ from controller.core.types import (
     DraftSpec,
     EngineHello,
     EngineReport,
+    StepProfile,
     StepTimingRecord,
 )
 from controller.server.stubs import engine_stub
+from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 from specpilot.v1 import common_pb2, engine_pb2
 
 DRAFT = "draft-small"
@@ -110,7 +112,15 @@ class SyntheticEngine:
             # Batch-wide: the synthetic drafter drafts only the K in force, so K=0 saves drafting.
             per_request_k=False, batch_wide_k=True,
             engine_version="synthetic", plugin_version="synthetic", max_batch_size=64,
+            step_profile=self.step_profile(),
         )))
+
+    def step_profile(self) -> tuple[StepProfile, ...]:
+        """The start-up profile a real engine's plugin sends (``engine_plugin/profile.py``): the
+        true step time at its batch sizes and K."""
+        return tuple(
+            StepProfile(b, b * (1 + k), DRAFT if k else "", k, self.cost.step_seconds(b, k))
+            for b in PROFILE_BATCH_SIZES for k in PROFILE_KS if k <= self.max_k)
 
     def bucket(self) -> int:
         return bucket_of(tuple(self.bucket_bounds), self.batch_size)

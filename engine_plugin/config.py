@@ -89,11 +89,11 @@ class PluginConfig:
     first forward (10-20% of a step on CPUs); the skipped positions are holes in the drafter's
     KV cache that cost some later acceptance, never correctness: ``true`` or ``false``."""
 
-    step_profile: bool = False
-    """Time a few dummy target steps and drafter passes after the engine's warm-up (about 2 s)
-    and send them in the hello, for the controller's cost model (weighted by its
-    ``cost_prior_profile_weight_steps``, 0 by default): ``true`` or ``false``. Off by default:
-    on a loaded CPU the dummy steps time far from real decode steps."""
+    step_profile: bool = True
+    """Time a few dummy target steps and drafter passes after the engine's warm-up (about 1-2 s;
+    each shape the fastest of five) and send them in the hello, so the controller's cost model
+    starts from this hardware (weighted by its ``cost_prior_profile_weight_steps``): ``true`` or
+    ``false``."""
 
     def __post_init__(self) -> None:
         _check(self)

@@ -5,12 +5,18 @@ Worker side: ``install_step_profile`` (from the general plugin's ``register``) w
 ``compile_or_warm_up_model``, which runs after the model is loaded and the KV cache exists. The
 wrapper times the runner's ``_dummy_run`` (a uniform decode batch: the target's forward and, for a
 model drafter, its passes; ``uniform_decode_query_len`` is set to 1 + K for the call and restored)
-at a few batch sizes x K, and the drafter's own ``dummy_run`` to price one draft pass, medians of a
-few repeats, within a time budget; torch's RNG state is restored afterwards, so serving is
-unaffected. The result waits in this module for the scheduler side (``step_profile``), which puts it
-in the hello: with the ``uni`` executor (the CPU and single-GPU default) the worker runs in the
-engine-core process. With several worker processes the scheduler finds nothing here and the hello
-carries no profile (the controller then starts from its prior).
+at a few batch sizes x K, and the drafter's own ``dummy_run`` to price one draft pass, each the
+fastest of a few repeats (contention only ever adds time), within a time budget; torch's RNG state
+is restored afterwards, so serving is unaffected. The result waits in this module for the scheduler
+side (``step_profile``), which puts it in the hello: with the ``uni`` executor (the CPU and
+single-GPU default) the worker runs in the engine-core process. With several worker processes the
+scheduler finds nothing here and the hello carries no profile (the controller then starts from its
+prior).
+
+The profile is on by default. It times the forward passes only: a real speculative step also
+prepares the drafter's inputs and runs the rejection sampler (on this CPU 2-3 ms at batch 1,
+20-30% at batch 16), so the controller weighs each point lightly
+(``cost_prior_profile_weight_steps``) and its live timings correct the speculative points.
 
 Approximation: the dummy drafter runs its passes over all the step's tokens, a real one over the
 batch after the first pass; at decode batch sizes a pass is latency-bound, so this is small.
@@ -19,7 +25,6 @@ batch after the first pass; at decode batch sizes a pass is latency-bound, so th
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +56,7 @@ class RawProfile:
 _measured: RawProfile | None = None
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
+def _min_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
     for _ in range(_WARM_UPS):
         fn()
     times = []
@@ -59,7 +64,7 @@ def _median_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawProfile:
@@ -89,10 +94,10 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
                         return RawProfile(passes if model_drafter else 0, tuple(steps),
                                           tuple(sorted(pass_seconds.items())))
                     runner.uniform_decode_query_len = 1 + k
-                    steps.append((b, k, _median_seconds(partial(
+                    steps.append((b, k, _min_seconds(partial(
                         runner._dummy_run, tokens, uniform_decode=True, force_attention=True))))
                     if model_drafter and passes:
-                        pass_seconds[tokens] = _median_seconds(partial(
+                        pass_seconds[tokens] = _min_seconds(partial(
                             drafter.dummy_run, tokens, use_cudagraphs=False)) / passes
     finally:
         runner.uniform_decode_query_len = saved_q

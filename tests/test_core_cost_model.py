@@ -19,17 +19,19 @@ def _model(prior: CostPrior | None = None, half_life: float = 1e9) -> StepCostMo
 
 def _truth(batch: int, k: int) -> float:
     tokens = batch * (1 + k)
-    return 0.010 + 1e-5 * tokens + 6e-4 * max(0, tokens - 32) + k * (0.002 + 2e-5 * batch)
+    # A speculative step also pays a fixed cost (input preparation, the rejection sampler).
+    fixed = 0.0025 if k else 0.0
+    return 0.010 + 1e-5 * tokens + 6e-4 * max(0, tokens - 32) + fixed + k * (0.002 + 2e-5 * batch)
 
 
 def test_prior_alone_gives_the_prior_roofline() -> None:
     prior = CostPrior(base_seconds=0.02, seconds_per_token=2e-5, ridge_tokens=64,
-                      seconds_per_token_above_ridge=2e-4, draft_seconds_per_pass=1e-3,
-                      draft_seconds_per_token=1e-5)
+                      seconds_per_token_above_ridge=2e-4, draft_seconds_fixed=5e-4,
+                      draft_seconds_per_pass=1e-3, draft_seconds_per_token=1e-5)
     model = _model(prior)
     assert model.observed_steps == 0
     assert model.predict_arm(1, 0, "", False) == pytest.approx(0.02 + 2e-5, rel=1e-3)
-    want = 0.02 + 2e-5 * 128 + 2e-4 * 64 + 3 * (1e-3 + 1e-5 * 32)
+    want = 0.02 + 2e-5 * 128 + 2e-4 * 64 + 5e-4 + 3 * (1e-3 + 1e-5 * 32)
     assert model.predict_arm(32, 3, "d", True) == pytest.approx(want, rel=1e-3)
     # N-gram drafts add no draft cost.
     assert model.predict_arm(32, 3, "ngram", False) == pytest.approx(
@@ -70,7 +72,7 @@ def test_new_drafts_keep_the_evidence_so_far() -> None:
         model.observe(StepShape.for_arm(8, 0, "", False), 0.05, 100, now=0.0)
     before = model.predict_arm(8, 0, "", False)
     model.ensure_drafts(["d", "other"])
-    assert model.n_features == 3 + len(KNOTS) + 4
+    assert model.n_features == 3 + len(KNOTS) + 2 * 3  # fixed, per pass, per token per draft
     assert model.predict_arm(8, 0, "", False) == pytest.approx(before, rel=1e-6)
 
 

@@ -92,8 +92,10 @@ def test_joint_search_escapes_where_class_by_class_moves_stall() -> None:
         o = BatchOthers.build(16, 0.5, [OtherClass(0.5, arms["b"][0], True, arms["b"][1],
                                                    float(curve[arms["b"][1]]))])
         k = arms["a"][1]
+        own = np.array([float(k)])
         t = model.predict_mixed(16, np.array([o.verified_tokens + o.self_count * (1 + k)]),
-                                {"small": o.expected_passes("small", np.array([float(k)]))},
+                                {"small": o.drafting_probability("small", own)},
+                                {"small": o.expected_passes("small", own)},
                                 {"small": np.array([o.draft_tokens.get("small", 0.0)
                                                     + o.self_count * k])})
         return float((o.self_count * curve[k] + o.tokens) / t[0])

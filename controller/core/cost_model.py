@@ -2,15 +2,18 @@
 work, fitted online from the engine's step timings.
 
     t = c0 + c_B * B + c_T * T + sum_j c_j * max(0, T - knot_j)
-        + sum_d (p_d * passes_d + q_d * draft_tokens_d)
+        + sum_d (f_d * [d drafts] + p_d * passes_d + q_d * draft_tokens_d)
 
 B is the batch size, T the tokens the target verifies (B plus the drafts), the hinge terms let the
 slope per token rise where the step turns from memory-bound to compute-bound, and each model draft d
-adds a cost per sequential draft pass (K of them) and per proposed token (B*K). N-gram drafts cost
-nothing measurable. The fit is Bayesian linear regression in information form: the prior is a set of
-virtual observations of the prior roofline (so it is usable before any data and carries units), the
-data evidence decays by 2^(-dt/half_life), so unexcited directions fall back to the prior instead
-of drifting.
+adds a fixed cost whenever it drafts at all (its input preparation, the rejection sampler's set-up,
+the bookkeeping of a speculative step: on this CPU about 2.5 ms at batch 1, as much as two passes),
+a cost per sequential draft pass (K of them) and per proposed token (B*K). Without the fixed term
+the jump from no speculation to K=1 is read as a per-pass cost, and longer drafts are priced far
+above what they cost. N-gram drafts cost nothing measurable. The fit is Bayesian linear regression
+in information form: the prior is a set of virtual observations of the prior roofline (so it is
+usable before any data and carries units), the data evidence decays by 2^(-dt/half_life), so
+unexcited directions fall back to the prior instead of drifting.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ _MIN_STEP_SECONDS = 1e-6
 _RIDGE = 1e-9  # keeps the information matrix invertible for features no design point excites
 # Virtual reports behind the prior noise level: the noise estimate follows the data quickly.
 _NOISE_PRIOR_REPORTS = 2.0
+# Cost columns per model draft: drafts at all (0/1), sequential passes, proposed tokens.
+_DRAFT_COLUMNS = 3
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class CostPrior:
     cost_knots_tokens."""
     seconds_per_token_above_ridge: float = tunable(2e-4, ge=0)
     """Prior extra step time per verified token above the ridge, seconds."""
+    draft_seconds_fixed: float = tunable(5e-4, ge=0)
+    """Prior model-draft time per step in which it drafts at all, whatever K, seconds."""
     draft_seconds_per_pass: float = tunable(1e-3, ge=0)
     """Prior model-draft time per sequential draft pass, seconds."""
     draft_seconds_per_token: float = tunable(1e-5, ge=0)
@@ -53,11 +60,12 @@ class CostPrior:
     noise_seconds: float = tunable(1e-3, gt=0)
     """Prior standard deviation of one step's time around the model, seconds (held as two
     virtual reports; the residuals of the observed reports take over)."""
-    profile_weight_steps: float = tunable(0.0, ge=0)
+    profile_weight_steps: float = tunable(10.0, ge=0)
     """Weight of each point of an engine's start-up step profile, in equivalent observed steps
-    (it decays like live timings, which soon outweigh it); 0 = profiles ignored (the default
-    until the profile is shown to match measured steps: 100 fits a clean profile within ~5%)."""
-    sample_scale: float = tunable(1.0, ge=0)
+    (it decays like live timings, which soon outweigh it where the engine runs); 0 = profiles
+    ignored. The profile times the forward passes but not a speculative step's bookkeeping, so
+    live timings correct its speculative points upward (the fixed draft column takes most)."""
+    sample_scale: float = tunable(0.5, ge=0)
     """Scale of the posterior cost draw each decide round prices its sampled goodput with
     (1 = the posterior; 0 = decide on mean costs, no exploration over cost)."""
 
@@ -103,21 +111,24 @@ class PricedCosts:
         return max(float(self._model.features(shape) @ self.theta), _MIN_STEP_SECONDS)
 
     def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
-                      passes: dict[str, FloatArray], draft_tokens: dict[str, FloatArray]
-                      ) -> FloatArray:
-        """Step seconds of mixed steps, one per entry of ``verified_tokens``; ``passes`` and
-        ``draft_tokens`` give each model draft's (expected) passes and proposed tokens per entry.
-        Drafts without a cost column (n-gram, unknown) cost nothing."""
+                      drafting: dict[str, FloatArray], passes: dict[str, FloatArray],
+                      draft_tokens: dict[str, FloatArray]) -> FloatArray:
+        """Step seconds of mixed steps, one per entry of ``verified_tokens``; ``drafting``,
+        ``passes`` and ``draft_tokens`` give each model draft's chance of running at all, its
+        (expected) passes and its proposed tokens per entry. Drafts without a cost column
+        (n-gram, unknown) cost nothing."""
         th, m = self.theta, self._model
         v = np.asarray(verified_tokens, dtype=np.float64)
         t = th[0] + th[1] * batch_size + th[2] * v
         t = t + np.maximum(0.0, v[:, None] - m.knots[None, :]) @ th[3 : m.n_base]
         for i, name in enumerate(m.drafts):
-            col = m.n_base + 2 * i
+            col = m.n_base + _DRAFT_COLUMNS * i
+            if name in drafting:
+                t = t + th[col] * drafting[name]
             if name in passes:
-                t = t + th[col] * passes[name]
+                t = t + th[col + 1] * passes[name]
             if name in draft_tokens:
-                t = t + th[col + 1] * draft_tokens[name]
+                t = t + th[col + 2] * draft_tokens[name]
         return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
 
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
@@ -177,7 +188,7 @@ class StepCostModel:
 
     @property
     def n_features(self) -> int:
-        return self.n_base + 2 * len(self._drafts)
+        return self.n_base + _DRAFT_COLUMNS * len(self._drafts)
 
     @property
     def drafts(self) -> tuple[str, ...]:
@@ -191,9 +202,10 @@ class StepCostModel:
         x[2] = shape.verified_tokens
         x[3 : self.n_base] = np.maximum(0.0, shape.verified_tokens - self.knots)
         if shape.draft in self._drafts and shape.draft_passes > 0:
-            col = self.n_base + 2 * self._drafts.index(shape.draft)
-            x[col] = shape.draft_passes
-            x[col + 1] = shape.draft_tokens
+            col = self.n_base + _DRAFT_COLUMNS * self._drafts.index(shape.draft)
+            x[col] = min(shape.draft_passes, 1.0)  # a mean below 1: the share of steps drafting
+            x[col + 1] = shape.draft_passes
+            x[col + 2] = shape.draft_tokens
         return x
 
     def _prior_theta(self) -> FloatArray:
@@ -205,8 +217,9 @@ class StepCostModel:
             p.seconds_per_token_above_ridge
         )
         for i in range(len(self._drafts)):
-            theta[self.n_base + 2 * i] = p.draft_seconds_per_pass
-            theta[self.n_base + 2 * i + 1] = p.draft_seconds_per_token
+            col = self.n_base + _DRAFT_COLUMNS * i
+            theta[col : col + _DRAFT_COLUMNS] = (
+                p.draft_seconds_fixed, p.draft_seconds_per_pass, p.draft_seconds_per_token)
         return theta
 
     def _rebuild_prior(self) -> None:
@@ -295,7 +308,8 @@ class StepCostModel:
         """Predictions by one draw of the weights from their posterior, N(mean, s^2 sigma^2
         precision^-1) with s = ``sample_scale``: one Cholesky factor of the precision. Where no
         step was observed the prior's spread remains, so an arm priced by extrapolation is
-        sometimes priced cheap enough to be tried (and so corrected)."""
+        sometimes priced cheap enough to be tried (and so corrected). An engine's start-up
+        profile enters as observed steps, so the shapes it timed are not explored this way."""
         scale = self.prior.sample_scale * float(np.sqrt(self.noise_variance()))
         if scale == 0.0:
             return self.mean
@@ -308,9 +322,10 @@ class StepCostModel:
         return self.mean.predict(shape)
 
     def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
-                      passes: dict[str, FloatArray], draft_tokens: dict[str, FloatArray]
-                      ) -> FloatArray:
-        return self.mean.predict_mixed(batch_size, verified_tokens, passes, draft_tokens)
+                      drafting: dict[str, FloatArray], passes: dict[str, FloatArray],
+                      draft_tokens: dict[str, FloatArray]) -> FloatArray:
+        return self.mean.predict_mixed(batch_size, verified_tokens, drafting, passes,
+                                       draft_tokens)
 
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
                     sunk_draft: SunkDraft | None = None) -> float:

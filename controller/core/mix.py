@@ -25,10 +25,10 @@ import numpy.typing as npt
 from controller.core.types import DraftKind, DraftSpec
 
 FloatArray = npt.NDArray[np.float64]
-# (batch_size, verified tokens, passes per model draft, draft tokens per model draft) -> seconds,
-# one entry per element of the verified-tokens array.
-MixedSecondsFn = Callable[[float, FloatArray, dict[str, FloatArray], dict[str, FloatArray]],
-                          FloatArray]
+# (batch_size, verified tokens, per model draft: the chance it drafts at all, its expected passes,
+# its draft tokens) -> seconds, one entry per element of the verified-tokens array.
+MixedSecondsFn = Callable[[float, FloatArray, dict[str, FloatArray], dict[str, FloatArray],
+                           dict[str, FloatArray]], FloatArray]
 Arm = tuple[str, int]
 # Coordinate-ascent sweeps of the joint search (it stops earlier when no class moves).
 _JOINT_SWEEPS = 4
@@ -122,6 +122,12 @@ class BatchOthers:
             none -= p
         return np.asarray(out + max(none, 0.0) * own, dtype=np.float64)
 
+    def drafting_probability(self, draft: str, own_k: npt.ArrayLike) -> FloatArray:
+        """P(``draft`` runs at all in the step), per own K: 1 where own K > 0."""
+        own = np.asarray(own_k, dtype=np.float64)
+        others = min(sum(p for k, p in self.passes.get(draft, ()) if k > 0), 1.0)
+        return np.asarray(np.where(own > 0, 1.0, others), dtype=np.float64)
+
 
 @dataclass(frozen=True)
 class ArmRates:
@@ -140,11 +146,13 @@ def arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec], curves: Mapping[str, 
     model = [d.name for d in drafts if d.kind is DraftKind.MODEL]
 
     def seconds(draft: str, ks: FloatArray) -> FloatArray:
-        passes = {m: o.expected_passes(m, ks if m == draft else np.zeros_like(ks))
-                  for m in model}
+        own = {m: ks if m == draft else np.zeros_like(ks) for m in model}
+        drafting = {m: o.drafting_probability(m, own[m]) for m in model}
+        passes = {m: o.expected_passes(m, own[m]) for m in model}
         tokens = {m: o.draft_tokens.get(m, 0.0) + (n * ks if m == draft else 0.0 * ks)
                   for m in model}
-        return seconds_fn(o.batch_size, o.verified_tokens + n * (1 + ks), passes, tokens)
+        return seconds_fn(o.batch_size, o.verified_tokens + n * (1 + ks), drafting, passes,
+                          tokens)
 
     keys: list[Arm] = [("", 0)]
     expected: list[FloatArray] = [np.ones(1)]

@@ -203,30 +203,21 @@ def test_controller_converges_from_real_engine_reports(tiny_models: Any,
     # The target drafting for itself: acceptance 1.0 -> the controller pushes a long draft. Not
     # necessarily the maximum: on a CPU each extra verified token costs target compute, so K=3
     # and K=4 can be within the hysteresis margin of each other by the measured step costs.
-    # Known weakness (issue 11): on this 2-core CPU the cost model sometimes prices K>=3 far
-    # above what it costs and stays at K=1 for a whole attempt (about 1 run in 3). Three fresh
-    # controllers (other seeds) each get 80 rounds; failing all three fails the test.
+    # A fresh controller: it prices K>=3 from the engine's start-up step profile (in the hello)
+    # before any such step ran. (Without the profile, its GPU-like prior priced K>=3 at 9-21 ms
+    # against 5.6-7.1 measured here, and about one fresh run in three stayed at K=1.)
     spec = {"model": tiny_models.target, "num_speculative_tokens": 4}
-    errors: list[str] = []
-    for seed in (3, 4, 5):
-        fresh = ControllerThread(**{**FAST_CONTROLLER, "seed": seed})
-        try:
-            with plugin_env(controller=fresh.target), llm_session(
-                    tiny_models.target, spec, SCHEDULER) as llm:
-                rounds = _run_until(llm, fresh, "easy", lambda d: d.k >= 3, rounds=80)
-                post = fresh.call(lambda core: core.estimate(
-                    "easy", tiny_models.target.name, time.time()))
-        except AssertionError as exc:
-            errors.append(str(exc))
-            continue
-        finally:
-            fresh.stop()
-        logging.getLogger(__name__).info("easy reached K>=3 after %d rounds (seed %d)", rounds,
-                                         seed)
-        assert post.mean[0] > 0.95
-        break
-    else:
-        raise AssertionError("; ".join(errors))
+    fresh = ControllerThread(**{**FAST_CONTROLLER})
+    try:
+        with plugin_env(controller=fresh.target), llm_session(
+                tiny_models.target, spec, SCHEDULER) as llm:
+            rounds = _run_until(llm, fresh, "easy", lambda d: d.k >= 3, rounds=80)
+            post = fresh.call(lambda core: core.estimate(
+                "easy", tiny_models.target.name, time.time()))
+    finally:
+        fresh.stop()
+    logging.getLogger(__name__).info("easy reached K>=3 after %d rounds", rounds)
+    assert post.mean[0] > 0.95
     # A random draft: acceptance ~0 -> speculation off (probes only). No n-gram drafts here:
     # the looping random target would make them win, and this is about the model draft.
     spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
