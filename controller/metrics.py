@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from controller.core.controller import ControllerCore
 from controller.core.snapshot import CoreSnapshot
-from controller.core.types import DecisionEvent, Reason
+from controller.core.types import DecisionEvent, Reason, StepPrediction
 
 RejectReason = Literal["validation", "oversized", "before_hello"]
 HelloOutcome = Literal["accepted", "rejected"]
@@ -62,6 +62,21 @@ class Metrics:
         self._policy_writes = Counter(
             "specpilot_policy_writes", "PolicyService override writes, by outcome.", ["outcome"],
             registry=r)
+        # The cost model's calibration, one step ahead: for each step-timing record, the steps,
+        # their measured seconds and the seconds the model predicted for them just before
+        # learning them. rate(predicted) / rate(measured) per bucket and K is its bias.
+        cost_labels = ["bucket", "k"]
+        self._timed_steps = Counter(
+            "specpilot_cost_model_steps",
+            "Engine steps in accepted step-timing records, by batch bucket and K.",
+            cost_labels, registry=r)
+        self._measured_seconds = Counter(
+            "specpilot_cost_model_measured_seconds",
+            "Their wall time as the engine measured it, seconds.", cost_labels, registry=r)
+        self._predicted_seconds = Counter(
+            "specpilot_cost_model_predicted_seconds",
+            "Their wall time as the cost model predicted it before learning them, seconds.",
+            cost_labels, registry=r)
         # Every series of a bounded label set exists from the start, so rate() and absent()
         # alerts work before the first event.
         for label_set, counter in ((RejectReason, self._reports_rejected),
@@ -84,9 +99,15 @@ class Metrics:
     def report_rejected(self, reason: RejectReason) -> None:
         self._reports_rejected.labels(reason).inc()
 
-    def report_accepted(self, records_dropped: int, folded_classes: int) -> None:
+    def report_accepted(self, records_dropped: int, folded_classes: int,
+                        predictions: Iterable[StepPrediction]) -> None:
         self._records_dropped.inc(records_dropped)
         self._classes_folded.inc(folded_classes)
+        for p in predictions:
+            labels = (str(p.batch_bucket), str(p.k))
+            self._timed_steps.labels(*labels).inc(p.steps)
+            self._measured_seconds.labels(*labels).inc(p.steps * p.measured_seconds)
+            self._predicted_seconds.labels(*labels).inc(p.steps * p.predicted_seconds)
 
     def hello(self, outcome: HelloOutcome) -> None:
         self._hellos.labels(outcome).inc()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from controller.core.controller import ControllerCore
+from controller.core.cost_model import StepShape
 from controller.core.policy import arm_table
 from controller.core.snapshot import CoreSnapshot
 from controller.core.types import (
@@ -306,3 +307,16 @@ def test_older_plugins_without_a_profile_keep_the_prior() -> None:
     assert core.predicted_step_seconds(1, "", 0) == pytest.approx(0.02 + 2e-5, rel=0.01)
     # A per-request engine's drafter runs its max K passes even at K=0.
     assert _core().predicted_step_seconds(1, "", 0) > core.predicted_step_seconds(1, "", 0)
+
+
+def test_each_timing_record_is_priced_before_it_is_learnt() -> None:
+    core = _core()
+    # 100 steps at batch 1, K=3 with draft d (the shape of _good's record), 30 ms each.
+    before = core._cost.predict(StepShape(1, 4, "d", 3, 3))  # white-box: the record's shape
+    first = core.ingest("e1", _good(1), now=1.0).step_predictions
+    assert [(p.batch_bucket, p.k, p.steps) for p in first] == [(0, 3, 100)]
+    assert first[0].predicted_seconds == pytest.approx(before)
+    assert first[0].measured_seconds == pytest.approx(0.03)
+    # The next identical record is priced by a model that has learnt the first.
+    second = core.ingest("e1", _good(2), now=2.0).step_predictions
+    assert abs(second[0].predicted_seconds - 0.03) < abs(first[0].predicted_seconds - 0.03) / 2

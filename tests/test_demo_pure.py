@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.demo.bench import BENCH_WORKLOAD, markdown, report_json, rotated, summarize
+from benchmarks.demo.calibration import bucket_ranges, calibration_rows, share_within
 from benchmarks.demo.configs import SPECPILOT, bench_configs
 from benchmarks.demo.driver import PhaseResult, RequestResult, RunResult
 from benchmarks.demo.summary import class_figures, median, output_mismatches
@@ -173,3 +174,17 @@ def test_helpers() -> None:
     assert spec is not None and spec["num_speculative_tokens_per_batch_size"][0] == [1, 2, 4]
     assert spec["draft_sample_method"] == "probabilistic"
     assert BENCH_WORKLOAD.max_concurrency == 32
+
+
+def test_calibration_rows_are_per_step_means_with_their_bucket_ranges() -> None:
+    assert bucket_ranges([1, 2, 4, 16]) == ["1", "2", "3-4", "5-16", "17+"]
+    steps = {(0, 2): 100.0, (3, 1): 50.0, (4, 0): 0.0}
+    measured = {(0, 2): 1.2, (3, 1): 1.0, (4, 0): 0.0}
+    predicted = {(0, 2): 1.26, (3, 1): 1.5}
+    rows = calibration_rows(steps, predicted, measured, [1, 2, 4, 16])
+    assert [(r.batch_sizes, r.k) for r in rows] == [("1", 2), ("5-16", 1)]  # no empty cells
+    assert rows[0].measured_seconds == pytest.approx(0.012)
+    assert rows[0].error == pytest.approx(0.05)
+    assert rows[1].error == pytest.approx(0.5)
+    assert share_within(rows) == pytest.approx(100 / 150)  # weighted by steps
+    assert share_within(()) != share_within(())  # NaN without data

@@ -24,8 +24,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from benchmarks.demo.sidecar import Sidecar
+
+from benchmarks.demo.calibration import GOAL_ERROR, CalibrationRow, calibration_rows, share_within
 from benchmarks.demo.ceiling import Ceiling, ceiling
 from benchmarks.demo.configs import DEFAULT_CACHE, OFF, SPECPILOT, EngineConfig, bench_configs
 from benchmarks.demo.distribution import Comparison, compare_positions
@@ -120,6 +124,8 @@ class BenchReport:
     # Decode throughput of the best configuration per class and phase (from the static runs).
     ceiling: Ceiling | None
     seconds: float
+    # The controller's one-step-ahead step-time predictions against the measured ones.
+    calibration: tuple[CalibrationRow, ...] = ()
 
     @property
     def identical_outputs(self) -> bool:
@@ -199,7 +205,8 @@ def _ceiling(workload: Workload, statics: Sequence[ConfigFigures],
 
 
 def summarize(workload: Workload, runs: dict[str, list[RunResult]], reference: RunResult,
-              seconds: float, probes: Mapping[str, ProbeSamples] | None = None) -> BenchReport:
+              seconds: float, probes: Mapping[str, ProbeSamples] | None = None,
+              calibration: tuple[CalibrationRow, ...] = ()) -> BenchReport:
     """Medians, acceptance, ratios, the ceiling and the exactness checks (pure)."""
     figures = [_run_figures(workload, name, rs, reference, probes or {})
                for name, rs in runs.items()]
@@ -219,7 +226,7 @@ def summarize(workload: Workload, runs: dict[str, list[RunResult]], reference: R
     first = runs[SPECPILOT][0].tokens_per_second if runs.get(SPECPILOT) else float("nan")
     return BenchReport(workload, tuple(figures), first, ratio, best.name if best else "",
                        tuple(per_phase), tuple(best_phase), _ceiling(workload, others, reference),
-                       seconds)
+                       seconds, calibration)
 
 
 def _fmt(x: float, digits: int = 1) -> str:
@@ -269,6 +276,19 @@ def markdown(report: BenchReport) -> str:
                   "configuration alone, to compare with its measured decode tokens/s):", "",
                   *_table(("phase", "best per class", "ceiling tokens/s", "modeled"),
                           ceiling_rows), ""]
+    if report.calibration:
+        within = share_within(report.calibration)
+        lines += ["The controller's predicted step times against the measured ones (each of "
+                  "the engine's step-timing records priced by the cost model just before it "
+                  "learnt it, over all of specpilot's runs; `specpilot_cost_model_*` metrics):",
+                  "", *_table(("batch bucket", "K", "steps", "predicted ms", "measured ms",
+                               "error"),
+                              [[r.batch_sizes, str(r.k), f"{r.steps:.0f}",
+                                _fmt(r.predicted_seconds * 1e3, 2),
+                                _fmt(r.measured_seconds * 1e3, 2), f"{r.error:+.1%}"]
+                               for r in report.calibration]), "",
+                  f"- steps in cells predicted within {GOAL_ERROR:.0%}: **{_fmt(within, 3)}**",
+                  ""]
     met_phases = all(r >= GOAL_PER_PHASE for r in report.ratio_per_phase)
     lines += [
         f"- specpilot / best single static configuration ({report.best_static}): "
@@ -334,6 +354,10 @@ def report_json(report: BenchReport) -> dict[str, Any]:
         "identical_outputs": report.identical_outputs,
         "distributions_match": report.distributions_match,
         "seconds": round(report.seconds, 1),
+        "calibration": [{"bucket": r.bucket, "batch_sizes": r.batch_sizes, "k": r.k,
+                         "steps": r.steps, "predicted_seconds": r.predicted_seconds,
+                         "measured_seconds": r.measured_seconds}
+                        for r in report.calibration],
     }
 
 
@@ -404,6 +428,17 @@ def sample_probes(llm: Any, prompts: Mapping[str, tuple[int, ...]], samples: int
     return out
 
 
+def _calibration(controller: Sidecar) -> tuple[CalibrationRow, ...]:
+    """The sidecar's one-step-ahead cost-model counters, per (bucket, K)."""
+    def counter(name: str) -> dict[tuple[int, int], float]:
+        return {(int(b), int(k)): v for (b, k), v in controller.labelled(
+            f"specpilot_cost_model_{name}_total", "bucket", "k").items()}
+
+    bounds = controller.policy().get("batch_bucket_upper_bounds", [])
+    return calibration_rows(counter("steps"), counter("predicted_seconds"),
+                            counter("measured_seconds"), [int(b) for b in bounds])
+
+
 def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> BenchReport:
     from benchmarks.demo.demo import demo_controller_settings, make_plan
     from benchmarks.demo.engine import apply_engine_env, config_session
@@ -448,10 +483,12 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
                      f"{run.tokens_per_second:7.1f} tok/s  phases " + " ".join(
                          f"{p.tokens_per_second:.1f}" for p in run.phases)
                      + f"  ({(time.monotonic() - started) / 60:.1f} min)")
+        calibration = _calibration(controller) if runs.get(SPECPILOT) else ()
     finally:
         controller.stop()
     reference = (runs.get(OFF) or next(iter(runs.values())))[0]
-    report = summarize(options.workload, runs, reference, time.monotonic() - started, probes)
+    report = summarize(options.workload, runs, reference, time.monotonic() - started, probes,
+                       calibration)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "engine.json").write_text(json.dumps(report_json(report), indent=2) + "\n")
     # Every run as measured, and the probes' samples: the report can be recomputed from these.

@@ -94,6 +94,16 @@ class Sidecar:
             total += sum(s.value for s in family.samples if s.name == name)
         return total
 
+    def labelled(self, name: str, *labels: str) -> dict[tuple[str, ...], float]:
+        """A metric's samples named ``name`` in ``/metrics``, by the values of ``labels``."""
+        out: dict[tuple[str, ...], float] = {}
+        for family in text_string_to_metric_families(self.get("/metrics").decode()):
+            for s in family.samples:
+                if s.name == name:
+                    key = tuple(s.labels.get(label, "") for label in labels)
+                    out[key] = out.get(key, 0.0) + s.value
+        return out
+
     def stop(self) -> None:
         if self._process.poll() is None:
             self._process.terminate()

@@ -51,6 +51,7 @@ from controller.core.types import (
     Override,
     Reason,
     ReportRejected,
+    StepPrediction,
 )
 from controller.core.validation import check_class_name, check_hello, check_report
 
@@ -244,6 +245,7 @@ class ControllerCore:
             cls = mapping[req.traffic_class]
             if cls not in verified:
                 self._mix.observe(cls, max(req.output_tokens - req.accepted_tokens, 1), now)
+        predictions = []
         for st in report.step_timings:
             if st.steps <= 0:
                 continue
@@ -256,13 +258,17 @@ class ControllerCore:
                 draft_passes=float(st.k) if is_model and st.sum_draft_tokens > 0 else 0.0,
                 draft_tokens=st.sum_draft_tokens / st.steps if is_model else 0.0,
             )
-            self._cost.observe(shape, st.sum_step_seconds / st.steps, st.steps, now)
+            measured = st.sum_step_seconds / st.steps
+            predictions.append(StepPrediction(st.batch_bucket, st.k, st.steps,
+                                              self._cost.predict(shape), measured))
+            self._cost.observe(shape, measured, st.steps, now)
         engine.last_sequence = report.sequence
         engine.running_requests = report.running_requests
         engine.last_report_at = now
         engine.policy_version_applied = report.policy_version
         folded = tuple(sorted(n for n, v in mapping.items() if v != n))
-        return IngestResult(folded_classes=folded, changes_detected=tuple(changes))
+        return IngestResult(folded_classes=folded, changes_detected=tuple(changes),
+                            step_predictions=tuple(predictions))
 
     # --- decisions --------------------------------------------------------------------------
     def _override_for(self, traffic_class: str) -> Override | None:

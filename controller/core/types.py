@@ -181,11 +181,24 @@ class Override:
 
 
 @dataclass(frozen=True)
+class StepPrediction:
+    """One step-timing record of a report against what the cost model predicted for its mean
+    shape just before the record was learnt (a one-step-ahead check of the cost model)."""
+
+    batch_bucket: int
+    k: int
+    steps: int
+    predicted_seconds: float
+    measured_seconds: float
+
+
+@dataclass(frozen=True)
 class IngestResult:
     """What happened to an accepted report."""
 
     folded_classes: tuple[str, ...] = ()
     changes_detected: tuple[tuple[str, str], ...] = ()
+    step_predictions: tuple[StepPrediction, ...] = ()
 
 
 class ReportRejected(ValueError):

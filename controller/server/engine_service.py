@@ -133,7 +133,8 @@ class EngineService:
         except ReportRejected as exc:
             self._reject(session, report.sequence, "validation", str(exc))
             return
-        self._metrics.report_accepted(report.records_dropped, len(result.folded_classes))
+        self._metrics.report_accepted(report.records_dropped, len(result.folded_classes),
+                                      result.step_predictions)
         session.send(engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
             sequence=report.sequence, accepted=True, code=grpc.StatusCode.OK.value[0],
             folded_classes=result.folded_classes)))

@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from controller.core.cost_model import StepShape
 from controller.core.types import Override
 from controller.server.app import RunningServer
 from controller.server.stubs import async_policy_stub
@@ -101,10 +102,21 @@ async def test_hello_gets_ack_then_policy(server: RunningServer, channel: grpc.a
 
     msg = report(1)
     msg.records_dropped = 5
+    # 40 steps of batch 4 at K=2, 25 ms each: counted with what the cost model predicted.
+    msg.step_timings.append(engine_pb2.StepTiming(
+        batch_bucket=2, draft=DRAFT, k=2, steps=40, sum_batch_size=160, sum_verified_tokens=480,
+        sum_draft_tokens=320, sum_step_seconds=1.0))
+    predicted = server.core._cost.predict(StepShape(4, 12, DRAFT, 2, 8))  # white-box
     result = await engine.send(msg)
     assert (result.accepted, result.code, result.sequence) == (True, 0, 1)
     assert _metric(server, "specpilot_reports_received_total") == 1
     assert _metric(server, "specpilot_engine_records_dropped_total") == 5
+    cell = {"bucket": "2", "k": "2"}
+    assert _metric(server, "specpilot_cost_model_steps_total", **cell) == 40
+    assert _metric(server, "specpilot_cost_model_measured_seconds_total", **cell) == (
+        pytest.approx(1.0))
+    assert _metric(server, "specpilot_cost_model_predicted_seconds_total", **cell) == (
+        pytest.approx(40 * predicted))
     assert _metric(server, "specpilot_engine_hellos_total", outcome="accepted") == 1
     await engine.close()
     for _ in range(100):  # the disconnect is processed on the server's loop

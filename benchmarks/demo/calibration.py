@@ -1,0 +1,62 @@
+"""The controller's predicted step times against the engine's measured ones, per batch bucket and
+K, from the sidecar's one-step-ahead counters (``specpilot_cost_model_*`` in
+controller/metrics.py: each step-timing record priced by the cost model just before it learnt
+the record). Pure: the benchmark reads the counters, this module turns them into rows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+# (bucket, K) -> summed value of one counter.
+Counters = Mapping[tuple[int, int], float]
+# A cell within this relative error counts as calibrated (issue 11's goal).
+GOAL_ERROR = 0.10
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    bucket: int
+    batch_sizes: str  # the bucket's range of batch sizes, e.g. "9-16"
+    k: int
+    steps: float
+    predicted_seconds: float  # mean per step
+    measured_seconds: float
+
+    @property
+    def error(self) -> float:
+        """predicted / measured - 1 (positive: the model prices the step too high)."""
+        return self.predicted_seconds / self.measured_seconds - 1.0
+
+
+def bucket_ranges(upper_bounds: Sequence[int]) -> list[str]:
+    """Batch sizes per bucket index, as people read them: "1", "3-4", ..., "129+"."""
+    out, low = [], 1
+    for hi in upper_bounds:
+        out.append(str(hi) if hi == low else f"{low}-{hi}")
+        low = hi + 1
+    out.append(f"{low}+")
+    return out
+
+
+def calibration_rows(steps: Counters, predicted: Counters, measured: Counters,
+                     upper_bounds: Sequence[int]) -> tuple[CalibrationRow, ...]:
+    ranges = bucket_ranges(upper_bounds)
+    rows = []
+    for (bucket, k), n in sorted(steps.items()):
+        m = measured.get((bucket, k), 0.0)
+        if n <= 0 or m <= 0:
+            continue
+        label = ranges[bucket] if 0 <= bucket < len(ranges) else str(bucket)
+        rows.append(CalibrationRow(bucket, label, k, n, predicted.get((bucket, k), 0.0) / n,
+                                   m / n))
+    return tuple(rows)
+
+
+def share_within(rows: Sequence[CalibrationRow], tolerance: float = GOAL_ERROR) -> float:
+    """Share of the timed steps whose cell the model predicts within ``tolerance`` (NaN: none)."""
+    total = sum(r.steps for r in rows)
+    if total <= 0:
+        return math.nan
+    return sum(r.steps for r in rows if abs(r.error) <= tolerance) / total
