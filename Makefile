@@ -10,7 +10,7 @@
 #   make lint    the linters only
 #   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
 #   make sim     the simulator suite: every policy on benchmarks/scenarios/*.yaml (docs/benchmarks.md)
-#   make bench-engine  specpilot against static configurations on the real engine (~30 min)
+#   make bench-engine  specpilot against static configurations on the real engine (~15 min)
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
