@@ -484,6 +484,9 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
                          f"{p.tokens_per_second:.1f}" for p in run.phases)
                      + f"  ({(time.monotonic() - started) / 60:.1f} min)")
         calibration = _calibration(controller) if runs.get(SPECPILOT) else ()
+        # The controller's decision log (the newest decision_log_size changes), for reading
+        # what specpilot chose when: each event's time, class, bucket, arm and reason.
+        decisions = controller.get("/api/decisions") if runs.get(SPECPILOT) else b""
     finally:
         controller.stop()
     reference = (runs.get(OFF) or next(iter(runs.values())))[0]
@@ -495,10 +498,13 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
     (options.out / "runs.json").write_text(json.dumps(
         {"runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
          "probes": probes}) + "\n")
+    if decisions:
+        (options.out / "decisions.json").write_bytes(decisions)
     (options.out / "engine.md").write_text(markdown(report) + "\n")
     if options.plots:
         plot(report, options.out / "engine.png")
     echo(markdown(report))
     kinds = "json,md,png" if options.plots else "json,md"
-    echo(f"written to {options.out}/engine.{{{kinds}}} and runs.json")
+    echo(f"written to {options.out}/engine.{{{kinds}}}, runs.json"
+         + (" and decisions.json" if decisions else ""))
     return report

@@ -67,3 +67,24 @@ def test_models_command_records_acceptance_per_class_once(demo_models_root: Path
     # Cached: read back without starting an engine.
     assert record_acceptance(models, echo=lines.append) == table and len(lines) == 2
     assert json.loads((models.root / ACCEPTANCE_FILE).read_text()) == table
+
+
+def test_bench_reports_the_cost_models_predictions_and_the_decision_log(
+        tmp_path: Path, demo_models_root: Path) -> None:
+    from benchmarks.demo.bench import BenchOptions, run_bench
+
+    workload = Workload(DEFAULT_CLASSES, (Phase("light", 1, 3), Phase("burst", 4, 8)), seed=3)
+    report = run_bench(BenchOptions(cache_dir=demo_models_root, profile="untrained",
+                                    workload=workload, reps=1, out=tmp_path,
+                                    configs=("off", "specpilot"), plots=False, probe_samples=0),
+                       echo=lambda _: None)
+    assert report.identical_outputs
+    # Every decode step specpilot's engine timed was priced by the controller before it learnt
+    # it: the batch-1 and batch-4 cells are there, with positive measured and predicted times.
+    cells = {(r.batch_sizes, r.k) for r in report.calibration}
+    assert {size for size, _ in cells} >= {"1", "3-4"}
+    assert all(r.steps > 0 and r.measured_seconds > 0 and r.predicted_seconds > 0
+               for r in report.calibration)
+    assert "predicted ms" in (tmp_path / "engine.md").read_text()
+    log = json.loads((tmp_path / "decisions.json").read_text())["events"]
+    assert log and {e["decision"]["traffic_class"] for e in log} >= {"default", "offline"}
