@@ -55,7 +55,7 @@ class DraftSpec:
 class StepProfile:
     """One step shape timed at engine start-up: ``batch_size`` sequences, ``verified_tokens``
     verified by the target over the step, ``draft_passes`` sequential passes of model draft
-    ``draft`` ("" = none), ``seconds`` its median wall time."""
+    ``draft`` ("" = none), ``seconds`` its wall time (the fastest of a few repeats)."""
 
     batch_size: int
     verified_tokens: int
