@@ -13,9 +13,10 @@ single-GPU default) the worker runs in the engine-core process. With several wor
 scheduler finds nothing here and the hello carries no profile (the controller then starts from its
 prior).
 
-The profile is on by default. It times the forward passes only: a real speculative step also
-prepares the drafter's inputs and runs the rejection sampler (on this CPU 2-3 ms at batch 1,
-20-30% at batch 16), so the controller weighs each point lightly
+The profile is on by default, for engines on specpilot's scheduler only (the general plugin loads
+in every vLLM process). It times the forward passes only: a real speculative step also prepares
+the drafter's inputs and runs the rejection sampler (on this CPU 2-3 ms at batch 1, 20-30% at
+batch 16), so the controller weighs each point lightly
 (``cost_prior_profile_weight_steps``) and its live timings correct the speculative points.
 
 Approximation: the dummy drafter runs its passes over all the step's tokens, a real one over the
@@ -127,6 +128,15 @@ def step_profile(drafter: str) -> tuple[StepProfile, ...]:
     return tuple(p for p in out if p.seconds > 0)
 
 
+def runs_specpilot_scheduler(vllm_config: Any) -> bool:
+    """Whether the engine schedules with specpilot's scheduler, the only reader of the profile
+    (the general plugin loads in every vLLM process, most of which never send a hello)."""
+    from engine_plugin.scheduler import _PilotScheduler
+
+    cls = vllm_config.scheduler_config.get_scheduler_cls()
+    return isinstance(cls, type) and issubclass(cls, _PilotScheduler)
+
+
 def install_step_profile() -> bool:
     """Wrap the worker's ``compile_or_warm_up_model`` to take the profile after it. Returns
     whether it was installed; logs one line and does nothing when the internals are missing."""
@@ -156,10 +166,12 @@ def install_step_profile() -> bool:
     def compile_or_warm_up_model(self: Any) -> Any:
         result = original(self)
         global _measured
+        _measured = None  # never hand a previous engine's profile to this one
         try:
             from engine_plugin.config import PluginConfig
 
-            if not PluginConfig.from_env().step_profile:
+            if not (PluginConfig.from_env().step_profile
+                    and runs_specpilot_scheduler(self.vllm_config)):
                 return result
             t0 = time.perf_counter()
             _measured = take_profile(self.model_runner)

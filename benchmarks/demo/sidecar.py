@@ -89,10 +89,7 @@ class Sidecar:
 
     def metric(self, name: str) -> float:
         """The sum of a metric's samples named ``name`` in ``/metrics`` (0 when absent)."""
-        total = 0.0
-        for family in text_string_to_metric_families(self.get("/metrics").decode()):
-            total += sum(s.value for s in family.samples if s.name == name)
-        return total
+        return sum(self.labelled(name).values())
 
     def labelled(self, name: str, *labels: str) -> dict[tuple[str, ...], float]:
         """A metric's samples named ``name`` in ``/metrics``, by the values of ``labels``."""

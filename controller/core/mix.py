@@ -125,7 +125,7 @@ class BatchOthers:
     def drafting_probability(self, draft: str, own_k: npt.ArrayLike) -> FloatArray:
         """P(``draft`` runs at all in the step), per own K: 1 where own K > 0."""
         own = np.asarray(own_k, dtype=np.float64)
-        others = min(sum(p for k, p in self.passes.get(draft, ()) if k > 0), 1.0)
+        others = sum(p for _, p in self.passes.get(draft, ()))  # P(some other sequence drafts)
         return np.asarray(np.where(own > 0, 1.0, others), dtype=np.float64)
 
 
