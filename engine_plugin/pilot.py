@@ -9,9 +9,10 @@ engine keeps serving with its own configuration.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,15 +40,24 @@ log = logging.getLogger("specpilot.plugin")
 TokenizerLoader = Callable[[str], TokenizerLike]
 
 
-@dataclass
+_NO_CHOICE = Choice("", 0, False)
+
+
+@dataclass(slots=True)
 class _Request:
     traffic_class: str
     draft: str = ""  # draft whose tokens the request verified last
     drafted: int = 0
     accepted: int = 0
-    score_ngram: bool = False  # in the random subset scored counterfactually
+    # Fixed random point in [0, 1) of the request's id: it is scored counterfactually in a step
+    # while this is below ngram_counterfactual_per_step / batch size.
+    ngram_point: float = 1.0
     # K asked of the n-gram draft this step (its proposal may be shorter, or empty).
     ngram_k: int = 0
+    # The request's choice under ``choice_from`` (this step's lookup for its batch size): the
+    # drafter's K and the cut of its drafts read the same choice at no second lookup.
+    choice: Choice = _NO_CHOICE
+    choice_from: PolicyLookup | None = None
 
 
 @dataclass(frozen=True)
@@ -196,11 +206,20 @@ class Pilot:
             # Scored only where n-gram drafts are offered: the controller must know the draft.
             if self.ngram is not None and NGRAM_DRAFT in self.drafts_allowed
             and engine.drafter != NGRAM_DRAFT else None)
+        # n-gram choices are served by substituting the model drafter's tokens.
+        self._substitutes = engine.can_substitute_ngram and self.ngram is not None
         self.requests: dict[str, _Request] = {}
-        # Requests whose drafts were last replaced by n-gram tokens; consumed by mark_step.
+        # (ngram_point, id) of every request in ``requests``, in order: a step scores a prefix.
+        self._by_ngram_point: list[tuple[float, str]] = []
+        # Requests per traffic class among ``requests``: the classes a step can hold.
+        self._class_counts: dict[str, int] = {}
+        # Requests whose drafts are n-gram tokens the plugin put there, until a step schedules
+        # them (mark_step) or the drafter's tokens replace them.
         self._deterministic: set[str] = set()
-        # The requests in the counterfactual n-gram sample (a subset of ``requests``).
-        self._scored: dict[str, _Request] = {}
+        # The requests whose scheduled drafts in the current step are n-gram tokens.
+        self._verifying_ngram: frozenset[str] = frozenset()
+        # Drafts per request the drafter was asked for in the current step (mark_step).
+        self._drafter_k = engine.max_k
         # This step's policy per batch size: one lookup per (class, bucket) per step.
         self._lookups: dict[int, PolicyLookup] = {}
         self._step_started = 0.0
@@ -221,18 +240,41 @@ class Pilot:
     def on_add_request(self, request: RequestLike) -> None:
         params = request.sampling_params
         lora = request.lora_request
-        state = self.requests[request.request_id] = _Request(
-            self.classifier.classify(
-                params.extra_args if params is not None else None,
-                lora.lora_name if lora is not None else None,
-                request.num_prompt_tokens,
-                request.max_tokens,
-            ),
-            score_ngram=probe_point(request.request_id + "#ngram")
-            < self.config.ngram_counterfactual_share,
+        traffic_class = self.classifier.classify(
+            params.extra_args if params is not None else None,
+            lora.lora_name if lora is not None else None,
+            request.num_prompt_tokens,
+            request.max_tokens,
         )
-        if state.score_ngram and self.counterfactual is not None:
-            self._scored[request.request_id] = state
+        self._forget(request.request_id)  # the same id again: counted once
+        state = self.requests[request.request_id] = _Request(
+            traffic_class,
+            ngram_point=(probe_point(request.request_id + "#ngram")
+                         if self.counterfactual is not None else 1.0),
+        )
+        self._count_class(traffic_class, 1)
+        if state.ngram_point < 1.0:
+            bisect.insort(self._by_ngram_point, (state.ngram_point, request.request_id))
+
+    def _forget(self, req_id: str) -> _Request | None:
+        """Drop a request's state and its place in the per-request indexes."""
+        state = self.requests.pop(req_id, None)
+        self._deterministic.discard(req_id)
+        if state is None:
+            return None
+        self._count_class(state.traffic_class, -1)
+        points = self._by_ngram_point
+        i = bisect.bisect_left(points, (state.ngram_point, req_id))
+        if i < len(points) and points[i][1] == req_id:
+            del points[i]
+        return state
+
+    def _count_class(self, traffic_class: str, change: int) -> None:
+        n = self._class_counts.get(traffic_class, 0) + change
+        if n > 0:
+            self._class_counts[traffic_class] = n
+        else:
+            self._class_counts.pop(traffic_class, None)
 
     def on_schedule_start(self) -> None:
         self._step_started = time.monotonic()
@@ -243,28 +285,36 @@ class Pilot:
         any request wants from the drafter (n-gram requests get their drafts by substitution and
         need no passes); each request is then cut to its own. ``batch_wide``: the median, one K
         for all (keeps uniform-decode CUDA graphs on GPUs)."""
-        running = list(running)
-        choices = [self._choice(r, len(running)) for r in running]
-        if not choices:
+        ids = [r.request_id for r in running]
+        if not ids:
             return self.view.static_k
+        lookup = self._lookup(len(ids))
+        choices = [self._choice(req_id, lookup) for req_id in ids]
         if self.config.k_mode == "batch_max":
-            return max((c.k for c in choices if not self._substituted(c)), default=0)
+            if self._substitutes:
+                return max((c.k for c in choices if c.draft != NGRAM_DRAFT), default=0)
+            return max(c.k for c in choices)
         ks = sorted(c.k for c in choices)
         return ks[len(ks) // 2]
 
-    def _substituted(self, choice: Choice) -> bool:
-        return (choice.draft == NGRAM_DRAFT and self.engine.can_substitute_ngram
-                and self.ngram is not None)
-
-    def _choice(self, request: RequestLike, batch_size: int) -> Choice:
-        state = self.requests.get(request.request_id)
-        cls = state.traffic_class if state is not None else DEFAULT_CLASS
+    def _lookup(self, batch_size: int) -> PolicyLookup:
+        """This step's policy for a batch of ``batch_size`` (one lookup per size and step)."""
         lookup = self._lookups.get(batch_size)
         if lookup is None:
             lookup = self._lookups[batch_size] = self.view.lookup(batch_size)
-        choice = lookup.choice(cls, request.request_id)
+        return lookup
+
+    def _choice(self, req_id: str, lookup: PolicyLookup) -> Choice:
+        """The request's (draft, K) under ``lookup``, resolved once per lookup and request."""
+        state = self.requests.get(req_id)
+        if state is not None and state.choice_from is lookup:
+            return state.choice
+        choice = lookup.choice(state.traffic_class if state is not None else DEFAULT_CLASS,
+                               req_id)
         if choice.k and choice.draft not in self.drafts_allowed:
-            return Choice(self.engine.drafter, 0, False)
+            choice = Choice(self.engine.drafter, 0, False)
+        if state is not None:
+            state.choice, state.choice_from = choice, lookup
         return choice
 
     def on_drafts(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
@@ -277,15 +327,27 @@ class Pilot:
         K (what the engine sized its buffers for). Any deterministic draft keeps the output
         distribution exactly the target's."""
         lengthen = self.config.k_mode == "batch_max"
+        lookup = self._lookup(batch_size)
+        uniform = lookup.uniform(self._class_counts)
+        if (uniform is not None and uniform.draft == self.engine.drafter
+                and uniform.draft in self.drafts_allowed and uniform.k >= self._drafter_k
+                and (batch_k is None or batch_k == uniform.k)):
+            # Every request wants the drafter's tokens at no fewer than it drafted: nothing to
+            # cut, and the drafter's tokens replace any n-gram tokens put there before.
+            if self._deterministic:
+                self._deterministic.difference_update(req_ids)
+            return
+        substitute = self._substitutes
+        drafter, states = self.engine.drafter, self.requests
         for req_id in req_ids:
             request = requests.get(req_id)
             if request is None or request.is_finished() or request.is_prefill_chunk:
                 continue
             proposed = request.spec_token_ids or []
-            choice = self._choice(request, batch_size)
+            choice = self._choice(req_id, lookup)
             want = choice.k if batch_k is None else batch_k
-            state = self.requests.get(req_id)
-            if self._substituted(choice):
+            state = states.get(req_id)
+            if substitute and choice.draft == NGRAM_DRAFT:
                 room = (self.engine.max_k if lengthen and not request.use_structured_output
                         else len(proposed))
                 k = min(want, room)
@@ -305,10 +367,10 @@ class Pilot:
             else:
                 if not proposed:
                     continue
-                k = min(want, len(proposed))
-                if k < len(proposed):
-                    request.spec_token_ids = proposed[:k]
-                draft = self.engine.drafter
+                if want < len(proposed):
+                    request.spec_token_ids = proposed[:want]
+                self._deterministic.discard(req_id)
+                draft = drafter
             if state is not None:
                 state.draft = draft
 
@@ -318,24 +380,25 @@ class Pilot:
         drafter may skip its pass (batch modes; the worker also requires batch K 0 and a
         decode-only step)."""
         deterministic = self._deterministic.intersection(output.scheduled_spec_decode_tokens)
-        self._deterministic.clear()
+        # A running request this step did not schedule keeps its n-gram drafts for a later one.
+        self._deterministic.difference_update(output.num_scheduled_tokens)
+        self._verifying_ngram = frozenset(deterministic)
+        self._drafter_k = output.num_spec_tokens_to_schedule
         skip = self.config.skip_idle_drafter and self.config.k_mode != "per_request"
-        mark_step(output, skip_drafter=skip, deterministic=deterministic)
+        mark_step(output, skip_drafter=skip, deterministic=self._verifying_ngram)
 
     def on_placeholders(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
                         batch_size: int) -> None:
         """Async scheduling: each request gets a placeholder list of its own K (the scheduler
         shares one list of the batch K between all requests; never mutate that one)."""
+        lookup = self._lookup(batch_size)
         for req_id in req_ids:
             request = requests.get(req_id)
             if request is None or not request.spec_token_ids:
                 continue
-            k = min(self._choice(request, batch_size).k, len(request.spec_token_ids))
+            k = min(self._choice(req_id, lookup).k, len(request.spec_token_ids))
             if k < len(request.spec_token_ids):
                 request.spec_token_ids = [-1] * k
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.draft = self.engine.drafter
 
     def on_output(self, scheduler_output: SchedulerOutputLike,
                   runner_output: ModelRunnerOutputLike) -> None:
@@ -346,19 +409,28 @@ class Pilot:
         index = runner_output.req_id_to_index
         invalid = scheduler_output.num_invalid_spec_tokens or {}
         scheduled_drafts = 0
+        # Names bound once: this loop runs for every request of every step.
+        index_of, invalid_of, state_of = index.get, invalid.get, self.requests.get
+        record = self.stats.record_verification
+        verifying_ngram, drafter = self._verifying_ngram, self.engine.drafter
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            scheduled_drafts += len(drafts)
-            i = index.get(req_id)
-            if i is None or not sampled or not sampled[i]:
+            n = len(drafts)
+            scheduled_drafts += n
+            i = index_of(req_id)
+            if i is None or not sampled:
                 continue
-            drafted = len(drafts) - invalid.get(req_id, 0)
-            accepted = min(len(sampled[i]) - 1, drafted)
-            state = self.requests.get(req_id)
-            if state is None or drafted <= 0:
+            tokens = len(sampled[i])
+            drafted = n - invalid_of(req_id, 0)
+            state = state_of(req_id)
+            if not tokens or state is None or drafted <= 0:
                 continue
-            if state.draft == NGRAM_DRAFT:
+            accepted = min(tokens - 1, drafted)
+            if req_id in verifying_ngram:
+                draft = state.draft = NGRAM_DRAFT
                 drafted = max(drafted, state.ngram_k)
-            self.stats.record_verification(state.traffic_class, state.draft, drafted, accepted)
+            else:
+                draft = state.draft = drafter
+            record(state.traffic_class, draft, drafted, accepted)
             state.drafted += drafted
             state.accepted += accepted
         batch = len(scheduler_output.num_scheduled_tokens)
@@ -371,11 +443,11 @@ class Pilot:
             self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,
                                    k * batch, self.engine.drafter if k else "", k, seconds)
 
-    def after_output(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
+    def after_output(self, requests: Mapping[str, RequestLike], req_ids: Collection[str],
                      running: int) -> None:
         """After vLLM appended the step's tokens (and freed finished requests): score pending
         counterfactual n-gram drafts, then hand a report to the link when one is due."""
-        self._score_counterfactual(requests, req_ids)
+        self._score_counterfactual(requests, req_ids, running)
         now = time.monotonic()
         # Flush when the engine goes idle too, so the last finished requests are not held back.
         if now - self._last_report >= self.link.report_interval_seconds or running == 0:
@@ -385,14 +457,19 @@ class Pilot:
                 self.link.submit(payload)
 
     def _score_counterfactual(self, requests: Mapping[str, RequestLike],
-                              req_ids: Iterable[str]) -> None:
-        counterfactual, scored_states = self.counterfactual, self._scored
-        if counterfactual is None or not scored_states:
+                              req_ids: Collection[str], running: int) -> None:
+        counterfactual = self.counterfactual
+        if counterfactual is None:
             return
-        for req_id in req_ids:
-            state = scored_states.get(req_id)
+        # About ngram_counterfactual_per_step requests per step, whatever the batch size.
+        threshold = self.config.ngram_counterfactual_per_step / max(running, 1)
+        states = self.requests
+        for point, req_id in self._by_ngram_point:
+            if point >= threshold:
+                break
+            state = states.get(req_id)
             # Requests served by n-gram drafts are measured for real, not counterfactually.
-            if state is None or state.draft == NGRAM_DRAFT:
+            if state is None or req_id not in req_ids or state.draft == NGRAM_DRAFT:
                 continue
             request = requests.get(req_id)
             if request is None:
@@ -405,8 +482,7 @@ class Pilot:
                                                counterfactual=True)
 
     def on_free(self, request: RequestLike) -> None:
-        state = self.requests.pop(request.request_id, None)
-        self._scored.pop(request.request_id, None)
+        state = self._forget(request.request_id)
         if self.counterfactual is not None:
             self.counterfactual.forget(request.request_id)
         if state is None:

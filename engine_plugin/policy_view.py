@@ -212,10 +212,7 @@ class PolicyLookup:
         """The (draft, K) for a request of ``traffic_class`` whose probe key is ``request_key``.
         Never raises: on any unexpected input it returns the static configuration."""
         try:
-            try:
-                entry = self._entries[traffic_class]
-            except KeyError:
-                entry = self._entries[traffic_class] = self._resolve(traffic_class)
+            entry = self._entry(traffic_class)
             if entry is None:
                 return self._static
             if entry.probe_rate > 0.0 and probe_point(request_key) < entry.probe_rate:
@@ -224,6 +221,32 @@ class PolicyLookup:
         except Exception:
             log.debug("policy lookup failed; static configuration", exc_info=True)
             return self._static
+
+    def uniform(self, classes: Iterable[str]) -> Choice | None:
+        """The one choice every request of ``classes`` gets, or None where they differ or a
+        class probes (its requests then differ by their keys). Never raises."""
+        try:
+            first: Choice | None = None
+            for traffic_class in classes:
+                entry = self._entry(traffic_class)
+                if entry is not None and entry.probe_rate > 0.0:
+                    return None
+                choice = self._static if entry is None else entry.choice
+                if first is None:
+                    first = choice
+                elif choice != first:
+                    return None
+            return first
+        except Exception:
+            log.debug("policy lookup failed", exc_info=True)
+            return None
+
+    def _entry(self, traffic_class: str) -> _Entry | None:
+        try:
+            return self._entries[traffic_class]
+        except KeyError:
+            entry = self._entries[traffic_class] = self._resolve(traffic_class)
+            return entry
 
     def _resolve(self, traffic_class: str) -> _Entry | None:
         policy = self._policy

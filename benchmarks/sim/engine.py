@@ -36,9 +36,11 @@ from benchmarks.sim.step import (
     StepView,
 )
 from benchmarks.sim.truth import AcceptanceTruth, StepCost
+from engine_plugin.config import PluginConfig
 
-# Share of requests scored counterfactually with the n-gram draft (the plugin's default).
-COUNTERFACTUAL_SHARE = 0.25
+# Requests scored counterfactually with the n-gram draft per step, on average (the plugin's
+# default): a request is scored while its point is below this over the batch size.
+COUNTERFACTUAL_PER_STEP = PluginConfig().ngram_counterfactual_per_step
 
 
 def engine_info(s: Scenario) -> EngineInfo:
@@ -64,7 +66,7 @@ class _Request:
     remaining: int = 0
     drafted: int = 0
     accepted: int = 0
-    counterfactual: bool = False
+    counterfactual_point: float = 1.0  # uniform in [0, 1), fixed per request
 
 
 class _Traffic:
@@ -98,7 +100,7 @@ class _Traffic:
         c = self.s.classes[ci]
         req = _Request(self.next_id, ci, self._length(c.prompt_tokens, u_prompt),
                        self._length(c.output_tokens, u_out), c.spread * z, now,
-                       counterfactual=bool(u_cf < COUNTERFACTUAL_SHARE))
+                       counterfactual_point=float(u_cf))
         req.prefill_left, req.remaining = req.prompt, req.output
         self.next_id += 1
         return req
@@ -434,7 +436,9 @@ class SimEngine:
         """What the n-gram draft would have had accepted at max K, for the requests picked for
         scoring that did not use it; -1 for the others."""
         cf = np.full(len(plan.decoding), -1, dtype=np.int64)
-        pick = np.array([r.counterfactual for r in plan.decoding]) & (draft != ngram)
+        threshold = COUNTERFACTUAL_PER_STEP / max(plan.view.batch_size, 1)
+        pick = (np.array([r.counterfactual_point for r in plan.decoding]) < threshold) & (
+            draft != ngram)
         idx = np.flatnonzero(pick)
         if idx.size:
             cf[idx] = self._accepted(gen, now, plan, idx, np.full(idx.size, ngram), None)

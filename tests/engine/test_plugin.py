@@ -243,8 +243,8 @@ def test_counterfactual_ngram_acceptance_matches_ngram_serving(
         accepts = float((post.alpha - post.prior_alpha).sum())
         return accepts / max(tries, 1.0), tries
 
-    with plugin_env(controller=controller.target, ngram_counterfactual_share="1"), llm_session(
-            tiny_models.target, spec, SCHEDULER) as llm:
+    with plugin_env(controller=controller.target, ngram_counterfactual_per_step="1000"), \
+            llm_session(tiny_models.target, spec, SCHEDULER) as llm:
         set_override(controller, Override("counterfactual", pin_k=4))
         set_override(controller, Override("served", force_draft="ngram"))
         wait_for_policy(llm, controller)

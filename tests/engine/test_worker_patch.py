@@ -27,6 +27,7 @@ from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.policy_view import Choice
 from engine_plugin.worker_patch import is_decode_only, mark_step
 from tests.engine.harness import spec_counters
+from tests.plugin.policies import put_policy
 
 pytestmark = pytest.mark.engine
 
@@ -43,11 +44,7 @@ def force_policy(llm: Any, by_class: dict[str, Choice]) -> Any:
     """Each request runs its class's choice (class from ``extra_args['traffic_class']``)."""
     pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
     assert pilot is not None and pilot.engine.can_substitute_ngram
-
-    def choice(request: Any, batch_size: int) -> Choice:
-        return by_class[pilot.requests[request.request_id].traffic_class]
-
-    pilot._choice = choice
+    put_policy(pilot.view, {cls: (c.draft, c.k) for cls, c in by_class.items()})
     return pilot
 
 

@@ -15,6 +15,8 @@ from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.pilot import EngineSpec, Pilot, announce
 from engine_plugin.policy_view import Choice
 from engine_plugin.vocab import TokenizerLike, vocab_hash
+from specpilot.v1 import engine_pb2
+from tests.plugin.policies import put_policy
 
 
 class FakeTokenizer:
@@ -122,4 +124,144 @@ def test_the_policy_is_looked_up_once_per_batch_size_and_step(
         pilot.on_drafts(requests, list(requests), 8, None)  # type: ignore[arg-type]
     assert lookups == [8, 8, 8]
     assert all(r.spec_token_ids == [5, 6, 7, 8] for r in requests.values())  # static: K=4
+    pilot.close()
+
+
+class _Params:
+    def __init__(self, traffic_class: str) -> None:
+        self.extra_args = {"traffic_class": traffic_class}
+
+
+def _policy(pilot: Pilot, ks: Mapping[str, tuple[str, int]]) -> None:
+    put_policy(pilot.view, ks)
+
+
+def _batch(pilot: Pilot, classes: Sequence[str]) -> dict[str, _Request]:
+    requests = {}
+    for i, cls in enumerate(classes):
+        r = _Request(i)
+        r.sampling_params = _Params(cls)  # type: ignore[assignment]
+        requests[r.request_id] = r
+        pilot.on_add_request(r)  # type: ignore[arg-type]
+    return requests
+
+
+def _drafted(pilot: Pilot, requests: dict[str, _Request], batch: int) -> dict[str, list[int]]:
+    """One step in batch_max mode: the drafter's K, its drafts of that length, then the cut."""
+    pilot.on_schedule_start()
+    k = pilot.batch_k(requests.values())  # type: ignore[arg-type]
+    pilot._drafter_k = k  # what mark_step reads from the step's SchedulerOutput
+    for r in requests.values():
+        r.spec_token_ids = [5, 6, 7, 8][:k]
+    pilot.on_drafts(requests, list(requests), batch, None)  # type: ignore[arg-type]
+    return {i: r.spec_token_ids for i, r in requests.items()}
+
+
+def _cuts_looked_up(pilot: Pilot, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The requests whose choice ``on_drafts`` looks up (none when it skips its loop)."""
+    seen: list[str] = []
+    choice = pilot._choice
+    in_cut = [False]
+
+    def counted(req_id: str, lookup: object) -> Choice:
+        if in_cut[0]:
+            seen.append(req_id)
+        return choice(req_id, lookup)  # type: ignore[arg-type]
+
+    on_drafts = pilot.on_drafts
+
+    def cut(*args: object) -> None:
+        in_cut[0] = True
+        try:
+            on_drafts(*args)  # type: ignore[arg-type]
+        finally:
+            in_cut[0] = False
+
+    monkeypatch.setattr(pilot, "_choice", counted)
+    monkeypatch.setattr(pilot, "on_drafts", cut)
+    return seen
+
+
+def test_a_step_on_one_k_leaves_the_drafts_and_a_mixed_step_cuts_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    config = PluginConfig(k_mode="batch_max")
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    looked_up = _cuts_looked_up(pilot, monkeypatch)
+    requests = _batch(pilot, ["a", "b", "a"])
+    _policy(pilot, {"a": ("draft", 3), "b": ("draft", 3)})
+    assert _drafted(pilot, requests, 3) == {"r0": [5, 6, 7], "r1": [5, 6, 7], "r2": [5, 6, 7]}
+    assert looked_up == []  # every class at the K drafted: the loop is skipped
+    _policy(pilot, {"a": ("draft", 3), "b": ("draft", 1)})
+    assert _drafted(pilot, requests, 3) == {"r0": [5, 6, 7], "r1": [5], "r2": [5, 6, 7]}
+    assert looked_up == ["r0", "r1", "r2"]
+    looked_up.clear()
+    # One K for every class present, but the drafter drafted more than it (the batch shrank
+    # between drafting and the cut, and the new bucket's K is lower): cut.
+    _policy(pilot, {"a": ("draft", 2), "b": ("draft", 2)})
+    pilot._drafter_k = 3
+    for r in requests.values():
+        r.spec_token_ids = [5, 6, 7]
+    pilot.on_drafts(requests, list(requests), 2, None)  # type: ignore[arg-type]
+    assert all(r.spec_token_ids == [5, 6] for r in requests.values())
+    # A class that probes while off: its requests differ by key, so no shortcut.
+    update = engine_pb2.PolicyUpdate(version=2, fail_static_timeout_seconds=1e6)
+    for bucket in range(len(pilot.view.bucket_bounds) + 1):
+        update.decisions.add(traffic_class="a", batch_bucket=bucket, draft="draft", k=2)
+        update.decisions.add(traffic_class="b", batch_bucket=bucket, k=0, probe_k=2,
+                             probe_draft="draft", probe_rate=0.5)
+    pilot.view.apply(update)
+    looked_up.clear()
+    _drafted(pilot, requests, 3)
+    assert looked_up == ["r0", "r1", "r2"]
+    pilot.close()
+
+
+def test_ngram_drafts_stay_marked_until_a_step_schedules_them() -> None:
+    config = PluginConfig(k_mode="batch_max", skip_idle_drafter=False)
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    requests = _batch(pilot, ["a", "b"])
+    for r in requests.values():
+        r.all_token_ids = [1, 2, 3, 1, 2, 3, 1, 2]
+    _policy(pilot, {"a": (NGRAM_DRAFT, 2), "b": ("draft", 2)})
+    _drafted(pilot, requests, 2)
+    assert requests["r0"].spec_token_ids == [3, 1] and requests["r1"].spec_token_ids == [5, 6]
+
+    class Output:
+        def __init__(self, scheduled: Sequence[str]) -> None:
+            self.num_scheduled_tokens = {i: 3 for i in scheduled}
+            self.scheduled_spec_decode_tokens = {i: requests[i].spec_token_ids for i in scheduled}
+            self.num_spec_tokens_to_schedule = 2
+
+    skipped = Output(["r1"])  # r0 is running but this step had no room for it
+    pilot.mark_step(skipped)  # type: ignore[arg-type]
+    assert pilot._verifying_ngram == frozenset()
+    later = Output(["r0", "r1"])
+    pilot.mark_step(later)  # type: ignore[arg-type]
+    assert pilot._verifying_ngram == {"r0"}  # verified as n-gram (one-hot) when it does run
+    pilot.mark_step(Output(["r0", "r1"]))  # type: ignore[arg-type]
+    assert pilot._verifying_ngram == frozenset()  # consumed by the step that verified them
+    # The drafter's own tokens replace a request's n-gram drafts: no mark any more.
+    _drafted(pilot, requests, 2)
+    _policy(pilot, {"a": ("draft", 2), "b": ("draft", 2)})
+    _drafted(pilot, requests, 2)
+    pilot.mark_step(Output(["r0", "r1"]))  # type: ignore[arg-type]
+    assert pilot._verifying_ngram == frozenset()
+    pilot.close()
+
+
+def test_about_the_configured_number_of_requests_is_scored_counterfactually_per_step() -> None:
+    config = PluginConfig(k_mode="batch_max", ngram_counterfactual_per_step=2.0)
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    assert pilot.counterfactual is not None
+    steps: list[str] = []
+    pilot.counterfactual.step = lambda req_id, *_: steps.append(req_id)  # type: ignore[method-assign]
+    many = {f"q{i}": _Request(i) for i in range(400)}
+    for i, r in enumerate(many.values()):
+        r.request_id = f"q{i}"
+        pilot.on_add_request(r)  # type: ignore[arg-type]
+    pilot.after_output(many, list(many), running=400)  # type: ignore[arg-type]
+    assert 0 < len(steps) <= 8  # 2 expected
+    steps.clear()
+    pilot.after_output(many, ["q7"], running=1)  # type: ignore[arg-type]
+    assert steps == ["q7"]  # a batch of one is scored whole
     pilot.close()
