@@ -45,10 +45,22 @@ PROMPTS = [
 
 
 def force_choice(llm: Any, choose: Callable[[Any], Any]) -> None:
-    """Every request runs ``choose(request)`` (a ``Choice``) instead of the policy."""
-    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
+    """Every request runs ``choose(request)`` (a ``Choice``, asked every step) instead of the
+    policy: the choice per request replaced, and no step taken as one choice for all."""
+    from engine_plugin.policy_view import PolicyLookup
+
+    class PerRequest(PolicyLookup):
+        __slots__ = ()
+
+        def uniform(self, classes: Any) -> None:
+            return None
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    pilot = scheduler._pilot
     assert pilot is not None and pilot.engine.can_substitute_ngram, "no n-gram substitution"
-    pilot._choice = lambda request, batch_size: choose(request)
+    per_request = PerRequest(pilot.view.static_choice, None, 0, frozenset())
+    pilot._lookup = lambda batch_size: per_request
+    pilot._choice = lambda req_id, lookup: choose(scheduler.requests[req_id])
 
 
 @contextmanager

@@ -487,6 +487,8 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
         # The controller's decision log (the newest decision_log_size changes), for reading
         # what specpilot chose when: each event's time, class, bucket, arm and reason.
         decisions = controller.get("/api/decisions") if runs.get(SPECPILOT) else b""
+        # And what it believed at the end: per class the estimates and the K table.
+        policy = controller.get("/api/policy") if runs.get(SPECPILOT) else b""
     finally:
         controller.stop()
     reference = (runs.get(OFF) or next(iter(runs.values())))[0]
@@ -500,11 +502,12 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
          "probes": probes}) + "\n")
     if decisions:
         (options.out / "decisions.json").write_bytes(decisions)
+        (options.out / "policy.json").write_bytes(policy)
     (options.out / "engine.md").write_text(markdown(report) + "\n")
     if options.plots:
         plot(report, options.out / "engine.png")
     echo(markdown(report))
     kinds = "json,md,png" if options.plots else "json,md"
     echo(f"written to {options.out}/engine.{{{kinds}}}, runs.json"
-         + (" and decisions.json" if decisions else ""))
+         + (", decisions.json and policy.json" if decisions else ""))
     return report

@@ -88,3 +88,6 @@ def test_bench_reports_the_cost_models_predictions_and_the_decision_log(
     assert "predicted ms" in (tmp_path / "engine.md").read_text()
     log = json.loads((tmp_path / "decisions.json").read_text())["events"]
     assert log and {e["decision"]["traffic_class"] for e in log} >= {"default", "offline"}
+    # The policy and estimates the controller ended with, per class the run sent.
+    policy = json.loads((tmp_path / "policy.json").read_text())
+    assert {c["traffic_class"] for c in policy["classes"]} >= {"chat", "offline"}
