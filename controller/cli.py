@@ -221,14 +221,22 @@ def policy_clear(stub: PolicyStub, args: argparse.Namespace) -> int:
 
 
 def policy_watch(stub: PolicyStub, args: argparse.Namespace) -> int:
+    stream = stub.WatchDecisions(policy_pb2.WatchDecisionsRequest(traffic_class=args.cls))
+    # Ctrl-C (the way a watch ends) cancels the stream: a KeyboardInterrupt raised inside gRPC's
+    # own wait can leave its call state half-updated, and the process then hung on exit.
+    cancel: Callable[[], object] = stream.cancel  # untyped in grpc's stubs; bound, not called
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel())
     try:
-        for resp in stub.WatchDecisions(policy_pb2.WatchDecisionsRequest(traffic_class=args.cls)):
+        for resp in stream:
             if args.json:
                 _print_json(resp.event, indent=None)
             else:
                 print(render_event(resp.event), flush=True)
-    except KeyboardInterrupt:  # the way a watch ends
-        pass
+    except grpc.RpcError as exc:
+        if not (isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.CANCELLED):
+            raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0
 
 

@@ -101,10 +101,10 @@ async def test_set_and_clear_an_override(
     assert resp.policy_version > version
     decisions = snapshot(server).class_view("chat").decisions
     assert all(d.k == 1 and d.draft == DRAFT and d.reason.value == "override" for d in decisions)
-    # The engine hears about it (after any update that was already on its way).
+    # The engine hears about it (after any update that was already on its way; a decide round
+    # of the server's own may have made a later version, which still carries the override).
     while (update := await engine.next_policy()).version < resp.policy_version:
         pass
-    assert update.version == resp.policy_version
     assert all(d.k == 1 for d in update.decisions if d.traffic_class == "chat")
 
     (chat,) = (await policy.GetPolicy(policy_pb2.GetPolicyRequest(traffic_class="chat"))).classes
