@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.demo.bench import BENCH_WORKLOAD, markdown, report_json, rotated, summarize
 from benchmarks.demo.calibration import bucket_ranges, calibration_rows, share_within
-from benchmarks.demo.configs import SPECPILOT, bench_configs
+from benchmarks.demo.configs import SPECPILOT, bench_configs, optional_configs
 from benchmarks.demo.driver import PhaseResult, RequestResult, RunResult
 from benchmarks.demo.summary import class_figures, median, output_mismatches
 from benchmarks.demo.workload import (
@@ -174,6 +174,12 @@ def test_helpers() -> None:
     assert spec is not None and spec["num_speculative_tokens_per_batch_size"][0] == [1, 2, 4]
     assert spec["draft_sample_method"] == "probabilistic"
     assert BENCH_WORKLOAD.max_concurrency == 32
+    eagle = {c.name: c for c in optional_configs()}["eagle:4p"]
+    spec = eagle.speculative_config(draft_dir=Path("/d"), eagle_dir=Path("/e"))
+    assert spec == {"method": "eagle", "model": "/e", "num_speculative_tokens": 4,
+                    "draft_sample_method": "probabilistic"}
+    with pytest.raises(ValueError, match="EAGLE head"):
+        eagle.speculative_config(draft_dir=Path("/d"))
 
 
 def test_calibration_rows_are_per_step_means_with_their_bucket_ranges() -> None:

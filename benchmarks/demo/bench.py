@@ -3,7 +3,9 @@ configuration, alternating, repeated; medians, ratios, the ceiling, and the exac
 
 Configurations (``benchmarks.demo.configs.bench_configs``): no speculation, static draft K=2 and
 K=4 with probabilistic drafting, static n-gram K=4, vLLM's static batch-size table, and
-specpilot. Each repetition runs every configuration once, in an order rotated by one per
+specpilot; by name only (``--config``), the EAGLE head at static K=2 and 4
+(``configs.optional_configs``, ``benchmarks.demo.eagle``: trained once, beside the models, about
+2 minutes). Each repetition runs every configuration once, in an order rotated by one per
 repetition, so slow drifts of a noisy machine spread over all of them. One controller serves
 every specpilot run, as a sidecar lives across traffic; its first run starts cold (reported
 separately).
@@ -31,7 +33,14 @@ if TYPE_CHECKING:
 
 from benchmarks.demo.calibration import GOAL_ERROR, CalibrationRow, calibration_rows, share_within
 from benchmarks.demo.ceiling import Ceiling, ceiling
-from benchmarks.demo.configs import DEFAULT_CACHE, OFF, SPECPILOT, EngineConfig, bench_configs
+from benchmarks.demo.configs import (
+    DEFAULT_CACHE,
+    OFF,
+    SPECPILOT,
+    EngineConfig,
+    bench_configs,
+    optional_configs,
+)
 from benchmarks.demo.distribution import Comparison, compare_positions
 from benchmarks.demo.driver import LiveWindow, RunResult, run_plan
 from benchmarks.demo.summary import class_figures, median, output_mismatches
@@ -441,6 +450,7 @@ def _calibration(controller: Sidecar) -> tuple[CalibrationRow, ...]:
 
 def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> BenchReport:
     from benchmarks.demo.demo import demo_controller_settings, make_plan
+    from benchmarks.demo.eagle import prepare_eagle_head
     from benchmarks.demo.engine import apply_engine_env, config_session
     from benchmarks.demo.models import prepare_models
     from benchmarks.demo.sidecar import Sidecar
@@ -451,11 +461,14 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
     plan = make_plan(options.workload, models.target)
     configs = bench_configs(options.max_k)
     if options.configs:
-        unknown = set(options.configs) - {c.name for c in configs}
+        known = configs + optional_configs()
+        unknown = set(options.configs) - {c.name for c in known}
         if unknown:
             raise ValueError(f"unknown configurations {sorted(unknown)}; known: "
-                             f"{[c.name for c in configs]}")
-        configs = [c for c in configs if c.name in options.configs]
+                             f"{[c.name for c in known]}")
+        configs = [c for c in known if c.name in options.configs]
+    eagle = (prepare_eagle_head(models) if any(c.drafter == "eagle" for c in configs)
+             else None)
     controller = Sidecar(demo_controller_settings(options.workload,
                                                   options.controller_settings))
     runs: dict[str, list[RunResult]] = {c.name: [] for c in configs}
@@ -472,6 +485,7 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
             for config in rotated(configs, rep):
                 done = sum(len(v) for v in runs.values())
                 with config_session(config, models.target, models.draft, controller.target,
+                                    eagle=eagle,
                                     max_num_seqs=options.workload.max_concurrency) as llm:
                     run = run_plan(llm, plan, config.name, on_tick=progress,
                                    tick_seconds=PROGRESS_SECONDS)

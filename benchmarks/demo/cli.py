@@ -58,7 +58,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     engine.add_argument("--config", action="append", dest="configs", default=[],
                         metavar="NAME", help="run only these configurations (repeatable): "
-                        "off, draft:2p, draft:4p, ngram:4, draft-table-p, specpilot")
+                        "off, draft:2p, draft:4p, ngram:4, draft-table-p, specpilot; and, only "
+                        "when named, eagle:2p and eagle:4p (the EAGLE head)")
     engine.add_argument("--out", default="benchmarks/results/engine", help="output folder")
     engine.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     engine.add_argument("--probe-samples", type=int, default=PROBE_SAMPLES,

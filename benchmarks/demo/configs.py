@@ -22,7 +22,8 @@ class EngineConfig:
     """How one engine is started: its drafter, K, and whether specpilot steers it."""
 
     name: str
-    # "none", "draft" (the trained draft model) or "ngram" (prompt lookup).
+    # "none", "draft" (the trained draft model), "eagle" (the EAGLE head on the target's hidden
+    # states, benchmarks.demo.eagle) or "ngram" (prompt lookup).
     drafter: str = "none"
     # num_speculative_tokens: the static K, or the largest K specpilot may choose.
     k: int = 0
@@ -36,12 +37,18 @@ class EngineConfig:
     # on sampled traffic, identical at T=0).
     draft_sampling: str = "greedy"
 
-    def speculative_config(self, draft_dir: Path) -> dict[str, Any] | None:
+    def speculative_config(self, draft_dir: Path, eagle_dir: Path | None = None
+                           ) -> dict[str, Any] | None:
         if self.drafter == "none" or self.k == 0:
             return None
         spec: dict[str, Any]
         if self.drafter == "draft":
             spec = {"model": str(draft_dir), "num_speculative_tokens": self.k,
+                    "draft_sample_method": self.draft_sampling}
+        elif self.drafter == "eagle":
+            if eagle_dir is None:
+                raise ValueError(f"{self.name}: needs the EAGLE head's directory")
+            spec = {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": self.k,
                     "draft_sample_method": self.draft_sampling}
         elif self.drafter == "ngram":
             spec = {"method": "ngram", "num_speculative_tokens": self.k,
@@ -70,6 +77,13 @@ def bench_configs(max_k: int = 4) -> list[EngineConfig]:
                      batch_table=DEFAULT_BATCH_TABLE, draft_sampling=PROBABILISTIC),
         specpilot_config(max_k),
     ]
+
+
+def optional_configs() -> list[EngineConfig]:
+    """Configurations run only when named (``--config``): the EAGLE head at static K=2 and 4,
+    probabilistic drafting."""
+    return [EngineConfig("eagle:2p", "eagle", 2, draft_sampling=PROBABILISTIC),
+            EngineConfig("eagle:4p", "eagle", 4, draft_sampling=PROBABILISTIC)]
 
 
 def specpilot_config(max_k: int = 4) -> EngineConfig:

@@ -143,10 +143,11 @@ def plugin_environment(values: Mapping[str, str]) -> Iterator[None]:
 
 @contextmanager
 def config_session(config: EngineConfig, target: Path, draft: Path, controller: str = "",
-                   **kw: Any) -> Iterator[LLM]:
+                   eagle: Path | None = None, **kw: Any) -> Iterator[LLM]:
     """An engine for one benchmark configuration: its speculative config, and for specpilot
-    configurations the specpilot scheduler connected to ``controller`` (host:port)."""
-    spec = config.speculative_config(draft)
+    configurations the specpilot scheduler connected to ``controller`` (host:port). ``eagle``:
+    the EAGLE head's directory, for configurations that draft with it."""
+    spec = config.speculative_config(draft, eagle)
     if spec is not None:
         # Per-request acceptance histograms on the outputs (vLLM refuses it without drafts).
         kw.setdefault("per_request_spec_decode_metrics", "summary")

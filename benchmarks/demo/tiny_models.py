@@ -15,6 +15,9 @@ and /usr/share/common-licenses) in a few seconds, with fixed seeds, and cached o
 - ``mismatched_draft``: the draft's weights with a tokenizer that differs from the target's in
   exactly two entries (two learned tokens swap ids). Same vocabulary size, so vLLM itself accepts
   it silently: only a vocabulary guard notices.
+- ``eagle``: an EAGLE-1 head on the target (:mod:`benchmarks.demo.eagle`; random ``fc`` and
+  decoder layer, seed 5678, the target's embeddings and scaled LM head shared as vLLM shares
+  them), served with ``{"method": "eagle", "model": ...}``.
 
 Every model directory holds its tokenizer next to the weights (``save_pretrained``,
 safetensors). The corpus and tokenizer training live in :mod:`benchmarks.demo.corpus` (shared
@@ -34,13 +37,15 @@ from typing import Any
 
 from benchmarks.demo.cache import build_once
 from benchmarks.demo.corpus import SPECIAL_TOKENS, train_tokenizer, wrap_tokenizer
+from benchmarks.demo.eagle import EagleHead, save_eagle_head
 from benchmarks.demo.models import LlamaShape, build_llama
 
-VERSION = "specpilot-tiny-models-2"
+VERSION = "specpilot-tiny-models-3"
 MARKER = "tiny-models.json"
 VOCAB_SIZE = 2000
 TARGET_SEED = 1234
 DRAFT_SEED = 4321
+EAGLE_SEED = 5678
 # Scale of the target's LM head over its random init (std 0.02 * 25 = 0.5): logits with a std of
 # about 4 instead of 0.16, so temperature-1 distributions are peaked, not flat.
 TARGET_LM_HEAD_SCALE = 25.0
@@ -56,6 +61,7 @@ class TinyModels:
     target: Path
     draft: Path
     mismatched_draft: Path
+    eagle: Path  # an EAGLE-1 head on the target (random weights; shares its embeddings, LM head)
     vocab_size: int
     # The two token strings whose ids are swapped in mismatched_draft's tokenizer.
     mismatched_tokens: tuple[str, str]
@@ -113,6 +119,7 @@ def _models(root: Path, data: dict[str, Any]) -> TinyModels:
         target=root / "target",
         draft=root / "draft",
         mismatched_draft=root / "mismatched_draft",
+        eagle=root / "eagle",
         vocab_size=int(data["vocab_size"]),
         mismatched_tokens=(str(a), str(b)),
         build_seconds=float(data["build_seconds"]),
@@ -138,6 +145,7 @@ def build_tiny_models(root: Path) -> TinyModels:
 
         target = _llama(vocab_size, layers=2, seed=TARGET_SEED, special=special)
         _save(target, tokenizer, tmp / "target", TARGET_LM_HEAD_SCALE)
+        save_eagle_head(EagleHead(target, EAGLE_SEED), tmp / "target", tmp / "eagle")
         draft = _llama(vocab_size, layers=1, seed=DRAFT_SEED, special=special)
         _save(draft, tokenizer, tmp / "draft", DRAFT_LM_HEAD_SCALE)
 

@@ -23,6 +23,24 @@ def test_build_is_cached_and_complete(tiny_models: TinyModels) -> None:
     assert target["vocab_size"] == draft["vocab_size"] == tiny_models.vocab_size
 
 
+def test_the_eagle_head_holds_what_vllm_loads(tiny_models: TinyModels) -> None:
+    from safetensors import safe_open
+
+    head = json.loads((tiny_models.eagle / "config.json").read_text())
+    target = json.loads((tiny_models.target / "config.json").read_text())
+    assert head["num_hidden_layers"] == 1 and head["hidden_size"] == target["hidden_size"]
+    with safe_open(str(tiny_models.eagle / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        fc = f.get_tensor("fc.weight")
+    # fc over (token embedding, target hidden state); no input norm, no embeddings, no LM head:
+    # vLLM shares the target's.
+    assert tuple(fc.shape) == (target["hidden_size"], 2 * target["hidden_size"])
+    assert "layers.0.self_attn.q_proj.weight" in names
+    assert not any("input_layernorm" in n or "embed_tokens" in n or "lm_head" in n
+                   for n in names)
+    assert (tiny_models.eagle / "tokenizer.json").is_file()  # for the tokenizer guard
+
+
 def test_tokenizers(tiny_models: TinyModels) -> None:
     from transformers import AutoTokenizer
 

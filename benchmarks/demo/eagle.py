@@ -1,0 +1,210 @@
+"""An EAGLE-1 head for the demo's target, trained on the target's own hidden states.
+
+vLLM serves it with ``{"method": "eagle", "model": <this dir>}`` (``EagleLlamaForCausalLM``,
+``vllm/model_executor/models/llama_eagle.py``): for a token x[t+1] and the target's final hidden
+state h[t] (after its last norm) the head computes
+
+    f = fc(concat(embed(x[t+1]), h[t]));  out = layer(f)   (one Llama decoder layer whose input
+                                                           norm is the identity)
+
+and ``lm_head(out)`` (no norm) gives the next draft token; ``out`` is fed back as the hidden state
+of the next draft step. The checkpoint holds ``fc`` and the layer only: vLLM then shares the
+target's embeddings and LM head with the head (it logs "Sharing target model lm_head weights"),
+which is what the training below assumes too (both frozen, the target's).
+
+Training (fixed seed, progress bar): windows of the corpus through the trained target give h[t];
+the head learns to predict h[t+1] from (x[t+1], h[t]) - smooth L1 on the features plus the KL
+from the target's next-token distribution to the head's, as EAGLE does. The un-inflated and the
+inflated target compute the same function, so one head serves both.
+
+Built once per model build, beside it (``<models root>/eagle``, marker ``eagle-head.json``), so
+adding the head does not rebuild the target and draft.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.demo.cache import build_once
+from benchmarks.demo.models import (
+    PROFILES,
+    ModelProfile,
+    ModelSet,
+    _Data,
+    _lr_lambda,
+    _Progress,
+)
+
+VERSION = "specpilot-eagle-head-1"
+MARKER = "eagle-head.json"
+DIRECTORY = "eagle"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclass(frozen=True)
+class EagleSettings:
+    """How the head is trained for one model profile."""
+
+    steps: int  # 0: random weights (the untrained profile, for tests)
+    lr: float = 2e-3
+    seed: int = 777
+    kl_weight: float = 1.0  # the feature loss weighs 1
+
+
+SETTINGS: dict[str, EagleSettings] = {"demo": EagleSettings(steps=500),
+                                      "untrained": EagleSettings(steps=0)}
+
+
+class EagleHead:
+    """The head's trainable parts (``fc`` and one decoder layer) around the target's frozen
+    embeddings and LM head, computing what vLLM's ``EagleLlamaForCausalLM`` computes."""
+
+    def __init__(self, target: Any, seed: int) -> None:
+        import torch
+        from transformers.models.llama.modeling_llama import (
+            LlamaDecoderLayer,
+            LlamaRotaryEmbedding,
+        )
+
+        config = target.config.__class__.from_dict(
+            {**target.config.to_dict(), "num_hidden_layers": 1})
+        config._attn_implementation = "sdpa"  # causal when no mask is given
+        self.config = config
+        torch.manual_seed(seed)
+        hidden = config.hidden_size
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        layer: Any = LlamaDecoderLayer  # its norm is replaced below: typed loosely
+        self.layer = layer(config, 0)
+        self.layer.input_layernorm = torch.nn.Identity()  # as vLLM's first EAGLE layer
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.embed = target.model.embed_tokens
+        self.lm_head = target.lm_head
+
+    def parameters(self) -> list[Any]:
+        return [*self.fc.parameters(), *self.layer.parameters()]
+
+    def forward(self, tokens: Any, hidden: Any) -> Any:
+        """Features ``out`` for (x[t+1], h[t]) pairs: ``tokens`` (B, T), ``hidden`` (B, T, H)."""
+        import torch
+
+        f = self.fc(torch.cat((self.embed(tokens), hidden), dim=-1))
+        positions = torch.arange(tokens.shape[1])[None, :].expand(tokens.shape[0], -1)
+        out: Any = self.layer(f, position_embeddings=self.rotary(f, positions),
+                              position_ids=positions)
+        return out[0] if isinstance(out, tuple) else out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's tensors, named as vLLM loads them."""
+        weights = {f"layers.0.{k}": v for k, v in self.layer.state_dict().items()
+                   if not k.startswith("input_layernorm")}
+        weights["fc.weight"] = self.fc.weight
+        return {k: v.detach().contiguous() for k, v in weights.items()}
+
+
+def _train(head: EagleHead, target: Any, data: _Data, settings: EagleSettings,
+           profile: ModelProfile, progress: bool) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    params = head.parameters()
+    opt = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(profile, settings.steps))
+    recent: list[tuple[float, float, float]] = []
+    bar = tqdm(total=settings.steps, desc="eagle head", file=sys.stderr, disable=not progress,
+               leave=True, dynamic_ncols=True)
+    try:
+        for _ in range(settings.steps):
+            batch = data.batch(profile.batch_size)[:, :-1]
+            with torch.inference_mode():
+                hidden = target.model(input_ids=batch).last_hidden_state  # after the last norm
+                teacher = F.log_softmax(target.lm_head(hidden[:, 1:]), dim=-1)
+            hidden, teacher = hidden.clone(), teacher.clone()
+            out = head.forward(batch[:, 1:], hidden[:, :-1])  # (x[t+1], h[t]) -> h[t+1]
+            feature = F.smooth_l1_loss(out, hidden[:, 1:])
+            logits = F.log_softmax(head.lm_head(out), dim=-1)
+            kl = F.kl_div(logits.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
+                          reduction="batchmean")
+            agree = float((logits.argmax(-1) == teacher.argmax(-1)).float().mean())
+            loss: Any = feature + settings.kl_weight * kl
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            recent.append((float(feature), float(kl), agree))
+            del recent[:-20]
+            bar.update(1)
+            bar.set_postfix(feature=f"{float(feature):.3f}", kl=f"{float(kl):.3f}",
+                            top1=f"{agree:.2f}", refresh=False)
+    finally:
+        bar.close()
+    n = max(len(recent), 1)
+    return {
+        "steps": settings.steps,
+        "seconds": round(time.perf_counter() - started, 2),
+        "final_feature_loss": round(sum(r[0] for r in recent) / n, 4),
+        "final_kl": round(sum(r[1] for r in recent) / n, 4),
+        # Share of positions where the head's top token is the target's (teacher-forced).
+        "final_top1_agreement": round(sum(r[2] for r in recent) / n, 4),
+    }
+
+
+def save_eagle_head(head: EagleHead, target_dir: Path, out: Path) -> None:
+    """The head as vLLM loads it: weights, its config, and the target's tokenizer files (the
+    tokenizer guard reads the draft's own tokenizer from its directory)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(head.state_dict(), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(head.config.to_dict(), indent=2) + "\n")
+    for name in _TOKENIZER_FILES:
+        if (target_dir / name).exists():
+            shutil.copy(target_dir / name, out / name)
+
+
+def _build(tmp: Path, models: ModelSet, settings: EagleSettings, progress: bool
+           ) -> dict[str, Any]:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    started = time.perf_counter()
+    loader: Any = LlamaForCausalLM  # untyped
+    target = loader.from_pretrained(models.trained_target, dtype=torch.float32)
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    head = EagleHead(target, settings.seed)
+    summary: dict[str, Any] = {"steps": 0, "seconds": 0.0}
+    if settings.steps:
+        profile = PROFILES[models.profile]
+        raw = Tokenizer.from_file(str(models.trained_target / "tokenizer.json"))
+        summary = _train(head, target, _Data(raw, profile), settings, profile, progress)
+    save_eagle_head(head, models.trained_target, tmp)
+    return {"version": VERSION, "settings": settings.__dict__,
+            "target_build_seconds": models.build_seconds,
+            "build_seconds": round(time.perf_counter() - started, 2), "train_summary": summary}
+
+
+def prepare_eagle_head(models: ModelSet, *, progress: bool = True) -> Path:
+    """The EAGLE head of ``models`` (built once, beside them): its directory."""
+    settings = SETTINGS[models.profile]
+    root = models.root / DIRECTORY
+
+    def valid(data: dict[str, Any]) -> bool:
+        return (data.get("version") == VERSION and data.get("settings") == settings.__dict__
+                and data.get("target_build_seconds") == models.build_seconds)
+
+    log = _Progress(progress)
+    if not (root / MARKER).exists():
+        log.stage(f"eagle head: training for {settings.steps} steps into {root} (once)")
+    build_once(root, MARKER, valid, lambda tmp: _build(tmp, models, settings, progress))
+    return root
