@@ -16,7 +16,8 @@ Holes: the target as its own drafter (acceptance 1.0 with a complete KV cache), 
 n-gram drafts for its first ``--switch`` tokens and on the model draft at K=4 afterwards; the
 model draft's acceptance after the switch with the skip on against off (the n-gram phase is
 identical in both: greedy outputs and n-gram drafts are, and a third run with the model draft
-replaced by "off" measures it to subtract).
+replaced by "off" measures it to subtract). With ``--models`` holding an ``eagle`` head (the
+demo's, :mod:`benchmarks.demo.eagle`), the same for the head (``eagle_holes``).
 
 Models: ``--models`` is a folder with ``target`` and ``draft`` (the demo's models); by default
 the test cache's tiny models. Results: ``drafter_tax.json`` under ``--out``, and a table.
@@ -125,15 +126,19 @@ def drafted_accepted(llm: Any) -> tuple[int, int]:
     return m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
 
 
-def holes(target: Path, switch: int, tokens: int) -> dict[str, Any]:
+def holes(target: Path, switch: int, tokens: int, spec: dict[str, Any] | None = None
+          ) -> dict[str, Any]:
+    """The model draft's acceptance after ``switch`` n-gram tokens, with the skip on and off.
+    ``spec``: the drafter (default: the target drafting for itself, acceptance 1.0)."""
     from vllm import SamplingParams
 
     from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment
     from engine_plugin.ngram import NGRAM_DRAFT
     from engine_plugin.policy_view import Choice
 
-    spec = {"model": target, "num_speculative_tokens": 4}
-    later = {"draft": Choice(Path(target).name, 4, False), "off": Choice(NGRAM_DRAFT, 0, False)}
+    spec = spec or {"model": target, "num_speculative_tokens": 4}
+    later = {"draft": Choice(Path(spec["model"]).name, 4, False),
+             "off": Choice(NGRAM_DRAFT, 0, False)}
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
     counts: dict[str, tuple[int, int]] = {}
@@ -179,9 +184,16 @@ def main() -> None:
         target, draft = Path(tiny.target), Path(tiny.draft)
     else:
         target, draft = args.models / "target", args.models / "draft"
-    result = {"target": str(target), "draft": str(draft), "repeats": args.repeats,
-              "throughput": throughput(target, draft, args.repeats, args.tokens),
-              "holes": holes(target, args.switch, args.tokens)}
+    result: dict[str, Any] = {
+        "target": str(target), "draft": str(draft), "repeats": args.repeats,
+        "throughput": throughput(target, draft, args.repeats, args.tokens),
+        "holes": holes(target, args.switch, args.tokens)}
+    eagle = args.models / "eagle" if args.models is not None else None
+    if eagle is not None and (eagle / "config.json").exists():
+        # The EAGLE head (benchmarks.demo.eagle) needs the target's hidden states of every
+        # position; a skipped step leaves those positions out of its KV cache.
+        result["eagle_holes"] = holes(target, args.switch, args.tokens, {
+            "method": "eagle", "model": str(eagle), "num_speculative_tokens": 4})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "drafter_tax.json").write_text(json.dumps(result, indent=2))
     print("\nbatch | ngram4 tok/s | skip-off tok/s | skip-on tok/s | off/ngram4 | on/ngram4")
@@ -191,6 +203,9 @@ def main() -> None:
               f" | {row['skip-off_vs_ngram4']:10.3f} | {row['skip-on_vs_ngram4']:9.3f}"
               f"   (ranges {row['skip-off_vs_ngram4_range']}, {row['skip-on_vs_ngram4_range']})")
     print(f"model-draft acceptance after {args.switch} n-gram tokens: {result['holes']}")
+    if "eagle_holes" in result:
+        print(f"EAGLE head acceptance after {args.switch} n-gram tokens: "
+              f"{result['eagle_holes']}")
 
 
 if __name__ == "__main__":

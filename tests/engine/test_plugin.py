@@ -229,6 +229,20 @@ def test_controller_converges_from_real_engine_reports(tiny_models: Any,
         assert post.mean[0] < 0.3
 
 
+def test_controller_turns_an_eagle_head_that_never_matches_off(
+        tiny_models: Any, controller: ControllerThread) -> None:
+    # The tiny models' EAGLE head has random weights: acceptance ~0, so from the engine's
+    # reports alone the controller turns speculation off for the class (probes only), as for a
+    # bad draft model: an EAGLE head is priced and learnt as a model draft.
+    spec = {"method": "eagle", "model": tiny_models.eagle, "num_speculative_tokens": 4}
+    with plugin_env(controller=controller.target, ngram_drafts="false"), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        _run_until(llm, controller, "eagle-hard", lambda d: d.k == 0)
+        post = controller.call(lambda core: core.estimate(
+            "eagle-hard", tiny_models.eagle.name, time.time()))
+        assert post.mean[0] < 0.3
+
+
 def test_counterfactual_ngram_acceptance_matches_ngram_serving(
         tiny_models: Any, controller: ControllerThread) -> None:
     """Same traffic, twice: served by the model drafter (n-gram scored counterfactually), then
