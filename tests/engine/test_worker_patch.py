@@ -22,12 +22,11 @@ from typing import Any
 import pytest
 
 from benchmarks.demo.distribution import compare_samples
-from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment
+from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.policy_view import Choice
 from engine_plugin.worker_patch import is_decode_only, mark_step
 from tests.engine.harness import spec_counters
-from tests.plugin.policies import put_policy
 
 pytestmark = pytest.mark.engine
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.demo.engine import put_policy
 from controller.core.types import DraftKind, DraftSpec
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
@@ -16,7 +17,6 @@ from engine_plugin.pilot import EngineSpec, Pilot, announce
 from engine_plugin.policy_view import Choice
 from engine_plugin.vocab import TokenizerLike, vocab_hash
 from specpilot.v1 import engine_pb2
-from tests.plugin.policies import put_policy
 
 
 class FakeTokenizer:
