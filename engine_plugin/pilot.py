@@ -333,7 +333,8 @@ class Pilot:
                 and uniform.draft in self.drafts_allowed and uniform.k >= self._drafter_k
                 and (batch_k is None or batch_k == uniform.k)):
             # Every request wants the drafter's tokens at no fewer than it drafted: nothing to
-            # cut, and the drafter's tokens replace any n-gram tokens put there before.
+            # cut, and the drafter's tokens replace any n-gram tokens put there before. (Every
+            # request a step drafts for has a state, so its class is among the counted ones.)
             if self._deterministic:
                 self._deterministic.difference_update(req_ids)
             return
