@@ -36,9 +36,9 @@ from benchmarks.demo.models import (
     PROFILES,
     ModelProfile,
     ModelSet,
-    _Data,
-    _lr_lambda,
-    _Progress,
+    Progress,
+    TrainingData,
+    lr_schedule,
 )
 
 VERSION = "specpilot-eagle-head-1"
@@ -107,7 +107,7 @@ class EagleHead:
         return {k: v.detach().contiguous() for k, v in weights.items()}
 
 
-def _train(head: EagleHead, target: Any, data: _Data, settings: EagleSettings,
+def _train(head: EagleHead, target: Any, data: TrainingData, settings: EagleSettings,
            profile: ModelProfile, progress: bool) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -116,7 +116,7 @@ def _train(head: EagleHead, target: Any, data: _Data, settings: EagleSettings,
     started = time.perf_counter()
     params = head.parameters()
     opt = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(profile, settings.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(profile, settings.steps))
     recent: list[tuple[float, float, float]] = []
     bar = tqdm(total=settings.steps, desc="eagle head", file=sys.stderr, disable=not progress,
                leave=True, dynamic_ncols=True)
@@ -187,7 +187,7 @@ def _build(tmp: Path, models: ModelSet, settings: EagleSettings, progress: bool
     if settings.steps:
         profile = PROFILES[models.profile]
         raw = Tokenizer.from_file(str(models.trained_target / "tokenizer.json"))
-        summary = _train(head, target, _Data(raw, profile), settings, profile, progress)
+        summary = _train(head, target, TrainingData(raw, profile), settings, profile, progress)
     save_eagle_head(head, models.trained_target, tmp)
     return {"version": VERSION, "settings": settings.__dict__,
             "target_build_seconds": models.build_seconds,
@@ -203,7 +203,7 @@ def prepare_eagle_head(models: ModelSet, *, progress: bool = True) -> Path:
         return (data.get("version") == VERSION and data.get("settings") == settings.__dict__
                 and data.get("target_build_seconds") == models.build_seconds)
 
-    log = _Progress(progress)
+    log = Progress(progress)
     if not (root / MARKER).exists():
         log.stage(f"eagle head: training for {settings.steps} steps into {root} (once)")
     build_once(root, MARKER, valid, lambda tmp: _build(tmp, models, settings, progress))

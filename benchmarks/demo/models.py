@@ -52,9 +52,12 @@ __all__ = [
     "LlamaShape",
     "ModelProfile",
     "ModelSet",
+    "Progress",
+    "TrainingData",
     "build_llama",
     "corpus_texts",
     "heldout_texts",
+    "lr_schedule",
     "prepare_models",
 ]
 
@@ -134,7 +137,7 @@ class ModelSet:
     train_summary: dict[str, Any]  # per model: params, steps, seconds, losses
 
 
-class _Progress:
+class Progress:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
 
@@ -189,7 +192,7 @@ def _token_stream(tok: Any, texts: list[str]) -> Any:
     return torch.tensor(ids, dtype=torch.long)
 
 
-class _Data:
+class TrainingData:
     """Random training windows (half code, half prose) and fixed held-out windows."""
 
     def __init__(self, tok: Any, profile: ModelProfile) -> None:
@@ -223,7 +226,7 @@ class _Data:
         return torch.stack(rows)
 
 
-def _lr_lambda(profile: ModelProfile, steps: int) -> Any:
+def lr_schedule(profile: ModelProfile, steps: int) -> Any:
     def factor(step: int) -> float:
         if step < profile.warmup_steps:
             return (step + 1) / profile.warmup_steps
@@ -233,7 +236,7 @@ def _lr_lambda(profile: ModelProfile, steps: int) -> Any:
     return factor
 
 
-def _heldout_loss(model: Any, data: _Data) -> dict[str, float]:
+def _heldout_loss(model: Any, data: TrainingData) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
@@ -256,7 +259,7 @@ def _heldout_loss(model: Any, data: _Data) -> dict[str, float]:
 def _train(
     name: str,
     model: Any,
-    data: _Data,
+    data: TrainingData,
     profile: ModelProfile,
     steps: int,
     lr: float,
@@ -277,7 +280,7 @@ def _train(
         lr=lr,
         betas=(0.9, 0.95),
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(profile, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(profile, steps))
     recent: list[float] = []
     bar = tqdm(total=steps, desc=name, file=sys.stderr, disable=not progress, leave=True,
                dynamic_ncols=True)
@@ -357,7 +360,7 @@ def _inflate(model: Any, intermediate: int, seed: int) -> Any:
     return big
 
 
-def _check_inflated(small: Any, big: Any, data: _Data, tokens: int = 384) -> dict[str, Any]:
+def _check_inflated(small: Any, big: Any, data: TrainingData, tokens: int = 384) -> dict[str, Any]:
     """Same logits and greedy argmaxes on a few hundred held-out tokens; raises if not."""
     import torch
 
@@ -408,7 +411,7 @@ def _model_set(root: Path, data: dict[str, Any]) -> ModelSet:
     )
 
 
-def _build(tmp: Path, profile: ModelProfile, log: _Progress, progress: bool) -> dict[str, Any]:
+def _build(tmp: Path, profile: ModelProfile, log: Progress, progress: bool) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -432,7 +435,7 @@ def _build(tmp: Path, profile: ModelProfile, log: _Progress, progress: bool) -> 
     draft.eval()
     if profile.train:
         t0 = time.perf_counter()
-        data = _Data(raw, profile)
+        data = TrainingData(raw, profile)
         summary["data"] = {
             "train_tokens": {k: int(v.numel()) for k, v in data.train.items()},
             "heldout_tokens": {k: int(v.numel()) for k, v in data.heldout.items()},
@@ -478,7 +481,7 @@ def _build(tmp: Path, profile: ModelProfile, log: _Progress, progress: bool) -> 
         )
         t0 = time.perf_counter()
         big = _inflate(target, profile.inflate_intermediate, profile.target_seed + 1)
-        check_data = data if data is not None else _Data(raw, profile)
+        check_data = data if data is not None else TrainingData(raw, profile)
         check = _check_inflated(target, big, check_data)
         log.stage("save: inflated target")
         _save(big, tokenizer, tmp / "target")
@@ -520,7 +523,7 @@ def prepare_models(cache_dir: Path, profile: str = "demo", *, progress: bool = T
     if done is not None:
         return _model_set(root, done)
 
-    log = _Progress(progress)
+    log = Progress(progress)
     log.stage(f"building the {profile!r} models into {root} (once; cached afterwards)")
     from transformers.utils import logging as _hf_logging
 

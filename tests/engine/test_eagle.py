@@ -19,8 +19,7 @@ from controller.core.types import DraftKind
 from controller.wire import draft_kind_from_proto
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.worker_patch import mark_step
-from tests.engine.harness import spec_counters
-from tests.engine.test_worker_patch import ModeDrafts, step_log
+from tests.engine.harness import ModeDrafts, spec_counters, step_log
 
 pytestmark = pytest.mark.engine
 

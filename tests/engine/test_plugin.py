@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -218,29 +219,30 @@ def test_controller_converges_from_real_engine_reports(tiny_models: Any,
         fresh.stop()
     logging.getLogger(__name__).info("easy reached K>=3 after %d rounds", rounds)
     assert post.mean[0] > 0.95
-    # A random draft: acceptance ~0 -> speculation off (probes only). No n-gram drafts here:
-    # the looping random target would make them win, and this is about the model draft.
-    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    # A random draft: acceptance ~0 -> speculation off (probes only).
+    _assert_turned_off(tiny_models, controller, "hard",
+                       {"model": tiny_models.draft, "num_speculative_tokens": 4})
+
+
+def _assert_turned_off(tiny_models: Any, controller: ControllerThread, traffic_class: str,
+                       spec: dict[str, Any]) -> None:
+    """From the engine's reports alone, the controller turns speculation off for a class whose
+    model draft (``spec``) is never accepted, and its estimate says why. No n-gram drafts: the
+    looping random target would make them win, and this is about the model draft."""
     with plugin_env(controller=controller.target, ngram_drafts="false"), llm_session(
             tiny_models.target, spec, SCHEDULER) as llm:
-        _run_until(llm, controller, "hard", lambda d: d.k == 0)
+        _run_until(llm, controller, traffic_class, lambda d: d.k == 0)
         post = controller.call(lambda core: core.estimate(
-            "hard", tiny_models.draft.name, time.time()))
+            traffic_class, Path(spec["model"]).name, time.time()))
         assert post.mean[0] < 0.3
 
 
 def test_controller_turns_an_eagle_head_that_never_matches_off(
         tiny_models: Any, controller: ControllerThread) -> None:
-    # The tiny models' EAGLE head has random weights: acceptance ~0, so from the engine's
-    # reports alone the controller turns speculation off for the class (probes only), as for a
-    # bad draft model: an EAGLE head is priced and learnt as a model draft.
-    spec = {"method": "eagle", "model": tiny_models.eagle, "num_speculative_tokens": 4}
-    with plugin_env(controller=controller.target, ngram_drafts="false"), llm_session(
-            tiny_models.target, spec, SCHEDULER) as llm:
-        _run_until(llm, controller, "eagle-hard", lambda d: d.k == 0)
-        post = controller.call(lambda core: core.estimate(
-            "eagle-hard", tiny_models.eagle.name, time.time()))
-        assert post.mean[0] < 0.3
+    # The tiny models' EAGLE head has random weights (acceptance ~0): an EAGLE head is priced
+    # and learnt as a model draft.
+    _assert_turned_off(tiny_models, controller, "eagle-hard", {
+        "method": "eagle", "model": tiny_models.eagle, "num_speculative_tokens": 4})
 
 
 def test_counterfactual_ngram_acceptance_matches_ngram_serving(

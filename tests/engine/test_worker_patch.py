@@ -13,10 +13,7 @@ Policies are forced on the pilot directly (no controller): each request's class 
 
 from __future__ import annotations
 
-import collections
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -25,8 +22,8 @@ from benchmarks.demo.distribution import compare_samples
 from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.policy_view import Choice
-from engine_plugin.worker_patch import is_decode_only, mark_step
-from tests.engine.harness import spec_counters
+from engine_plugin.worker_patch import mark_step
+from tests.engine.harness import ModeDrafts, spec_counters, step_log
 
 pytestmark = pytest.mark.engine
 
@@ -45,34 +42,6 @@ def force_policy(llm: Any, by_class: dict[str, Choice]) -> Any:
     assert pilot is not None and pilot.engine.can_substitute_ngram
     put_policy(pilot.view, {cls: (c.draft, c.k) for cls, c in by_class.items()})
     return pilot
-
-
-def runner_of(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-
-
-@contextmanager
-def step_log(llm: Any) -> Iterator[list[tuple[bool, int, bool]]]:
-    """(decode only, batch K, drafter's forward ran) per engine step."""
-    runner = runner_of(llm)
-    steps: list[tuple[bool, int, bool]] = []
-    execute, propose = runner.execute_model, runner.drafter.propose
-
-    def spy_execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        if scheduler_output.total_num_scheduled_tokens:
-            steps.append((is_decode_only(scheduler_output),
-                          scheduler_output.num_spec_tokens_to_schedule, False))
-        return execute(scheduler_output, *args, **kwargs)
-
-    def spy_propose(*args: Any, **kwargs: Any) -> Any:
-        steps[-1] = (*steps[-1][:2], True)
-        return propose(*args, **kwargs)
-
-    runner.execute_model, runner.drafter.propose = spy_execute, spy_propose
-    try:
-        yield steps
-    finally:
-        del runner.execute_model, runner.drafter.propose
 
 
 def greedy(traffic_class: str) -> Any:
@@ -130,22 +99,6 @@ N_SAMPLES = 400
 SAMPLE_TOKENS = 4
 TEMPERATURE = 0.8
 SAMPLE_PROMPT = "def foo(x):"
-
-
-class ModeDrafts:
-    """Stands in for the n-gram matcher, whose matches the tiny target's sampled text rarely
-    gives: drafts the most frequent token of each position in the target's own samples. A
-    deterministic function of the context (its length), plausible enough that verification
-    accepts some and rejects some: exactly the case one-hot rows must get right."""
-
-    def __init__(self, samples: list[list[int]], prompt_len: int) -> None:
-        self.modes = [collections.Counter(s[i] for s in samples).most_common(1)[0][0]
-                      for i in range(SAMPLE_TOKENS)]
-        self.prompt_len = prompt_len
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        at = len(tokens) - self.prompt_len
-        return self.modes[at:at + k]
 
 
 def sample(llm: Any, seed0: int, classes: list[str]) -> tuple[list[list[int]], int]:
