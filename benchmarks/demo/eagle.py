@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from benchmarks.demo.cache import build_once
 from benchmarks.demo.models import (
@@ -107,8 +107,35 @@ class EagleHead:
         return {k: v.detach().contiguous() for k, v in weights.items()}
 
 
-def _train(head: EagleHead, target: Any, data: TrainingData, settings: EagleSettings,
-           profile: ModelProfile, progress: bool) -> dict[str, Any]:
+class Batches(Protocol):
+    def batch(self, size: int) -> Any: ...
+
+
+class OwnSamples:
+    """Training windows for a target without a corpus of its own (the random test targets):
+    its own sampled continuations (T=0.8) of random prompts, which is what it will serve."""
+
+    def __init__(self, target: Any, vocab_size: int, seed: int, rows: int = 64,
+                 prompt_tokens: int = 8, new_tokens: int = 120) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        prompts = torch.randint(4, vocab_size, (rows, prompt_tokens), generator=gen)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            self.rows = target.generate(prompts, max_new_tokens=new_tokens, do_sample=True,
+                                        temperature=0.8, top_k=0, top_p=1.0)
+        self.gen = gen
+
+    def batch(self, size: int) -> Any:
+        import torch
+
+        return self.rows[torch.randint(0, self.rows.shape[0], (size,), generator=self.gen)]
+
+
+def train_head(head: EagleHead, target: Any, data: Batches, settings: EagleSettings,
+               profile: ModelProfile, progress: bool) -> dict[str, Any]:
+    """Train ``head`` on ``target``'s hidden states over windows of ``data``."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -187,7 +214,8 @@ def _build(tmp: Path, models: ModelSet, settings: EagleSettings, progress: bool
     if settings.steps:
         profile = PROFILES[models.profile]
         raw = Tokenizer.from_file(str(models.trained_target / "tokenizer.json"))
-        summary = _train(head, target, TrainingData(raw, profile), settings, profile, progress)
+        summary = train_head(head, target, TrainingData(raw, profile), settings, profile,
+                             progress)
     save_eagle_head(head, models.trained_target, tmp)
     return {"version": VERSION, "settings": settings.__dict__,
             "target_build_seconds": models.build_seconds,

