@@ -19,6 +19,14 @@ and /usr/share/common-licenses) in about 40 seconds, with fixed seeds, and cache
   decoder layer, the target's embeddings and scaled LM head shared as vLLM shares them), trained
   for 1,000 steps on the target's own T=0.8 samples (seed 5678, ~30 s), served with
   ``{"method": "eagle", "model": ...}``.
+- ``exact_target`` and ``exact_eagle``: a random 1-layer target whose token embeddings all have
+  RMS 1, and an EAGLE head that copies its layer (``fc`` passes the token embedding through, the
+  target's hidden state is ignored). With unit-RMS embeddings the target's input norm is the
+  identity, so the head computes the target's pre-norm hidden state exactly, and the final norm
+  (weight 1) only rescales it: the head's greedy drafts are the target's tokens at every
+  position (but for near-ties: EAGLE's attention never sees a sequence's first token), as the
+  target drafting for itself is for the model draft. At T>0 the head's
+  distribution is the target's at another temperature, so acceptance falls with temperature.
 
 Every model directory holds its tokenizer next to the weights (``save_pretrained``,
 safetensors). The corpus and tokenizer training live in :mod:`benchmarks.demo.corpus` (shared
@@ -47,12 +55,13 @@ from benchmarks.demo.eagle import (
 )
 from benchmarks.demo.models import PROFILES, LlamaShape, build_llama
 
-VERSION = "specpilot-tiny-models-4"
+VERSION = "specpilot-tiny-models-5"
 MARKER = "tiny-models.json"
 VOCAB_SIZE = 2000
 TARGET_SEED = 1234
 DRAFT_SEED = 4321
 EAGLE_SEED = 5678
+EXACT_TARGET_SEED = 2468
 # Steps of the EAGLE head's training on the target's own samples (~30 s): teacher-forced top-1
 # agreement about 0.5, so T>0 tests see accepted EAGLE drafts, not only rejections.
 EAGLE_STEPS = 1000
@@ -71,7 +80,9 @@ class TinyModels:
     target: Path
     draft: Path
     mismatched_draft: Path
-    eagle: Path  # an EAGLE-1 head on the target (random weights; shares its embeddings, LM head)
+    eagle: Path  # an EAGLE-1 head on the target (trained; shares its embeddings and LM head)
+    exact_target: Path  # a 1-layer target with unit-RMS token embeddings
+    exact_eagle: Path  # an EAGLE-1 head on exact_target that copies its layer: exact greedy drafts
     vocab_size: int
     # The two token strings whose ids are swapped in mismatched_draft's tokenizer.
     mismatched_tokens: tuple[str, str]
@@ -117,6 +128,34 @@ def _save(model: Any, tokenizer: Any, path: Path, lm_head_scale: float) -> None:
     tokenizer.save_pretrained(path)
 
 
+def _unit_rms_embeddings(model: Any) -> None:
+    """Scale every token embedding to RMS 1: the first layer's input norm (weight 1 at init) is
+    then the identity up to its epsilon (a factor 1 - 5e-7)."""
+    import torch
+
+    with torch.no_grad():
+        weight = model.model.embed_tokens.weight
+        weight.div_(weight.pow(2).mean(-1, keepdim=True).sqrt())
+
+
+def _copy_of_layer(target: Any) -> EagleHead:
+    """An EAGLE head computing ``target``'s only layer on the token embeddings: ``fc`` takes the
+    embedding half of its input as is and drops the target's hidden state; the layer's weights
+    are the target's (its input norm, the identity here, is the one part EAGLE's layer lacks)."""
+    import torch
+
+    assert target.config.num_hidden_layers == 1
+    head = EagleHead(target, EXACT_TARGET_SEED)
+    hidden = target.config.hidden_size
+    layer = {k: v for k, v in target.model.layers[0].state_dict().items()
+             if not k.startswith("input_layernorm")}
+    head.layer.load_state_dict(layer)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :hidden] = torch.eye(hidden)
+    return head
+
+
 def _valid(data: dict[str, Any]) -> bool:
     return data.get("version") == VERSION
 
@@ -130,6 +169,8 @@ def _models(root: Path, data: dict[str, Any]) -> TinyModels:
         draft=root / "draft",
         mismatched_draft=root / "mismatched_draft",
         eagle=root / "eagle",
+        exact_target=root / "exact_target",
+        exact_eagle=root / "exact_eagle",
         vocab_size=int(data["vocab_size"]),
         mismatched_tokens=(str(a), str(b)),
         build_seconds=float(data["build_seconds"]),
@@ -159,6 +200,11 @@ def build_tiny_models(root: Path) -> TinyModels:
         train_head(head, target, OwnSamples(target, vocab_size, EAGLE_SEED),
                    EagleSettings(steps=EAGLE_STEPS), PROFILES["untrained"], progress=False)
         save_eagle_head(head, tmp / "target", tmp / "eagle")
+        exact = _llama(vocab_size, layers=1, seed=EXACT_TARGET_SEED, special=special)
+        _unit_rms_embeddings(exact)
+        _save(exact, tokenizer, tmp / "exact_target", TARGET_LM_HEAD_SCALE)
+        # After the save, which names the architecture that vLLM maps to its EAGLE model.
+        save_eagle_head(_copy_of_layer(exact), tmp / "exact_target", tmp / "exact_eagle")
         draft = _llama(vocab_size, layers=1, seed=DRAFT_SEED, special=special)
         _save(draft, tokenizer, tmp / "draft", DRAFT_LM_HEAD_SCALE)
 

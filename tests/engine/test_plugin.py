@@ -183,20 +183,27 @@ def test_greedy_outputs_identical_under_every_policy(tiny_models: Any,
     assert token_ids(out) == want
 
 
-def _run_until(llm: Any, controller: ControllerThread, traffic_class: str, want: Any,
-               rounds: int = 40) -> int:
-    """Serve ``traffic_class`` until the controller's decision at the engine's batch bucket
-    satisfies ``want(decision)``; return the number of rounds it took."""
-    bucket = controller.call(lambda core: core.config.bucket_of(len(PROMPTS)))
+def _run_until(llm: Any, controller: ControllerThread, wants: dict[str, Any],
+               rounds: int = 40, sampling: dict[str, Any] | None = None) -> int:
+    """Serve every class of ``wants`` (``PROMPTS`` each, one batch; greedy unless ``sampling``
+    names a class's parameters) until the controller's decision for each class at the engine's
+    batch bucket satisfies its ``want(decision)``; return the number of rounds it took."""
+    classes = list(wants)
+    chosen = {c: (sampling or {}).get(c) or params(c) for c in classes}
+    bucket = controller.call(lambda core: core.config.bucket_of(len(PROMPTS) * len(classes)))
+    decisions: dict[str, Any] = {}
     for i in range(1, rounds + 1):
-        llm.generate(PROMPTS, params(traffic_class), use_tqdm=False)
+        llm.generate(PROMPTS * len(classes),
+                     [chosen[c] for c in classes for _ in PROMPTS], use_tqdm=False)
         time.sleep(0.15)  # one report interval: the engine reports, the controller decides
-        decision = controller.call(lambda core: core.decision(traffic_class, bucket))
-        if decision is not None and want(decision):
+        decisions = {c: controller.call(lambda core, c=c: core.decision(c, bucket))
+                     for c in classes}
+        if all(d is not None and wants[c](d) for c, d in decisions.items()):
             return i
-    explain = controller.call(lambda core: core.explain(traffic_class, bucket, time.time()))
-    raise AssertionError(f"{traffic_class}: decision never satisfied the test, last {decision}; "
-                         f"arms by means {explain.arms}")
+    explain = {c: controller.call(lambda core, c=c: core.explain(c, bucket, time.time())).arms
+               for c in classes}
+    raise AssertionError(f"decisions never satisfied the test, last {decisions}; "
+                         f"arms by means {explain}")
 
 
 def test_controller_converges_from_real_engine_reports(tiny_models: Any,
@@ -212,7 +219,7 @@ def test_controller_converges_from_real_engine_reports(tiny_models: Any,
     try:
         with plugin_env(controller=fresh.target), llm_session(
                 tiny_models.target, spec, SCHEDULER) as llm:
-            rounds = _run_until(llm, fresh, "easy", lambda d: d.k >= 3, rounds=80)
+            rounds = _run_until(llm, fresh, {"easy": lambda d: d.k >= 3}, rounds=80)
             post = fresh.call(lambda core: core.estimate(
                 "easy", tiny_models.target.name, time.time()))
     finally:
@@ -231,20 +238,39 @@ def _assert_turned_off(tiny_models: Any, controller: ControllerThread, traffic_c
     looping random target would make them win, and this is about the model draft."""
     with plugin_env(controller=controller.target, ngram_drafts="false"), llm_session(
             tiny_models.target, spec, SCHEDULER) as llm:
-        _run_until(llm, controller, traffic_class, lambda d: d.k == 0)
+        _run_until(llm, controller, {traffic_class: lambda d: d.k == 0})
         post = controller.call(lambda core: core.estimate(
             traffic_class, Path(spec["model"]).name, time.time()))
         print(f"\n{traffic_class}: position-1 acceptance {post.mean[0]:.3f}")
         assert post.mean[0] < 0.3
 
 
-def test_controller_turns_an_eagle_head_that_rarely_pays_off(
-        tiny_models: Any, controller: ControllerThread) -> None:
-    # The tiny models' EAGLE head is accepted at position 1 about one time in five here (0.18
-    # measured): too little to pay for its pass, so off. An EAGLE head is priced and learnt as
-    # a model draft.
-    _assert_turned_off(tiny_models, controller, "eagle-hard", {
-        "method": "eagle", "model": tiny_models.eagle, "num_speculative_tokens": 4})
+def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
+    """One EAGLE engine, two classes, the controller learning from the engine's reports alone:
+    the head that copies its target's layer is accepted at every position under greedy decoding
+    ("exact": a long K, as for the target drafting for itself) and about one time in six at
+    T=1.5 with greedy drafting ("hot": too little to pay for the head's pass, so off). An EAGLE
+    head is priced and learnt as a model draft; a fresh controller, so that the start-up step
+    profile prices the long K."""
+    from vllm import SamplingParams
+
+    spec = {"method": "eagle", "model": str(tiny_models.exact_eagle), "num_speculative_tokens": 4}
+    hot = SamplingParams(temperature=1.5, max_tokens=MAX_TOKENS, seed=7,
+                         extra_args={"traffic_class": "hot"})
+    fresh = ControllerThread(**{**FAST_CONTROLLER})
+    try:
+        with plugin_env(controller=fresh.target, ngram_drafts="false"), llm_session(
+                tiny_models.exact_target, spec, SCHEDULER) as llm:
+            _run_until(llm, fresh, {"exact": lambda d: d.k >= 3, "hot": lambda d: d.k == 0},
+                       rounds=80, sampling={"hot": hot})
+            post = {c: fresh.call(lambda core, c=c: core.estimate(
+                c, tiny_models.exact_eagle.name, time.time())) for c in ("exact", "hot")}
+    finally:
+        fresh.stop()
+    print(f"\nposition-1 acceptance: exact {post['exact'].mean[0]:.3f}, "
+          f"hot {post['hot'].mean[0]:.3f}")
+    assert post["exact"].mean[0] > 0.95
+    assert post["hot"].mean[0] < 0.3
 
 
 def test_counterfactual_ngram_acceptance_matches_ngram_serving(
