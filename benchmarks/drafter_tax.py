@@ -58,7 +58,7 @@ def force_choice(llm: Any, choose: Callable[[Any], Any]) -> None:
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     pilot = scheduler._pilot
-    assert pilot is not None and pilot.engine.can_substitute_ngram, "no n-gram substitution"
+    assert pilot is not None and pilot.engine.can_substitute, "no n-gram substitution"
     per_request = PerRequest(pilot.view.static_choice, None, 0, frozenset())
     pilot._lookup = lambda batch_size: per_request
     pilot._choice = lambda req_id, lookup: choose(scheduler.requests[req_id])

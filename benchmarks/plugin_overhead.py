@@ -242,38 +242,39 @@ def hook_targets(pilot: Any, inner: bool) -> list[tuple[str, Any, str]]:
              pilot.stats, "record_verification"),
             ("Pilot.after_output > StatsAggregator.snapshot (report)", pilot.stats, "snapshot"),
             ("Pilot.after_output > ControllerLink.submit", pilot.link, "submit")]
-        if pilot.counterfactual is not None:
-            targets.append(("Pilot.after_output > _score_counterfactual > n-gram proposals",
-                            pilot.counterfactual, "_propose"))
+        targets += [(f"Pilot.after_output > _score_counterfactual > {name} proposals", cf,
+                     "_propose") for name, cf in pilot.counterfactual.items()]
     return targets
 
 
-def ngram_cost(pilot: Any, contexts: tuple[int, ...] = (128, 512, 2048)
-               ) -> dict[str, dict[str, float]]:
-    """Microseconds per n-gram proposal at several context lengths: ``propose`` (a substituted
-    draft: the context sliced and converted) and ``propose_window`` (the counterfactual scorer's:
-    the request's int32 buffer passed as it is)."""
+def proposal_cost(pilot: Any, contexts: tuple[int, ...] = (128, 512, 2048)
+                  ) -> dict[str, dict[str, float]]:
+    """Microseconds per deterministic proposal at several context lengths: each of the pilot's
+    deterministic drafts as the pilot calls it (``propose``, on the request's own state), and an
+    n-gram proposal from a context read whole (``propose_tokens``: sliced and converted)."""
     import random
 
-    import numpy as np
+    from engine_plugin.ngram import NGRAM_DRAFT
 
-    if pilot.ngram is None:
-        return {}
     rng = random.Random(0)
-    out: dict[str, dict[str, float]] = {"propose": {}, "propose_window": {}}
     calls = 2000
+    timed: dict[str, Any] = {name: d.propose for name, d in pilot.deterministic.items()}
+    ngram = pilot.deterministic.get(NGRAM_DRAFT)
+    if ngram is not None:
+        timed["ngram, context read whole"] = (
+            lambda _req, tokens, _prompt, k: ngram.propose_tokens(tokens, k))
+    out: dict[str, dict[str, float]] = {name: {} for name in timed}
     for n in contexts:
         tokens = [rng.randrange(2000) for _ in range(n)]
-        window = np.asarray(tokens, dtype=np.int32)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            pilot.ngram.propose(tokens, K)
-        t1 = time.perf_counter()
-        for _ in range(calls):
-            pilot.ngram.propose_window(window, n, K)
-        t2 = time.perf_counter()
-        out["propose"][str(n)] = 1e6 * (t1 - t0) / calls
-        out["propose_window"][str(n)] = 1e6 * (t2 - t1) / calls
+        for name, propose in timed.items():
+            propose(f"cost{n}", tokens, n // 2, K)  # the request's state built once
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                propose(f"cost{n}", tokens, n // 2, K)
+            out[name][str(n)] = 1e6 * (time.perf_counter() - t0) / calls
+    for d in pilot.deterministic.values():
+        for n in contexts:
+            d.finish(f"cost{n}", [], 0)
     return out
 
 
@@ -382,13 +383,11 @@ def markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
                       "`SpecPilotScheduler` + controller | us/step | calls/step |", "|---|---|---|"]
         for name, h in res["hooks"].items():
             lines.append(f"| {name} | {h['us_per_step']:.1f} | {h['calls_per_step']:.1f} |")
-    if res.get("ngram_propose_us"):
-        cost = {name: ", ".join(f"{us:.1f} us at {n}" for n, us in by_n.items())
-                for name, by_n in res["ngram_propose_us"].items()}
-        lines += ["", f"One n-gram proposal, by tokens of context: substituted "
-                      f"(`NgramProposer.propose`, context sliced) {cost['propose']}; "
-                      f"counterfactual (`propose_window`, the request's buffer) "
-                      f"{cost['propose_window']}."]
+    if res.get("proposal_us"):
+        cost = "; ".join(f"{name}: " + ", ".join(f"{us:.1f} us at {n}" for n, us in by_n.items())
+                         for name, by_n in res["proposal_us"].items())
+        lines += ["", f"One deterministic proposal, by tokens of context (the request's own "
+                      f"state, as the pilot proposes and scores): {cost}."]
     lines += ["", f"{meta['repeats']} repetitions per configuration, alternating; {BATCH} "
                   f"concurrent greedy requests x {meta['max_tokens']} tokens "
                   f"(~{cfgs[BASE]['steps_per_rep']:.0f} steps at batch {BATCH}), K={K}, "
@@ -486,7 +485,7 @@ def main() -> None:
         res["hooks"].update(hook_pass(llms[PLUGIN], recs[PLUGIN], args.max_tokens, 3,
                                       inner=True))
         pilot = llms[PLUGIN].llm_engine.engine_core.engine_core.scheduler._pilot
-        res["ngram_propose_us"] = ngram_cost(pilot)
+        res["proposal_us"] = proposal_cost(pilot)
         profile_text = ""
         if args.profile or over_goal(res["overhead"][PLUGIN]):
             print("cProfile inside the plugin hooks (2 untimed batches)...", flush=True)

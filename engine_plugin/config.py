@@ -78,12 +78,16 @@ class PluginConfig:
     ngram_drafts: bool = True
     """Offer n-gram (prompt-lookup) drafts to the controller (substituted where the engine mode
     allows) and score them counterfactually: ``true`` or ``false``."""
-    ngram_counterfactual_per_step: float = 2.0
-    """Requests whose n-gram drafts are scored counterfactually per step, on average, >= 0 (0:
-    none). A request is scored while its fixed random point (a hash of its id) is below this
-    number over the running batch size: a small batch is scored whole, and the cost per step stays
-    bounded as the batch grows (a proposal costs 1-5 us: the matcher on the request's own buffer
-    of its last 2,048 tokens). A subset drawn by hash keeps the estimate unbiased."""
+    suffix_drafts: bool = True
+    """Offer suffix drafts (Suffix Decoding, from the ``arctic-inference`` package; skipped with
+    one log line where it is not installed) the same way: ``true`` or ``false``."""
+    counterfactual_per_step: float = 2.0
+    """Requests whose deterministic drafts (n-gram, suffix) are scored counterfactually per step,
+    on average, >= 0 (0: none). A request is scored while its fixed random point (a hash of its
+    id) is below this number over the running batch size: a small batch is scored whole, and the
+    cost per step stays bounded as the batch grows (an n-gram proposal costs 1-5 us: the matcher
+    on the request's own buffer of its last 2,048 tokens). A subset drawn by hash keeps the
+    estimate unbiased."""
 
     skip_idle_drafter: bool = True
     """In the batch modes, skip the drafter's pass in a decode step whose batch K is 0 (every
@@ -201,9 +205,9 @@ def _check(c: PluginConfig) -> None:
         raise bad("reconnect_max_seconds",
                   f"{c.reconnect_max_seconds} is below reconnect_initial_seconds "
                   f"{c.reconnect_initial_seconds}")
-    per_step = c.ngram_counterfactual_per_step
+    per_step = c.counterfactual_per_step
     if not isinstance(per_step, int | float) or not 0.0 <= per_step < math.inf:
-        raise bad("ngram_counterfactual_per_step",
+        raise bad("counterfactual_per_step",
                   f"must be a finite number >= 0, got {per_step!r}")
     if c.k_mode not in K_MODES:
         raise bad("k_mode", f"must be one of {', '.join(K_MODES)}, got {c.k_mode!r}")

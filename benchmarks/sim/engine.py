@@ -40,7 +40,7 @@ from engine_plugin.config import PluginConfig
 
 # Requests scored counterfactually with the n-gram draft per step, on average (the plugin's
 # default): a request is scored while its point is below this over the batch size.
-COUNTERFACTUAL_PER_STEP = PluginConfig().ngram_counterfactual_per_step
+COUNTERFACTUAL_PER_STEP = PluginConfig().counterfactual_per_step
 
 
 def engine_info(s: Scenario) -> EngineInfo:

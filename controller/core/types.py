@@ -32,6 +32,7 @@ class Reason(enum.Enum):
 class DraftKind(enum.Enum):
     MODEL = "model"
     NGRAM = "ngram"
+    SUFFIX = "suffix"  # deterministic like n-gram: suffix trees over prompts and past responses
 
 
 @dataclass(frozen=True)

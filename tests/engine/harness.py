@@ -1,15 +1,20 @@
-"""Engine test helpers: vLLM's spec-decode counters, a log of the engine's steps, and a stand-in
-n-gram matcher. Engine start and stop live in :mod:`benchmarks.demo.engine`, which the tests
-import directly."""
+"""Engine test helpers: vLLM's spec-decode counters, a log of the engine's steps, a stand-in
+n-gram matcher, and the sampled-distribution check. Engine start and stop live in
+:mod:`benchmarks.demo.engine`, which the tests import directly."""
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.controller_thread import ControllerThread
+from controller.core.controller import ControllerCore
+from controller.core.types import Override
+from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.worker_patch import is_decode_only
 
 if TYPE_CHECKING:
@@ -100,6 +105,89 @@ class ModeDrafts:
                       for i in range(len(samples[0]))]
         self.prompt_len = prompt_len
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    name = NGRAM_DRAFT  # put in the n-gram draft's place (engine_plugin.deterministic)
+
+    def propose(self, req_id: str, tokens: Sequence[int], num_prompt_tokens: int, k: int
+                ) -> list[int]:
         at = len(tokens) - self.prompt_len
         return self.modes[at:at + k]
+
+    def finish(self, req_id: str, tokens: Sequence[int], num_prompt_tokens: int) -> None:
+        pass
+
+
+# The sampled-distribution check: N_SAMPLES continuations of SAMPLE_PROMPT, SAMPLE_TOKENS each.
+N_SAMPLES = 400
+SAMPLE_TOKENS = 4
+SAMPLE_PROMPT = "def foo(x):"
+
+
+def sampling(temperature: float, n: int, tokens: int, seed0: int = 0) -> list[Any]:
+    """``n`` SamplingParams with seeds ``seed0``, ``seed0 + 1``, ... (no EOS stop)."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True,
+                           seed=seed0 + i) for i in range(n)]
+
+
+def token_ids(outputs: list[Any]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def samples_of(llm: Any, seed0: int = 0) -> list[list[int]]:
+    """The distribution check's samples from ``llm`` at T=0.8."""
+    return token_ids(llm.generate([SAMPLE_PROMPT] * N_SAMPLES,
+                                  sampling(0.8, N_SAMPLES, SAMPLE_TOKENS, seed0), use_tqdm=False))
+
+
+def differing_positions(reference: list[list[int]], other: list[list[int]]) -> list[str]:
+    """Generated positions (the first comes from the prefill's sampler) whose tokens are not
+    distributed alike in the two samples."""
+    from benchmarks.demo.distribution import compare_samples
+
+    out = []
+    for pos in range(1, SAMPLE_TOKENS):
+        c = compare_samples([s[pos] for s in reference], [s[pos] for s in other])
+        if not c.same:
+            out.append(f"position {pos}: p={c.p_value:.3g} tv={c.total_variation:.3f}")
+    return out
+
+
+# --- a controller on loopback, steered through the core --------------------------------------
+# Fast enough for tests: reports every 0.1 s, decisions may change after 0.2 s.
+FAST_CONTROLLER = {"report_interval_seconds": 0.1, "dwell_seconds": 0.2, "seed": 3,
+                   "fail_static_timeout_seconds": 30.0}
+
+
+def pilot_of(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler._pilot
+
+
+def wait_for_policy(llm: Any, controller: ControllerThread, timeout: float = 20.0) -> None:
+    """Until the engine runs the controller's current policy version."""
+    view = pilot_of(llm).view
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if view.version and view.version == controller.call(lambda core: core.version):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine did not reach the controller's policy (view {view.version})")
+
+
+def set_override(controller: ControllerThread, override: Override) -> None:
+    """Straight on the core, decided at once so ``core.version`` moves now; the server's
+    periodic decide pushes the new version."""
+    def set_(core: ControllerCore) -> None:
+        core.set_override(override)
+        core.decide(time.time())
+
+    controller.call(set_)
+
+
+def clear_overrides(controller: ControllerThread) -> None:
+    def clear(core: ControllerCore) -> None:
+        for ov in core.snapshot(time.time()).overrides:
+            core.clear_override(ov.traffic_class)
+            core.decide(time.time())
+
+    controller.call(clear)

@@ -13,13 +13,22 @@ from typing import Any
 
 import pytest
 
-from benchmarks.demo.distribution import compare_samples
 from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
 from controller.core.types import DraftKind
 from controller.wire import draft_kind_from_proto
 from engine_plugin.ngram import NGRAM_DRAFT
+from engine_plugin.suffix import SUFFIX_DRAFT
 from engine_plugin.worker_patch import mark_step
-from tests.engine.harness import ModeDrafts, spec_counters, step_log
+from tests.engine.harness import (
+    SAMPLE_PROMPT,
+    ModeDrafts,
+    differing_positions,
+    samples_of,
+    sampling,
+    spec_counters,
+    step_log,
+    token_ids,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -27,26 +36,12 @@ PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
            "import os\nimport sys\nimport os\nimport",
            "one two three four one two three four one two"]
 MAX_TOKENS = 24
-N_SAMPLES = 400
-SAMPLE_TOKENS = 4
-SAMPLE_PROMPT = "def foo(x):"
-
-
-def _params(temperature: float, n: int, tokens: int, seed0: int = 0) -> list[Any]:
-    from vllm import SamplingParams
-
-    return [SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True,
-                           seed=seed0 + i) for i in range(n)]
-
-
-def _ids(outputs: list[Any]) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 @pytest.fixture(scope="module")
 def baseline(tiny_models: Any) -> list[list[int]]:
     with llm_session(tiny_models.target) as llm:
-        return _ids(llm.generate(PROMPTS, _params(0.0, len(PROMPTS), MAX_TOKENS),
+        return token_ids(llm.generate(PROMPTS, sampling(0.0, len(PROMPTS), MAX_TOKENS),
                                  use_tqdm=False))
 
 
@@ -76,7 +71,8 @@ def test_the_head_is_announced_as_a_model_draft_past_the_tokenizer_guard(
     pilot = _pilot(eagle_engine)
     assert (pilot.engine.drafter, pilot.engine.drafter_kind) == (head.name, DraftKind.MODEL)
     assert pilot.engine.drafter_tokenizer == str(head)
-    assert pilot.drafts_allowed == {head.name, NGRAM_DRAFT}  # the guard passed; n-gram offered
+    # The guard passed; n-gram and suffix drafts offered.
+    assert pilot.drafts_allowed == {head.name, NGRAM_DRAFT, SUFFIX_DRAFT}
     drafts = {d.name: d for d in pilot.link._hello.hello.drafts}  # the hello as sent
     assert draft_kind_from_proto(drafts[head.name].kind) is DraftKind.MODEL
     assert drafts[head.name].max_k == 4
@@ -87,9 +83,9 @@ def test_greedy_outputs_equal_no_speculation_at_every_k(
         k: int, eagle_engine: Any, head: Path, baseline: list[list[int]]) -> None:
     put_policy(_pilot(eagle_engine).view, {"default": (head.name if k else "", k)}, version=k + 1)
     with step_log(eagle_engine) as steps:
-        out = eagle_engine.generate(PROMPTS, _params(0.0, len(PROMPTS), MAX_TOKENS),
+        out = eagle_engine.generate(PROMPTS, sampling(0.0, len(PROMPTS), MAX_TOKENS),
                                     use_tqdm=False)
-    assert _ids(out) == baseline
+    assert token_ids(out) == baseline
     decode = [(batch_k, ran) for decode_only, batch_k, ran in steps if decode_only]
     assert decode and all(batch_k == k for batch_k, _ in decode)
     # K=0: the head's pass is skipped in decode steps (it needs the target's hidden states,
@@ -100,26 +96,14 @@ def test_greedy_outputs_equal_no_speculation_at_every_k(
 def test_greedy_outputs_equal_no_speculation_with_ngram_drafts_in_the_eagle_engine(
         eagle_engine: Any, baseline: list[list[int]]) -> None:
     put_policy(_pilot(eagle_engine).view, {"default": (NGRAM_DRAFT, 4)}, version=10)
-    out = eagle_engine.generate(PROMPTS, _params(0.0, len(PROMPTS), MAX_TOKENS), use_tqdm=False)
-    assert _ids(out) == baseline
+    out = eagle_engine.generate(PROMPTS, sampling(0.0, len(PROMPTS), MAX_TOKENS), use_tqdm=False)
+    assert token_ids(out) == baseline
 
 
 @pytest.fixture(scope="module")
 def plain_samples(tiny_models: Any) -> list[list[int]]:
     with llm_session(tiny_models.target) as llm:
-        return _ids(llm.generate([SAMPLE_PROMPT] * N_SAMPLES,
-                                 _params(0.8, N_SAMPLES, SAMPLE_TOKENS), use_tqdm=False))
-
-
-def _differing_positions(reference: list[list[int]], other: list[list[int]]) -> list[str]:
-    """Generated positions (the first comes from the prefill's sampler) whose tokens are not
-    distributed alike in the two samples."""
-    out = []
-    for pos in range(1, SAMPLE_TOKENS):
-        c = compare_samples([s[pos] for s in reference], [s[pos] for s in other])
-        if not c.same:
-            out.append(f"position {pos}: p={c.p_value:.3g} tv={c.total_variation:.3f}")
-    return out
+        return samples_of(llm)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +130,8 @@ def test_sampled_outputs_keep_the_targets_distribution(
     put_policy(pilot.view, {"default": (head.name if draft == "eagle" else draft, k)},
                version=20 + list(ARMS).index(arm))
     if substitute:
-        monkeypatch.setattr(pilot, "ngram", ModeDrafts(plain_samples, _prompt_len(eagle_engine)))
+        monkeypatch.setitem(pilot.deterministic, NGRAM_DRAFT,
+                            ModeDrafts(plain_samples, _prompt_len(eagle_engine)))
         # Per-request K: the head drafts K=4 for every request and its tokens are replaced, so
         # its probabilities are there for rejection sampling to (wrongly) use in the control.
         monkeypatch.setattr(pilot, "config", dataclasses.replace(pilot.config,
@@ -155,14 +140,11 @@ def test_sampled_outputs_keep_the_targets_distribution(
         monkeypatch.setattr(pilot, "mark_step", lambda output: mark_step(
             output, skip_drafter=False, deterministic=()))
     before = spec_counters(eagle_engine)
-    samples = _ids(eagle_engine.generate(
-        [SAMPLE_PROMPT] * N_SAMPLES,
-        _params(0.8, N_SAMPLES, SAMPLE_TOKENS, seed0=10_000 * (1 + list(ARMS).index(arm))),
-        use_tqdm=False))
+    samples = samples_of(eagle_engine, seed0=10_000 * (1 + list(ARMS).index(arm)))
     used = spec_counters(eagle_engine) - before
     print(f"\n[{arm}] {used} acceptance={used.acceptance:.3f}")
     assert used.draft_tokens > 0
-    failures = _differing_positions(plain_samples, samples)
+    failures = differing_positions(plain_samples, samples)
     if one_hot:
         assert not failures, f"{arm}: sampled distribution differs from the target's: {failures}"
     else:

@@ -21,7 +21,15 @@ from benchmarks.demo.engine import SCHEDULER as ENGINE_SCHEDULER
 from benchmarks.demo.engine import llm_session, plugin_environment
 from controller.core.controller import ControllerCore
 from controller.core.types import Override
-from tests.engine.harness import spec_counters
+from tests.engine.harness import (
+    FAST_CONTROLLER,
+    clear_overrides,
+    pilot_of,
+    set_override,
+    spec_counters,
+    token_ids,
+    wait_for_policy,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -37,8 +45,6 @@ PROMPTS = [
     "GNU GENERAL PUBLIC LICENSE Version 3, 29 June 2007",
 ]
 MAX_TOKENS = 24
-FAST_CONTROLLER = {"report_interval_seconds": 0.1, "dwell_seconds": 0.2, "seed": 3,
-                   "fail_static_timeout_seconds": 30.0}
 
 
 def plugin_env(**values: str) -> AbstractContextManager[None]:
@@ -53,46 +59,8 @@ def params(traffic_class: str | None = None, max_tokens: int = MAX_TOKENS, **kw:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra, **kw)
 
 
-def token_ids(outputs: list[Any]) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def pilot_of(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler._pilot
-
-
-def wait_for_policy(llm: Any, controller: ControllerThread, timeout: float = 20.0) -> None:
-    """Until the engine runs the controller's current policy version."""
-    view = pilot_of(llm).view
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if view.version and view.version == controller.call(lambda core: core.version):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"engine did not reach the controller's policy (view {view.version})")
-
-
 def one_engine(core: ControllerCore) -> bool:
     return len(core.snapshot(time.time()).engines) == 1
-
-
-def set_override(controller: ControllerThread, override: Override) -> None:
-    """Straight on the core, decided at once so ``core.version`` moves now; the server's
-    periodic decide pushes the new version."""
-    def set_(core: ControllerCore) -> None:
-        core.set_override(override)
-        core.decide(time.time())
-
-    controller.call(set_)
-
-
-def clear_overrides(controller: ControllerThread) -> None:
-    def clear(core: ControllerCore) -> None:
-        for ov in core.snapshot(time.time()).overrides:
-            core.clear_override(ov.traffic_class)
-            core.decide(time.time())
-
-    controller.call(clear)
 
 
 @pytest.fixture(scope="module")
@@ -192,16 +160,21 @@ def _run_until(llm: Any, controller: ControllerThread, wants: dict[str, Any],
     chosen = {c: (sampling or {}).get(c) or params(c) for c in classes}
     bucket = controller.call(lambda core: core.config.bucket_of(len(PROMPTS) * len(classes)))
     decisions: dict[str, Any] = {}
+
+    def decision(c: str) -> Any:
+        return controller.call(lambda core: core.decision(c, bucket))
+
+    def arms(c: str) -> Any:
+        return controller.call(lambda core: core.explain(c, bucket, time.time())).arms
+
     for i in range(1, rounds + 1):
         llm.generate(PROMPTS * len(classes),
                      [chosen[c] for c in classes for _ in PROMPTS], use_tqdm=False)
         time.sleep(0.15)  # one report interval: the engine reports, the controller decides
-        decisions = {c: controller.call(lambda core, c=c: core.decision(c, bucket))
-                     for c in classes}
+        decisions = {c: decision(c) for c in classes}
         if all(d is not None and wants[c](d) for c, d in decisions.items()):
             return i
-    explain = {c: controller.call(lambda core, c=c: core.explain(c, bucket, time.time())).arms
-               for c in classes}
+    explain = {c: arms(c) for c in classes}
     raise AssertionError(f"decisions never satisfied the test, last {decisions}; "
                          f"arms by means {explain}")
 
@@ -245,6 +218,10 @@ def _assert_turned_off(tiny_models: Any, controller: ControllerThread, traffic_c
         assert post.mean[0] < 0.3
 
 
+def _estimate(controller: ControllerThread, traffic_class: str, draft: str) -> Any:
+    return controller.call(lambda core: core.estimate(traffic_class, draft, time.time()))
+
+
 def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
     """One EAGLE engine, two classes, the controller learning from the engine's reports alone:
     the head that copies its target's layer is accepted at every position under greedy decoding
@@ -263,8 +240,8 @@ def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
                 tiny_models.exact_target, spec, SCHEDULER) as llm:
             _run_until(llm, fresh, {"exact": lambda d: d.k >= 3, "hot": lambda d: d.k == 0},
                        rounds=80, sampling={"hot": hot})
-            post = {c: fresh.call(lambda core, c=c: core.estimate(
-                c, tiny_models.exact_eagle.name, time.time())) for c in ("exact", "hot")}
+            post = {c: _estimate(fresh, c, tiny_models.exact_eagle.name)
+                    for c in ("exact", "hot")}
     finally:
         fresh.stop()
     print(f"\nposition-1 acceptance: exact {post['exact'].mean[0]:.3f}, "
@@ -287,7 +264,7 @@ def test_counterfactual_ngram_acceptance_matches_ngram_serving(
         accepts = float((post.alpha - post.prior_alpha).sum())
         return accepts / max(tries, 1.0), tries
 
-    with plugin_env(controller=controller.target, ngram_counterfactual_per_step="1000"), \
+    with plugin_env(controller=controller.target, counterfactual_per_step="1000"), \
             llm_session(tiny_models.target, spec, SCHEDULER) as llm:
         set_override(controller, Override("counterfactual", pin_k=4))
         set_override(controller, Override("served", force_draft="ngram"))

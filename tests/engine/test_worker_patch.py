@@ -23,7 +23,7 @@ from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, p
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.policy_view import Choice
 from engine_plugin.worker_patch import mark_step
-from tests.engine.harness import ModeDrafts, spec_counters, step_log
+from tests.engine.harness import ModeDrafts, spec_counters, step_log, token_ids
 
 pytestmark = pytest.mark.engine
 
@@ -39,7 +39,7 @@ MAX_TOKENS = 24
 def force_policy(llm: Any, by_class: dict[str, Choice]) -> Any:
     """Each request runs its class's choice (class from ``extra_args['traffic_class']``)."""
     pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
-    assert pilot is not None and pilot.engine.can_substitute_ngram
+    assert pilot is not None and pilot.engine.can_substitute
     put_policy(pilot.view, {cls: (c.draft, c.k) for cls, c in by_class.items()})
     return pilot
 
@@ -49,10 +49,6 @@ def greedy(traffic_class: str) -> Any:
 
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                           extra_args={"traffic_class": traffic_class})
-
-
-def token_ids(outputs: list[Any]) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 NGRAM4 = Choice(NGRAM_DRAFT, 4, False)
@@ -138,7 +134,7 @@ def test_ngram_drafts_under_probabilistic_drafting_sample_the_target(
         pilot = force_policy(llm, {"lookup": NGRAM4,
                                    "chat": Choice(tiny_models.target.name, 2, False)})
         plain, prompt_len = plain_samples
-        pilot.ngram = ModeDrafts(plain, prompt_len)
+        pilot.deterministic[NGRAM_DRAFT] = ModeDrafts(plain, prompt_len)
         if not one_hot:
             pilot.mark_step = lambda output: mark_step(output, skip_drafter=False,
                                                        deterministic=())

@@ -3,6 +3,7 @@ does no I/O, and ``Pilot.create`` that reads the rules and starts the link."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -10,11 +11,13 @@ import pytest
 
 from benchmarks.demo.engine import put_policy
 from controller.core.types import DraftKind, DraftSpec
+from engine_plugin import pilot as pilot_module
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.pilot import EngineSpec, Pilot, announce
 from engine_plugin.policy_view import Choice
+from engine_plugin.suffix import SUFFIX_DRAFT
 from engine_plugin.vocab import TokenizerLike, vocab_hash
 from specpilot.v1 import engine_pb2
 
@@ -46,17 +49,31 @@ def engine(draft_tokenizer: str = "same", async_scheduling: bool = False) -> Eng
                       ngram_max=4, max_model_len=128, max_num_seqs=8)
 
 
-def test_matching_draft_is_offered_with_ngram_substitution() -> None:
+def test_matching_draft_is_offered_with_ngram_and_suffix_substitution() -> None:
     a = announce(engine(), PluginConfig(engine_id="e1"), load)
     target_hash = vocab_hash(TOKENIZERS["target"])
-    assert a.drafts_allowed == {"draft", NGRAM_DRAFT}
+    assert a.drafts_allowed == {"draft", NGRAM_DRAFT, SUFFIX_DRAFT}
     assert a.hello.drafts == (DraftSpec("draft", DraftKind.MODEL, 4, target_hash),
-                              DraftSpec(NGRAM_DRAFT, DraftKind.NGRAM, 4))
+                              DraftSpec(NGRAM_DRAFT, DraftKind.NGRAM, 4),
+                              DraftSpec(SUFFIX_DRAFT, DraftKind.SUFFIX, 4))
     h = a.hello
     assert (h.engine_id, h.model, h.target_vocab_hash, h.max_k) == ("e1", "m", target_hash, 4)
     assert (h.per_request_k, h.batch_wide_k, h.ngram_substitution, h.ngram_counterfactual) == (
         True, False, True, True)
     assert h.max_batch_size == 8
+
+
+def test_each_deterministic_draft_can_be_left_out(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    def names(config: PluginConfig) -> list[str]:
+        return [d.name for d in announce(engine(), config, load).hello.drafts]
+
+    assert names(PluginConfig(suffix_drafts=False)) == ["draft", NGRAM_DRAFT]
+    assert names(PluginConfig(ngram_drafts=False)) == ["draft", SUFFIX_DRAFT]
+    monkeypatch.setattr(pilot_module, "suffix_available", lambda: False)  # not installed
+    caplog.set_level(logging.INFO, logger="specpilot.plugin")
+    assert names(PluginConfig()) == ["draft", NGRAM_DRAFT]
+    assert "arctic-inference is not installed" in caplog.text
 
 
 def test_mismatched_draft_is_announced_but_refused(caplog: pytest.LogCaptureFixture) -> None:
@@ -234,27 +251,28 @@ def test_ngram_drafts_stay_marked_until_a_step_schedules_them() -> None:
 
     skipped = Output(["r1"])  # r0 is running but this step had no room for it
     pilot.mark_step(skipped)  # type: ignore[arg-type]
-    assert pilot._verifying_ngram == frozenset()
+    assert pilot._verifying_deterministic == frozenset()
     later = Output(["r0", "r1"])
     pilot.mark_step(later)  # type: ignore[arg-type]
-    assert pilot._verifying_ngram == {"r0"}  # verified as n-gram (one-hot) when it does run
+    assert pilot._verifying_deterministic == {"r0"}  # verified as n-gram (one-hot) when it does run
     pilot.mark_step(Output(["r0", "r1"]))  # type: ignore[arg-type]
-    assert pilot._verifying_ngram == frozenset()  # consumed by the step that verified them
+    assert pilot._verifying_deterministic == frozenset()  # consumed by the step that verified them
     # The drafter's own tokens replace a request's n-gram drafts: no mark any more.
     _drafted(pilot, requests, 2)
     _policy(pilot, {"a": ("draft", 2), "b": ("draft", 2)})
     _drafted(pilot, requests, 2)
     pilot.mark_step(Output(["r0", "r1"]))  # type: ignore[arg-type]
-    assert pilot._verifying_ngram == frozenset()
+    assert pilot._verifying_deterministic == frozenset()
     pilot.close()
 
 
 def test_about_the_configured_number_of_requests_is_scored_counterfactually_per_step() -> None:
-    config = PluginConfig(k_mode="batch_max", ngram_counterfactual_per_step=2.0)
+    config = PluginConfig(k_mode="batch_max", counterfactual_per_step=2.0, suffix_drafts=False)
     pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
-    assert pilot.counterfactual is not None
+    assert list(pilot.counterfactual) == [NGRAM_DRAFT]
     steps: list[str] = []
-    pilot.counterfactual.step = lambda req_id, *_: steps.append(req_id)  # type: ignore[method-assign]
+    pilot.counterfactual[NGRAM_DRAFT].step = (  # type: ignore[method-assign]
+        lambda req_id, *_: steps.append(req_id))
     many = {f"q{i}": _Request(i) for i in range(400)}
     for i, r in enumerate(many.values()):
         r.request_id = f"q{i}"

@@ -21,6 +21,7 @@ class DraftKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_KIND_UNSPECIFIED: _ClassVar[DraftKind]
     DRAFT_KIND_MODEL: _ClassVar[DraftKind]
     DRAFT_KIND_NGRAM: _ClassVar[DraftKind]
+    DRAFT_KIND_SUFFIX: _ClassVar[DraftKind]
 DECISION_REASON_UNSPECIFIED: DecisionReason
 DECISION_REASON_WARMUP: DecisionReason
 DECISION_REASON_GOODPUT: DecisionReason
@@ -31,6 +32,7 @@ DECISION_REASON_OFFLINE: DecisionReason
 DRAFT_KIND_UNSPECIFIED: DraftKind
 DRAFT_KIND_MODEL: DraftKind
 DRAFT_KIND_NGRAM: DraftKind
+DRAFT_KIND_SUFFIX: DraftKind
 
 class Decision(_message.Message):
     __slots__ = ("traffic_class", "batch_bucket", "draft", "k", "reason", "expected_speedup", "probe_rate", "probe_k", "probe_draft")

@@ -1,7 +1,7 @@
-"""Counterfactual n-gram scoring: proposals are scored as the K asked, so a short or empty
-proposal counts as the 1 + accepted tokens its step would really yield; and the incremental
-scorer (per-request buffers appended with the new tokens) proposes and scores exactly what the
-first implementation, which re-read the whole context every step, did."""
+"""Counterfactual scoring of deterministic drafts: proposals are scored as the K asked, so a
+short or empty proposal counts as the 1 + accepted tokens its step would really yield; and the
+incremental n-gram proposer (per-request buffers appended with the new tokens) proposes and
+scores exactly what the first implementation, which re-read the whole context every step, did."""
 
 from __future__ import annotations
 
@@ -12,17 +12,19 @@ import numpy as np
 import pytest
 
 from engine_plugin import ngram
-from engine_plugin.ngram import CounterfactualNgram, NgramProposer, accepted_prefix
+from engine_plugin.deterministic import Counterfactual, accepted_prefix
+from engine_plugin.ngram import NgramProposer
 
 
 def test_short_and_empty_proposals_are_scored_as_k_asked() -> None:
     proposals = {3: [7, 8], 5: []}
 
-    def propose(window: np.ndarray, total: int, k: int) -> list[int]:
-        assert k == 4 and len(window) == total
-        return list(proposals.get(total, []))
+    def propose(req_id: str, tokens: Sequence[int], num_prompt_tokens: int, k: int
+                ) -> list[int]:
+        assert (req_id, num_prompt_tokens, k) == ("r", 2, 4)
+        return list(proposals.get(len(tokens), []))
 
-    cf = CounterfactualNgram(propose, k=4)
+    cf = Counterfactual(propose, k=4)
     prompt = [1, 2]
     assert cf.step("r", [*prompt, 5], num_prompt_tokens=2) is None  # proposes [7, 8]
     # The request produced 7 then 1: one of the two proposed tokens accepted, scored out of 4.
@@ -35,10 +37,11 @@ def test_short_and_empty_proposals_are_scored_as_k_asked() -> None:
 def test_proposer_finds_the_continuation_of_a_repeated_ngram() -> None:
     proposer = NgramProposer(2, 5, max_model_len=64)
     tokens = [10, 11, 12, 13, 14, 15, 10, 11, 12]
-    assert proposer.propose(tokens, 3) == [13, 14, 15]
-    assert proposer.propose([1, 2, 3, 4], 3) == []
+    assert proposer.propose_tokens(tokens, 3) == [13, 14, 15]
+    assert proposer.propose_tokens([1, 2, 3, 4], 3) == []
     window = np.asarray(tokens, dtype=np.int32)
     assert proposer.propose_window(window, len(tokens), 3) == [13, 14, 15]
+    assert proposer.propose("r", tokens, 2, 3) == [13, 14, 15]
 
 
 class ReferenceCounterfactual:
@@ -84,15 +87,15 @@ def test_incremental_scorer_matches_the_reference(monkeypatch: pytest.MonkeyPatc
     new_proposals: list[list[int]] = []
     old_proposals: list[list[int]] = []
 
-    def new_propose(w: np.ndarray, total: int, kk: int) -> list[int]:
-        new_proposals.append(proposer.propose_window(w, total, kk))
+    def new_propose(req_id: str, tokens: Sequence[int], num_prompt: int, kk: int) -> list[int]:
+        new_proposals.append(proposer.propose(req_id, tokens, num_prompt, kk))
         return new_proposals[-1]
 
     def old_propose(tokens: Sequence[int], kk: int) -> list[int]:
-        old_proposals.append(proposer.propose(tokens, kk))
+        old_proposals.append(proposer.propose_tokens(tokens, kk))
         return old_proposals[-1]
 
-    new, old = CounterfactualNgram(new_propose, k), ReferenceCounterfactual(old_propose, k)
+    new, old = Counterfactual(new_propose, k), ReferenceCounterfactual(old_propose, k)
     vocab = rng.choice([3, 8, 50])  # small vocabularies repeat n-grams: proposals are not empty
     streams: dict[str, tuple[list[int], int]] = {}
     for _ in range(steps):
@@ -101,6 +104,7 @@ def test_incremental_scorer_matches_the_reference(monkeypatch: pytest.MonkeyPatc
             if req in streams:  # finished: forgotten, and the id comes back as a new request
                 new.forget(req)
                 old.forget(req)
+                proposer.finish(req, *streams[req])
             prompt = rng.randrange(0, 40)
             streams[req] = ([rng.randrange(vocab) for _ in range(prompt)], prompt)
         tokens, num_prompt = streams[req]
@@ -118,7 +122,7 @@ def test_incremental_scorer_matches_the_reference(monkeypatch: pytest.MonkeyPatc
             # Half the time the n-gram proposal itself comes true (then one token of the target's
             # own), so proposals resolve both ways.
             if rng.random() < 0.5:
-                tokens.extend(proposer.propose(tokens, rng.randrange(1, k + 1)))
+                tokens.extend(proposer.propose_tokens(tokens, rng.randrange(1, k + 1)))
             tokens.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 4)))
         streams[req] = (tokens, num_prompt)
         assert new.step(req, tokens, num_prompt) == old.step(req, tokens, num_prompt)

