@@ -2,16 +2,16 @@
 (engine_plugin.deterministic), from the ``arctic-inference`` package that vLLM's own
 ``method: "suffix"`` uses.
 
-A proposal continues the request's last tokens from the longer-scoring of two suffix trees: one
+A proposal continues the request's last tokens from the better-scoring of two suffix trees: one
 over the request's own prompt and response, one over the responses of earlier requests (the
 global tree; repetitive and agentic traffic repeats them). The plugin keeps its own cache, beside
-whatever drafter the engine runs:
-
-- a request it proposes for (served by suffix drafts, or scored counterfactually) is started in
-  the cache with its prompt at its first proposal and appended with its new tokens at each one;
-- every request that finishes adds its response to the global tree (one call per request; the
-  prompt tree is skipped for requests never proposed for), so the counterfactual estimate sees
-  the same global tree that serving suffix drafts would.
+whatever drafter the engine runs. Only the requests it proposes for enter it (those served by
+suffix drafts, and the sample scored counterfactually): each is started with its prompt at its
+first proposal, appended with its new tokens at each one, and its response stays in the global
+tree when it finishes. Inserting costs about 1.3 us and 220 bytes per token (measured on 2,000
+random 512-token responses), which is why the rest of the traffic is left out: a class scored
+but not served sees a global tree of that sample only, so cross-request repeats are
+under-counted until the class is served by suffix drafts (then all of its responses enter).
 
 The tree parameters are the engine's (``SpeculativeConfig.suffix_decoding_*``: vLLM's defaults
 when the engine runs another method), so a substituted suffix draft is what vLLM's suffix method
@@ -103,13 +103,10 @@ class SuffixProposer:
         return list(draft.token_ids)
 
     def finish(self, req_id: str, tokens: Sequence[int], num_prompt_tokens: int) -> None:
-        """The request's response joins the global tree; its prompt tree is dropped."""
-        if req_id in self._fed:
-            self._sync(req_id, tokens, num_prompt_tokens)
-        elif self.trees.max_cached_requests and len(tokens) > num_prompt_tokens:
-            self._cache.start_request(req_id, [])
-            self._cache.add_active_response(req_id, list(tokens[num_prompt_tokens:]))
-        else:
+        """A request the cache holds: its whole response stays in the global tree (up to
+        ``max_cached_requests``, oldest evicted first); its prompt tree is dropped."""
+        if req_id not in self._fed:
             return
-        self._fed.pop(req_id, None)
+        self._sync(req_id, tokens, num_prompt_tokens)
+        del self._fed[req_id]
         self._cache.stop_request(req_id)

@@ -33,15 +33,24 @@ def test_a_pattern_of_the_prompt_is_continued() -> None:
     assert p.propose("r", [*tokens, 5, 6], len(prompt), 3) == [7, 8]
 
 
+def _served_then_finished(p: SuffixProposer, req_id: str, response: list[int]) -> None:
+    prompt = [1, 2, 3]
+    p.propose(req_id, [*prompt, response[0]], len(prompt), 4)  # proposed for once: in the cache
+    p.finish(req_id, [*prompt, *response], len(prompt))  # the rest of its response added
+
+
 def test_an_earlier_response_is_proposed_for_a_later_request() -> None:
     p = proposer()
     response = [40, 41, 42, 43, 44, 45, 46, 47]
-    # r1 was never proposed for: its response still joins the global tree when it finishes.
-    p.finish("r1", [1, 2, 3, *response], 3)
+    _served_then_finished(p, "r1", response)
     later = [7, 8, 9, 40, 41, 42]
     assert p.propose("r2", later, 3, 4) == [43, 44, 45]
     # Without a global tree, nothing of r1's is kept.
     p = proposer(max_cached_requests=0)
+    _served_then_finished(p, "r1", response)
+    assert p.propose("r2", later, 3, 4) == []
+    # A request never proposed for never enters the cache (its cost is not paid).
+    p = proposer()
     p.finish("r1", [1, 2, 3, *response], 3)
     assert p.propose("r2", later, 3, 4) == []
 
