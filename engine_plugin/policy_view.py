@@ -14,11 +14,15 @@ Batch buckets: the view holds the plugin's one copy of the bucket bounds, the de
 HelloAck announces the controller's (``set_bucket_bounds``). Decisions are looked up and reports
 are bucketed (``engine_plugin.link``) with these bounds, through ``controller.core.buckets``.
 
-Probing: while a class is off (k = 0) the controller may ask for a share ``probe_rate`` of its
-requests to run at ``probe_k`` with ``probe_draft``, so a recovery of acceptance is noticed. Which
-requests probe is decided by a hash of the request key (blake2b, uniform in [0, 1)), so the
-subset is deterministic, stable for a request across steps and processes, and its size tracks
-``probe_rate``; as the rate decays, the probed set shrinks (a subset of the earlier one).
+Probing: while a class runs no model draft (off, or on n-gram or suffix drafts) the controller
+may ask for a share ``probe_rate`` of its requests to run at ``probe_k`` with ``probe_draft``, so
+a recovery of the model draft's acceptance is noticed. Which
+requests probe is decided by a hash of the request key and the probe epoch (blake2b, uniform in
+[0, 1); epochs of PROBE_EPOCH_SECONDS), so the subset is deterministic, stable for a request
+within an epoch, and its size tracks ``probe_rate``. A fresh subset every epoch spreads the
+probes over many requests for a few steps each rather than over a few requests for their whole
+life: the same cost, and a recovery shows within a few epochs instead of after the first probed
+request of a small share arrives.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ class _Policy:
     version: int
     decisions: dict[tuple[str, int], _Entry]
     defaults: dict[int, _Entry]
+
+
+# Probed requests are redrawn this often, seconds (a few dozen verification steps of a request).
+PROBE_EPOCH_SECONDS = 2.0
 
 
 @lru_cache(maxsize=8192)  # a request asks every step; blake2b costs ~1.5 us, a hit ~0.1 us
@@ -128,7 +136,8 @@ class PolicyView:
     def _entry(self, d: common_pb2.Decision) -> _Entry:
         k = min(d.k, self.max_k)
         probe_k = min(d.probe_k, self.max_k)
-        rate = d.probe_rate if k == 0 and probe_k > 0 and d.probe_draft else 0.0
+        # The controller asks for probes only where the class runs no model draft.
+        rate = d.probe_rate if probe_k > 0 and d.probe_draft else 0.0
         rate = min(max(rate, 0.0), 1.0) if math.isfinite(rate) else 0.0
         return _Entry(Choice(d.draft if k else "", k, False), rate,
                       Choice(d.probe_draft, probe_k, True))
@@ -183,29 +192,32 @@ class PolicyView:
         class once (what the plugin uses within one step: one lookup per class and bucket).
         Never raises."""
         policy = self._policy
-        if policy is None or self._clock() - self._heard_at > self._timeout:
+        now = self._clock()
+        if policy is None or now - self._heard_at > self._timeout:
             return PolicyLookup(self._static, None, 0, self._folded)
         try:
             bucket = bucket_of(self._bounds, batch_size)
         except Exception:
             log.debug("bucket lookup failed; static configuration", exc_info=True)
             return PolicyLookup(self._static, None, 0, self._folded)
-        return PolicyLookup(self._static, policy, bucket, self._folded)
+        return PolicyLookup(self._static, policy, bucket, self._folded,
+                            int(now // PROBE_EPOCH_SECONDS))
 
 
 class PolicyLookup:
     """One policy snapshot at one batch bucket: ``choice`` resolves a class's decision on its
-    first call and remembers it; the probe draw stays per request (``probe_point`` of its key).
-    Read it on one thread (the scheduler's); it never sees a later policy."""
+    first call and remembers it; the probe draw is per request and probe epoch (``probe_point``
+    of both). Read it on one thread (the scheduler's); it never sees a later policy."""
 
-    __slots__ = ("_bucket", "_entries", "_folded", "_policy", "_static")
+    __slots__ = ("_bucket", "_entries", "_epoch", "_folded", "_policy", "_static")
 
     def __init__(self, static: Choice, policy: _Policy | None, bucket: int,
-                 folded: frozenset[str]) -> None:
+                 folded: frozenset[str], epoch: int = 0) -> None:
         self._static = static
         self._policy = policy
         self._bucket = bucket
         self._folded = folded
+        self._epoch = epoch
         self._entries: dict[str, _Entry | None] = {}
 
     def choice(self, traffic_class: str, request_key: str) -> Choice:
@@ -215,7 +227,8 @@ class PolicyLookup:
             entry = self._entry(traffic_class)
             if entry is None:
                 return self._static
-            if entry.probe_rate > 0.0 and probe_point(request_key) < entry.probe_rate:
+            if (entry.probe_rate > 0.0
+                    and probe_point(request_key + f"#{self._epoch}") < entry.probe_rate):
                 return entry.probe_choice
             return entry.choice
         except Exception:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -127,3 +129,29 @@ def test_forget_class_drops_only_that_class() -> None:
     est.observe("b", "d", [1, 2], now=0.0)
     est.forget_class("a")
     assert not est.has_data("a", "d") and est.has_data("b", "d")
+
+
+def _first_flag(p: Callable[[float], float], seconds: int, **cfg: float) -> float | None:
+    """Feed one report a second (60 verification steps at K=1 of acceptance ``p(t)``); the time
+    of the first flagged change, if any."""
+    rng = np.random.default_rng(5)
+    est = AcceptanceEstimator(EstimatorConfig(max_k=4, **cfg))
+    for t in range(seconds):
+        accepted = int(rng.binomial(60, p(float(t))))
+        if est.observe("c", "d", [60 - accepted, accepted], float(t)):
+            return float(t)
+    return None
+
+
+def test_a_slow_drift_is_flagged_before_a_step_detector_would_see_it() -> None:
+    """0.72 -> 0.58 over 600 s in steps of 0.01, as a slowly degrading draft: the persistent
+    lower threshold flags it well before the |z| > 5 test alone; a stationary stream of the same
+    length is never flagged (the control for false alarms)."""
+    def slide(t: float) -> float:
+        return 0.72 - 0.01 * min(max((t - 300.0) // 40.0 + 1.0, 0.0), 14.0)
+
+    drift = _first_flag(slide, 1200)
+    step_only = _first_flag(slide, 1200, change_drift_z_threshold=5.0, change_drift_seconds=1e9)
+    assert drift is not None and drift > 300.0
+    assert step_only is None or drift < step_only - 60.0
+    assert _first_flag(lambda t: 0.72, 3000) is None

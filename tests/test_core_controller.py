@@ -320,3 +320,36 @@ def test_each_timing_record_is_priced_before_it_is_learnt() -> None:
     # The next identical record is priced by a model that has learnt the first.
     second = core.ingest("e1", _good(2), now=2.0).step_predictions
     assert abs(second[0].predicted_seconds - 0.03) < abs(first[0].predicted_seconds - 0.03) / 2
+
+
+def _near_tie_report(seq: int, bucket: int) -> EngineReport:
+    """Acceptance 0.5 per position (every K close to the next) and steps in ``bucket`` only."""
+    return EngineReport(
+        sequence=seq, interval_seconds=1.0, policy_version=0,
+        acceptance=(AcceptanceRecord("code", "d", 4, (8, 4, 2, 1, 1)),),
+        finished=(), step_timings=(StepTimingRecord(bucket, "d", 4, 50, 50, 250, 200, 1.0),))
+
+
+def test_a_bucket_without_new_evidence_keeps_its_decision() -> None:
+    """Evidence arrives only from bucket 0: every other bucket of the class is decided once and
+    then holds, round after round, while bucket 0 keeps re-deciding on its fresh draws. The
+    control: the same rounds with steps in every bucket change the other buckets too."""
+    def changes(buckets: list[int]) -> dict[int, int]:
+        core = _core(seed=0)
+        changed = dict.fromkeys(range(core.config.n_buckets), 0)
+        for seq in range(1, 60):
+            report = _near_tie_report(seq, buckets[0])
+            report = replace(report, step_timings=tuple(
+                StepTimingRecord(b, "d", 4, 5, 5 * core.config.bucket_batch_size(b),
+                                 25 * core.config.bucket_batch_size(b), 20, 0.1)
+                for b in buckets))
+            core.ingest("e1", report, now=float(seq))
+            for event in core.decide(float(seq)):
+                if event.previous is not None and event.decision.traffic_class == "code":
+                    changed[event.decision.bucket] += 1
+        return changed
+
+    idle = changes([0])
+    assert idle[0] > 0 and all(idle[b] == 0 for b in idle if b != 0)  # 10 and 0 measured
+    busy = changes(list(range(len(idle))))
+    assert all(busy[b] > 0 for b in busy)  # 9 each measured

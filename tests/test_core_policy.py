@@ -46,7 +46,7 @@ def contexts(draw: st.DrawFn) -> tuple[ClassContext, PolicyConfig, BucketState]:
     changed_at = NOW - draw(st.floats(0, 100))
     batch = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64]))
     state = BucketState(0, batch, current, changed_at if current else None,
-                        changed_at if current and current.k == 0 else None)
+                        fresh=draw(st.booleans()))
     cfg = PolicyConfig(max_k=max_k, warmup_k=min(2, max_k), dwell_seconds=10.0,
                        hysteresis_ratio=draw(st.floats(0, 0.2)), probe_k=1)
     ctx = ClassContext(
@@ -105,7 +105,7 @@ def test_no_flapping_inside_the_dwell_time(
             or not ctx.has_data or (ctx.offline and cfg.offline_mode == "pin_off")
             or state.current.reason in (Reason.WARMUP, Reason.OVERRIDE)):
         return
-    young = BucketState(state.bucket, state.batch_size, state.current, NOW - age, state.off_since)
+    young = BucketState(state.bucket, state.batch_size, state.current, NOW - age)
     d = decide_bucket(ctx, cfg, young)
     assert d.same_choice(state.current)
 
@@ -114,7 +114,7 @@ def _ctx(rates: dict[str, list[float]], current: Decision | None, changed_at: fl
          **kw: object) -> tuple[ClassContext, BucketState]:
     drafts = tuple(DraftSpec(n, DraftKind.MODEL, len(r)) for n, r in rates.items())
     arr = {n: np.array(r) for n, r in rates.items()}
-    state = BucketState(0, 1, current, changed_at, kw.pop("off_since", None))  # type: ignore[arg-type]
+    state = BucketState(0, 1, current, changed_at)
     args: dict[str, object] = {
         "traffic_class": "c", "now": NOW, "drafts": drafts, "sampled_rates": arr,
         "mean_rates": arr, "has_data": True, "change_detected": False, "recovering": False,
@@ -156,17 +156,75 @@ def test_dwell_yields_to_a_detected_change() -> None:
     assert (d.k, d.reason) == (0, Reason.CHANGE_DETECTED)
 
 
-def test_probe_share_decays_while_off_down_to_the_floor() -> None:
-    cfg = PolicyConfig(max_k=6, probe_rate_initial=0.08, probe_rate_min=0.01,
-                       probe_half_life_seconds=60.0, probe_k=2)
+PROBE_CFG = PolicyConfig(max_k=6, probe_cost_max=0.04, probe_cost_floor=0.002, probe_k=2)
+UNSURE = {"d": (1.0, 1.0)}  # the prior: speculation may well pay
+HOPELESS = {"d": (100.0, 1900.0)}  # 0.05 over 2,000 tries: it cannot
+
+
+def _probe_cost(ctx: ClassContext, d: Decision, batch: int, mine: float) -> float:
+    """The throughput share a probe plan costs, by the same cost model."""
+    t = ctx.step_seconds(batch, "d", True, d.probe_k)
+    overhead = t[d.probe_k] / t[0] - 1.0
+    if ctx.drafter_sunk:
+        return d.probe_rate * mine / batch * overhead
+    return (1.0 - (1.0 - d.probe_rate) ** mine) * overhead
+
+
+def test_probing_spends_a_budget_scaled_by_the_chance_of_paying() -> None:
+    """From the floor where the posterior says speculation cannot pay, toward the maximum as the
+    chance that position 1 beats K=1's break-even grows (evidence forgotten, or a recovery)."""
     off = Decision("c", 0, "", 0, Reason.GOODPUT)
-    shares = []
-    for off_for in (0.0, 60.0, 120.0, 6000.0):
-        ctx, state = _ctx({"d": [0.05] * 6}, off, NOW - 1000, off_since=NOW - off_for)
-        d = decide_bucket(ctx, cfg, state)
-        assert (d.k, d.probe_k, d.probe_draft) == (0, 2, "d")
-        shares.append(d.probe_rate)
-    assert shares[:3] == [0.08, 0.04, 0.02] and shares[3] == 0.01
+    costs = []
+    # Chances about 0, 0.33 (mean 0.2, near the break-even of 0.22), 0.83 (the prior), 0.97.
+    for position1 in (HOPELESS, {"d": (10.0, 40.0)}, UNSURE, {"d": (5.0, 5.0)}):
+        ctx, state = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1)
+        d = decide_bucket(ctx, PROBE_CFG, state)
+        # A batch-wide engine (the drafter runs for the batch when one request is probed):
+        # the cheapest probe, K=1.
+        assert (d.k, d.probe_k, d.probe_draft) == (0, 1, "d")
+        costs.append(_probe_cost(ctx, d, state.batch_size, 1.0))
+    assert abs(costs[0] - 0.002) < 1e-6  # the floor
+    assert costs[0] < costs[1] < costs[2] < costs[3] <= 0.04
+
+
+def test_a_class_on_a_deterministic_draft_probes_the_model_draft() -> None:
+    """On n-gram drafts the model draft's acceptance is not measured: it is probed as while off
+    (a recovery must show); on the model draft itself nothing is probed."""
+    drafts = (DraftSpec("d", DraftKind.MODEL, 6), DraftSpec("ngram", DraftKind.NGRAM, 6))
+    rates = {"d": np.array([0.05] * 6), "ngram": np.array([0.9] * 6)}
+    ctx, state = _ctx({"d": [0.05] * 6}, None, None, drafts=drafts, sampled_rates=rates,
+                      mean_rates=rates, position1=UNSURE)
+    d = decide_bucket(ctx, PROBE_CFG, state)
+    assert d.draft == "ngram" and d.k > 0
+    assert (d.probe_draft, d.probe_k) == ("d", 1) and d.probe_rate > 0
+    on_model = {"d": np.array([0.95] * 6), "ngram": np.array([0.1] * 6)}
+    ctx, state = _ctx({"d": [0.95] * 6}, None, None, drafts=drafts, sampled_rates=on_model,
+                      mean_rates=on_model, position1=UNSURE)
+    d = decide_bucket(ctx, PROBE_CFG, state)
+    assert d.draft == "d" and d.probe_rate == 0.0
+
+
+def test_probing_is_sized_by_the_chance_of_paying_and_the_engine_mode() -> None:
+    off = Decision("c", 0, "", 0, Reason.GOODPUT)
+    batch, mine = 32, 32.0
+    state = BucketState(0, batch, off, NOW - 1000)
+    plans = {}
+    for name, position1, sunk in (("unsure", UNSURE, False), ("hopeless", HOPELESS, False),
+                                  ("unsure, per request", UNSURE, True)):
+        ctx, _ = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1,
+                      drafter_sunk=sunk)
+        ctx = ClassContext(**{**ctx.__dict__, "buckets": (state,)})
+        d = decide_bucket(ctx, PROBE_CFG, state)
+        plans[name] = (d, _probe_cost(ctx, d, batch, mine))
+    (unsure, c_unsure), (hopeless, c_hopeless) = plans["unsure"], plans["hopeless"]
+    assert abs(c_hopeless - 0.002) < 1e-6  # nothing to find: the floor only
+    assert c_unsure > 10 * c_hopeless
+    # At batch 32 a batch-wide probe is paid by the whole batch: far fewer requests probed
+    # than where the drafter runs anyway (per request, at probe_k).
+    per_request, c_per_request = plans["unsure, per request"]
+    assert per_request.probe_k == 2 and hopeless.probe_k == 1
+    assert abs(c_per_request - c_unsure) < 1e-6  # the same budget, spent two ways
+    assert per_request.probe_rate > 5 * unsure.probe_rate
 
 
 def test_offline_classes_are_pinned_off_or_scored_at_full_load() -> None:
@@ -197,3 +255,23 @@ def test_losing_speculation_is_switched_off_without_a_margin() -> None:
     old = Decision("c", 0, "d", 1, Reason.GOODPUT)
     ctx, state = _ctx({"d": [0.0] * 6}, old, NOW - 100, step_seconds=flat)
     assert decide_bucket(ctx, CFG, state).k == 0
+
+
+def test_exploring_moves_stay_near_the_current_k_and_within_the_loss_budget() -> None:
+    """The draw says K=6 (acceptance sampled 0.95), the means say K=1 (0.3): an exploring move
+    from K=1 goes at most explore_max_step further and never where the means expect more than
+    explore_max_loss below their best. Control: without those limits the draw's K=6 is taken."""
+    current = Decision("c", 0, "d", 1, Reason.GOODPUT)
+    ctx, state = _ctx({"d": [0.3] * 6}, current, NOW - 100,
+                      sampled_rates={"d": np.array([0.95] * 6)})
+    free = PolicyConfig(max_k=6, explore_max_step=8, explore_max_loss=1.0,
+                        hysteresis_ratio=0.0)
+    assert decide_bucket(ctx, free, state).k == 6  # the draw alone
+    limited = PolicyConfig(max_k=6, explore_max_step=2, explore_max_loss=1.0,
+                           hysteresis_ratio=0.0)
+    d = decide_bucket(ctx, limited, state)
+    assert (d.k, d.reason) == (3, Reason.EXPLORE)
+    # The means' loss budget: none of K=2, 3 is within 0.1% of the means' best (K=1).
+    tight = PolicyConfig(max_k=6, explore_max_step=2, explore_max_loss=0.001,
+                         hysteresis_ratio=0.0)
+    assert decide_bucket(ctx, tight, state).k == 1

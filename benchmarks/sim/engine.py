@@ -14,6 +14,7 @@ depends on the policy). Acceptance draws and step noise come from a second strea
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time as wallclock
@@ -130,6 +131,9 @@ class RunResult:
     batch_timeline: list[float | None]
     tokens_timeline: list[int]  # tokens emitted per timeline bin
     wall_seconds: float = 0.0
+    # Decision changes for a (class, bucket) in which the class did not decode since the
+    # previous change (policies that keep a decision log; None for the others).
+    idle_decision_changes: int | None = None
 
     @property
     def throughput(self) -> float:
@@ -170,7 +174,9 @@ def pool_runs(runs: list[RunResult]) -> RunResult:
         class_accepted=total("class_accepted"), timeline_seconds=first.timeline_seconds,
         k_timeline=first.k_timeline, batch_timeline=first.batch_timeline,
         tokens_timeline=first.tokens_timeline,
-        wall_seconds=sum(r.wall_seconds for r in runs))
+        wall_seconds=sum(r.wall_seconds for r in runs),
+        idle_decision_changes=(None if first.idle_decision_changes is None
+                               else sum(r.idle_decision_changes or 0 for r in runs)))
 
 
 ProgressFn = Callable[[float], None]
@@ -367,7 +373,9 @@ class SimEngine:
                 progress(min(now, self.s.duration_seconds))
         if progress is not None:
             progress(self.s.duration_seconds)
-        return tally.result(self.s, policy.name, wallclock.perf_counter() - started)
+        return dataclasses.replace(
+            tally.result(self.s, policy.name, wallclock.perf_counter() - started),
+            idle_decision_changes=getattr(policy, "idle_decision_changes", None))
 
     def _step(self, policy: Policy, now: float, reqs: _Admission, tally: _Tally,
               rng: np.random.Generator, cf_rng: np.random.Generator) -> float:

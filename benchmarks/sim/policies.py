@@ -28,7 +28,7 @@ from benchmarks.sim.baselines import (
 )
 from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.oracle import Oracle
-from benchmarks.sim.specpilot_policy import SpecPilotPolicy
+from benchmarks.sim.specpilot_policy import SpecPilotPolicy, start_up_profile
 from benchmarks.sim.step import Policy
 
 ADAPTIVE = ("batch-table", "hf-heuristic", "sglang-adaptive", "banditspec-ucb",
@@ -102,7 +102,8 @@ def build(name: str, engine: SimEngine) -> Policy:
         return TRTLLMThreshold(info, max(1, BatchTable(info, table).k_for(1)),
                                s.baselines.acceptance_threshold, s.baselines.acceptance_window)
     if name == "specpilot":
-        return SpecPilotPolicy(info, s.specpilot, engine.seed, s.engine.report_interval_seconds)
+        return SpecPilotPolicy(info, s.specpilot, engine.seed, s.engine.report_interval_seconds,
+                               start_up_profile(info, engine.cost))
     if name == "oracle":
         return Oracle(info, engine.truth, engine.cost)
     raise ValueError(f"unknown policy {name!r}; see `specpilot simulate --help`")

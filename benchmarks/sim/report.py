@@ -74,6 +74,18 @@ def suite_geomeans(results: list[ScenarioResult]) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def idle_changes_per_minute(run: RunResult) -> float | None:
+    """Decision changes per minute for (class, bucket)s the class did not decode in since the
+    previous change (None for policies without a decision log)."""
+    if run.idle_decision_changes is None:
+        return None
+    return run.idle_decision_changes / (run.duration_seconds / 60.0)
+
+
+# Which fields of a pooled run (``engine.pool_runs``) come from the first seed alone.
+FIRST_SEED_FIELDS = ("timeline_seconds", "k_timeline", "batch_timeline", "tokens_timeline")
+
+
 # --- JSON ------------------------------------------------------------------------------------
 def scenario_json(result: ScenarioResult) -> dict[str, object]:
     runs = {}
@@ -84,9 +96,15 @@ def scenario_json(result: ScenarioResult) -> dict[str, object]:
         data["phase_throughput"] = run.phase_throughput()
         data["class_throughput"] = run.class_throughput()
         data["class_acceptance"] = run.class_acceptance()
+        data["idle_decision_changes_per_minute"] = idle_changes_per_minute(run)
         runs[name] = data
     return {"scenario": result.name, "kind": result.kind, "seed": result.seed,
             "seeds": result.seeds,
+            "fields": {
+                "first_seed_only": list(FIRST_SEED_FIELDS),
+                "pooled": ("every other field of a run: counts, tokens and seconds summed over "
+                           "the seeds (so rates are pooled ratios), latency weighted by finished "
+                           "requests")},
             "description": result.description,
             "checks": [{"check": c, "met": ok} for c, ok in result.checks()], "runs": runs}
 
@@ -115,9 +133,13 @@ def scenario_markdown(result: ScenarioResult) -> str:
                  + [f"{ct[c]:.1f}" for c in classes])
         lines.append("| " + " | ".join(cells) + " |")
     checks = result.checks()
-    if checks:
+    idle = {name: x for name, run in runs.items()
+            if (x := idle_changes_per_minute(run)) is not None}
+    if checks or idle:
         lines.append("")
-        lines.extend(f"- {'met' if ok else 'NOT met'}: {what}" for what, ok in checks)
+    lines.extend(f"- {'met' if ok else 'NOT met'}: {what}" for what, ok in checks)
+    lines.extend(f"- `{name}`: {x:.2f} decision changes per minute in (class, bucket)s without "
+                 f"traffic since the previous change (goal 0)" for name, x in idle.items())
     return "\n".join(lines) + "\n"
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.sim.step import NO_DRAFT, Assignment, EngineInfo, StepOutcome, StepView
+from benchmarks.sim.truth import StepCost
 from controller.core.controller import ControllerCore
 from controller.core.types import (
     AcceptanceRecord,
@@ -24,26 +25,47 @@ from controller.core.types import (
     EngineHello,
     EngineReport,
     RequestSummaryRecord,
+    StepProfile,
     StepTimingRecord,
 )
 from controller.settings import core_config, load_settings
+from engine_plugin.policy_view import PROBE_EPOCH_SECONDS
+from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 
 ENGINE_ID = "sim-engine-0"
 _VOCAB = "simulated-vocabulary"
 
 
-def _probe_u(request_ids: np.ndarray) -> np.ndarray:
-    """A stable uniform per request (Knuth's multiplicative hash), so a request's probe status
-    does not flip from step to step."""
-    return ((request_ids.astype(np.uint64) * np.uint64(2654435761)) % np.uint64(2**32)).astype(
-        np.float64) / 2**32
+def _probe_u(request_ids: np.ndarray, epoch: int) -> np.ndarray:
+    """A uniform per request and probe epoch (Knuth's multiplicative hash), as the plugin draws
+    it (``engine_plugin.policy_view``: stable within an epoch, redrawn every epoch)."""
+    keys = request_ids.astype(np.uint64) * np.uint64(1_000_003) + np.uint64(epoch)
+    return ((keys * np.uint64(2654435761)) % np.uint64(2**32)).astype(np.float64) / 2**32
+
+
+def start_up_profile(info: EngineInfo, cost: StepCost) -> tuple[StepProfile, ...]:
+    """What the plugin's start-up profile would send for this engine (``engine_plugin.profile``:
+    the same batch sizes and K, uniform decode steps, the first model draft running K passes),
+    timed by the scenario's step cost without noise (the plugin keeps the fastest of five)."""
+    model = next((d for d, m in enumerate(info.draft_is_model) if m), None)
+    out = []
+    for b in (b for b in PROFILE_BATCH_SIZES if b <= info.max_batch):
+        for k in (k for k in PROFILE_KS if k <= info.max_k and (k == 0 or model is not None)):
+            passes = np.zeros(len(info.drafts))
+            draft_tokens = np.zeros(len(info.drafts))
+            if k and model is not None:
+                passes[model], draft_tokens[model] = k, k * b
+            out.append(StepProfile(b, b * (1 + k), info.drafts[model] if k and model is not None
+                                   else "", k, cost.seconds(b, b * (1 + k), passes, draft_tokens)))
+    return tuple(out)
 
 
 class SpecPilotPolicy:
     name = "specpilot"
 
     def __init__(self, info: EngineInfo, settings_overrides: dict[str, Any], seed: int,
-                 report_interval_seconds: float) -> None:
+                 report_interval_seconds: float,
+                 step_profile: tuple[StepProfile, ...] = ()) -> None:
         self.info = info
         offline = [c for c, off in zip(info.classes, info.offline, strict=True) if off]
         overrides = dict(settings_overrides)
@@ -64,7 +86,8 @@ class SpecPilotPolicy:
                          for n, kind in zip(info.drafts, kinds, strict=True)),
             max_k=info.max_k, per_request_k=True, batch_wide_k=True,
             ngram_counterfactual=self.has_ngram, engine_version="simulated",
-            plugin_version="simulated", max_batch_size=info.max_batch), now=0.0)
+            plugin_version="simulated", max_batch_size=info.max_batch,
+            step_profile=step_profile), now=0.0)
         self.core.decide(0.0)
         n_c, n_d, k1 = len(info.classes), len(info.drafts), info.max_k + 1
         n_b = self.core.config.n_buckets
@@ -79,6 +102,13 @@ class SpecPilotPolicy:
         self._last_report = 0.0
         self._sequence = 0
         self.reports = 0
+        # When each class last decoded in each bucket, and when its decision there last changed:
+        # a change with no decoding of the class in the bucket since the previous one is a
+        # change without evidence of its own (counted in idle_decision_changes).
+        self._decoded_at = np.full((n_c, n_b), -np.inf)
+        self._changed_at = np.zeros((n_c, n_b))
+        self._class_index = {c: i for i, c in enumerate(info.classes)}
+        self.idle_decision_changes = 0
 
     # --- applying the policy ---------------------------------------------------------------
     def _refresh(self) -> None:
@@ -100,8 +130,9 @@ class SpecPilotPolicy:
         b = self.core.config.bucket_of(view.batch_size)
         t, cls = self._tables, view.classes
         k, draft = t["k"][cls, b].copy(), t["draft"][cls, b].copy()
-        probe = (k == 0) & (t["probe_k"][cls, b] > 0) & (
-            _probe_u(view.request_ids) < t["probe_rate"][cls, b])
+        epoch = int(view.now // PROBE_EPOCH_SECONDS)
+        probe = (t["probe_k"][cls, b] > 0) & (
+            _probe_u(view.request_ids, epoch) < t["probe_rate"][cls, b])
         k[probe], draft[probe] = t["probe_k"][cls, b][probe], t["probe_draft"][cls, b][probe]
         return Assignment(np.where(k > 0, draft, NO_DRAFT), k)
 
@@ -116,6 +147,8 @@ class SpecPilotPolicy:
             np.add.at(self._cf, (cls[scored], o.counterfactual_accepted[scored]), 1)
         if not o.view.prefill_tokens:  # the plugin times decode steps only
             self._record_step(o)
+        self._decoded_at[np.unique(cls), self.core.config.bucket_of(o.view.batch_size)] = (
+            o.view.now)
         for f in o.finished:
             self._finished.append(RequestSummaryRecord(
                 info.classes[f.traffic_class], "", f.prompt_tokens, f.output_tokens,
@@ -159,7 +192,14 @@ class SpecPilotPolicy:
                               tuple(acceptance), tuple(self._finished), timings,
                               running_requests=running)
         self.core.ingest(ENGINE_ID, report, now)
-        self.core.decide(now)
+        for event in self.core.decide(now):
+            ci = self._class_index.get(event.decision.traffic_class)
+            if ci is None or event.previous is None:
+                continue
+            b = event.decision.bucket
+            if self._decoded_at[ci, b] <= self._changed_at[ci, b]:
+                self.idle_decision_changes += 1
+            self._changed_at[ci, b] = now
         if self.core.version != self._version:
             self._refresh()
         self._hist[:] = 0

@@ -117,8 +117,16 @@ class EstimatorConfig:
     """Half-life of the change detector's fast estimate, seconds."""
     change_z_threshold: float = tunable(5.0, gt=0)
     """|z| between fast and slow acceptance that flags a change."""
-    change_min_tries: float = tunable(200.0, gt=0)
-    """Effective tries the fast estimate needs before it can flag."""
+    change_drift_z_threshold: float = tunable(3.0, gt=0, at_most="change_z_threshold")
+    """|z| that flags a change when it lasts ``change_drift_seconds``: a slow drift, whose
+    every step is too small for ``change_z_threshold``."""
+    change_drift_seconds: float = tunable(30.0, gt=0)
+    """How long |z| must stay above ``change_drift_z_threshold`` to flag a drift, seconds
+    (longer than the fast estimate's noise lasts)."""
+    change_min_tries: float = tunable(30.0, gt=0)
+    """Effective tries the fast estimate needs before it can flag (the z test already weighs
+    the sample size; this only keeps a handful of tries from flagging). Low enough that a draft
+    seen only through probes, a few tries a second, can still flag a recovery."""
 
 
 class AcceptanceEstimator:
@@ -130,6 +138,8 @@ class AcceptanceEstimator:
         self._fast: dict[tuple[str, str], _Evidence] = {}
         self._changes: dict[tuple[str, str], int] = {}
         self._recover_until: dict[tuple[str, str], float] = {}
+        # Since when |z| has stayed above the drift threshold, per key.
+        self._drift_since: dict[tuple[str, str], float] = {}
 
     def keys(self) -> list[tuple[str, str]]:
         return sorted(self._slow)
@@ -158,7 +168,7 @@ class AcceptanceEstimator:
             ev.decay_to(now, half_life)
             ev.accepts[:k] += accepts
             ev.rejects[:k] += tries - accepts
-        if self._shifted(slow, fast):
+        if self._shifted(key, slow, fast, now):
             # The fast estimate still holds about a fast half-life of the old regime: keep it only
             # as ``change_min_tries`` of evidence per position, so the new regime's data outweighs
             # it within a report or two instead of a fast half-life.
@@ -181,8 +191,26 @@ class AcceptanceEstimator:
             return cfg.change_fast_half_life_seconds
         return cfg.half_life_seconds
 
-    def _shifted(self, slow: _Evidence, fast: _Evidence) -> bool:
-        """Two-timescale test per position: |mean_fast - mean_slow| / se > change_z_threshold."""
+    def _shifted(self, key: tuple[str, str], slow: _Evidence, fast: _Evidence,
+                 now: float) -> bool:
+        """Two-timescale test per position: |mean_fast - mean_slow| / se above
+        ``change_z_threshold``, or above ``change_drift_z_threshold`` for
+        ``change_drift_seconds`` on end (a slow drift)."""
+        cfg = self.config
+        z = self._z(slow, fast)
+        if z > cfg.change_drift_z_threshold:
+            since = self._drift_since.setdefault(key, now)
+        else:
+            self._drift_since.pop(key, None)
+            return False
+        if z > cfg.change_z_threshold or now - since >= cfg.change_drift_seconds:
+            del self._drift_since[key]
+            return True
+        return False
+
+    def _z(self, slow: _Evidence, fast: _Evidence) -> float:
+        """The largest |mean_fast - mean_slow| / se over the positions both can test (0 when
+        none can)."""
         cfg = self.config
         n_fast = fast.accepts + fast.rejects
         n_slow = slow.accepts + slow.rejects
@@ -191,13 +219,13 @@ class AcceptanceEstimator:
         # regime from the slow evidence step by step.
         usable = (n_fast >= cfg.change_min_tries) & (n_slow > n_fast * 1.01)
         if not usable.any():
-            return False
+            return 0.0
         p_fast = fast.accepts[usable] / n_fast[usable]
         p_slow = slow.accepts[usable] / n_slow[usable]
         # Binomial standard error of the difference, floored so p near 0 or 1 cannot explode z.
         pooled = np.clip(p_slow, 0.02, 0.98)
         se = np.sqrt(pooled * (1.0 - pooled) * (1.0 / n_fast[usable] + 1.0 / n_slow[usable]))
-        return bool(np.any(np.abs(p_fast - p_slow) / se > cfg.change_z_threshold))
+        return float(np.max(np.abs(p_fast - p_slow) / se))
 
     def posterior(self, traffic_class: str, draft: str, now: float) -> Posterior:
         """Posterior as of ``now`` (the prior alone for an unseen key)."""
@@ -211,6 +239,7 @@ class AcceptanceEstimator:
         return Posterior(a0 + ev.accepts * f, b0 + ev.rejects * f, a0, b0)
 
     def forget_class(self, traffic_class: str) -> None:
-        for store in (self._slow, self._fast, self._changes, self._recover_until):
+        for store in (self._slow, self._fast, self._changes, self._recover_until,
+                      self._drift_since):
             for key in [k for k in store if k[0] == traffic_class]:
                 del store[key]

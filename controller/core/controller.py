@@ -10,6 +10,7 @@ Writes (``connect_engine``, ``ingest``, ``set_override``, ``clear_override``) ch
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -123,7 +124,9 @@ class _EngineState:
 class _ClassState:
     decisions: dict[int, Decision] = field(default_factory=dict)
     changed_at: dict[int, float] = field(default_factory=dict)
-    off_since: dict[int, float] = field(default_factory=dict)
+    # When each bucket was last decided, and when acceptance evidence for the class last came.
+    decided_at: dict[int, float] = field(default_factory=dict)
+    evidence_at: float = -math.inf
     change_pending: bool = False
 
 
@@ -144,6 +147,8 @@ class ControllerCore:
             config.policy.max_k,
         )
         self._engines: dict[str, _EngineState] = {}
+        # Per bucket: when an engine last reported decode steps at its batch sizes.
+        self._bucket_seen: dict[int, float] = {}
         self._classes: dict[str, _ClassState] = {DEFAULT_CLASS: _ClassState()}
         # Offline classes are known before their first request, so they are pinned off from the
         # first policy on instead of running the warm-up K until a report names them.
@@ -231,6 +236,8 @@ class ControllerCore:
             if self._estimator.observe(cls, rec.draft, rec.steps_by_accepted, now):
                 self._classes[cls].change_pending = True
                 changes.append((cls, rec.draft))
+            if sum(rec.steps_by_accepted):
+                self._classes[cls].evidence_at = now
         # The batch mix in decode request-steps: verification steps as they happen for classes
         # that speculate, finished requests' output - accepted (each step emits its accepted
         # drafts plus one token) for classes that do not.
@@ -243,6 +250,7 @@ class ControllerCore:
             self._mix.observe(cls, steps, now)
         for req in report.finished:
             cls = mapping[req.traffic_class]
+            self._classes[cls].evidence_at = now  # traffic, even with no drafts to count
             if cls not in verified:
                 self._mix.observe(cls, max(req.output_tokens - req.accepted_tokens, 1), now)
         predictions = []
@@ -259,6 +267,7 @@ class ControllerCore:
                 draft_tokens=st.sum_draft_tokens / st.steps if is_model else 0.0,
             )
             measured = st.sum_step_seconds / st.steps
+            self._bucket_seen[st.batch_bucket] = now
             predictions.append(StepPrediction(st.batch_bucket, st.k, st.steps,
                                               self._cost.predict(shape), measured))
             self._cost.observe(shape, measured, st.steps, now)
@@ -362,14 +371,16 @@ class ControllerCore:
         priced by the mean costs, as explanations are)."""
         cache = {} if cache is None else cache
         sunk = self._sunk_draft()
-        sampled, mean = {}, {}
+        sampled, mean, position1 = {}, {}, {}
         for d in drafts:
             post = self._estimator.posterior(name, d.name, now)
             sampled[d.name] = post.sample(self._rng)
             mean[d.name] = post.mean
+            position1[d.name] = (float(post.alpha[0]), float(post.beta[0]))
         buckets = tuple(
             BucketState(b, self.config.bucket_batch_size(b), state.decisions.get(b),
-                        state.changed_at.get(b), state.off_since.get(b))
+                        state.changed_at.get(b),
+                        fresh=self._fresh(state, b))
             for b in range(self.config.n_buckets)
         )
         return ClassContext(
@@ -391,7 +402,16 @@ class ControllerCore:
             drawn_step_seconds=(None if drawn is None
                                 else partial(drawn.predict_curve, sunk_draft=sunk)),
             drawn_mixed_seconds=None if drawn is None else drawn.predict_mixed,
+            position1=position1,
+            drafter_sunk=sunk is not None,
         )
+
+    def _fresh(self, state: _ClassState, bucket: int) -> bool:
+        """Whether the class's decision for ``bucket`` has new evidence behind it: acceptance
+        data for the class and decode steps in the bucket since the bucket was last decided."""
+        decided = state.decided_at.get(bucket, -math.inf)
+        return (state.evidence_at > decided
+                and self._bucket_seen.get(bucket, -math.inf) > decided)
 
     def _sunk_draft(self) -> SunkDraft | None:
         """The model drafter that runs every step whatever K is chosen, if any: engines in
@@ -419,15 +439,14 @@ class ControllerCore:
             ctx = self._context(name, state, drafts, now, cache, drawn)
             for new in decide_class(ctx, self.config.policy):
                 old = state.decisions.get(new.bucket)
+                if new is old:
+                    continue  # held: nothing new to decide on
                 material |= _material(old, new)
                 state.decisions[new.bucket] = new
+                state.decided_at[new.bucket] = now
                 if new.same_choice(old):
                     continue
                 state.changed_at[new.bucket] = now
-                if new.k == 0:
-                    state.off_since[new.bucket] = now
-                else:
-                    state.off_since.pop(new.bucket, None)
                 events.append(DecisionEvent(0, now, new, old))
             state.change_pending = False
         if material:

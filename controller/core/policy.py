@@ -13,13 +13,18 @@ expected speedup, the "losing by means" test and explanations. On top of the arg
     except while a detected acceptance change is being absorbed (the old margin is stale) and
     when switching off speculation that loses by posterior means;
   - dwell: a choice younger than ``dwell_seconds`` stays, unless a change was just detected;
-  - probing: while off, a small share of requests, decaying with time off, runs ``probe_k``;
+  - probing: while no model draft runs (off, or deterministic drafts), a share of requests runs
+    it at a low K, sized by what probing costs in the engine's mode (a probe in a batch-wide
+    engine runs the drafter for the whole batch) against the chance that speculation pays (from
+    the position-1 posterior): up to ``probe_cost_max`` of throughput while it may well pay,
+    ``probe_cost_floor`` where the posterior says it cannot, which still notices a recovery;
   - overrides: operator pins win over everything; offline classes are pinned off (or scored at
     the largest bucket in "goodput" mode).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -56,14 +61,24 @@ class PolicyConfig:
     min_speedup: float = tunable(1.02, ge=1.0)
     """Smallest expected speedup over no speculation (ratio) that justifies drafting; smaller
     gains are inside the cost model's error."""
-    probe_rate_initial: float = tunable(0.05, ge=0, le=1)
-    """Share of a class's requests probed right after it goes off."""
-    probe_rate_min: float = tunable(0.005, ge=0, le=1, at_most="probe_rate_initial")
-    """Floor of the probe share while off."""
-    probe_half_life_seconds: float = tunable(120.0, gt=0)
-    """Half-life of the probe share while off, seconds."""
+    explore_max_step: int = tunable(2, ge=1)
+    """Largest change of K an exploring move may make from the K in force, tokens: a Thompson
+    draw may favour an arm priced by extrapolation (a long K at a large batch, never tried);
+    exploring step by step learns the same costs without a dwell time at the far end. Moves
+    that the posterior means favour are not limited."""
+    explore_max_loss: float = tunable(0.2, ge=0, le=1)
+    """Largest loss of mean goodput, against the arm the means favour, an exploring move may
+    risk (0.2 = 20%): a draw can price an arm the means call ruinous as the best one."""
+    probe_cost_max: float = tunable(0.02, ge=0, le=1)
+    """Share of a bucket's throughput probing may cost right after its class goes off, while
+    the posterior gives speculation every chance to pay (0.02 = 2%); scaled by that chance."""
+    probe_cost_floor: float = tunable(0.005, ge=0, le=1, at_most="probe_cost_max")
+    """Share of throughput probing costs while off however unlikely a recovery (0.005 = 0.5%):
+    what keeps a recovery of acceptance noticed."""
     probe_k: int = tunable(2, ge=1, at_most="max_k")
-    """K of probed requests, tokens."""
+    """K of probed requests where the drafter runs anyway (per-request engines), tokens;
+    batch-wide engines probe at K=1, the cheapest (every probe there costs the whole batch's
+    drafter passes)."""
     offline_mode: Literal["pin_off", "goodput"] = tunable("pin_off")
     """pin_off: offline classes never speculate. goodput: decided by the same goodput math at the
     largest batch bucket (offline work runs at full load)."""
@@ -77,7 +92,9 @@ class BucketState:
     batch_size: int
     current: Decision | None
     changed_at: float | None
-    off_since: float | None = None
+    # New evidence since ``current`` was decided (acceptance for the class, steps in the
+    # bucket). Without it the decision holds: a fresh Thompson draw is no reason to change.
+    fresh: bool = True
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,11 @@ class ClassContext:
     # The same two by the decide round's draw of the cost weights (None: the means above).
     drawn_step_seconds: StepSecondsFn | None = None
     drawn_mixed_seconds: MixedSecondsFn | None = None
+    # Per draft: the position-1 posterior's Beta(alpha, beta) (probing's chance of paying).
+    position1: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # The engine's model drafter runs whatever K is chosen (per-request engines): a probe then
+    # costs only its verified tokens, not the whole batch's drafter passes.
+    drafter_sunk: bool = False
 
     @cached_property
     def sampled_curves(self) -> dict[str, FloatArray]:
@@ -205,28 +227,63 @@ def arm_values(ctx: ClassContext, batch_size: int, rates: Mapping[str, FloatArra
     return arm_table(ctx, batch_size, curves, max_k).values()
 
 
-def _probe(ctx: ClassContext, cfg: PolicyConfig, off_since: float) -> tuple[float, int, str]:
-    """Probe share, K and draft while off; the share halves every probe_half_life_seconds."""
+def chance_above(alpha: float, beta: float, threshold: float) -> float:
+    """P(rate > threshold) for rate ~ Beta(alpha, beta), by the normal approximation (a weight
+    for probing, not a test: its tails need no more precision)."""
+    n = alpha + beta
+    mean = alpha / n
+    sd = math.sqrt(max(mean * (1.0 - mean) / (n + 1.0), 1e-12))
+    return 0.5 * math.erfc((threshold - mean) / (sd * math.sqrt(2.0)))
+
+
+def probe_plan(ctx: ClassContext, cfg: PolicyConfig, batch_size: int
+               ) -> tuple[float, int, str]:
+    """Probe share, K and draft while off, from what a probe costs and what it may find.
+
+    Budget: a share of throughput between ``probe_cost_floor`` and ``probe_cost_max``, scaled
+    by the chance that the best model draft's position-1 acceptance is above K=1's break-even
+    at this batch size (where speculation would pay; as evidence is forgotten, the chance grows
+    back). A probed step costs t(K)/t(0) - 1 by the cost model. In a
+    batch-wide engine that is the whole step (the drafter runs for the batch once any request
+    is probed), so the budget is a share of steps; in a per-request engine the drafter runs
+    anyway and a probe costs its own verified tokens, so the budget is a share of sequences."""
     model_drafts = [d for d in ctx.drafts if d.kind is DraftKind.MODEL]
     if not model_drafts:
         return 0.0, 0, ""  # deterministic drafts are scored counterfactually: no probing needed
     best = max(model_drafts, key=lambda d: float(ctx.mean_rates[d.name][0]))
-    elapsed = max(ctx.now - off_since, 0.0)
-    rate = cfg.probe_rate_initial * 2.0 ** (-elapsed / cfg.probe_half_life_seconds)
-    return max(rate, cfg.probe_rate_min), min(cfg.probe_k, best.max_k), best.name
+    k = min(cfg.probe_k, best.max_k) if ctx.drafter_sunk else 1
+    seconds = ctx.step_seconds(batch_size, best.pass_draft, True, max(k, 1))
+    overhead = max(float(seconds[k] / seconds[0]) - 1.0, 1e-6)
+    break_even = cfg.min_speedup * float(seconds[1] / seconds[0]) - 1.0
+    alpha, beta = ctx.position1.get(best.name, (1.0, 1.0))
+    chance = chance_above(alpha, beta, break_even)
+    budget = cfg.probe_cost_floor + (cfg.probe_cost_max - cfg.probe_cost_floor) * chance
+    others = ctx.others.get(batch_size)
+    mine = min(max(others.self_count if others is not None else batch_size, 1.0), batch_size)
+    if ctx.drafter_sunk:
+        rate = budget / overhead * batch_size / mine
+    else:
+        steps = min(budget / overhead, 1.0)
+        rate = 1.0 - (1.0 - steps) ** (1.0 / mine)
+    return min(rate, 1.0), k, best.name
+
+
+def uses_model_draft(ctx: ClassContext, decision: Decision) -> bool:
+    """Whether ``decision`` runs a model draft (otherwise it is off or on a deterministic draft,
+    and the model draft's acceptance is learnt only by probing)."""
+    return decision.k > 0 and any(d.name == decision.draft and d.kind is DraftKind.MODEL
+                                  for d in ctx.drafts)
 
 
 def _with_probe(
     ctx: ClassContext, cfg: PolicyConfig, state: BucketState, decision: Decision
 ) -> Decision:
-    if decision.k != 0 or decision.reason in (Reason.OVERRIDE, Reason.OFFLINE):
+    """``decision`` with the probe of the model draft while the class does not run one (off,
+    or on n-gram or suffix drafts, whose acceptance is scored counterfactually anyway)."""
+    if uses_model_draft(ctx, decision) or decision.reason in (Reason.OVERRIDE, Reason.OFFLINE):
         return decision
-    off_since = state.off_since if state.off_since is not None else ctx.now
-    rate, k, draft = _probe(ctx, cfg, off_since)
-    return Decision(
-        decision.traffic_class, decision.bucket, "", 0, decision.reason,
-        decision.expected_speedup, rate, k, draft,
-    )
+    rate, k, draft = probe_plan(ctx, cfg, state.batch_size)
+    return replace(decision, probe_rate=rate, probe_k=k, probe_draft=draft)
 
 
 def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
@@ -276,15 +333,35 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         return _with_probe(ctx, cfg, state, Decision(
             name, state.bucket, first.name if k else "", k, Reason.WARMUP))
 
-    sampled = arm_table(ctx, batch, ctx.sampled_curves, cfg.max_k, drawn_costs=True)
+    current = state.current
+    settled = current is not None and current.reason not in (Reason.WARMUP, Reason.OVERRIDE)
+    if settled and not state.fresh:
+        # Also after a detected change: the bucket's next report with traffic re-decides it from
+        # the posterior the change reset (one report interval at the old decision).
+        assert current is not None
+        return current
     mean = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
+    # A bucket decided without evidence of its own (no traffic yet): by the posterior means,
+    # not a Thompson draw, so that it does not take a random arm from one round's noise.
+    sampled = (arm_table(ctx, batch, ctx.sampled_curves, cfg.max_k, drawn_costs=True)
+               if state.fresh else mean)
     scores = sampled.scores(cfg.min_speedup)
     best_i = int(np.argmax(scores))
+    mean_i = mean.best(cfg.min_speedup)
+    if best_i != mean_i and current is not None and not ctx.change_detected:
+        # Exploring: only as far as explore_max_step from the K in force, and only where the
+        # means expect at most explore_max_loss less than their own best (which is always in).
+        mean_scores = mean.scores(cfg.min_speedup)
+        near = np.array([abs(k - current.k) <= cfg.explore_max_step
+                         for _, k in sampled.keys])
+        near &= mean_scores >= (1.0 - cfg.explore_max_loss) * mean_scores[mean_i]
+        near[mean_i] = True
+        best_i = int(np.argmax(np.where(near, scores, -np.inf)))
     best_draft, best_k = sampled.keys[best_i]
     expected = float(mean.speedup[best_i])  # same arm order in both tables
     if ctx.change_detected:
         reason = Reason.CHANGE_DETECTED
-    elif best_i == mean.best(cfg.min_speedup):
+    elif best_i == mean_i:
         reason = Reason.GOODPUT
     else:
         reason = Reason.EXPLORE
@@ -292,7 +369,6 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         reason = Reason.OFFLINE
     candidate = Decision(name, state.bucket, best_draft, best_k, reason, expected)
 
-    current = state.current
     if current is None or current.reason in (Reason.WARMUP, Reason.OVERRIDE):
         return _with_probe(ctx, cfg, state, candidate)
     if candidate.same_choice(current):

@@ -29,7 +29,7 @@ HYSTERESIS = 0.02
 FAST: dict[str, Any] = {
     "grpc_port": 0, "http_port": 0, "seed": 11, "max_k": 6, "report_interval_seconds": 0.05,
     "dwell_seconds": 0.3, "hysteresis_ratio": HYSTERESIS, "half_life_seconds": 30.0,
-    "change_fast_half_life_seconds": 1.0, "probe_half_life_seconds": 5.0,
+    "change_fast_half_life_seconds": 1.0,
 }
 
 

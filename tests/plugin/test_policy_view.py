@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engine_plugin.policy_view import Choice, PolicyView, probe_point
+from engine_plugin.policy_view import PROBE_EPOCH_SECONDS, Choice, PolicyView, probe_point
 from specpilot.v1 import common_pb2, engine_pb2
 
 BOUNDS = (1, 4, 16)  # buckets 0: 1, 1: 2..4, 2: 5..16, 3: 17+
@@ -89,6 +89,7 @@ def test_k_is_never_above_the_engines_max(clock: FakeClock) -> None:
 
 
 def test_probe_share_tracks_probe_rate_and_is_stable(view: PolicyView) -> None:
+    """Within one probe epoch (the clock does not move here)."""
     keys = [f"req-{i}" for i in range(20_000)]
     choices = [view.choice("hard", 1, key) for key in keys]
     probed = {key for key, c in zip(keys, choices, strict=True) if c.probe}
@@ -105,8 +106,25 @@ def test_probe_share_tracks_probe_rate_and_is_stable(view: PolicyView) -> None:
     view.apply(lower)
     probed_low = {k for k in keys if view.choice("hard", 1, k).probe}
     assert probed_low < probed and abs(len(probed_low) / len(keys) - 0.02) < 0.005
-    # Probing is only for classes that are off.
+    # Probing is only where the controller asks for it (it does for classes off or on
+    # deterministic drafts).
     assert not any(view.choice("chat", 1, k).probe for k in keys[:1000])
+
+
+def test_the_probed_requests_are_redrawn_every_epoch(view: PolicyView, clock: FakeClock) -> None:
+    keys = [f"req-{i}" for i in range(20_000)]
+
+    def probed() -> set[str]:
+        return {k for k in keys if view.choice("hard", 1, k).probe}
+
+    first = probed()
+    clock.now += PROBE_EPOCH_SECONDS * 0.4
+    assert probed() == first  # the same epoch: the same requests
+    clock.now += PROBE_EPOCH_SECONDS
+    second = probed()
+    # A fresh draw of the same size: about 10% of the first epoch's requests again.
+    assert abs(len(second) - len(first)) < 0.011 * len(keys)
+    assert abs(len(first & second) / len(first) - 0.1) < 0.03
 
 
 def test_a_step_lookup_answers_as_choice_and_keeps_its_policy(view: PolicyView) -> None:
