@@ -81,6 +81,11 @@ class PluginConfig:
     suffix_drafts: bool = True
     """Offer suffix drafts (Suffix Decoding, from the ``arctic-inference`` package; skipped with
     one log line where it is not installed) the same way: ``true`` or ``false``."""
+    suffix_cached_responses: int = 1000
+    """Responses the plugin's own suffix cache keeps for later requests, count >= 0 (0: none;
+    oldest evicted first). About 220 bytes per token: 1,000 responses of 512 tokens are about
+    110 MiB of the scheduler process. (vLLM's own ``method: "suffix"`` keeps its
+    ``suffix_decoding_max_cached_requests``.)"""
     counterfactual_per_step: float = 2.0
     """Requests whose deterministic drafts (n-gram, suffix) are scored counterfactually per step,
     on average, >= 0 (0: none). A request is scored while its fixed random point (a hash of its
@@ -91,9 +96,10 @@ class PluginConfig:
 
     skip_idle_drafter: bool = True
     """In the batch modes, skip the drafter's pass in a decode step whose batch K is 0 (every
-    request off or on n-gram drafts); a step that prefills always runs it. Saves the drafter's
-    first forward (10-20% of a step on CPUs); the skipped positions are holes in the drafter's
-    KV cache that cost some later acceptance, never correctness: ``true`` or ``false``."""
+    request off or on n-gram or suffix drafts); a step that prefills always runs it. Saves the
+    drafter's first forward (10-20% of a step on CPUs); the skipped positions are holes in the
+    drafter's KV cache that cost some later acceptance, never correctness: ``true`` or
+    ``false``."""
 
     step_profile: bool = True
     """Time a few dummy target steps and drafter passes after the warm-up of an engine on
@@ -196,6 +202,9 @@ def _check(c: PluginConfig) -> None:
                                  f"got {c.max_classes!r}")
     if type(c.queue_size) is not int or c.queue_size < 1:
         raise bad("queue_size", f"must be an integer >= 1, got {c.queue_size!r}")
+    if type(c.suffix_cached_responses) is not int or c.suffix_cached_responses < 0:
+        raise bad("suffix_cached_responses",
+                  f"must be an integer >= 0, got {c.suffix_cached_responses!r}")
     for name in ("report_interval_seconds", "fail_static_timeout_seconds",
                  "reconnect_initial_seconds", "reconnect_max_seconds"):
         value = getattr(c, name)

@@ -65,7 +65,8 @@ class Counterfactual:
         """Advance one request whose token list is now ``tokens``.
 
         Returns (K proposed, accepted) when a pending proposal could be scored, else None.
-        Proposals are made only in the decode phase (after the prompt).
+        Proposals are made once the whole prompt is in the list (the first is scored against
+        the token its prefill samples).
         """
         scored = None
         pending = self._pending.get(req_id)
@@ -73,10 +74,11 @@ class Counterfactual:
             start, proposal = pending
             known = tokens[start : start + len(proposal)]
             accepted = accepted_prefix(proposal, known)
-            # Resolved once the continuation covers the proposal or already diverged from it.
+            # Resolved once the continuation covers the proposal or already diverged from it,
+            # and only after the target produced a token since (a prefill chunk produces none).
             # Scored as K asked, not as the proposal's length: a short or empty proposal (no
             # match) is a step that yields 1 + accepted tokens, like rejections at the end.
-            if len(known) == len(proposal) or accepted < len(known):
+            if len(tokens) > start and (len(known) == len(proposal) or accepted < len(known)):
                 scored = (self.k, accepted)
                 pending = None
                 del self._pending[req_id]

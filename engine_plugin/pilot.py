@@ -207,9 +207,10 @@ def engine_mode(engine: EngineSpec, config: PluginConfig) -> PluginConfig:
     return config
 
 
-def _proposer(name: str, engine: EngineSpec) -> DeterministicDraft:
+def _proposer(name: str, engine: EngineSpec, config: PluginConfig) -> DeterministicDraft:
     if name == SUFFIX_DRAFT:
-        return SuffixProposer(engine.suffix, engine.max_model_len)
+        trees = replace(engine.suffix, max_cached_requests=config.suffix_cached_responses)
+        return SuffixProposer(trees, engine.max_model_len)
     return NgramProposer(engine.ngram_min, engine.ngram_max, engine.max_model_len)
 
 
@@ -245,7 +246,7 @@ class Pilot:
         # Deterministic drafts (the ones announced: the controller must know a draft), served by
         # substituting the model drafter's tokens and scored counterfactually on all traffic.
         self.deterministic: dict[str, DeterministicDraft] = {
-            d.name: _proposer(d.name, engine) for d in hello.drafts
+            d.name: _proposer(d.name, engine, config) for d in hello.drafts
             if d.kind is not DraftKind.MODEL and d.name != engine.drafter}
         self.counterfactual = {name: Counterfactual(d.propose, engine.max_k)
                                for name, d in self.deterministic.items()}
@@ -256,7 +257,7 @@ class Pilot:
         self._class_counts: dict[str, int] = {}
         # Requests whose drafts are deterministic tokens the plugin put there, until a step
         # schedules them (mark_step) or the drafter's tokens replace them.
-        self._deterministic: set[str] = set()
+        self._substituted: set[str] = set()
         # The requests whose scheduled drafts in the current step are deterministic tokens.
         self._verifying_deterministic: frozenset[str] = frozenset()
         # Drafts per request the drafter was asked for in the current step (mark_step).
@@ -301,7 +302,7 @@ class Pilot:
     def _forget(self, req_id: str) -> _Request | None:
         """Drop a request's state and its place in the per-request indexes."""
         state = self.requests.pop(req_id, None)
-        self._deterministic.discard(req_id)
+        self._substituted.discard(req_id)
         if state is None:
             return None
         self._count_class(state.traffic_class, -1)
@@ -376,8 +377,8 @@ class Pilot:
             # Every request wants the drafter's tokens at no fewer than it drafted: nothing to
             # cut, and the drafter's tokens replace any substituted ones put there before. (Every
             # request a step drafts for has a state, so its class is among the counted ones.)
-            if self._deterministic:
-                self._deterministic.difference_update(req_ids)
+            if self._substituted:
+                self._substituted.difference_update(req_ids)
             return
         deterministic = self.deterministic
         drafter, states = self.engine.drafter, self.requests
@@ -399,7 +400,7 @@ class Pilot:
                 draft = choice.draft
                 request.spec_token_ids = proposer.propose(req_id, request.all_token_ids,
                                                           request.num_prompt_tokens, k)
-                self._deterministic.add(req_id)
+                self._substituted.add(req_id)
                 if state is not None:
                     # Scored as K asked: a short proposal counts its missing tail as rejected,
                     # an empty one (no match) as a step with none accepted, so E(K) for a
@@ -412,7 +413,7 @@ class Pilot:
                     continue
                 if want < len(proposed):
                     request.spec_token_ids = proposed[:want]
-                self._deterministic.discard(req_id)
+                self._substituted.discard(req_id)
                 draft = drafter
             if state is not None:
                 state.draft = draft
@@ -422,10 +423,10 @@ class Pilot:
         scheduled drafts are deterministic (substituted since the last step), and whether the
         drafter may skip its pass (batch modes; the worker also requires batch K 0 and a
         decode-only step)."""
-        deterministic = self._deterministic.intersection(output.scheduled_spec_decode_tokens)
+        substituted = self._substituted.intersection(output.scheduled_spec_decode_tokens)
         # A running request this step did not schedule keeps its substituted drafts for later.
-        self._deterministic.difference_update(output.num_scheduled_tokens)
-        self._verifying_deterministic = frozenset(deterministic)
+        self._substituted.difference_update(output.num_scheduled_tokens)
+        self._verifying_deterministic = frozenset(substituted)
         self._drafter_k = output.num_spec_tokens_to_schedule
         skip = self.config.skip_idle_drafter and self.config.k_mode != "per_request"
         mark_step(output, skip_drafter=skip, deterministic=self._verifying_deterministic)
@@ -511,7 +512,8 @@ class Pilot:
                 break
             state = states.get(req_id)
             request = requests.get(req_id)
-            if state is None or request is None or req_id not in req_ids:
+            if (state is None or request is None or req_id not in req_ids
+                    or request.is_prefill_chunk):
                 continue
             for name, counterfactual in self.counterfactual.items():
                 # A request served by this draft is measured for real, not counterfactually.

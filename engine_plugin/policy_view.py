@@ -47,7 +47,7 @@ _HASH_SCALE = float(2**64)
 
 class Choice(NamedTuple):
     """What one request runs with: the draft and K (0 = no speculation), and whether this is a
-    probe of a class that is off."""
+    probe of a class that runs no model draft."""
 
     draft: str
     k: int

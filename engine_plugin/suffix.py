@@ -15,7 +15,8 @@ under-counted until the class is served by suffix drafts (then all of its respon
 
 The tree parameters are the engine's (``SpeculativeConfig.suffix_decoding_*``: vLLM's defaults
 when the engine runs another method), so a substituted suffix draft is what vLLM's suffix method
-would propose with the same trees.
+would propose with the same trees; the number of responses kept is the plugin's
+``suffix_cached_responses`` (memory in the scheduler process).
 """
 
 from __future__ import annotations

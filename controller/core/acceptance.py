@@ -125,8 +125,9 @@ class EstimatorConfig:
     (longer than the fast estimate's noise lasts)."""
     change_min_tries: float = tunable(30.0, gt=0)
     """Effective tries the fast estimate needs before it can flag (the z test already weighs
-    the sample size; this only keeps a handful of tries from flagging). Low enough that a draft
-    seen only through probes, a few tries a second, can still flag a recovery."""
+    the sample size; this only keeps a handful of tries from flagging), and the evidence per
+    position a flagged change keeps of the fast estimate. Low enough that a draft seen only
+    through probes, a few tries a second, can still flag a recovery."""
 
 
 class AcceptanceEstimator:
@@ -164,6 +165,8 @@ class AcceptanceEstimator:
         slow = self._slow.setdefault(key, _Evidence.empty(cfg.max_k, now))
         fast = self._fast.setdefault(key, _Evidence.empty(cfg.max_k, now))
         slow_half_life = self._slow_half_life(key, now)
+        if now - slow.at > cfg.change_drift_seconds:
+            self._drift_since.pop(key, None)  # a quiet spell: the drift must hold anew
         for ev, half_life in ((slow, slow_half_life), (fast, cfg.change_fast_half_life_seconds)):
             ev.decay_to(now, half_life)
             ev.accepts[:k] += accepts

@@ -437,10 +437,15 @@ class ControllerCore:
         drawn = self._cost.draw(self._rng)  # one cost draw per round, before acceptance draws
         for name, state in self._classes.items():
             ctx = self._context(name, state, drafts, now, cache, drawn)
-            for new in decide_class(ctx, self.config.policy):
+            for new, bucket in zip(decide_class(ctx, self.config.policy), ctx.buckets,
+                                   strict=True):
                 old = state.decisions.get(new.bucket)
+                if bucket.fresh:
+                    # Decided on this evidence, even where hysteresis or the dwell kept the
+                    # arm: the next draw needs new evidence again.
+                    state.decided_at[new.bucket] = now
                 if new is old:
-                    continue  # held: nothing new to decide on
+                    continue
                 material |= _material(old, new)
                 state.decisions[new.bucket] = new
                 state.decided_at[new.bucket] = now

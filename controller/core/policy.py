@@ -70,11 +70,11 @@ class PolicyConfig:
     """Largest loss of mean goodput, against the arm the means favour, an exploring move may
     risk (0.2 = 20%): a draw can price an arm the means call ruinous as the best one."""
     probe_cost_max: float = tunable(0.02, ge=0, le=1)
-    """Share of a bucket's throughput probing may cost right after its class goes off, while
-    the posterior gives speculation every chance to pay (0.02 = 2%); scaled by that chance."""
+    """Share of a bucket's throughput probing the model draft may cost while its class runs none
+    and the posterior gives it every chance to pay (0.02 = 2%); scaled by that chance."""
     probe_cost_floor: float = tunable(0.005, ge=0, le=1, at_most="probe_cost_max")
-    """Share of throughput probing costs while off however unlikely a recovery (0.005 = 0.5%):
-    what keeps a recovery of acceptance noticed."""
+    """Share of throughput probing costs however unlikely a recovery (0.005 = 0.5%): what keeps
+    a recovery of the model draft's acceptance noticed."""
     probe_k: int = tunable(2, ge=1, at_most="max_k")
     """K of probed requests where the drafter runs anyway (per-request engines), tokens;
     batch-wide engines probe at K=1, the cheapest (every probe there costs the whole batch's
@@ -238,7 +238,8 @@ def chance_above(alpha: float, beta: float, threshold: float) -> float:
 
 def probe_plan(ctx: ClassContext, cfg: PolicyConfig, batch_size: int
                ) -> tuple[float, int, str]:
-    """Probe share, K and draft while off, from what a probe costs and what it may find.
+    """Probe share, K and draft while the class runs no model draft, from what a probe costs
+    and what it may find.
 
     Budget: a share of throughput between ``probe_cost_floor`` and ``probe_cost_max``, scaled
     by the chance that the best model draft's position-1 acceptance is above K=1's break-even

@@ -160,7 +160,10 @@ FAST_CONTROLLER = {"report_interval_seconds": 0.1, "dwell_seconds": 0.2, "seed":
 
 
 def pilot_of(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler._pilot
+    """The engine's pilot (the engine must run specpilot's scheduler with the plugin on)."""
+    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
+    assert pilot is not None
+    return pilot
 
 
 def wait_for_policy(llm: Any, controller: ControllerThread, timeout: float = 20.0) -> None:

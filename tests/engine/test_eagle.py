@@ -23,6 +23,7 @@ from tests.engine.harness import (
     SAMPLE_PROMPT,
     ModeDrafts,
     differing_positions,
+    pilot_of,
     samples_of,
     sampling,
     spec_counters,
@@ -60,15 +61,9 @@ def eagle_engine(tiny_models: Any, baseline: list[list[int]],
         yield llm
 
 
-def _pilot(llm: Any) -> Any:
-    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
-    assert pilot is not None
-    return pilot
-
-
 def test_the_head_is_announced_as_a_model_draft_past_the_tokenizer_guard(
         eagle_engine: Any, head: Path) -> None:
-    pilot = _pilot(eagle_engine)
+    pilot = pilot_of(eagle_engine)
     assert (pilot.engine.drafter, pilot.engine.drafter_kind) == (head.name, DraftKind.MODEL)
     assert pilot.engine.drafter_tokenizer == str(head)
     # The guard passed; n-gram and suffix drafts offered.
@@ -81,7 +76,7 @@ def test_the_head_is_announced_as_a_model_draft_past_the_tokenizer_guard(
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
 def test_greedy_outputs_equal_no_speculation_at_every_k(
         k: int, eagle_engine: Any, head: Path, baseline: list[list[int]]) -> None:
-    put_policy(_pilot(eagle_engine).view, {"default": (head.name if k else "", k)}, version=k + 1)
+    put_policy(pilot_of(eagle_engine).view, {"default": (head.name if k else "", k)}, version=k + 1)
     with step_log(eagle_engine) as steps:
         out = eagle_engine.generate(PROMPTS, sampling(0.0, len(PROMPTS), MAX_TOKENS),
                                     use_tqdm=False)
@@ -95,7 +90,7 @@ def test_greedy_outputs_equal_no_speculation_at_every_k(
 
 def test_greedy_outputs_equal_no_speculation_with_ngram_drafts_in_the_eagle_engine(
         eagle_engine: Any, baseline: list[list[int]]) -> None:
-    put_policy(_pilot(eagle_engine).view, {"default": (NGRAM_DRAFT, 4)}, version=10)
+    put_policy(pilot_of(eagle_engine).view, {"default": (NGRAM_DRAFT, 4)}, version=10)
     out = eagle_engine.generate(PROMPTS, sampling(0.0, len(PROMPTS), MAX_TOKENS), use_tqdm=False)
     assert token_ids(out) == baseline
 
@@ -126,7 +121,7 @@ def test_sampled_outputs_keep_the_targets_distribution(
         arm: str, eagle_engine: Any, head: Path, plain_samples: list[list[int]],
         monkeypatch: pytest.MonkeyPatch) -> None:
     draft, k, substitute, one_hot = ARMS[arm]
-    pilot = _pilot(eagle_engine)
+    pilot = pilot_of(eagle_engine)
     put_policy(pilot.view, {"default": (head.name if draft == "eagle" else draft, k)},
                version=20 + list(ARMS).index(arm))
     if substitute:

@@ -27,6 +27,7 @@ from engine_plugin.worker_patch import mark_step
 from tests.engine.harness import (
     FAST_CONTROLLER,
     differing_positions,
+    pilot_of,
     samples_of,
     sampling,
     set_override,
@@ -47,12 +48,6 @@ MAX_TOKENS = 24
 SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 4}
 
 
-def _pilot(llm: Any) -> Any:
-    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
-    assert pilot is not None
-    return pilot
-
-
 def _greedy(llm: Any) -> list[list[int]]:
     return token_ids(llm.generate(PROMPTS, sampling(0.0, len(PROMPTS), MAX_TOKENS),
                                   use_tqdm=False))
@@ -71,12 +66,12 @@ def suffix_engine(tiny_models: Any, references: Any) -> Iterator[Any]:
     # batch_max asked, per_request run (vLLM's suffix drafter drafts only the configured K).
     with plugin_environment({"k_mode": "batch_max"}), llm_session(
             tiny_models.target, SUFFIX_SPEC, SCHEDULER) as llm:
-        assert _pilot(llm).config.k_mode == "per_request"
+        assert pilot_of(llm).config.k_mode == "per_request"
         yield llm
 
 
 def test_vllms_suffix_method_is_announced_as_a_deterministic_draft(suffix_engine: Any) -> None:
-    pilot = _pilot(suffix_engine)
+    pilot = pilot_of(suffix_engine)
     assert (pilot.engine.drafter, pilot.engine.drafter_kind) == (SUFFIX_DRAFT, DraftKind.SUFFIX)
     sent = pilot.link._hello.hello.drafts  # the hello as sent
     assert [(d.name, draft_kind_from_proto(d.kind)) for d in sent] == [
@@ -87,7 +82,7 @@ def test_vllms_suffix_method_is_announced_as_a_deterministic_draft(suffix_engine
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
 def test_vllms_suffix_method_greedy_outputs_equal_no_speculation_at_every_k(
         k: int, suffix_engine: Any, references: Any) -> None:
-    put_policy(_pilot(suffix_engine).view, {"default": (SUFFIX_DRAFT if k else "", k)},
+    put_policy(pilot_of(suffix_engine).view, {"default": (SUFFIX_DRAFT if k else "", k)},
                version=k + 1)
     before = spec_counters(suffix_engine)
     with step_log(suffix_engine) as steps:
@@ -102,7 +97,7 @@ def test_vllms_suffix_method_greedy_outputs_equal_no_speculation_at_every_k(
 
 def test_vllms_suffix_method_keeps_the_targets_distribution(suffix_engine: Any,
                                                              references: Any) -> None:
-    put_policy(_pilot(suffix_engine).view, {"default": (SUFFIX_DRAFT, 4)}, version=10)
+    put_policy(pilot_of(suffix_engine).view, {"default": (SUFFIX_DRAFT, 4)}, version=10)
     before = spec_counters(suffix_engine)
     samples = samples_of(suffix_engine, seed0=50_000)
     used = spec_counters(suffix_engine) - before
@@ -126,7 +121,7 @@ def substituting_engine(tiny_models: Any, suffix_engine: Any) -> Iterator[Any]:
 
 def test_substituted_suffix_drafts_keep_greedy_outputs(substituting_engine: Any,
                                                        references: Any) -> None:
-    pilot = _pilot(substituting_engine)
+    pilot = pilot_of(substituting_engine)
     assert set(pilot.deterministic) == {NGRAM_DRAFT, SUFFIX_DRAFT}
     put_policy(pilot.view, {"default": (SUFFIX_DRAFT, 4)}, version=1)
     before = spec_counters(substituting_engine)
@@ -142,7 +137,7 @@ ARMS = {"suffix-k4": True, "suffix-k4-uncorrected": False}
 def test_substituted_suffix_drafts_keep_the_targets_distribution(
         arm: str, substituting_engine: Any, references: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    pilot = _pilot(substituting_engine)
+    pilot = pilot_of(substituting_engine)
     put_policy(pilot.view, {"default": (SUFFIX_DRAFT, 4)}, version=20 + list(ARMS).index(arm))
     if not ARMS[arm]:
         monkeypatch.setattr(pilot, "mark_step", lambda output: mark_step(

@@ -1,19 +1,28 @@
 """Counterfactual scoring of deterministic drafts: proposals are scored as the K asked, so a
 short or empty proposal counts as the 1 + accepted tokens its step would really yield; and the
 incremental n-gram proposer (per-request buffers appended with the new tokens) proposes and
-scores exactly what the first implementation, which re-read the whole context every step, did."""
+scores exactly what proposals from the whole context, re-read every step, do."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 
 from engine_plugin import ngram
-from engine_plugin.deterministic import Counterfactual, accepted_prefix
+from engine_plugin.deterministic import Counterfactual
 from engine_plugin.ngram import NgramProposer
+
+
+def test_a_proposal_is_scored_only_after_a_new_token() -> None:
+    """A request in chunked prefill: its list holds the whole prompt and grows by nothing from
+    step to step, so an empty proposal must not be scored as a step with none accepted."""
+    cf = Counterfactual(lambda req_id, tokens, num_prompt, k: [], k=4)
+    prompt = [1, 2, 3]
+    assert [cf.step("r", prompt, 3) for _ in range(5)] == [None] * 5
+    assert cf.step("r", [*prompt, 9], 3) == (4, 0)  # the prefill's sampled token came
 
 
 def test_short_and_empty_proposals_are_scored_as_k_asked() -> None:
@@ -44,33 +53,6 @@ def test_proposer_finds_the_continuation_of_a_repeated_ngram() -> None:
     assert proposer.propose("r", tokens, 2, 3) == [13, 14, 15]
 
 
-class ReferenceCounterfactual:
-    """The first implementation (re-slices the whole context every step): the oracle."""
-
-    def __init__(self, propose: Callable[[Sequence[int], int], list[int]], k: int) -> None:
-        self._propose, self.k = propose, k
-        self._pending: dict[str, tuple[int, list[int]]] = {}
-
-    def step(self, req_id: str, tokens: Sequence[int], num_prompt_tokens: int
-             ) -> tuple[int, int] | None:
-        scored = None
-        pending = self._pending.get(req_id)
-        if pending is not None:
-            start, proposal = pending
-            known = tokens[start : start + len(proposal)]
-            accepted = accepted_prefix(proposal, known)
-            if len(known) == len(proposal) or accepted < len(known):
-                scored = (self.k, accepted)
-                del self._pending[req_id]
-                pending = None
-        if pending is None and len(tokens) >= num_prompt_tokens:
-            self._pending[req_id] = (len(tokens), self._propose(tokens, self.k))
-        return scored
-
-    def forget(self, req_id: str) -> None:
-        self._pending.pop(req_id, None)
-
-
 @pytest.mark.parametrize(("window", "steps"), [(16, 3000), (64, 3000), (2048, 600)])
 @pytest.mark.parametrize("seed", range(3))
 def test_incremental_scorer_matches_the_reference(monkeypatch: pytest.MonkeyPatch, window: int,
@@ -91,11 +73,11 @@ def test_incremental_scorer_matches_the_reference(monkeypatch: pytest.MonkeyPatc
         new_proposals.append(proposer.propose(req_id, tokens, num_prompt, kk))
         return new_proposals[-1]
 
-    def old_propose(tokens: Sequence[int], kk: int) -> list[int]:
-        old_proposals.append(proposer.propose_tokens(tokens, kk))
+    def old_propose(req_id: str, tokens: Sequence[int], num_prompt: int, kk: int) -> list[int]:
+        old_proposals.append(proposer.propose_tokens(tokens, kk))  # the context read whole
         return old_proposals[-1]
 
-    new, old = Counterfactual(new_propose, k), ReferenceCounterfactual(old_propose, k)
+    new, old = Counterfactual(new_propose, k), Counterfactual(old_propose, k)
     vocab = rng.choice([3, 8, 50])  # small vocabularies repeat n-grams: proposals are not empty
     streams: dict[str, tuple[list[int], int]] = {}
     for _ in range(steps):
