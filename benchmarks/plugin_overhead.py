@@ -13,8 +13,9 @@ Four engines on the tiny target, each with the target as its own draft (K=4, acc
   link thread stays here, as in production). The controller pins every class to K=4 (operator
   override), so all engines do the same work: same steps, tokens and drafts;
 - ``plugin-no-ctl``: the same scheduler with no controller (static configuration, no link thread);
-- ``plugin-no-ngram``: with the controller and ``SPECPILOT_PLUGIN_NGRAM_DRAFTS=false`` (no n-gram
-  drafts offered, so no counterfactual n-gram scoring): shows what that feature costs.
+- ``plugin-no-ngram``: with the controller and ``SPECPILOT_PLUGIN_NGRAM_DRAFTS=false``,
+  ``SUFFIX_DRAFTS=false`` (no deterministic drafts offered, so no counterfactual scoring): shows
+  what that feature costs.
 
 (``--only-controller`` keeps the first two.)
 
@@ -79,12 +80,12 @@ PLUGIN_ENV = {
     PLUGIN: {"controller": "{ctl}", "engine_id": "bench-plugin"},
     PLUGIN_BARE: {"controller": "", "engine_id": "bench-no-ctl"},
     PLUGIN_NO_NGRAM: {"controller": "{ctl}", "engine_id": "bench-no-ngram",
-                      "ngram_drafts": "false"},
+                      "ngram_drafts": "false", "suffix_drafts": "false"},
 }
 LABELS = {BASE: "vLLM `Scheduler` (base)",
           PLUGIN: "`SpecPilotScheduler` + controller",
           PLUGIN_BARE: "`SpecPilotScheduler`, no controller",
-          PLUGIN_NO_NGRAM: "`SpecPilotScheduler` + controller, `NGRAM_DRAFTS=false`"}
+          PLUGIN_NO_NGRAM: "`SpecPilotScheduler` + controller, no n-gram or suffix drafts"}
 K = 4
 BATCH = 16
 # Goals (issue 11): the plugin's overhead as a share of the base scheduler's time and step.

@@ -78,9 +78,11 @@ class PluginConfig:
     ngram_drafts: bool = True
     """Offer n-gram (prompt-lookup) drafts to the controller (substituted where the engine mode
     allows) and score them counterfactually: ``true`` or ``false``."""
-    suffix_drafts: bool = True
+    suffix_drafts: bool = False
     """Offer suffix drafts (Suffix Decoding, from the ``arctic-inference`` package; skipped with
-    one log line where it is not installed) the same way: ``true`` or ``false``."""
+    one log line where it is not installed) the same way: ``true`` or ``false``. Off by default:
+    scoring them counterfactually costs about 60 us per scored request-step in the scheduler
+    (n-gram: about 15; docs/benchmarks.md); turn them on for repetitive or agentic traffic."""
     suffix_cached_responses: int = 1000
     """Responses the plugin's own suffix cache keeps for later requests, count >= 0 (0: none;
     oldest evicted first). About 220 bytes per token: 1,000 responses of 512 tokens are about

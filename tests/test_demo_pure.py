@@ -246,7 +246,8 @@ def test_the_eagle_configurations_of_the_line_up() -> None:
     # specpilot on the head: the head up to max_k, the specpilot scheduler in batch_max mode,
     # as specpilot on the draft model, whose speculative config names the draft instead.
     ours, theirs = by_name[SPECPILOT_EAGLE], by_name[SPECPILOT]
-    assert ours.specpilot and ours.plugin_env == {"K_MODE": "batch_max"} == theirs.plugin_env
+    assert ours.specpilot and ours.plugin_env == {"K_MODE": "batch_max", "SUFFIX_DRAFTS": "true"}
+    assert ours.plugin_env == theirs.plugin_env
     assert ours.speculative_config(Path("/d"), Path("/e")) == {
         "method": "eagle", "model": "/e", "num_speculative_tokens": 3,
         "draft_sample_method": "probabilistic"}

@@ -93,14 +93,16 @@ def optional_configs() -> list[EngineConfig]:
 
 
 def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:
-    """specpilot on ``drafter`` ("draft" or "eagle") up to ``max_k``, with n-gram drafts."""
+    """specpilot on ``drafter`` ("draft" or "eagle") up to ``max_k``, with n-gram and suffix
+    drafts (suffix drafts are off by default in the plugin; the benchmark offers them)."""
     if drafter not in SPECPILOT_NAMES:
         raise ValueError(f"specpilot runs on a model drafter {sorted(SPECPILOT_NAMES)}, "
                          f"not {drafter!r}")
     # batch_max: the drafter drafts only the largest K the batch's requests want, so a shorter
     # K (or off) saves draft passes too, not only verification; each request keeps its own K.
     return EngineConfig(SPECPILOT_NAMES[drafter], drafter, max_k, specpilot=True,
-                        plugin_env={"K_MODE": "batch_max"}, draft_sampling=PROBABILISTIC)
+                        plugin_env={"K_MODE": "batch_max", "SUFFIX_DRAFTS": "true"},
+                        draft_sampling=PROBABILISTIC)
 
 
 def static_rivals(ours: EngineConfig, configs: Iterable[EngineConfig]) -> list[EngineConfig]:

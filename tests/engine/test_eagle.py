@@ -17,7 +17,6 @@ from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, p
 from controller.core.types import DraftKind
 from controller.wire import draft_kind_from_proto
 from engine_plugin.ngram import NGRAM_DRAFT
-from engine_plugin.suffix import SUFFIX_DRAFT
 from engine_plugin.worker_patch import mark_step
 from tests.engine.harness import (
     SAMPLE_PROMPT,
@@ -66,8 +65,8 @@ def test_the_head_is_announced_as_a_model_draft_past_the_tokenizer_guard(
     pilot = pilot_of(eagle_engine)
     assert (pilot.engine.drafter, pilot.engine.drafter_kind) == (head.name, DraftKind.MODEL)
     assert pilot.engine.drafter_tokenizer == str(head)
-    # The guard passed; n-gram and suffix drafts offered.
-    assert pilot.drafts_allowed == {head.name, NGRAM_DRAFT, SUFFIX_DRAFT}
+    # The guard passed; n-gram drafts offered (suffix drafts are opt-in).
+    assert pilot.drafts_allowed == {head.name, NGRAM_DRAFT}
     drafts = {d.name: d for d in pilot.link._hello.hello.drafts}  # the hello as sent
     assert draft_kind_from_proto(drafts[head.name].kind) is DraftKind.MODEL
     assert drafts[head.name].max_k == 4
@@ -108,8 +107,7 @@ def head(tiny_models: Any) -> Path:
 
 # arm: (draft, K, n-gram drafts put in place of the head's, their one-hot rows on)
 ARMS: dict[str, tuple[str, int, bool, bool]] = {
-    "eagle-k2": ("eagle", 2, False, True),
-    "eagle-k4": ("eagle", 4, False, True),
+    **{f"eagle-k{k}": ("eagle", k, False, True) for k in (1, 2, 3, 4)},  # every K it can pick
     "ngram-k4": (NGRAM_DRAFT, 4, True, True),
     # Control: deterministic drafts verified against the head's probabilities.
     "ngram-k4-uncorrected": (NGRAM_DRAFT, 4, True, False),

@@ -95,13 +95,14 @@ def test_vllms_suffix_method_greedy_outputs_equal_no_speculation_at_every_k(
         assert max(used.accepted_per_pos[k:], default=0) == 0  # never beyond the K chosen
 
 
-def test_vllms_suffix_method_keeps_the_targets_distribution(suffix_engine: Any,
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_vllms_suffix_method_keeps_the_targets_distribution(k: int, suffix_engine: Any,
                                                              references: Any) -> None:
-    put_policy(pilot_of(suffix_engine).view, {"default": (SUFFIX_DRAFT, 4)}, version=10)
+    put_policy(pilot_of(suffix_engine).view, {"default": (SUFFIX_DRAFT, k)}, version=10 + k)
     before = spec_counters(suffix_engine)
-    samples = samples_of(suffix_engine, seed0=50_000)
+    samples = samples_of(suffix_engine, seed0=50_000 + 1000 * k)
     used = spec_counters(suffix_engine) - before
-    print(f"\n[vllm suffix k4] {used} acceptance={used.acceptance:.3f}")
+    print(f"\n[vllm suffix k{k}] {used} acceptance={used.acceptance:.3f}")
     assert used.accepted_tokens > 0
     failures = differing_positions(references[1], samples)
     assert not failures, f"sampled distribution differs from the target's: {failures}"
@@ -114,7 +115,7 @@ def substituting_engine(tiny_models: Any, suffix_engine: Any) -> Iterator[Any]:
     blatant bias. Per-request K, so the drafter's probabilities are there for every request."""
     spec = {"model": str(tiny_models.target), "num_speculative_tokens": 4,
             "draft_sample_method": "probabilistic"}
-    with plugin_environment({"k_mode": "per_request"}), llm_session(
+    with plugin_environment({"k_mode": "per_request", "suffix_drafts": "true"}), llm_session(
             tiny_models.target, spec, SCHEDULER) as llm:
         yield llm
 
@@ -129,8 +130,9 @@ def test_substituted_suffix_drafts_keep_greedy_outputs(substituting_engine: Any,
     assert (spec_counters(substituting_engine) - before).accepted_tokens > 0
 
 
-# arm: one-hot rows for the substituted suffix drafts
-ARMS = {"suffix-k4": True, "suffix-k4-uncorrected": False}
+# arm: (K, one-hot rows for the substituted suffix drafts)
+ARMS = {**{f"suffix-k{k}": (k, True) for k in (1, 2, 3, 4)},
+        "suffix-k4-uncorrected": (4, False)}
 
 
 @pytest.mark.parametrize("arm", list(ARMS))
@@ -138,8 +140,9 @@ def test_substituted_suffix_drafts_keep_the_targets_distribution(
         arm: str, substituting_engine: Any, references: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     pilot = pilot_of(substituting_engine)
-    put_policy(pilot.view, {"default": (SUFFIX_DRAFT, 4)}, version=20 + list(ARMS).index(arm))
-    if not ARMS[arm]:
+    k, one_hot = ARMS[arm]
+    put_policy(pilot.view, {"default": (SUFFIX_DRAFT, k)}, version=20 + list(ARMS).index(arm))
+    if not one_hot:
         monkeypatch.setattr(pilot, "mark_step", lambda output: mark_step(
             output, skip_drafter=False, deterministic=()))
     before = spec_counters(substituting_engine)
@@ -148,7 +151,7 @@ def test_substituted_suffix_drafts_keep_the_targets_distribution(
     print(f"\n[{arm}] {used} acceptance={used.acceptance:.3f}")
     assert used.draft_tokens > 0
     failures = differing_positions(references[1], samples)
-    if ARMS[arm]:
+    if one_hot:
         assert not failures, f"{arm}: sampled distribution differs from the target's: {failures}"
     else:
         assert failures, f"{arm}: the control should show the bias of unmarked suffix rows"
@@ -182,9 +185,9 @@ def test_suffix_drafts_are_scored_counterfactually_and_chosen_where_they_win(
     mixed = [_greedy_for(classes[(i // len(PROMPTS)) % 2]) for i in range(4 * len(PROMPTS))]
     controller = ControllerThread(**FAST_CONTROLLER)
     try:
-        with plugin_environment({"controller": controller.target, "ngram_drafts": "false",
-                                 "counterfactual_per_step": "1000"}), llm_session(
-                tiny_models.target, spec, SCHEDULER) as llm:
+        env = {"controller": controller.target, "ngram_drafts": "false",
+               "suffix_drafts": "true", "counterfactual_per_step": "1000"}
+        with plugin_environment(env), llm_session(tiny_models.target, spec, SCHEDULER) as llm:
             set_override(controller, Override("counterfactual", pin_k=4))
             set_override(controller, Override("served", force_draft=SUFFIX_DRAFT))
             wait_for_policy(llm, controller)

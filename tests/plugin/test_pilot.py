@@ -50,7 +50,7 @@ def engine(draft_tokenizer: str = "same", async_scheduling: bool = False) -> Eng
 
 
 def test_matching_draft_is_offered_with_ngram_and_suffix_substitution() -> None:
-    a = announce(engine(), PluginConfig(engine_id="e1"), load)
+    a = announce(engine(), PluginConfig(engine_id="e1", suffix_drafts=True), load)
     target_hash = vocab_hash(TOKENIZERS["target"])
     assert a.drafts_allowed == {"draft", NGRAM_DRAFT, SUFFIX_DRAFT}
     assert a.hello.drafts == (DraftSpec("draft", DraftKind.MODEL, 4, target_hash),
@@ -68,11 +68,11 @@ def test_each_deterministic_draft_can_be_left_out(monkeypatch: pytest.MonkeyPatc
     def names(config: PluginConfig) -> list[str]:
         return [d.name for d in announce(engine(), config, load).hello.drafts]
 
-    assert names(PluginConfig(suffix_drafts=False)) == ["draft", NGRAM_DRAFT]
-    assert names(PluginConfig(ngram_drafts=False)) == ["draft", SUFFIX_DRAFT]
+    assert names(PluginConfig()) == ["draft", NGRAM_DRAFT]  # suffix drafts are opt-in
+    assert names(PluginConfig(ngram_drafts=False, suffix_drafts=True)) == ["draft", SUFFIX_DRAFT]
     monkeypatch.setattr(pilot_module, "suffix_available", lambda: False)  # not installed
     caplog.set_level(logging.INFO, logger="specpilot.plugin")
-    assert names(PluginConfig()) == ["draft", NGRAM_DRAFT]
+    assert names(PluginConfig(suffix_drafts=True)) == ["draft", NGRAM_DRAFT]
     assert "arctic-inference is not installed" in caplog.text
 
 
