@@ -52,8 +52,6 @@ class NgramProposer:
 
     def propose_tokens(self, tokens: Sequence[int], k: int) -> list[int]:
         """``propose`` for a context read whole (sliced and converted): the reference."""
-        if k <= 0 or len(tokens) < self.min_n:
-            return []
         return self.propose_window(np.asarray(tokens[-MAX_CONTEXT_TOKENS:], dtype=np.int32),
                                    len(tokens), k)
 

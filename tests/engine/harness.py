@@ -194,3 +194,21 @@ def clear_overrides(controller: ControllerThread) -> None:
             core.decide(time.time())
 
     controller.call(clear)
+
+
+def params(traffic_class: str | None = None, max_tokens: int = 24, **kw: Any) -> Any:
+    """Greedy SamplingParams, tagged with ``traffic_class`` for the plugin's classifier."""
+    from vllm import SamplingParams
+
+    extra = {"traffic_class": traffic_class} if traffic_class else None
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra, **kw)
+
+
+def observed_acceptance(controller: ControllerThread, traffic_class: str, draft: str,
+                        positions: int | None = None) -> tuple[float, float]:
+    """Per-token acceptance of ``draft`` for ``traffic_class`` in the controller's evidence (the
+    prior left out) over its first ``positions`` positions (all: None), and the tries behind it."""
+    post = controller.call(lambda core: core.estimate(traffic_class, draft, time.time()).posterior)
+    tries = float(post.effective_tries[:positions].sum())
+    accepts = float((post.alpha[:positions] - post.prior_alpha).sum())
+    return accepts / max(tries, 1.0), tries

@@ -24,6 +24,8 @@ from controller.core.types import Override
 from tests.engine.harness import (
     FAST_CONTROLLER,
     clear_overrides,
+    observed_acceptance,
+    params,
     pilot_of,
     set_override,
     spec_counters,
@@ -50,13 +52,6 @@ MAX_TOKENS = 24
 def plugin_env(**values: str) -> AbstractContextManager[None]:
     """SPECPILOT_PLUGIN_* variables for engines built inside the block."""
     return plugin_environment(values)
-
-
-def params(traffic_class: str | None = None, max_tokens: int = MAX_TOKENS, **kw: Any) -> Any:
-    from vllm import SamplingParams
-
-    extra = {"traffic_class": traffic_class} if traffic_class else None
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra, **kw)
 
 
 def one_engine(core: ControllerCore) -> bool:
@@ -257,13 +252,6 @@ def test_counterfactual_ngram_acceptance_matches_ngram_serving(
     spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
     long_prompts = PROMPTS * 3
 
-    def ngram_acceptance(traffic_class: str) -> tuple[float, float]:
-        post = controller.call(lambda core: core.estimate(
-            traffic_class, "ngram", time.time()).posterior)
-        tries = float(post.effective_tries.sum())
-        accepts = float((post.alpha - post.prior_alpha).sum())
-        return accepts / max(tries, 1.0), tries
-
     with plugin_env(controller=controller.target, counterfactual_per_step="1000"), \
             llm_session(tiny_models.target, spec, SCHEDULER) as llm:
         set_override(controller, Override("counterfactual", pin_k=4))
@@ -272,8 +260,8 @@ def test_counterfactual_ngram_acceptance_matches_ngram_serving(
         llm.generate(long_prompts, params("counterfactual", max_tokens=64), use_tqdm=False)
         llm.generate(long_prompts, params("served", max_tokens=64), use_tqdm=False)
         time.sleep(0.5)  # let the last report arrive
-    counterfactual, n_cf = ngram_acceptance("counterfactual")
-    served, n_served = ngram_acceptance("served")
+    counterfactual, n_cf = observed_acceptance(controller, "counterfactual", "ngram")
+    served, n_served = observed_acceptance(controller, "served", "ngram")
     print(f"n-gram per-token acceptance: counterfactual {counterfactual:.3f} over {n_cf:.0f} "
           f"tries, served {served:.3f} over {n_served:.0f} tries")
     assert n_cf > 100 and n_served > 100

@@ -27,6 +27,8 @@ from engine_plugin.worker_patch import mark_step
 from tests.engine.harness import (
     FAST_CONTROLLER,
     differing_positions,
+    observed_acceptance,
+    params,
     pilot_of,
     samples_of,
     sampling,
@@ -157,22 +159,6 @@ def test_substituted_suffix_drafts_keep_the_targets_distribution(
         assert failures, f"{arm}: the control should show the bias of unmarked suffix rows"
 
 
-def _acceptance(controller: ControllerThread, traffic_class: str, draft: str
-                ) -> tuple[float, float]:
-    """Position-1 acceptance of ``draft`` for ``traffic_class`` by the controller's evidence (its
-    K may differ between the classes; every step tries position 1), and the tries behind it."""
-    post = controller.call(lambda core: core.estimate(traffic_class, draft, time.time()).posterior)
-    tries = float(post.effective_tries[0])
-    return float(post.alpha[0] - post.prior_alpha) / max(tries, 1.0), tries
-
-
-def _greedy_for(traffic_class: str) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                          extra_args={"traffic_class": traffic_class})
-
-
 def test_suffix_drafts_are_scored_counterfactually_and_chosen_where_they_win(
         tiny_models: Any, references: Any) -> None:
     """A random draft model (accepted about never) and traffic that repeats earlier responses.
@@ -182,7 +168,7 @@ def test_suffix_drafts_are_scored_counterfactually_and_chosen_where_they_win(
     the reports: suffix drafts win it."""
     spec = {"model": str(tiny_models.draft), "num_speculative_tokens": 4}
     classes = ["counterfactual", "served"]
-    mixed = [_greedy_for(classes[(i // len(PROMPTS)) % 2]) for i in range(4 * len(PROMPTS))]
+    mixed = [params(classes[(i // len(PROMPTS)) % 2]) for i in range(4 * len(PROMPTS))]
     controller = ControllerThread(**FAST_CONTROLLER)
     try:
         env = {"controller": controller.target, "ngram_drafts": "false",
@@ -195,8 +181,11 @@ def test_suffix_drafts_are_scored_counterfactually_and_chosen_where_they_win(
                 out = llm.generate(PROMPTS * 4, mixed, use_tqdm=False)
                 assert token_ids(out) == references[0] * 4  # greedy identity, both classes
             time.sleep(0.5)  # let the last report arrive
-            counterfactual, n_cf = _acceptance(controller, "counterfactual", SUFFIX_DRAFT)
-            served, n_served = _acceptance(controller, "served", SUFFIX_DRAFT)
+            # Position 1 only: the two classes' K may differ; every step tries position 1.
+            counterfactual, n_cf = observed_acceptance(controller, "counterfactual",
+                                                       SUFFIX_DRAFT, positions=1)
+            served, n_served = observed_acceptance(controller, "served", SUFFIX_DRAFT,
+                                                   positions=1)
             print(f"\nsuffix position-1 acceptance: counterfactual {counterfactual:.3f} over "
                   f"{n_cf:.0f} tries, served {served:.3f} over {n_served:.0f} tries")
             assert n_cf > 50 and n_served > 50
@@ -204,7 +193,7 @@ def test_suffix_drafts_are_scored_counterfactually_and_chosen_where_they_win(
             bucket = controller.call(lambda core: core.config.bucket_of(len(PROMPTS)))
             decision = None
             for _ in range(40):
-                llm.generate(PROMPTS, [_greedy_for("learnt")] * len(PROMPTS), use_tqdm=False)
+                llm.generate(PROMPTS, [params("learnt")] * len(PROMPTS), use_tqdm=False)
                 time.sleep(0.15)  # one report interval: the engine reports, the controller decides
                 decision = controller.call(lambda core: core.decision("learnt", bucket))
                 if decision is not None and decision.draft == SUFFIX_DRAFT and decision.k >= 1:
