@@ -353,3 +353,20 @@ def test_a_bucket_without_new_evidence_keeps_its_decision() -> None:
     assert idle[0] > 0 and all(idle[b] == 0 for b in idle if b != 0)  # 10 and 0 measured
     busy = changes(list(range(len(idle))))
     assert all(busy[b] > 0 for b in busy)  # 9 each measured
+
+
+def test_a_bucket_is_priced_at_the_batch_size_it_runs_at() -> None:
+    """Steps at batch 36 land in the 33-64 bucket: its arms are priced at 36, not at 64 (where
+    a load of 36 was switched off as if it were 64). The control: a bucket without steps keeps
+    its upper bound."""
+    core = _core()
+    b = core.config.bucket_of(36)
+    report = replace(_good(1), step_timings=(StepTimingRecord(b, "d", 3, 50, 50 * 36,
+                                                              50 * 36 * 4, 50 * 36 * 3, 2.0),))
+    core.ingest("e1", report, now=1.0)
+    core.decide(now=1.0)
+    priced = core.explain("code", b, now=1.0)
+    assert priced.batch_size == 36
+    arm = next(a for a in priced.arms if (a.draft, a.k) == ("d", 2))
+    assert arm.step_seconds == pytest.approx(core.predicted_step_seconds(36, "d", 2))
+    assert core.explain("code", b - 1, now=1.0).batch_size == 32

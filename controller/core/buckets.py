@@ -28,3 +28,48 @@ def check_bucket_bounds(bounds: Iterable[int]) -> tuple[int, ...]:
 def bucket_of(bounds: tuple[int, ...], batch_size: int) -> int:
     """Index of the first bucket whose upper bound is >= batch_size (len(bounds) if none)."""
     return bisect_left(bounds, batch_size)
+
+
+def bucket_upper_size(bounds: tuple[int, ...], bucket: int) -> int:
+    """The largest batch size of a bucket: its upper bound (twice the last bound for the open
+    bucket)."""
+    return bounds[bucket] if bucket < len(bounds) else 2 * bounds[-1]
+
+
+class BucketLoads:
+    """The batch size each bucket really runs at: decayed, steps-weighted means of the decode
+    steps the engines timed in it.
+
+    Why: a bucket spans a range (33-64 sequences by default), and where speculation stops paying
+    moves inside it. Pricing every bucket at its upper bound made a load of 36 run as if it were
+    64, where K=1 no longer pays: specpilot switched speculation off and lost 16% to static K=1.
+    A bucket never seen keeps the upper bound (the cautious end: larger batches speculate less).
+    """
+
+    def __init__(self, bounds: tuple[int, ...], half_life_seconds: float) -> None:
+        self._bounds = bounds
+        self._half_life = half_life_seconds
+        self._steps: dict[int, float] = {}
+        self._batch_sum: dict[int, float] = {}
+        self._at: dict[int, float] = {}
+
+    def observe(self, bucket: int, steps: float, sum_batch_size: float, now: float) -> None:
+        """``steps`` decode steps in ``bucket`` whose batch sizes sum to ``sum_batch_size``."""
+        if steps <= 0:
+            return
+        at = self._at.get(bucket)
+        f = 1.0 if at is None or now <= at else float(2.0 ** (-(now - at) / self._half_life))
+        self._steps[bucket] = self._steps.get(bucket, 0.0) * f + steps
+        self._batch_sum[bucket] = self._batch_sum.get(bucket, 0.0) * f + sum_batch_size
+        self._at[bucket] = now if at is None else max(at, now)
+
+    def batch_size(self, bucket: int) -> int:
+        """The bucket's mean observed batch size, rounded and kept inside the bucket; its upper
+        bound before any step was seen there."""
+        steps = self._steps.get(bucket, 0.0)
+        if steps <= 0:
+            return bucket_upper_size(self._bounds, bucket)
+        lower = self._bounds[bucket - 1] + 1 if bucket > 0 else 1
+        upper = self._bounds[bucket] if bucket < len(self._bounds) else None
+        size = max(round(self._batch_sum[bucket] / steps), lower)
+        return size if upper is None else min(size, upper)

@@ -18,7 +18,7 @@ from functools import partial
 import numpy as np
 
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of
+from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, BucketLoads, bucket_of, bucket_upper_size
 from controller.core.classes import fold_class, fold_classes
 from controller.core.cost_model import CostPrior, PricedCosts, StepCostModel, StepShape, SunkDraft
 from controller.core.goodput import expected_tokens_curve
@@ -83,6 +83,10 @@ class CoreConfig:
     batch_bucket_upper_bounds: tuple[int, ...] = tunable(DEFAULT_BUCKET_BOUNDS, increasing=True)
     """Inclusive upper bounds of batch-size buckets, sequences; one open bucket follows the
     last."""
+    traffic_half_life_seconds: float = tunable(30.0, gt=0)
+    """Half-life of what the controller knows of the traffic running now: the class mix of the
+    batch and each bucket's mean batch size (a bucket's decisions are priced at it), seconds.
+    Short, so that decisions follow a mix or load that moves within minutes."""
     max_classes: int = tunable(16, ge=1, le=256)
     """Distinct class names tracked; more fold into 'other'."""
     offline_classes: frozenset[str] = tunable(frozenset())
@@ -95,10 +99,9 @@ class CoreConfig:
         return len(self.batch_bucket_upper_bounds) + 1
 
     def bucket_batch_size(self, bucket: int) -> int:
-        """Representative batch size of a bucket: its upper bound (twice the last for the open
-        bucket)."""
-        bounds = self.batch_bucket_upper_bounds
-        return bounds[bucket] if bucket < len(bounds) else 2 * bounds[-1]
+        """Upper batch size of a bucket: its upper bound (twice the last for the open bucket);
+        the cost prior's design points, and a bucket's price until steps were seen in it."""
+        return bucket_upper_size(self.batch_bucket_upper_bounds, bucket)
 
     def bucket_of(self, batch_size: int) -> int:
         return bucket_of(self.batch_bucket_upper_bounds, batch_size)
@@ -135,7 +138,7 @@ class ControllerCore:
         self.config = config
         self._rng = rng
         self._estimator = AcceptanceEstimator(config.estimator)
-        self._mix = ClassMix(config.estimator.half_life_seconds)
+        self._mix = ClassMix(config.traffic_half_life_seconds)
         # Per bucket: the arms of the best whole batch (the joint search), and when it ran.
         self._joint: dict[int, dict[str, Arm]] = {}
         self._joint_at: dict[int, float] = {}
@@ -147,8 +150,11 @@ class ControllerCore:
             config.policy.max_k,
         )
         self._engines: dict[str, _EngineState] = {}
-        # Per bucket: when an engine last reported decode steps at its batch sizes.
+        # Per bucket: when an engine last reported decode steps at its batch sizes, and the
+        # batch size those steps ran at (what the bucket's decisions are priced at).
         self._bucket_seen: dict[int, float] = {}
+        self._loads = BucketLoads(config.batch_bucket_upper_bounds,
+                                  config.traffic_half_life_seconds)
         self._classes: dict[str, _ClassState] = {DEFAULT_CLASS: _ClassState()}
         # Offline classes are known before their first request, so they are pinned off from the
         # first policy on instead of running the warm-up K until a report names them.
@@ -268,6 +274,7 @@ class ControllerCore:
             )
             measured = st.sum_step_seconds / st.steps
             self._bucket_seen[st.batch_bucket] = now
+            self._loads.observe(st.batch_bucket, st.steps, st.sum_batch_size, now)
             predictions.append(StepPrediction(st.batch_bucket, st.k, st.steps,
                                               self._cost.predict(shape), measured))
             self._cost.observe(shape, measured, st.steps, now)
@@ -314,7 +321,7 @@ class ControllerCore:
                     draft, k = target
                 e = float(self._mean_curve(other, draft, now, cache)[k]) if k else 1.0
                 others.append(other_class(share, (draft, k), e, drafts))
-            batch = self.config.bucket_batch_size(b)
+            batch = self._loads.batch_size(b)
             out[batch] = BatchOthers.build(batch, shares.get(name, 0.0), others)
         return out
 
@@ -333,7 +340,7 @@ class ControllerCore:
             return
         interval = self.config.policy.joint_interval_seconds
         buckets = [b for b in range(self.config.n_buckets)
-                   if self.config.bucket_batch_size(b) > 1]
+                   if self._loads.batch_size(b) > 1]
         if any(s.change_pending for s in self._classes.values()):
             due = buckets
         else:
@@ -361,7 +368,7 @@ class ControllerCore:
                 d = state.decisions.get(b)
                 arm = d.arm if d is not None and d.draft in curves | {"": None} else ("", 0)
                 joint.append(JointClass(name, share, curves, arm, free))
-            self._joint[b] = joint_arms(self.config.bucket_batch_size(b), joint, drafts,
+            self._joint[b] = joint_arms(self._loads.batch_size(b), joint, drafts,
                                        self.config.policy.max_k, self._cost.predict_mixed)
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
@@ -378,7 +385,7 @@ class ControllerCore:
             mean[d.name] = post.mean
             position1[d.name] = (float(post.alpha[0]), float(post.beta[0]))
         buckets = tuple(
-            BucketState(b, self.config.bucket_batch_size(b), state.decisions.get(b),
+            BucketState(b, self._loads.batch_size(b), state.decisions.get(b),
                         state.changed_at.get(b),
                         fresh=self._fresh(state, b))
             for b in range(self.config.n_buckets)
@@ -588,7 +595,7 @@ class ControllerCore:
             raise KeyError(f"batch bucket {bucket} outside 0..{self.config.n_buckets - 1}")
         state = self._classes[traffic_class]
         ctx = self._context(traffic_class, state, self.drafts(), now)
-        batch = self.config.bucket_batch_size(bucket)
+        batch = self._loads.batch_size(bucket)
         arms = tuple(arm_values(ctx, batch, ctx.mean_rates, self.config.policy.max_k))
         rates = tuple((d.name, tuple(float(r) for r in ctx.mean_rates[d.name][: d.max_k]))
                       for d in ctx.drafts)
