@@ -370,3 +370,22 @@ def test_a_bucket_is_priced_at_the_batch_size_it_runs_at() -> None:
     arm = next(a for a in priced.arms if (a.draft, a.k) == ("d", 2))
     assert arm.step_seconds == pytest.approx(core.predicted_step_seconds(36, "d", 2))
     assert core.explain("code", b - 1, now=1.0).batch_size == 32
+
+
+def test_the_batch_mix_follows_a_switch_of_traffic_within_a_minute() -> None:
+    """A minute of chat only, then a minute of code only: the mix the joint search and the
+    mixed arm tables use has turned to code: the chat minute weighs a quarter after two
+    half-lives of 30 s, so code's share is 1 / (1 + 1/4). The
+    control: at the acceptance estimator's 300 s half-life the mix would be about even."""
+    def code_share(half_life: float) -> float:
+        core = _core(traffic_half_life_seconds=half_life)
+        for t in range(1, 121):
+            cls = "chat" if t <= 60 else "code"
+            core.ingest("e1", EngineReport(
+                sequence=t, interval_seconds=1.0, policy_version=0,
+                acceptance=(AcceptanceRecord(cls, "d", 3, (10, 20, 30, 40)),)), now=float(t))
+        shares = {c.name: c.share for c in core.snapshot(120.0).classes}
+        return float(shares["code"] or 0.0)
+
+    assert code_share(30.0) == pytest.approx(0.8, abs=1e-9)
+    assert code_share(300.0) < 0.6  # 0.53: the chat minute still weighs 0.87

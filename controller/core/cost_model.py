@@ -55,13 +55,12 @@ class CostPrior:
     """Prior model-draft time per sequential draft pass, seconds."""
     draft_seconds_per_token: float = tunable(1e-5, ge=0)
     """Prior model-draft time per proposed token, seconds."""
-    strength_steps: float = tunable(0.5, gt=0)
+    strength_steps: float = tunable(20.0, gt=0)
     """Weight of the cost prior, in equivalent observed steps (spread over every batch bucket
-    and K). Light: the prior's roofline is generic, and where the live steps leave a direction
-    unexcited (they cluster at the few shapes an engine runs) a heavy prior bends the fit to its
-    own ridge; the engine's start-up profile, measured on this hardware, should shape it
-    instead (at 20 the simulator's fits were off by up to 19% at shapes not run, and specpilot
-    lost 1.1% of throughput on the suite's geometric mean against 0.5)."""
+    and K). Not lighter: the start-up profile's speculative points are low (see
+    ``profile_weight_steps``), and at 0.5 the fit followed them: on the real CPU engine
+    specpilot priced K=2-4 at batch 32 as a 1.4-2x speedup where no speculation was best (0.93 of
+    draft:2p against 1.03 at 20), although the simulator, whose profile is exact, gained 1.1%."""
     noise_seconds: float = tunable(1e-3, gt=0)
     """Prior standard deviation of one step's time around the model, seconds (held as two
     virtual reports; the residuals of the observed reports take over)."""
