@@ -107,8 +107,7 @@ class PluginConfig:
     """Time a few dummy target steps and drafter passes after the warm-up of an engine on
     specpilot's scheduler (about 1-2 s; each shape the fastest of five) and send them in the
     hello, so the controller's cost model starts from this hardware (weighted by its
-    ``cost_prior_profile_weight_steps`` and ``cost_prior_profile_base_weight_steps``): ``true``
-    or ``false``."""
+    ``cost_prior_profile_weight_steps``): ``true`` or ``false``."""
 
     def __post_init__(self) -> None:
         _check(self)

@@ -16,9 +16,8 @@ prior).
 The profile is on by default, for engines on specpilot's scheduler only (the general plugin loads
 in every vLLM process). It times the forward passes only: a real speculative step also prepares
 the drafter's inputs and runs the rejection sampler (on this CPU 2-3 ms at batch 1, 20-30% at
-batch 16), so the controller weighs each speculative point lightly
-(``cost_prior_profile_weight_steps``) and its live timings correct them; the points without
-speculation weigh more (``cost_prior_profile_base_weight_steps``).
+batch 16), so the controller weighs each point lightly
+(``cost_prior_profile_weight_steps``) and its live timings correct the speculative points.
 
 Approximation: the dummy drafter runs its passes over all the step's tokens, a real one over the
 batch after the first pass; at decode batch sizes a pass is latency-bound, so this is small.

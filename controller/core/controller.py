@@ -197,11 +197,9 @@ class ControllerCore:
         """The engine's start-up profile enters the cost model as observed steps of stated
         weight, so the model starts from this hardware and live timings still take over. Points
         timing a draft the controller refused are skipped (their passes have no cost column)."""
-        prior = self.config.cost_prior
+        weight = self.config.cost_prior.profile_weight_steps
         for p in hello.step_profile:
             spec = accepted.get(p.draft)
-            weight = (prior.profile_weight_steps if p.draft_passes
-                      else prior.profile_base_weight_steps)
             if weight <= 0 or (p.draft and (spec is None or spec.kind is not DraftKind.MODEL)):
                 continue
             shape = StepShape(p.batch_size, p.verified_tokens, p.draft, p.draft_passes,

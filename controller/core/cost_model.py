@@ -65,21 +65,12 @@ class CostPrior:
     """Prior standard deviation of one step's time around the model, seconds (held as two
     virtual reports; the residuals of the observed reports take over)."""
     profile_weight_steps: float = tunable(1.0, ge=0)
-    """Weight of each speculative point (K > 0) of an engine's start-up step profile, in
-    equivalent observed steps (it decays like live timings); 0 = those points ignored (the
-    points without speculation have ``profile_base_weight_steps``). One step a point outweighs
-    the generic prior where nothing was observed, and lets the live timings take over within a
-    report where the engine runs: the profile times the forward passes but not a speculative
-    step's input preparation and rejection sampling, so its speculative points are low (at 10 a
-    point the one-step-ahead predictions above batch 8 stayed 16-22% low on the demo's
-    engine)."""
-    profile_base_weight_steps: float = tunable(20.0, ge=0)
-    """Weight of each point of the start-up profile that does not speculate (K=0), in
-    equivalent observed steps. Heavier than the speculative points: it times what such a step
-    really runs, and it anchors the step's base cost, which live steps alone cannot separate
-    from the draft's fixed cost while every sequence speculates (in the simulator, at 1 step a
-    point, the fit priced a step without speculation at batch 16 at 13 ms instead of 24 within
-    15 s of the start, and turned classes off or onto n-gram K=8)."""
+    """Weight of each point of an engine's start-up step profile, in equivalent observed steps
+    (it decays like live timings); 0 = profiles ignored. One step a point outweighs the generic
+    prior where nothing was observed, and lets the live timings take over within a report
+    where the engine runs: the profile times the forward passes but not a speculative step's
+    input preparation and rejection sampling, so its speculative points are low (at 10 a point
+    the one-step-ahead predictions above batch 8 stayed 16-22% low on the demo's engine)."""
     sample_scale: float = tunable(0.5, ge=0)
     """Scale of the posterior cost draw each decide round prices its sampled goodput with
     (1 = the posterior; 0 = decide on mean costs, no exploration over cost)."""
