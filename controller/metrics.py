@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -86,6 +86,7 @@ class Metrics:
                 counter.labels(value)
         for reason in Reason:
             self._decisions.labels(reason.value)
+        self._store_up: Gauge | None = None  # created by the first fleet round
         r.register(_CoreCollector(core, clock))
 
     def render(self) -> bytes:
@@ -121,6 +122,17 @@ class Metrics:
 
     def policy_write(self, outcome: WriteOutcome) -> None:
         self._policy_writes.labels(outcome).inc()
+
+    def state_store_up(self, up: bool) -> None:
+        """Whether the shared state store answered the last fleet round (the series exists
+        only where a store is configured)."""
+        if self._store_up is None:
+            self._store_up = Gauge(
+                "specpilot_state_store_up",
+                "1 while the shared state store (state_store) answers, 0 while it does not (the "
+                "controller then decides from memory); absent without a store.",
+                registry=self.registry)
+        self._store_up.set(1.0 if up else 0.0)
 
 
 class _CoreCollector(Collector):

@@ -71,6 +71,26 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class FleetConfig:
+    """Fleet: the shared state store that sidecars of one model learn through."""
+
+    state_store: str = "memory"
+    """Where state is shared: "memory" (this process only, no fleet) or a Redis URL,
+    redis://host:port/db (rediss:// for TLS) or redis+cluster://host:port for a Cluster."""
+    sidecar_id: str = ""
+    """This sidecar's name in the store (its own evidence is published and restored under it);
+    unset: the host name (the pod's name on Kubernetes)."""
+    fleet_model: str = ""
+    """Model whose fleet this sidecar joins; unset: the model of the first engine's hello."""
+    fleet_flush_interval_seconds: float = tunable(5.0, gt=0)
+    """How often evidence is published and the fleet's loaded, seconds: the most evidence a
+    SIGKILL loses."""
+    fleet_max_age_seconds: float = tunable(600.0, gt=0)
+    """A sidecar's export older than this is left out (and expires in the store), seconds:
+    departed sidecars age out."""
+
+
+@dataclass(frozen=True)
 class Concern:
     """One config dataclass whose fields are settings: ``prefix`` + field name."""
 
@@ -83,6 +103,7 @@ class Concern:
 # of its name that another concern owns (the estimator's max_k is the policy's).
 CONCERNS: tuple[Concern, ...] = (
     Concern(ServerConfig),
+    Concern(FleetConfig),
     Concern(CoreConfig),
     Concern(EstimatorConfig),
     Concern(CostPrior, prefix="cost_prior_"),
@@ -232,6 +253,11 @@ def core_config(settings: Settings) -> CoreConfig:
 def server_config(settings: Settings) -> ServerConfig:
     """The server's own settings, typed (``Settings`` is generated, so its fields are not)."""
     return _build(ServerConfig, settings)
+
+
+def fleet_config(settings: Settings) -> FleetConfig:
+    """The fleet's settings, typed."""
+    return _build(FleetConfig, settings)
 
 
 def _build(config: type[T], settings: Settings) -> T:

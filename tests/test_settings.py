@@ -17,9 +17,11 @@ from controller.fielddocs import field_docs
 from controller.settings import (
     CONCERNS,
     SETTINGS,
+    FleetConfig,
     Settings,
     SettingsError,
     core_config,
+    fleet_config,
     load_settings,
     settings_reference,
 )
@@ -109,7 +111,7 @@ def test_settings_defaults_are_the_dataclass_defaults() -> None:
     assert core_config(load_settings()) == CoreConfig(
         estimator=EstimatorConfig(max_k=policy.max_k), policy=policy, cost_prior=CostPrior())
     assert set(Settings.model_fields) == set(SETTINGS)
-    assert "state_store" not in SETTINGS
+    assert fleet_config(load_settings()) == FleetConfig()  # "memory": no fleet
 
 
 def test_flat_names_reach_their_fields(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,8 @@
 #
 #   buf       npm package @bufbuild/buf (pinned), installed into .tools/ (git-ignored)
 #   promtool  Debian package `prometheus`; apt-get installs it when missing and running as root
+#   redis     Debian package `redis-server` (redis-server, redis-cli: the fleet tests start real
+#             servers); apt-get installs it when missing and running as root
 #
 # Both end up reachable as .tools/bin/<tool> (symlinks), which the Makefile and the tests use, so
 # nothing has to be added to PATH. Override the pinned buf with BUF_VERSION=x.y.z.
@@ -67,6 +69,27 @@ else
     say "         tests that check the metrics exposition with promtool will be skipped until then."
     # In CI a missing tool is an error, not a skipped test.
     [[ "${CI:-}" == "true" ]] && STATUS=1
+fi
+
+# --- redis-server -----------------------------------------------------------------------------
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        if ! apt-cache policy redis-server 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+            say "apt package lists do not know 'redis-server' yet: apt-get update"
+            apt-get update -q
+        fi
+        say "installing redis: apt-get install -y --no-install-recommends redis-server"
+        apt-get install -y -q --no-install-recommends redis-server
+    fi
+fi
+if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
+    say "redis available: $(redis-server --version | head -n1)"
+else
+    say "ERROR: redis-server not found. Install the Debian package 'redis-server'"
+    say "       (sudo apt-get install --no-install-recommends redis-server): the fleet tests"
+    say "       start real Redis servers."
+    STATUS=1
 fi
 
 if [[ "$STATUS" != 0 ]]; then

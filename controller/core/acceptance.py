@@ -16,6 +16,7 @@ wash out within seconds instead of over a half-life.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,12 @@ def position_counts(steps_by_accepted: npt.ArrayLike) -> tuple[FloatArray, Float
 
 def _decay(half_life: float, dt: float) -> float:
     return float(2.0 ** (-max(dt, 0.0) / half_life))
+
+
+def _positions(x: npt.ArrayLike, n: int) -> FloatArray:
+    """``x`` cut or zero-padded to ``n`` positions, as floats (others may track another max K)."""
+    a = np.asarray(x, dtype=np.float64)[:n]
+    return np.concatenate([a, np.zeros(n - a.size)]) if a.size < n else a
 
 
 @dataclass
@@ -141,12 +148,43 @@ class AcceptanceEstimator:
         self._recover_until: dict[tuple[str, str], float] = {}
         # Since when |z| has stayed above the drift threshold, per key.
         self._drift_since: dict[tuple[str, str], float] = {}
+        # The other sidecars' evidence (controller.core.fleet), as of ``_fleet_at``: added to
+        # the posterior, never to the change detector (each sidecar detects its own changes).
+        self._fleet: dict[tuple[str, str], tuple[FloatArray, FloatArray]] = {}
+        self._fleet_at = 0.0
 
     def keys(self) -> list[tuple[str, str]]:
-        return sorted(self._slow)
+        return sorted(set(self._slow) | set(self._fleet))
 
     def has_data(self, traffic_class: str, draft: str) -> bool:
-        return (traffic_class, draft) in self._slow
+        key = (traffic_class, draft)
+        return key in self._slow or key in self._fleet
+
+    def export(self, now: float) -> dict[tuple[str, str], tuple[FloatArray, FloatArray]]:
+        """This estimator's own evidence per key, decayed to ``now`` (what a sidecar publishes)."""
+        out = {}
+        for key, ev in self._slow.items():
+            f = _decay(self._slow_half_life(key, now), now - ev.at)
+            out[key] = (ev.accepts * f, ev.rejects * f)
+        return out
+
+    def restore(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
+                at: float, now: float) -> None:
+        """Take ``evidence`` (as of ``at``) as this estimator's own, decayed to ``now``: a
+        restart resuming from its last flush. Keys it already holds are kept (newer)."""
+        f = _decay(self.config.half_life_seconds, now - at)
+        for key, (accepts, rejects) in evidence.items():
+            if key not in self._slow:
+                self._slow[key] = _Evidence(_positions(accepts, self.config.max_k) * f,
+                                            _positions(rejects, self.config.max_k) * f, now)
+
+    def set_fleet(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
+                  now: float) -> None:
+        """Replace the other sidecars' evidence with ``evidence`` (as of ``now``)."""
+        k = self.config.max_k
+        self._fleet = {key: (_positions(a, k), _positions(r, k))
+                       for key, (a, r) in evidence.items()}
+        self._fleet_at = now
 
     def changes_detected(self, traffic_class: str, draft: str) -> int:
         return self._changes.get((traffic_class, draft), 0)
@@ -233,16 +271,21 @@ class AcceptanceEstimator:
     def posterior(self, traffic_class: str, draft: str, now: float) -> Posterior:
         """Posterior as of ``now`` (the prior alone for an unseen key)."""
         cfg = self.config
-        ev = self._slow.get((traffic_class, draft))
+        key = (traffic_class, draft)
+        ev = self._slow.get(key)
         a0, b0 = cfg.prior_alpha, cfg.prior_beta
-        if ev is None:
-            ones = np.ones(cfg.max_k)
-            return Posterior(ones * a0, ones * b0, a0, b0)
-        f = _decay(self._slow_half_life((traffic_class, draft), now), now - ev.at)
-        return Posterior(a0 + ev.accepts * f, b0 + ev.rejects * f, a0, b0)
+        alpha, beta = np.full(cfg.max_k, a0), np.full(cfg.max_k, b0)
+        if ev is not None:
+            f = _decay(self._slow_half_life(key, now), now - ev.at)
+            alpha, beta = alpha + ev.accepts * f, beta + ev.rejects * f
+        fleet = self._fleet.get(key)
+        if fleet is not None:
+            f = _decay(cfg.half_life_seconds, now - self._fleet_at)
+            alpha, beta = alpha + fleet[0] * f, beta + fleet[1] * f
+        return Posterior(alpha, beta, a0, b0)
 
     def forget_class(self, traffic_class: str) -> None:
         for store in (self._slow, self._fast, self._changes, self._recover_until,
-                      self._drift_since):
+                      self._drift_since, self._fleet):
             for key in [k for k in store if k[0] == traffic_class]:
                 del store[key]

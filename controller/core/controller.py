@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -21,6 +22,7 @@ from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, BucketLoads, bucket_of, bucket_upper_size
 from controller.core.classes import fold_class, fold_classes
 from controller.core.cost_model import CostPrior, PricedCosts, StepCostModel, StepShape, SunkDraft
+from controller.core.fleet import EvidenceEntry, EvidenceKey, FloatArray, entries_of
 from controller.core.goodput import expected_tokens_curve
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
 from controller.core.policy import (
@@ -473,6 +475,50 @@ class ControllerCore:
         k = min(self.config.policy.warmup_k, drafts[0].max_k) if drafts else 0
         return [Decision("", b, drafts[0].name if k else "", k, Reason.WARMUP)
                 for b in range(self.config.n_buckets)]
+
+    # --- the fleet (controller.core.fleet) -----------------------------------------------------
+    @property
+    def evidence_half_life(self) -> float:
+        """Half-life of acceptance evidence, seconds: the fleet decays exports with it too."""
+        return self.config.estimator.half_life_seconds
+
+    def export_evidence(self, now: float) -> tuple[EvidenceEntry, ...]:
+        """This controller's own acceptance evidence, decayed to ``now`` (never the fleet's)."""
+        return entries_of(self._estimator.export(now))
+
+    def restore_evidence(self, entries: Iterable[EvidenceEntry], at: float, now: float) -> None:
+        """Take back this controller's own evidence as of ``at`` (its last flush before a
+        restart). Classes are tracked as a report's would be; invalid class names are skipped."""
+        valid = []
+        for e in entries:
+            try:
+                check_class_name(e.traffic_class, "evidence.traffic_class")
+            except ValueError:
+                continue
+            valid.append(e)
+        mapping, new = fold_classes([e.traffic_class for e in valid], self._classes,
+                                    self.config.max_classes)
+        for name in [*new, *(v for v in mapping.values() if v == OTHER_CLASS)]:
+            self._classes.setdefault(name, _ClassState())
+        evidence: dict[EvidenceKey, tuple[FloatArray, FloatArray]] = {}
+        for e in valid:
+            key = (mapping[e.traffic_class], e.draft)
+            a, r = np.asarray(e.accepts, dtype=np.float64), np.asarray(e.rejects, dtype=np.float64)
+            if key in evidence:  # two names folded into "other"
+                pa, pr = evidence[key]
+                n = max(pa.size, a.size)
+                a = np.pad(a, (0, n - a.size)) + np.pad(pa, (0, n - pa.size))
+                r = np.pad(r, (0, n - r.size)) + np.pad(pr, (0, n - pr.size))
+            evidence[key] = (a, r)
+        self._estimator.restore(evidence, at, now)
+        for cls, _ in evidence:
+            self._classes[cls].evidence_at = now
+
+    def set_fleet_evidence(self, evidence: Mapping[EvidenceKey, tuple[FloatArray, FloatArray]],
+                           now: float) -> None:
+        """The other sidecars' evidence (``controller.core.fleet.fleet_evidence``), as of
+        ``now``: it adds to this controller's posteriors, replacing the previous fleet view."""
+        self._estimator.set_fleet(evidence, now)
 
     # --- overrides --------------------------------------------------------------------------
     def set_override(self, override: Override) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,11 +25,20 @@ from controller import package_version
 from controller.core.controller import ControllerCore
 from controller.metrics import Metrics
 from controller.server.engine_service import EngineService
+from controller.server.fleet import FleetIdentity, FleetSync
 from controller.server.http import make_app
 from controller.server.hub import Hub
 from controller.server.policy_service import PolicyService
 from controller.server.stubs import add_engine_service, add_policy_service
-from controller.settings import ServerConfig, Settings, core_config, server_config
+from controller.settings import (
+    FleetConfig,
+    ServerConfig,
+    Settings,
+    core_config,
+    fleet_config,
+    server_config,
+)
+from controller.store.base import StateStore
 from specpilot.v1 import engine_pb2, policy_pb2
 
 log = logging.getLogger(__name__)
@@ -77,6 +87,8 @@ class RunningServer:
     _health: health_aio.HealthServicer
     _hub: Hub
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _store: StateStore | None = None
+    fleet: FleetSync | None = None
 
     @property
     def grpc_target(self) -> str:
@@ -94,6 +106,8 @@ class RunningServer:
         self._hub.close_all()
         await self._grpc.stop(grace_seconds)
         await self._http.cleanup()
+        if self._store is not None:
+            await self._store.close()
 
 
 def _host_for_url(host: str) -> str:
@@ -176,5 +190,26 @@ async def start_server(settings: Settings) -> RunningServer:
     )
     running._tasks.append(asyncio.create_task(
         _decide_periodically(hub, clock, server.report_interval_seconds)))
+    fleet = fleet_config(settings)
+    if fleet.state_store != "memory":
+        running._store = _open_store(fleet)
+        running.fleet = FleetSync(
+            core, running._store,
+            FleetIdentity(fleet.sidecar_id or socket.gethostname(), fleet.fleet_model),
+            fleet.fleet_flush_interval_seconds, fleet.fleet_max_age_seconds, clock, metrics)
+        running._tasks.append(asyncio.create_task(running.fleet.run()))
     return running
+
+
+def _open_store(fleet: FleetConfig) -> StateStore:
+    """The configured shared store; ServeError for a URL it cannot use."""
+    from controller.store.redis_store import RedisStore  # redis-py only where configured
+
+    if not fleet.state_store.startswith(("redis://", "rediss://", "redis+cluster://")):
+        raise ServeError(f"state_store: expected \"memory\" or a redis://, rediss:// or "
+                         f"redis+cluster:// URL, got {fleet.state_store!r}")
+    try:
+        return RedisStore.from_url(fleet.state_store)
+    except ValueError as exc:
+        raise ServeError(f"state_store: {exc}") from exc
 

@@ -1,0 +1,105 @@
+"""The state stores against real servers: the in-memory default, a real redis-server and a real
+three-node Redis Cluster hold the same records the same way."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from controller.core.fleet import EvidenceEntry, EvidenceExport
+from controller.store.base import StateStore, StoreUnavailable
+from controller.store.memory import MemoryStore
+from controller.store.redis_store import RedisStore, model_tag
+from tests.redis_servers import RedisCluster, RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
+    kind = request.param
+    if kind == "memory":
+        s: StateStore = MemoryStore()
+    else:
+        target = request.getfixturevalue("redis_server" if kind == "redis" else "redis_cluster")
+        s = RedisStore.from_url(target.url)
+    yield s
+    await s.close()
+
+
+def _export(sidecar: str, at: float, n: float) -> EvidenceExport:
+    return EvidenceExport(sidecar, at, (EvidenceEntry("code", "d", (n, n / 2), (1.0, 2.0)),
+                                        EvidenceEntry("chat", "d", (n,), (n,))))
+
+
+async def test_exports_round_trip_per_model_and_replace_the_sidecars_previous(
+        store: StateStore, request: pytest.FixtureRequest) -> None:
+    model = f"m-{request.node.callspec.id}-{id(store)}"
+    await store.put_evidence(model, _export("a", 100.0, 5.0), ttl_seconds=60)
+    await store.put_evidence(model, _export("b", 101.0, 7.0), ttl_seconds=60)
+    await store.put_evidence(model, _export("a", 102.0, 9.0), ttl_seconds=60)  # replaces a's
+    await store.put_evidence(model + "-other", _export("c", 102.0, 1.0), ttl_seconds=60)
+    got = await store.evidence(model, since=0.0)
+    assert got == [_export("a", 102.0, 9.0), _export("b", 101.0, 7.0)]
+    # Older than ``since``: left out (a sidecar that stopped publishing ages out).
+    assert [e.sidecar for e in await store.evidence(model, since=101.5)] == ["a"]
+
+
+async def test_an_expired_export_is_gone(store: StateStore, request: pytest.FixtureRequest) -> None:
+    model = f"ttl-{request.node.callspec.id}"
+    await store.put_evidence(model, _export("a", 100.0, 5.0), ttl_seconds=0.05)
+    await asyncio.sleep(0.2)
+    assert await store.evidence(model, since=0.0) == []
+
+
+async def test_keys_of_a_model_share_one_cluster_slot(redis_cluster: RedisCluster) -> None:
+    store = RedisStore.from_url(redis_cluster.url)
+    try:
+        for model in ("llama-70b", "qwen/qwen3-8b", "odd{name}"):
+            await store.put_evidence(model, _export("a", 1.0, 1.0), ttl_seconds=60)
+            assert len(await store.evidence(model, since=0.0)) == 1  # MGET of one slot works
+        slots = {redis_cluster.nodes[0].cli("CLUSTER", "KEYSLOT", f"specpilot:{model_tag(m)}:{k}")
+                 for m in ("llama-70b",) for k in ("sidecars", "evidence:a", "evidence:b")}
+        assert len(slots) == 1
+    finally:
+        await store.close()
+
+
+async def test_a_malformed_record_is_skipped_not_fatal(redis_server: RedisServer) -> None:
+    store = RedisStore.from_url(redis_server.url)
+    try:
+        await store.put_evidence("bad", _export("a", 1.0, 1.0), ttl_seconds=60)
+        await store.put_evidence("bad", _export("b", 1.0, 2.0), ttl_seconds=60)
+        redis_server.cli("SET", f"specpilot:{model_tag('bad')}:evidence:b", '{"format": 1}')
+        assert [e.sidecar for e in await store.evidence("bad", since=0.0)] == ["a"]
+    finally:
+        await store.close()
+
+
+async def test_an_unreachable_redis_raises_store_unavailable(tmp_path: Path) -> None:
+    down = RedisServer(tmp_path)  # never started: nothing listens on its port
+    store = RedisStore.from_url(down.url, timeout_seconds=0.2)
+    try:
+        with pytest.raises(StoreUnavailable, match="redis"):
+            await store.put_evidence("m", _export("a", 1.0, 1.0), ttl_seconds=60)
+        with pytest.raises(StoreUnavailable):
+            await store.evidence("m", since=0.0)
+    finally:
+        await store.close()
