@@ -1,6 +1,6 @@
 """Warm start from the fleet against a cold start, side by side in the simulator.
 
-    python -m benchmarks.warm_start [SCENARIO.yaml ...] [--out FILE]
+    .venv/bin/python benchmarks/warm_start.py [SCENARIO.yaml ...] [--out STEM]
 
 For each scenario: a "veteran" sidecar runs it once (seed s); its exported acceptance evidence is
 what the fleet knows. Then, on another request stream (seed s + 1), a cold sidecar and a warm one
@@ -19,12 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim import policies
-from benchmarks.sim.engine import SimEngine
-from benchmarks.sim.scenario import Scenario, load_scenario
-from benchmarks.sim.specpilot_policy import SpecPilotPolicy
-from controller.core.fleet import EvidenceExport, fleet_evidence
-from controller.core.types import Reason
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+
+from benchmarks.sim import policies  # noqa: E402
+from benchmarks.sim.engine import SimEngine  # noqa: E402
+from benchmarks.sim.scenario import Scenario, load_scenario  # noqa: E402
+from benchmarks.sim.specpilot_policy import SpecPilotPolicy  # noqa: E402
+from controller.core.fleet import EvidenceExport, fleet_evidence  # noqa: E402
+from controller.core.types import Reason  # noqa: E402
 
 DEFAULT_SCENARIOS = ("stationary-mixed", "five-classes", "h100-70b-8b", "flat-high")
 FIRST_SECONDS = 60.0
@@ -72,7 +75,7 @@ def _oracle_first_minute(s: Scenario, seed: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="warm_start.py", description=__doc__.splitlines()[0])
     p.add_argument("scenarios", nargs="*", metavar="SCENARIO.yaml")
     p.add_argument("--out", type=Path, default=OUT, help=f"output stem (default {OUT})")
     args = p.parse_args(argv)

@@ -102,6 +102,13 @@ class RedisCluster:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
     def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # no node outlives a failed start
+            raise
+
+    def _start(self) -> None:
         for n in self.nodes:
             n.start()
         subprocess.run([binary("redis-cli"), "--cluster", "create",

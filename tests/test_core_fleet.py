@@ -102,11 +102,10 @@ def test_a_class_known_only_to_the_fleet_starts_from_its_evidence() -> None:
     export = EvidenceExport("veteran", 10.0, veteran.export_evidence(10.0))
     newcomer.set_fleet_evidence(fleet_evidence([export], "new", 10.0,
                                                newcomer.evidence_half_life, 600.0), 10.0)
-    snap = {e.draft: e for c in newcomer.snapshot(10.0).classes if c.name == "default"
-            for e in c.estimates}
-    assert "d" in snap  # the default class has no evidence; "code" has the fleet's
     est = newcomer.estimate("code", "d", 10.0)
     assert est.has_evidence and est.mean[0] > 0.9
+    # Its own export stays empty: the fleet's evidence is never re-published as its own.
+    assert newcomer.export_evidence(10.0) == ()
 
 
 def test_a_restarted_core_takes_its_flushed_evidence_back_as_its_own() -> None:

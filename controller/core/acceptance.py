@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from controller.core.fleet import positions
 from controller.core.tunable import tunable
 
 FloatArray = npt.NDArray[np.float64]
@@ -40,12 +41,6 @@ def position_counts(steps_by_accepted: npt.ArrayLike) -> tuple[FloatArray, Float
 
 def _decay(half_life: float, dt: float) -> float:
     return float(2.0 ** (-max(dt, 0.0) / half_life))
-
-
-def _positions(x: npt.ArrayLike, n: int) -> FloatArray:
-    """``x`` cut or zero-padded to ``n`` positions, as floats (others may track another max K)."""
-    a = np.asarray(x, dtype=np.float64)[:n]
-    return np.concatenate([a, np.zeros(n - a.size)]) if a.size < n else a
 
 
 @dataclass
@@ -175,14 +170,14 @@ class AcceptanceEstimator:
         f = _decay(self.config.half_life_seconds, now - at)
         for key, (accepts, rejects) in evidence.items():
             if key not in self._slow:
-                self._slow[key] = _Evidence(_positions(accepts, self.config.max_k) * f,
-                                            _positions(rejects, self.config.max_k) * f, now)
+                self._slow[key] = _Evidence(positions(accepts, self.config.max_k) * f,
+                                            positions(rejects, self.config.max_k) * f, now)
 
     def set_fleet(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
                   now: float) -> None:
         """Replace the other sidecars' evidence with ``evidence`` (as of ``now``)."""
         k = self.config.max_k
-        self._fleet = {key: (_positions(a, k), _positions(r, k))
+        self._fleet = {key: (positions(a, k), positions(r, k))
                        for key, (a, r) in evidence.items()}
         self._fleet_at = now
 

@@ -22,7 +22,13 @@ from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, BucketLoads, bucket_of, bucket_upper_size
 from controller.core.classes import fold_class, fold_classes
 from controller.core.cost_model import CostPrior, PricedCosts, StepCostModel, StepShape, SunkDraft
-from controller.core.fleet import EvidenceEntry, EvidenceKey, FloatArray, entries_of
+from controller.core.fleet import (
+    EvidenceEntry,
+    EvidenceKey,
+    FloatArray,
+    add_evidence,
+    entries_of,
+)
 from controller.core.goodput import expected_tokens_curve
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
 from controller.core.policy import (
@@ -501,15 +507,8 @@ class ControllerCore:
         for name in [*new, *(v for v in mapping.values() if v == OTHER_CLASS)]:
             self._classes.setdefault(name, _ClassState())
         evidence: dict[EvidenceKey, tuple[FloatArray, FloatArray]] = {}
-        for e in valid:
-            key = (mapping[e.traffic_class], e.draft)
-            a, r = np.asarray(e.accepts, dtype=np.float64), np.asarray(e.rejects, dtype=np.float64)
-            if key in evidence:  # two names folded into "other"
-                pa, pr = evidence[key]
-                n = max(pa.size, a.size)
-                a = np.pad(a, (0, n - a.size)) + np.pad(pa, (0, n - pa.size))
-                r = np.pad(r, (0, n - r.size)) + np.pad(pr, (0, n - pr.size))
-            evidence[key] = (a, r)
+        for e in valid:  # names folded into "other" add up
+            add_evidence(evidence, (mapping[e.traffic_class], e.draft), e.accepts, e.rejects)
         self._estimator.restore(evidence, at, now)
         for cls, _ in evidence:
             self._classes[cls].evidence_at = now

@@ -69,19 +69,27 @@ def fleet_evidence(exports: Iterable[EvidenceExport], me: str, now: float,
             continue
         f = float(2.0 ** (-max(age, 0.0) / half_life_seconds))
         for e in ex.entries:
-            key = (e.traffic_class, e.draft)
-            a, r = np.asarray(e.accepts, dtype=np.float64), np.asarray(e.rejects, dtype=np.float64)
-            if key in out:
-                sa, sr = out[key]
-                n = max(sa.size, a.size)
-                out[key] = (_pad(sa, n) + _pad(a, n) * f, _pad(sr, n) + _pad(r, n) * f)
-            else:
-                out[key] = (a * f, r * f)
+            add_evidence(out, (e.traffic_class, e.draft), e.accepts, e.rejects, f)
     return out
 
 
-def _pad(x: FloatArray, n: int) -> FloatArray:
-    return x if x.size == n else np.concatenate([x, np.zeros(n - x.size)])
+def add_evidence(into: dict[EvidenceKey, tuple[FloatArray, FloatArray]], key: EvidenceKey,
+                 accepts: npt.ArrayLike, rejects: npt.ArrayLike, weight: float = 1.0) -> None:
+    """Add ``weight`` x (accepts, rejects) to ``into[key]``, position by position (the shorter
+    side zero-padded: sidecars may track different numbers of positions)."""
+    a = np.asarray(accepts, dtype=np.float64) * weight
+    r = np.asarray(rejects, dtype=np.float64) * weight
+    held = into.get(key)
+    if held is not None:
+        n = max(held[0].size, a.size)
+        a, r = positions(held[0], n) + positions(a, n), positions(held[1], n) + positions(r, n)
+    into[key] = (a, r)
+
+
+def positions(x: npt.ArrayLike, n: int) -> FloatArray:
+    """``x`` cut or zero-padded to ``n`` positions, as floats."""
+    a = np.asarray(x, dtype=np.float64)[:n]
+    return a if a.size == n else np.concatenate([a, np.zeros(n - a.size)])
 
 
 def entries_of(evidence: Mapping[EvidenceKey, tuple[FloatArray, FloatArray]]
