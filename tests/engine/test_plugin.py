@@ -221,7 +221,9 @@ def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
     """One EAGLE engine, two classes, the controller learning from the engine's reports alone:
     the head that copies its target's layer is accepted at every position under greedy decoding
     ("exact": a long K, as for the target drafting for itself) and about one time in six at
-    T=1.5 with greedy drafting ("hot": too little to pay for the head's pass, so off). An EAGLE
+    T=1.5 with greedy drafting ("hot": too little to pay for the head's passes). The two share
+    batches, so the passes "exact" runs anyway cost "hot" only its verified tokens: its K is
+    short (off, or at most 2 where the batch-aware prices near-tie), never "exact"'s. An EAGLE
     head is priced and learnt as a model draft; a fresh controller, so that the start-up step
     profile prices the long K."""
     from vllm import SamplingParams
@@ -233,7 +235,7 @@ def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
     try:
         with plugin_env(controller=fresh.target, ngram_drafts="false"), llm_session(
                 tiny_models.exact_target, spec, SCHEDULER) as llm:
-            _run_until(llm, fresh, {"exact": lambda d: d.k >= 3, "hot": lambda d: d.k == 0},
+            _run_until(llm, fresh, {"exact": lambda d: d.k >= 3, "hot": lambda d: d.k <= 2},
                        rounds=80, sampling={"hot": hot})
             post = {c: _estimate(fresh, c, tiny_models.exact_eagle.name)
                     for c in ("exact", "hot")}
