@@ -214,6 +214,11 @@ class ControllerCore:
                               p.batch_size * p.draft_passes)
             self._cost.observe(shape, p.seconds, weight, now)
 
+    def first_engine_model(self) -> str:
+        """The model of the first connected engine ("" with none): the fleet a sidecar joins
+        when no model is configured (cheaper than a snapshot)."""
+        return next((e.hello.model for e in self._engines.values() if e.hello.model), "")
+
     def disconnect_engine(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)
 

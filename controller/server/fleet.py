@@ -48,12 +48,9 @@ class FleetSync:
         self._rng = rng or random.Random()
         self._restored = False
         self._up: bool | None = None
-        self.rounds = 0  # completed rounds (tests wait on it)
 
     def model(self) -> str:
-        if self._id.model:
-            return self._id.model
-        return next((e.model for e in self._core.snapshot(self._clock()).engines if e.model), "")
+        return self._id.model or self._core.first_engine_model()
 
     async def sync_once(self) -> bool:
         """One round: restore (first time), publish, reload. False when the model is not known
@@ -78,7 +75,6 @@ class FleetSync:
         self._core.set_fleet_evidence(
             fleet_evidence(exports, self._id.sidecar, now, self._core.evidence_half_life,
                            self._max_age), now)
-        self.rounds += 1
         return True
 
     def _set_up(self, up: bool, reason: str = "") -> None:
