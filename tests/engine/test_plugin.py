@@ -250,7 +250,7 @@ def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
 def test_counterfactual_ngram_acceptance_matches_ngram_serving(
         tiny_models: Any, controller: ControllerThread) -> None:
     """Same traffic, twice: served by the model drafter (n-gram scored counterfactually), then
-    served by n-gram drafts (measured for real). Per-token acceptance must agree."""
+    served by n-gram drafts (measured for real). Position-1 acceptance must agree."""
     spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
     long_prompts = PROMPTS * 3
 
@@ -262,9 +262,13 @@ def test_counterfactual_ngram_acceptance_matches_ngram_serving(
         llm.generate(long_prompts, params("counterfactual", max_tokens=64), use_tqdm=False)
         llm.generate(long_prompts, params("served", max_tokens=64), use_tqdm=False)
         time.sleep(0.5)  # let the last report arrive
-    counterfactual, n_cf = observed_acceptance(controller, "counterfactual", "ngram")
-    served, n_served = observed_acceptance(controller, "served", "ngram")
-    print(f"n-gram per-token acceptance: counterfactual {counterfactual:.3f} over {n_cf:.0f} "
+    # Position 1 only: the served class's K is the controller's choice, and a per-token mean
+    # over positions 1..K falls with K (0.39 at K=4 against 0.29 once in CI); every step
+    # tries position 1.
+    counterfactual, n_cf = observed_acceptance(controller, "counterfactual", "ngram",
+                                               positions=1)
+    served, n_served = observed_acceptance(controller, "served", "ngram", positions=1)
+    print(f"n-gram position-1 acceptance: counterfactual {counterfactual:.3f} over {n_cf:.0f} "
           f"tries, served {served:.3f} over {n_served:.0f} tries")
     assert n_cf > 100 and n_served > 100
     assert abs(counterfactual - served) < 0.1
