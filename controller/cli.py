@@ -141,6 +141,16 @@ def _override_text(ov: policy_pb2.Override) -> str:
     return what + (f" ({ov.note})" if ov.note else "")
 
 
+def _scope_text(ov: policy_pb2.Override) -> str:
+    scope = {policy_pb2.OVERRIDE_SCOPE_POD: "pod",
+             policy_pb2.OVERRIDE_SCOPE_FLEET: "fleet"}.get(ov.scope, "?")
+    return scope + (f", via {ov.set_by}" if ov.set_by else "")
+
+
+_SCOPES = {"default": policy_pb2.OVERRIDE_SCOPE_UNSPECIFIED, "pod": policy_pb2.OVERRIDE_SCOPE_POD,
+           "fleet": policy_pb2.OVERRIDE_SCOPE_FLEET}
+
+
 def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
     labels = _bucket_labels(resp.batch_bucket_upper_bounds)
     out = [f"policy version {resp.version}; engines: {', '.join(resp.engines) or 'none'}", ""]
@@ -161,9 +171,10 @@ def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
             (cls, e.draft, f"{e.positions[0].effective_tries:.0f}",
              e.changes_detected, " ".join(f"{p.mean:.2f}" for p in e.positions))
             for cls, e in estimates]))
-    overrides = {(o.traffic_class, _override_text(o)) for c in resp.classes for o in c.overrides}
+    overrides = {(o.traffic_class, _override_text(o), _scope_text(o))
+                 for c in resp.classes for o in c.overrides}
     if overrides:
-        out += ["", _table(("OVERRIDE ON", "ACTION"), sorted(overrides))]
+        out += ["", _table(("OVERRIDE ON", "ACTION", "SCOPE"), sorted(overrides))]
     return "\n".join(out)
 
 
@@ -206,6 +217,7 @@ def policy_set(stub: PolicyStub, args: argparse.Namespace) -> int:
         _say(str(exc), err=True)
         return 2
     ov = override_to_proto(override)
+    ov.scope = _SCOPES[args.scope]
     resp = stub.SetOverride(policy_pb2.SetOverrideRequest(override=ov), timeout=args.timeout,
                             metadata=_write_metadata(args))
     print(f"override on {args.cls}: {_override_text(ov)}; policy version {resp.policy_version}")
@@ -213,7 +225,8 @@ def policy_set(stub: PolicyStub, args: argparse.Namespace) -> int:
 
 
 def policy_clear(stub: PolicyStub, args: argparse.Namespace) -> int:
-    resp = stub.ClearOverride(policy_pb2.ClearOverrideRequest(traffic_class=args.cls),
+    resp = stub.ClearOverride(policy_pb2.ClearOverrideRequest(traffic_class=args.cls,
+                                                              scope=_SCOPES[args.scope]),
                               timeout=args.timeout, metadata=_write_metadata(args))
     what = "cleared" if resp.cleared else "had no override"
     print(f"override on {args.cls}: {what}; policy version {resp.policy_version}")
@@ -346,7 +359,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     what.add_argument("--force-draft", metavar="DRAFT", help="use this draft")
     what.add_argument("--force-off", action="store_true", help="speculation off")
     set_.add_argument("--note", default="", help="kept with the override")
-    action("clear", policy_clear, "clear an override", True)
+    clear = action("clear", policy_clear, "clear an override", True)
+    for p in (set_, clear):
+        p.add_argument("--scope", choices=sorted(_SCOPES), default="default",
+                       help="pod: this controller; fleet: every controller of the model "
+                            "sharing the state store; default: fleet where one is configured")
     watch = action("watch", policy_watch, "stream decisions as they happen", False)
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     explain = action("explain", policy_explain, "explain one class's decision", True)

@@ -26,7 +26,7 @@ from controller.core.types import DecisionEvent, Reason, StepPrediction
 
 RejectReason = Literal["validation", "oversized", "before_hello"]
 HelloOutcome = Literal["accepted", "rejected"]
-WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied"]
+WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied", "unavailable"]
 
 
 class Metrics:

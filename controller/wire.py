@@ -25,6 +25,7 @@ from controller.core.types import (
     EngineHello,
     EngineReport,
     Override,
+    OverrideScope,
     Reason,
     ReportRejected,
     RequestSummaryRecord,
@@ -52,6 +53,11 @@ _KIND_TO_PROTO = {
     for k in DraftKind
 }
 _KIND_FROM_PROTO: dict[int, DraftKind] = {v: k for k, v in _KIND_TO_PROTO.items()}
+_SCOPE_TO_PROTO = {
+    s: cast(policy_pb2.OverrideScope, policy_pb2.OverrideScope.Value(f"OVERRIDE_SCOPE_{s.name}"))
+    for s in OverrideScope
+}
+_SCOPE_FROM_PROTO: dict[int, OverrideScope] = {v: s for s, v in _SCOPE_TO_PROTO.items()}
 
 
 def reason_to_proto(reason: Reason) -> common_pb2.DecisionReason:
@@ -80,6 +86,17 @@ def draft_kind_to_proto(kind: DraftKind) -> common_pb2.DraftKind:
 
 def draft_kind_from_proto(value: int, where: str = "kind") -> DraftKind:
     return _enum_from_proto(_KIND_FROM_PROTO, value, where, "draft kind")
+
+
+def scope_from_proto(value: int) -> OverrideScope | None:
+    """None for OVERRIDE_SCOPE_UNSPECIFIED (the controller's default applies); ValueError naming
+    the field for a value this controller does not know."""
+    if value == policy_pb2.OVERRIDE_SCOPE_UNSPECIFIED:
+        return None
+    try:
+        return _SCOPE_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"scope: override scope {value} is unknown") from None
 
 
 # --- records whose fields mirror their message one to one ----------------------------------------
@@ -275,12 +292,15 @@ def override_from_proto(msg: policy_pb2.Override) -> Override:
         force_off=action == "force_off",
         note=msg.note,
         set_at=msg.set_unix_seconds,
+        scope=scope_from_proto(msg.scope) or OverrideScope.POD,
+        set_by=msg.set_by,
     )
 
 
 def override_to_proto(ov: Override) -> policy_pb2.Override:
     msg = policy_pb2.Override(traffic_class=ov.traffic_class, note=ov.note,
-                              set_unix_seconds=ov.set_at)
+                              set_unix_seconds=ov.set_at, scope=_SCOPE_TO_PROTO[ov.scope],
+                              set_by=ov.set_by)
     if ov.pin_k is not None:
         msg.pin_k = ov.pin_k
     elif ov.force_draft is not None:

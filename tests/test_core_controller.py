@@ -21,6 +21,7 @@ from controller.core.types import (
     EngineHello,
     EngineReport,
     Override,
+    OverrideScope,
     Reason,
     ReportRejected,
     RequestSummaryRecord,
@@ -166,6 +167,38 @@ def test_overrides_for_one_class_and_for_all() -> None:
     assert core.clear_override("code") is False
     with pytest.raises(ValueError, match="exactly one"):
         Override("code", pin_k=1, force_off=True)
+
+
+def test_pod_overrides_beat_fleet_ones_at_each_level_and_the_fleet_layer_is_replaced() -> None:
+    core = _core(max_classes=3)
+    core.decide(now=1.0)
+    refused = core.set_fleet_overrides([Override("code", pin_k=2, set_by="sidecar-b"),
+                                        Override(ALL_CLASSES, pin_k=1)])
+    assert refused == []
+    core.decide(now=2.0)
+    assert (core.decision("code", 0).k, core.decision("default", 0).k) == (2, 1)  # type: ignore[union-attr]
+    core.set_override(Override(ALL_CLASSES, pin_k=3))  # pod "*" beats fleet "*" ...
+    core.decide(now=3.0)
+    assert (core.decision("code", 0).k, core.decision("default", 0).k) == (2, 3)  # type: ignore[union-attr]
+    # ... but not the fleet's override of the class itself; a pod one of the class beats it.
+    core.set_override(Override("code", pin_k=4))
+    core.decide(now=4.0)
+    assert core.decision("code", 0).k == 4  # type: ignore[union-attr]
+    covering = core.snapshot(4.0).class_view("code").overrides
+    assert [(o.pin_k, o.scope) for o in covering] == [
+        (4, OverrideScope.POD), (2, OverrideScope.FLEET), (3, OverrideScope.POD),
+        (1, OverrideScope.FLEET)]
+    assert covering[1].set_by == "sidecar-b"
+    # Clearing the fleet layer is replacing it; clearing a pod override leaves the fleet's.
+    core.set_fleet_overrides([])
+    assert core.clear_override("code") and not core.clear_override("code", OverrideScope.FLEET)
+    core.decide(now=5.0)
+    assert core.decision("code", 0).k == 3  # type: ignore[union-attr]  # the pod's "*" now
+    # A fleet override of a class this controller cannot track is refused with the reason,
+    # and the others still apply.
+    refused = core.set_fleet_overrides([Override("chat", pin_k=1), Override("new", pin_k=1)])
+    assert [(o.traffic_class, "class limit" in why) for o, why in refused] == [("new", True)]
+    assert [o.traffic_class for o in core.fleet_overrides()] == ["chat"]
 
 
 def test_override_of_a_class_beyond_the_limit_is_refused() -> None:

@@ -58,6 +58,7 @@ from controller.core.types import (
     EngineReport,
     IngestResult,
     Override,
+    OverrideScope,
     Reason,
     ReportRejected,
     StepPrediction,
@@ -168,7 +169,9 @@ class ControllerCore:
         # first policy on instead of running the warm-up K until a report names them.
         for name in sorted(config.offline_classes)[: max(config.max_classes - 1, 0)]:
             self._classes.setdefault(name, _ClassState())
-        self._overrides: dict[str, Override] = {}
+        # By scope, then class: this pod's own and the fleet's (set_fleet_overrides).
+        self._overrides: dict[OverrideScope, dict[str, Override]] = {
+            scope: {} for scope in OverrideScope}
         self._version = 0
         self._log: deque[DecisionEvent] = deque(maxlen=config.decision_log_size)
 
@@ -300,8 +303,16 @@ class ControllerCore:
                             step_predictions=tuple(predictions))
 
     # --- decisions --------------------------------------------------------------------------
+    def _overrides_for(self, traffic_class: str) -> list[Override]:
+        """Every override that covers ``traffic_class``, the one in force first: its own before
+        "*", and at each level the pod's before the fleet's."""
+        return [layer[c] for c in (traffic_class, ALL_CLASSES)
+                for layer in (self._overrides[OverrideScope.POD],
+                              self._overrides[OverrideScope.FLEET]) if c in layer]
+
     def _override_for(self, traffic_class: str) -> Override | None:
-        return self._overrides.get(traffic_class) or self._overrides.get(ALL_CLASSES)
+        covering = self._overrides_for(traffic_class)
+        return covering[0] if covering else None
 
 
     def _mean_curve(self, name: str, draft: str, now: float,
@@ -526,23 +537,55 @@ class ControllerCore:
 
     # --- overrides --------------------------------------------------------------------------
     def set_override(self, override: Override) -> None:
-        """Put ``override`` in force from the next ``decide``. Raise ValueError (naming the
-        field), changing nothing, for a class that cannot be tracked."""
-        name = override.traffic_class
-        if name != ALL_CLASSES:
-            check_class_name(name, "override.traffic_class")
-            if self.canonical_class(name) != name:
-                raise ValueError(
-                    f"override.traffic_class: {name!r} is new and the class limit "
-                    f"(max_classes={self.config.max_classes}) is reached, so its traffic is "
-                    f"folded into {OTHER_CLASS!r}: override {OTHER_CLASS!r} instead")
-            self._classes.setdefault(name, _ClassState())
-        self._overrides[name] = override
+        """Put ``override`` in force (in its scope's layer) from the next ``decide``. Raise
+        ValueError (naming the field), changing nothing, for a class that cannot be tracked."""
+        self._track_override_class(override)
+        self._overrides[override.scope][override.traffic_class] = override
 
-    def clear_override(self, traffic_class: str) -> bool:
-        """Lift the override on ``traffic_class`` from the next ``decide``; False if none was
-        set."""
-        return self._overrides.pop(traffic_class, None) is not None
+    def check_override(self, override: Override) -> None:
+        """ValueError (naming the field) when ``override`` names a class that cannot be
+        tracked; changes nothing."""
+        name = override.traffic_class
+        if name == ALL_CLASSES:
+            return
+        check_class_name(name, "override.traffic_class")
+        if self.canonical_class(name) != name:
+            raise ValueError(
+                f"override.traffic_class: {name!r} is new and the class limit "
+                f"(max_classes={self.config.max_classes}) is reached, so its traffic is "
+                f"folded into {OTHER_CLASS!r}: override {OTHER_CLASS!r} instead")
+
+    def _track_override_class(self, override: Override) -> None:
+        self.check_override(override)
+        if override.traffic_class != ALL_CLASSES:
+            self._classes.setdefault(override.traffic_class, _ClassState())
+
+    def clear_override(self, traffic_class: str,
+                       scope: OverrideScope = OverrideScope.POD) -> bool:
+        """Lift the override of ``scope`` on ``traffic_class`` from the next ``decide``; False
+        if none was set."""
+        return self._overrides[scope].pop(traffic_class, None) is not None
+
+    def set_fleet_overrides(self, overrides: Iterable[Override]) -> list[tuple[Override, str]]:
+        """The fleet's overrides as the state store holds them, replacing the previous fleet
+        layer. Returns those that could not be taken, each with the reason (a class this
+        controller cannot track); the rest are in force from the next ``decide``."""
+        layer: dict[str, Override] = {}
+        refused = []
+        for ov in overrides:
+            try:
+                self._track_override_class(ov)
+            except ValueError as exc:
+                refused.append((ov, str(exc)))
+                continue
+            layer[ov.traffic_class] = replace(ov, scope=OverrideScope.FLEET)
+        self._overrides[OverrideScope.FLEET] = layer
+        return refused
+
+    def fleet_overrides(self) -> tuple[Override, ...]:
+        """The fleet layer as last set, by class."""
+        layer = self._overrides[OverrideScope.FLEET]
+        return tuple(layer[c] for c in sorted(layer))
 
     # --- read side --------------------------------------------------------------------------
     @property
@@ -565,8 +608,7 @@ class ControllerCore:
                 name=name,
                 decisions=tuple(d for _, d in sorted(self._classes[name].decisions.items())),
                 estimates=self._estimates(name, drafts, with_evidence, now),
-                overrides=tuple(self._overrides[c] for c in (name, ALL_CLASSES)
-                                if c in self._overrides),
+                overrides=tuple(self._overrides_for(name)),
                 offline=name in self.config.offline_classes,
                 share=shares.get(name),
             )
@@ -590,7 +632,8 @@ class ControllerCore:
             version=self._version,
             classes=classes,
             engines=engines,
-            overrides=tuple(ov for _, ov in sorted(self._overrides.items())),
+            overrides=tuple(ov for scope in OverrideScope
+                            for _, ov in sorted(self._overrides[scope].items())),
             default_decisions=tuple(self.default_decisions()),
             log=tuple(self._log),
             batch_bucket_upper_bounds=self.config.batch_bucket_upper_bounds,

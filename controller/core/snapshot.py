@@ -97,7 +97,8 @@ class ClassView:
     decisions: tuple[Decision, ...]
     # Drafts of the connected engines, then any other draft the class has evidence for.
     estimates: tuple[AcceptanceEstimate, ...]
-    # Overrides in force for it: its own, then the one for all classes.
+    # Overrides that cover it, the one in force first: its own before "*", the pod's before the
+    # fleet's at each level.
     overrides: tuple[Override, ...]
     offline: bool
     # Its share of the batch (decode request-steps); None before any of its traffic was measured.
@@ -136,7 +137,7 @@ class CoreSnapshot:
     version: int
     classes: tuple[ClassView, ...]  # by name
     engines: tuple[EngineView, ...]  # by engine id
-    overrides: tuple[Override, ...]  # by class
+    overrides: tuple[Override, ...]  # pod ones by class, then fleet ones by class
     # What an engine applies to a class the controller has not seen yet.
     default_decisions: tuple[Decision, ...]
     # The recent decision log, oldest first.

@@ -162,9 +162,19 @@ class DecisionEvent:
     previous: Decision | None
 
 
+class OverrideScope(enum.Enum):
+    """Where an override is in force. Values match OverrideScope in proto (lower case)."""
+
+    POD = "pod"  # this controller only
+    FLEET = "fleet"  # every controller of the model that shares the state store
+
+
 @dataclass(frozen=True)
 class Override:
-    """An operator override for one class or for all ("*"). Exactly one action is set."""
+    """An operator override for one class or for all ("*"). Exactly one action is set.
+
+    In force, a class's own override beats "*", and at each of those levels a pod override
+    beats a fleet one (an operator pins one pod to differ from its fleet)."""
 
     traffic_class: str
     pin_k: int | None = None
@@ -172,6 +182,8 @@ class Override:
     force_off: bool = False
     note: str = ""
     set_at: float = 0.0
+    scope: OverrideScope = OverrideScope.POD
+    set_by: str = ""  # the sidecar whose policy API took it ("" where that is this one)
 
     def __post_init__(self) -> None:
         actions = (self.pin_k is not None) + (self.force_draft is not None) + self.force_off

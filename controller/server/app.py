@@ -99,10 +99,13 @@ class RunningServer:
         return f"http://{_host_for_url(self.http_host)}:{self.http_port}"
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
-        """Report NOT_SERVING, end every stream with OK, then close the listeners."""
+        """Report NOT_SERVING, flush to the shared store (within the grace; none with 0, as
+        after a SIGKILL), end every stream with OK, then close the listeners."""
         await self._health.enter_graceful_shutdown()
         for task in self._tasks:
             task.cancel()
+        if self.fleet is not None and grace_seconds > 0:
+            await self.fleet.final_flush(grace_seconds)
         self._hub.close_all()
         await self._grpc.stop(grace_seconds)
         await self._http.cleanup()
@@ -174,7 +177,18 @@ async def start_server(settings: Settings) -> RunningServer:
     engine = EngineService(core, hub, metrics, controller_version=package_version(),
                            report_interval_seconds=server.report_interval_seconds,
                            max_report_bytes=server.max_report_bytes, clock=clock)
-    policy = PolicyService(core, hub, metrics, token, clock)
+    fleet_settings = fleet_config(settings)
+    sidecar = fleet_settings.sidecar_id or socket.gethostname()
+    store, fleet = None, None
+    if fleet_settings.state_store != "memory":
+        store = _open_store(fleet_settings)
+        fleet = FleetSync(
+            core, store, FleetIdentity(sidecar, fleet_settings.fleet_model),
+            fleet_settings.fleet_flush_interval_seconds, fleet_settings.fleet_max_age_seconds,
+            clock, metrics, decide=hub.decide,
+            decision_log_size=fleet_settings.fleet_decision_log_size)
+        hub.on_decisions(fleet.record_decisions)
+    policy = PolicyService(core, hub, metrics, token, clock, sidecar, fleet)
     health = health_aio.HealthServicer()
     grpc_server, grpc_port = await _start_grpc(server, engine, policy, health)
     try:
@@ -186,18 +200,12 @@ async def start_server(settings: Settings) -> RunningServer:
         core=core, metrics=metrics, token=token, token_generated=not given,
         grpc_host=server.grpc_host, grpc_port=grpc_port,
         http_host=server.http_host, http_port=http_port,
-        _grpc=grpc_server, _http=runner, _health=health, _hub=hub,
+        _grpc=grpc_server, _http=runner, _health=health, _hub=hub, _store=store, fleet=fleet,
     )
     running._tasks.append(asyncio.create_task(
         _decide_periodically(hub, clock, server.report_interval_seconds)))
-    fleet = fleet_config(settings)
-    if fleet.state_store != "memory":
-        running._store = _open_store(fleet)
-        running.fleet = FleetSync(
-            core, running._store,
-            FleetIdentity(fleet.sidecar_id or socket.gethostname(), fleet.fleet_model),
-            fleet.fleet_flush_interval_seconds, fleet.fleet_max_age_seconds, clock, metrics)
-        running._tasks.append(asyncio.create_task(running.fleet.run()))
+    if fleet is not None:
+        running._tasks.append(asyncio.create_task(fleet.run()))
     return running
 
 

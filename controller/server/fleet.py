@@ -1,5 +1,7 @@
-"""The fleet edge: every ``flush_interval_seconds`` publish this sidecar's acceptance evidence to
-the state store and load the other sidecars' into the core.
+"""The fleet edge: every ``flush_interval_seconds`` publish this sidecar's acceptance evidence and
+decisions to the state store and load the other sidecars' evidence and the fleet's overrides
+into the core; between rounds, a subscription to override changes brings a fleet override set
+through any sidecar into force here within one report interval.
 
 On the first round that knows the model (from the settings, or the first engine's hello) the
 sidecar first reads its own record back, so a restart (even after SIGKILL) resumes from its last
@@ -7,9 +9,10 @@ flush: at most one flush interval of evidence is lost. It never publishes before
 restarted sidecar cannot overwrite its record with an empty one.
 
 A store that fails (Redis down or restarting) costs nothing but sharing: the core keeps deciding
-from memory, rounds retry with exponential backoff and jitter, and the state change is logged
-once and shown by ``specpilot_state_store_up``; when the store answers again the next round
-publishes and reloads (resynchronises) as usual.
+from memory (with the fleet overrides it last read), rounds retry with exponential backoff and
+jitter, and the state change is logged once and shown by ``specpilot_state_store_up``; when the
+store answers again the next round publishes and reloads (resynchronises) as usual. Decisions
+made meanwhile wait in a bounded buffer and reach the decision log then.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from controller.core.controller import ControllerCore
 from controller.core.fleet import EvidenceExport, fleet_evidence
+from controller.core.types import DecisionEvent, Override
 from controller.metrics import Metrics
 from controller.store.base import StateStore, StoreUnavailable
 
@@ -39,19 +44,40 @@ class FleetSync:
     def __init__(self, core: ControllerCore, store: StateStore, identity: FleetIdentity,
                  flush_interval_seconds: float, max_age_seconds: float,
                  clock: Callable[[], float], metrics: Metrics | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 decide: Callable[[float], None] | None = None,
+                 decision_log_size: int = 10_000) -> None:
+        """``decide``: what to run when the fleet's overrides changed (the hub's decide, so
+        engines get the new policy at once)."""
         self._core, self._store, self._id = core, store, identity
         self._interval = flush_interval_seconds
         self._max_age = max_age_seconds
         self._clock = clock
         self._metrics = metrics
         self._rng = rng or random.Random()
+        self._decide = decide
+        self._log_size = decision_log_size
+        self._pending: deque[DecisionEvent] = deque(maxlen=decision_log_size)
         self._restored = False
         self._up: bool | None = None
+        self._refused: set[tuple[str, float]] = set()
+
+    @property
+    def sidecar(self) -> str:
+        return self._id.sidecar
 
     def model(self) -> str:
         return self._id.model or self._core.first_engine_model()
 
+    def _known_model(self) -> str:
+        model = self.model()
+        if not model:
+            raise ValueError("scope: the fleet's model is not known yet (no engine has "
+                             "connected and fleet_model is unset): set the override with scope "
+                             "pod, or retry once an engine is connected")
+        return model
+
+    # --- rounds ---------------------------------------------------------------------------------
     async def sync_once(self) -> bool:
         """One round: restore (first time), publish, reload. False when the model is not known
         yet. Raises StoreUnavailable (nothing in the core changed then)."""
@@ -70,12 +96,74 @@ class FleetSync:
         now = self._clock()
         export = EvidenceExport(self._id.sidecar, now, self._core.export_evidence(now))
         await self._store.put_evidence(model, export, ttl_seconds=self._max_age)
+        if self._pending:
+            events = list(self._pending)
+            await self._store.add_decisions(model, self._id.sidecar, events, self._log_size)
+            for _ in events:  # what arrived meanwhile stays for the next round
+                self._pending.popleft()
         exports = await self._store.evidence(model, now - self._max_age)
         now = self._clock()
         self._core.set_fleet_evidence(
             fleet_evidence(exports, self._id.sidecar, now, self._core.evidence_half_life,
                            self._max_age), now)
+        await self._load_overrides(model)
         return True
+
+    def record_decisions(self, events: Sequence[DecisionEvent]) -> None:
+        """Decisions to append to the fleet's log at the next round (the oldest are dropped
+        beyond the log's size while the store is away)."""
+        self._pending.extend(events)
+
+    # --- overrides ------------------------------------------------------------------------------
+    async def _load_overrides(self, model: str) -> None:
+        overrides = await self._store.overrides(model)
+        before = self._core.fleet_overrides()
+        for ov, reason in self._core.set_fleet_overrides(overrides):
+            if (ov.traffic_class, ov.set_at) not in self._refused:
+                self._refused.add((ov.traffic_class, ov.set_at))
+                log.warning("fleet override on %r (set through %s) not in force here: %s",
+                            ov.traffic_class, ov.set_by or "?", reason)
+        if self._core.fleet_overrides() != before and self._decide is not None:
+            self._decide(self._clock())
+
+    async def set_override(self, override: Override) -> None:
+        """Put a fleet override in force on every sidecar of the model, this one first.
+        ValueError (naming the field) when it cannot be tracked here or the model is unknown;
+        StoreUnavailable when the store did not take it (nothing changed then)."""
+        self._core.check_override(override)
+        model = self._known_model()
+        await self._store.put_override(model, override)
+        await self._load_overrides(model)
+
+    async def clear_override(self, traffic_class: str) -> bool:
+        """Lift the fleet override on ``traffic_class`` everywhere; False when none was set."""
+        model = self._known_model()
+        cleared = await self._store.clear_override(model, traffic_class)
+        await self._load_overrides(model)
+        return cleared
+
+    async def _watch_overrides(self) -> None:
+        """Reload the fleet's overrides whenever the store announces a change; resubscribe
+        after a failure (the rounds report the store's state)."""
+        failures = 0
+        while True:
+            model = self.model()
+            if model:
+                try:
+                    async for _ in self._store.override_changes(model):
+                        failures = 0
+                        await self._load_overrides(model)
+                except StoreUnavailable:
+                    failures += 1
+                except Exception:  # a bug here must not stop the subscription for good
+                    log.exception("fleet override subscription failed")
+                    failures += 1
+            await asyncio.sleep(self._backoff(max(failures, 1)))
+
+    # --- running --------------------------------------------------------------------------------
+    def _backoff(self, failures: int) -> float:
+        factor = min(2.0 ** (failures - 1), _MAX_BACKOFF_FACTOR)
+        return float(self._interval * factor * (0.5 + self._rng.random()))
 
     def _set_up(self, up: bool, reason: str = "") -> None:
         if self._up is not up:
@@ -88,8 +176,7 @@ class FleetSync:
         if self._metrics is not None:
             self._metrics.state_store_up(up)
 
-    async def run(self) -> None:
-        """Rounds until cancelled."""
+    async def _rounds(self) -> None:
         failures = 0
         while True:
             try:
@@ -100,9 +187,20 @@ class FleetSync:
             except StoreUnavailable as exc:
                 self._set_up(False, str(exc))
                 failures += 1
-                factor = min(2 ** (failures - 1), _MAX_BACKOFF_FACTOR)
-                delay = self._interval * factor * (0.5 + self._rng.random())
+                delay = self._backoff(failures)
             except Exception:  # a bug here must not stop sharing for good
                 log.exception("fleet round failed")
                 delay = self._interval
             await asyncio.sleep(delay)
+
+    async def run(self) -> None:
+        """Rounds and the override subscription, until cancelled."""
+        await asyncio.gather(self._rounds(), self._watch_overrides())
+
+    async def final_flush(self, timeout_seconds: float) -> None:
+        """One last round on a graceful stop, so a planned restart loses nothing; a store that
+        does not answer in time only costs that round."""
+        try:
+            await asyncio.wait_for(self.sync_once(), timeout_seconds)
+        except (StoreUnavailable, TimeoutError):
+            log.warning("final flush to the state store did not complete")

@@ -122,6 +122,7 @@ class Hub:
         self._limit = queue_limit
         self.sessions: dict[str, EngineSession] = {}
         self._watchers: set[Watcher] = set()
+        self._listeners: list[Callable[[list[DecisionEvent]], None]] = []
         self._pushed_version: int | None = None
         self._cached: engine_pb2.ConnectResponse | None = None
 
@@ -161,6 +162,9 @@ class Hub:
         """Hand new decisions to watchers and metrics; push the policy to every engine when its
         version moved."""
         self._metrics.decisions(events)
+        if events:
+            for listener in self._listeners:
+                listener(events)
         for watcher in self._watchers:
             for e in events:
                 if watcher.wants(e):
@@ -169,6 +173,10 @@ class Hub:
             self._pushed_version = self._core.version
             for session in self.sessions.values():
                 session.push_policy()
+
+    def on_decisions(self, listener: Callable[[list[DecisionEvent]], None]) -> None:
+        """Call ``listener`` with every round's new decisions (it must not block)."""
+        self._listeners.append(listener)
 
     def watch(self, traffic_class: str) -> tuple[list[DecisionEvent], Watcher]:
         """The recent log (for replay) and a watcher for what follows, with no gap between."""

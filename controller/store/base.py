@@ -1,15 +1,18 @@
 """The state-store interface: what the server flushes to and loads from, in the core's terms.
 
-The core keeps every estimate in its own objects; a store only holds what sidecars exchange. One
-model's keys share a namespace (and, in Redis Cluster, a hash slot), so sidecars serving different
-models never see each other's evidence.
+The core keeps every estimate in its own objects; a store only holds what sidecars exchange:
+their acceptance evidence, the fleet's overrides and the fleet's decision log. One model's keys
+share a namespace (and, in Redis Cluster, a hash slot), so sidecars serving different models
+never see each other's state.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from controller.core.fleet import EvidenceExport
+from controller.core.types import DecisionEvent, Override
 
 
 class StoreUnavailable(RuntimeError):
@@ -27,6 +30,30 @@ class StateStore(Protocol):
         """Every sidecar's latest export for ``model`` stamped at or after ``since``, this one's
         included (callers skip their own, or read it back after a restart). Records that cannot
         be read are skipped."""
+
+    async def put_override(self, model: str, override: Override) -> None:
+        """Put a fleet override in force for ``model`` (replacing the one on the same class)
+        and tell every subscriber of ``override_changes``."""
+
+    async def clear_override(self, model: str, traffic_class: str) -> bool:
+        """Lift the fleet override on ``traffic_class``; False when there was none."""
+
+    async def overrides(self, model: str) -> list[Override]:
+        """The model's fleet overrides, by class. Records that cannot be read are skipped."""
+
+    def override_changes(self, model: str) -> AsyncIterator[None]:
+        """Yields once subscribed (read ``overrides`` then) and after every change of the
+        model's fleet overrides; raises StoreUnavailable when the subscription is lost
+        (changes made meanwhile are seen by the next read, not replayed)."""
+
+    async def add_decisions(self, model: str, sidecar: str, events: Sequence[DecisionEvent],
+                            max_len: int) -> None:
+        """Append ``sidecar``'s decisions to the model's decision log, which keeps about the
+        newest ``max_len`` entries of the whole fleet."""
+
+    async def decisions(self, model: str, count: int) -> list[tuple[str, DecisionEvent]]:
+        """The newest ``count`` entries of the model's decision log, oldest first, each with
+        the sidecar that decided it. Entries that cannot be read are skipped."""
 
     async def close(self) -> None:
         """Release connections."""

@@ -1,4 +1,5 @@
-"""The one converter between the core's fleet records and what a state store holds (JSON)."""
+"""The one converter between the core's records and what a state store holds (JSON): evidence
+exports, fleet overrides and decision events."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from typing import Any
 
 from controller.core.fleet import EvidenceEntry, EvidenceExport
+from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 
 # Bumped when the stored shape changes; a record of another version is skipped, not misread.
 FORMAT = 1
@@ -41,3 +43,75 @@ def export_from_json(text: str | bytes) -> EvidenceExport:
         raise
     except (ValueError, TypeError, KeyError) as exc:
         raise StoredRecordError(f"malformed evidence record: {exc}") from exc
+
+
+def _finite(value: Any, what: str) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise StoredRecordError(f"{what} is not finite")
+    return number
+
+
+def override_to_json(ov: Override) -> str:
+    return json.dumps({
+        "format": FORMAT, "traffic_class": ov.traffic_class, "pin_k": ov.pin_k,
+        "force_draft": ov.force_draft, "force_off": ov.force_off, "note": ov.note,
+        "set_at": ov.set_at, "set_by": ov.set_by,
+    }, separators=(",", ":"), allow_nan=False)
+
+
+def override_from_json(text: str | bytes) -> Override:
+    """A fleet override; StoredRecordError for anything else (a bad action included)."""
+    try:
+        raw: Any = json.loads(text)
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise StoredRecordError(f"not an override record of format {FORMAT}")
+        pin_k = raw["pin_k"]
+        if pin_k is not None and (not isinstance(pin_k, int) or isinstance(pin_k, bool)):
+            raise StoredRecordError(f"pin_k {pin_k!r} is not an integer")
+        force_draft = raw["force_draft"]
+        return Override(
+            traffic_class=str(raw["traffic_class"]), pin_k=pin_k,
+            force_draft=None if force_draft is None else str(force_draft),
+            force_off=bool(raw["force_off"]), note=str(raw["note"]),
+            set_at=_finite(raw["set_at"], "set_at"), scope=OverrideScope.FLEET,
+            set_by=str(raw["set_by"]))
+    except StoredRecordError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:  # Override's own checks are ValueErrors
+        raise StoredRecordError(f"malformed override record: {exc}") from exc
+
+
+def event_to_json(e: DecisionEvent) -> str:
+    """ValueError when a number in it is not finite (the event is not worth a corrupt log)."""
+    def decision(d: Decision) -> dict[str, Any]:
+        return {"traffic_class": d.traffic_class, "bucket": d.bucket, "draft": d.draft,
+                "k": d.k, "reason": d.reason.value, "expected_speedup": d.expected_speedup,
+                "probe_rate": d.probe_rate, "probe_k": d.probe_k, "probe_draft": d.probe_draft}
+    return json.dumps({
+        "format": FORMAT, "policy_version": e.policy_version, "at": e.at,
+        "decision": decision(e.decision),
+        "previous": None if e.previous is None else decision(e.previous),
+    }, separators=(",", ":"), allow_nan=False)
+
+
+def event_from_json(text: str | bytes) -> DecisionEvent:
+    try:
+        raw: Any = json.loads(text)
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise StoredRecordError(f"not a decision record of format {FORMAT}")
+
+        def decision(d: dict[str, Any]) -> Decision:
+            return Decision(str(d["traffic_class"]), int(d["bucket"]), str(d["draft"]),
+                            int(d["k"]), Reason(d["reason"]),
+                            _finite(d["expected_speedup"], "expected_speedup"),
+                            _finite(d["probe_rate"], "probe_rate"), int(d["probe_k"]),
+                            str(d["probe_draft"]))
+        previous = raw["previous"]
+        return DecisionEvent(int(raw["policy_version"]), _finite(raw["at"], "at"),
+                             decision(raw["decision"]),
+                             None if previous is None else decision(previous))
+    except StoredRecordError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise StoredRecordError(f"malformed decision record: {exc}") from exc

@@ -1,18 +1,26 @@
-"""The embedded default store: evidence in this process's memory (one sidecar, no fleet). Also the
-reference behaviour the Redis store is tested against."""
+"""The embedded default store: everything in this process's memory (one sidecar, no fleet). Also
+the reference behaviour the Redis store is tested against, and a fleet of controllers inside one
+process (the tests, the simulator) can share one."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 
 from controller.core.fleet import EvidenceExport
+from controller.core.types import DecisionEvent, Override, OverrideScope
 
 
 class MemoryStore:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._evidence: dict[str, dict[str, tuple[EvidenceExport, float]]] = {}
+        self._overrides: dict[str, dict[str, Override]] = {}
+        self._subscribers: dict[str, set[asyncio.Queue[None]]] = {}
+        self._decisions: dict[str, deque[tuple[str, DecisionEvent]]] = {}
 
     async def put_evidence(self, model: str, export: EvidenceExport,
                            ttl_seconds: float) -> None:
@@ -26,6 +34,47 @@ class MemoryStore:
             del held[sidecar]
         return sorted((ex for ex, _ in held.values() if ex.at >= since),
                       key=lambda ex: ex.sidecar)
+
+    def _notify(self, model: str) -> None:
+        for queue in self._subscribers.get(model, ()):
+            queue.put_nowait(None)
+
+    async def put_override(self, model: str, override: Override) -> None:
+        self._overrides.setdefault(model, {})[override.traffic_class] = replace(
+            override, scope=OverrideScope.FLEET)
+        self._notify(model)
+
+    async def clear_override(self, model: str, traffic_class: str) -> bool:
+        cleared = self._overrides.get(model, {}).pop(traffic_class, None) is not None
+        if cleared:
+            self._notify(model)
+        return cleared
+
+    async def overrides(self, model: str) -> list[Override]:
+        held = self._overrides.get(model, {})
+        return [held[c] for c in sorted(held)]
+
+    async def override_changes(self, model: str) -> AsyncIterator[None]:
+        queue: asyncio.Queue[None] = asyncio.Queue()
+        self._subscribers.setdefault(model, set()).add(queue)
+        try:
+            yield None
+            while True:
+                await queue.get()
+                yield None
+        finally:
+            self._subscribers[model].discard(queue)
+
+    async def add_decisions(self, model: str, sidecar: str, events: Sequence[DecisionEvent],
+                            max_len: int) -> None:
+        log = self._decisions.get(model)
+        if log is None or log.maxlen != max_len:
+            log = self._decisions[model] = deque(log or (), maxlen=max_len)
+        log.extend((sidecar, e) for e in events)
+
+    async def decisions(self, model: str, count: int) -> list[tuple[str, DecisionEvent]]:
+        log = self._decisions.get(model, deque())
+        return list(log)[-count:] if count > 0 else []
 
     async def close(self) -> None:
         return None

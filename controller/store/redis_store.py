@@ -5,6 +5,9 @@ multi-key reads (MGET) work there as on a single server:
 
     specpilot:{<model>}:evidence:<sidecar>   one sidecar's latest export (JSON), with a TTL
     specpilot:{<model>}:sidecars             sorted set: sidecar -> time of its latest export
+    specpilot:{<model>}:overrides            hash: class -> fleet override (JSON); also the
+                                             pub/sub channel that announces each change
+    specpilot:{<model>}:decisions            stream, capped (MAXLEN ~): sidecar, event (JSON)
 
 Every Redis error surfaces as ``StoreUnavailable``; retrying is the caller's business.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from redis import asyncio as aioredis
@@ -20,11 +24,26 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from controller.core.fleet import EvidenceExport
+from controller.core.types import DecisionEvent, Override
 from controller.store.base import StoreUnavailable
-from controller.store.codec import StoredRecordError, export_from_json, export_to_json
+from controller.store.codec import (
+    StoredRecordError,
+    event_from_json,
+    event_to_json,
+    export_from_json,
+    export_to_json,
+    override_from_json,
+    override_to_json,
+)
 
 log = logging.getLogger(__name__)
 CLUSTER_SCHEME = "redis+cluster://"
+# How long one wait for an override announcement blocks before looking again (seconds).
+_SUBSCRIBE_POLL_SECONDS = 1.0
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def model_tag(model: str) -> str:
@@ -62,8 +81,7 @@ class RedisStore:
         index = f"specpilot:{tag}:sidecars"
         try:
             await self._r.zremrangebyscore(index, "-inf", f"({since}")
-            sidecars = [s.decode() if isinstance(s, bytes) else str(s)
-                        for s in await self._r.zrangebyscore(index, since, "+inf")]
+            sidecars = [_text(s) for s in await self._r.zrangebyscore(index, since, "+inf")]
             if not sidecars:
                 return []
             values = await self._r.mget([f"specpilot:{tag}:evidence:{s}" for s in sidecars])
@@ -78,6 +96,95 @@ class RedisStore:
             except StoredRecordError as exc:
                 log.warning("skipping the stored evidence of sidecar %r: %s", sidecar, exc)
         return sorted(out, key=lambda ex: ex.sidecar)
+
+    async def put_override(self, model: str, override: Override) -> None:
+        key = f"specpilot:{model_tag(model)}:overrides"
+        try:
+            await self._r.hset(key, override.traffic_class, override_to_json(override))
+            await self._r.publish(key, override.traffic_class)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    async def clear_override(self, model: str, traffic_class: str) -> bool:
+        key = f"specpilot:{model_tag(model)}:overrides"
+        try:
+            cleared = bool(await self._r.hdel(key, traffic_class))
+            if cleared:
+                await self._r.publish(key, traffic_class)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        return cleared
+
+    async def overrides(self, model: str) -> list[Override]:
+        try:
+            held = await self._r.hgetall(f"specpilot:{model_tag(model)}:overrides")
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        out = []
+        for cls, value in sorted((_text(c), v) for c, v in held.items()):
+            try:
+                out.append(override_from_json(value))
+            except StoredRecordError as exc:
+                log.warning("skipping the stored fleet override on class %r: %s", cls, exc)
+        return out
+
+    async def override_changes(self, model: str) -> AsyncIterator[None]:
+        channel = f"specpilot:{model_tag(model)}:overrides"
+        try:
+            if isinstance(self._r, RedisCluster):
+                await self._r.initialize()  # its pubsub picks a node from the slots it learnt
+            pubsub = self._r.pubsub()
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        try:
+            await pubsub.subscribe(channel)
+            yield None
+            while True:
+                if await pubsub.get_message(ignore_subscribe_messages=True,
+                                            timeout=_SUBSCRIBE_POLL_SECONDS) is not None:
+                    yield None
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()
+
+    async def add_decisions(self, model: str, sidecar: str, events: Sequence[DecisionEvent],
+                            max_len: int) -> None:
+        key = f"specpilot:{model_tag(model)}:decisions"
+        entries = []
+        for e in events:
+            try:
+                entries.append({"sidecar": sidecar, "event": event_to_json(e)})
+            except ValueError as exc:
+                log.warning("decision on class %r not logged to the store: %s",
+                            e.decision.traffic_class, exc)
+        if not entries:
+            return
+        try:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for fields in entries:
+                    pipe.xadd(key, fields, maxlen=max_len, approximate=True)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    async def decisions(self, model: str, count: int) -> list[tuple[str, DecisionEvent]]:
+        if count <= 0:
+            return []
+        try:
+            entries = await self._r.xrevrange(f"specpilot:{model_tag(model)}:decisions",
+                                              count=count)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        out = []
+        for entry_id, fields in reversed(entries):
+            fields = {_text(k): v for k, v in fields.items()}
+            try:
+                out.append((_text(fields["sidecar"]), event_from_json(fields["event"])))
+            except (KeyError, StoredRecordError) as exc:
+                log.warning("skipping decision log entry %s: %s", _text(entry_id), exc)
+        return out
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError):

@@ -110,7 +110,10 @@ async def test_drift_lowers_k_within_the_stated_reports(server: RunningServer) -
     print(f"drift {0.72}->{0.58}: K {level} -> lower after {reaction} reports "
           f"({None if reaction is None else reaction * STEPS_PER_REPORT} verification steps)")
     assert reaction is not None and reaction <= DRIFT_REACTION_WITHIN_REPORTS
-    assert history[-1] == k_after
+    # Settled after it: the K of most of the last 30 reports (one report's K is a single
+    # Thompson draw, which the last-report check it replaced failed on under host load).
+    tail = history[-30:]
+    assert max(set(tail), key=tail.count) == k_after, f"not settled after the drift: {tail}"
     assert server.core.estimate("chat", "draft-small", time.time()).changes_detected >= 1
 
 

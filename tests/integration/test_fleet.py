@@ -1,6 +1,7 @@
 """Two real controllers sharing a real redis-server: evidence learnt through one is used by the
-other without double counting; a controller killed and restarted resumes from its last flush;
-an outage of Redis costs nothing but sharing."""
+other without double counting; an override set through one is in force on both (a pod one only
+on its own); a controller killed and restarted resumes from its last flush, one stopped
+gracefully from all it had; an outage of Redis costs nothing but sharing."""
 
 from __future__ import annotations
 
@@ -15,12 +16,19 @@ import numpy as np
 import pytest
 
 from controller.server.app import RunningServer, start_server
+from controller.server.stubs import async_policy_stub
 from controller.settings import load_settings
-from tests.integration.conftest import FAST_SETTINGS
+from controller.store.redis_store import RedisStore
+from specpilot.v1 import engine_pb2, policy_pb2
+from tests.integration.conftest import FAST_SETTINGS, TOKEN
 from tests.integration.engine_client import DRAFT, EngineClient, acceptance, hello, report
 from tests.redis_servers import RedisServer
 
 FLUSH = 0.1
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+# The plugin's default report interval, seconds: the bound on how soon a fleet override must be
+# in force on every sidecar (the tests' controllers run with a much shorter one).
+DEFAULT_REPORT_INTERVAL = 1.0
 pytestmark = pytest.mark.integration
 
 
@@ -124,3 +132,109 @@ async def test_a_redis_outage_keeps_the_controller_deciding_and_it_resyncs(
     redis.start()  # back, empty: the next rounds publish again and B learns A's evidence
     await _until(lambda: _own_and_total(b)[1][0] > 400, timeout=15.0)
     assert b"specpilot_state_store_up 1.0" in a.metrics.render()
+
+
+def _pins(update: engine_pb2.PolicyUpdate, cls: str) -> set[int]:
+    return {d.k for d in update.decisions if d.traffic_class == cls}
+
+
+async def _policy_until(engine: EngineClient, cls: str, ks: set[int]) -> None:
+    """Read policy updates until one has decisions for ``cls``, all with K in ``ks``."""
+    while True:
+        pins = _pins(await engine.next_policy(), cls)
+        if pins and pins <= ks:
+            return
+
+
+async def test_an_override_set_through_one_controller_is_in_force_on_both(
+        pair: tuple[RunningServer, RunningServer], redis: RedisServer) -> None:
+    a, b = pair
+    async with grpc.aio.insecure_channel(a.grpc_target) as ch_a, \
+            grpc.aio.insecure_channel(b.grpc_target) as ch_b:
+        engine_a, engine_b = EngineClient(ch_a), EngineClient(ch_b)
+        await engine_a.connect(hello("engine-a"))
+        await engine_b.connect(hello("engine-b"))
+        policy_a, policy_b = async_policy_stub(ch_a), async_policy_stub(ch_b)
+
+        # Default scope with a shared store: the fleet. B's engine gets it within one report
+        # interval, and B's GetPolicy says where it came from.
+        start = time.monotonic()
+        await policy_a.SetOverride(policy_pb2.SetOverrideRequest(override=policy_pb2.Override(
+            traffic_class="chat", pin_k=1, note="canary")), metadata=AUTH)
+        await _policy_until(engine_b, "chat", {1})
+        assert time.monotonic() - start < DEFAULT_REPORT_INTERVAL
+        (chat,) = (await policy_b.GetPolicy(
+            policy_pb2.GetPolicyRequest(traffic_class="chat"))).classes
+        (ov,) = chat.overrides
+        assert (ov.scope, ov.set_by, ov.note) == (
+            policy_pb2.OVERRIDE_SCOPE_FLEET, "sidecar-a", "canary")
+        assert all(d.k == 1 for d in chat.decisions)
+
+        # A pod override through A is A's alone, and beats the fleet's there.
+        pod = policy_pb2.Override(traffic_class="chat", pin_k=3,
+                                  scope=policy_pb2.OVERRIDE_SCOPE_POD)
+        await policy_a.SetOverride(policy_pb2.SetOverrideRequest(override=pod), metadata=AUTH)
+        await _policy_until(engine_a, "chat", {3})
+        await asyncio.sleep(5 * FLUSH)  # rounds of both went by
+        assert {d.k for d in b.core.snapshot(time.time()).class_view("chat").decisions} == {1}
+
+        # Cleared through B: lifted on both (A keeps its pod override).
+        cleared = await policy_b.ClearOverride(
+            policy_pb2.ClearOverrideRequest(traffic_class="chat"), metadata=AUTH)
+        assert cleared.cleared
+        await _until(lambda: not b.core.fleet_overrides() and not a.core.fleet_overrides(),
+                     timeout=DEFAULT_REPORT_INTERVAL)
+        assert [o.pin_k for o in a.core.snapshot(time.time()).class_view("chat").overrides] == [3]
+        await engine_a.close()
+        await engine_b.close()
+
+    # Both sidecars' decisions reached the fleet's decision log.
+    store = RedisStore.from_url(redis.url)
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            sidecars = {s for s, _ in await store.decisions("tiny-target", 1000)}
+            if sidecars == {"sidecar-a", "sidecar-b"} or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(FLUSH)
+        assert sidecars == {"sidecar-a", "sidecar-b"}
+    finally:
+        await store.close()
+
+
+async def test_a_fleet_override_waits_for_redis_and_nothing_changes_meanwhile(
+        pair: tuple[RunningServer, RunningServer], redis: RedisServer) -> None:
+    a, _ = pair
+    redis.stop()
+    async with grpc.aio.insecure_channel(a.grpc_target) as ch:
+        policy = async_policy_stub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await policy.SetOverride(policy_pb2.SetOverrideRequest(override=policy_pb2.Override(
+                traffic_class="chat", force_off=True)), metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "scope pod" in (err.value.details() or "")
+        assert a.core.snapshot(time.time()).overrides == ()
+        pod = policy_pb2.Override(traffic_class="chat", force_off=True,
+                                  scope=policy_pb2.OVERRIDE_SCOPE_POD)
+        await policy.SetOverride(policy_pb2.SetOverrideRequest(override=pod), metadata=AUTH)
+        assert [o.force_off for o in a.core.snapshot(time.time()).overrides] == [True]
+
+
+async def test_a_graceful_stop_flushes_what_came_after_the_last_round(
+        redis: RedisServer) -> None:
+    a = await _controller(redis, "sidecar-a", fleet_flush_interval_seconds=60.0)
+    store = RedisStore.from_url(redis.url)
+    try:
+        while not await store.evidence("tiny-target", since=0.0):  # the first round is done
+            await asyncio.sleep(0.05)
+        await _feed(a, "engine-a", (10, 20, 70), reports=5)  # after it: only in memory
+        before, _ = _own_and_total(a)
+    finally:
+        await a.stop(grace_seconds=1.0)
+        await store.close()
+    restarted = await _controller(redis, "sidecar-a")
+    try:
+        await _until(lambda: _own_and_total(restarted)[0][0] > 0)
+        assert _own_and_total(restarted)[0][0] == pytest.approx(before[0], rel=0.02)
+    finally:
+        await restarted.stop(grace_seconds=0.1)

@@ -121,6 +121,23 @@ async def test_set_and_clear_an_override(
     assert not again.cleared
 
 
+async def test_without_a_shared_store_overrides_are_the_pods_and_fleet_scope_is_refused(
+    server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
+) -> None:
+    await policy.SetOverride(_pin("chat", 2), metadata=AUTH)  # unspecified scope: the pod's
+    (chat,) = (await policy.GetPolicy(policy_pb2.GetPolicyRequest(traffic_class="chat"))).classes
+    (ov,) = chat.overrides
+    assert ov.scope == policy_pb2.OVERRIDE_SCOPE_POD and ov.set_by
+    fleet = _pin("chat", 3)
+    fleet.override.scope = policy_pb2.OVERRIDE_SCOPE_FLEET
+    code, details = await _code(policy.SetOverride(fleet, metadata=AUTH))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("scope:")
+    code, details = await _code(policy.ClearOverride(policy_pb2.ClearOverrideRequest(
+        traffic_class="chat", scope=policy_pb2.OVERRIDE_SCOPE_FLEET), metadata=AUTH))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("scope:")
+    assert [o.pin_k for o in snapshot(server).overrides] == [2]  # nothing changed
+
+
 async def test_force_off_for_all_classes(
     server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient
 ) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from controller.core.fleet import EvidenceEntry, EvidenceExport
+from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 from controller.store.base import StateStore, StoreUnavailable
 from controller.store.memory import MemoryStore
 from controller.store.redis_store import RedisStore, model_tag
@@ -84,11 +85,21 @@ async def test_keys_of_a_model_share_one_cluster_slot(redis_cluster: RedisCluste
 
 async def test_a_malformed_record_is_skipped_not_fatal(redis_server: RedisServer) -> None:
     store = RedisStore.from_url(redis_server.url)
+    tag = model_tag("bad")
     try:
         await store.put_evidence("bad", _export("a", 1.0, 1.0), ttl_seconds=60)
         await store.put_evidence("bad", _export("b", 1.0, 2.0), ttl_seconds=60)
-        redis_server.cli("SET", f"specpilot:{model_tag('bad')}:evidence:b", '{"format": 1}')
+        redis_server.cli("SET", f"specpilot:{tag}:evidence:b", '{"format": 1}')
         assert [e.sidecar for e in await store.evidence("bad", since=0.0)] == ["a"]
+        await store.put_override("bad", Override("code", pin_k=1))
+        for junk in ('{"format": 1, "traffic_class": "x", "pin_k": "9", "force_draft": null, '
+                     '"force_off": false, "note": "", "set_at": 1, "set_by": ""}', "not json"):
+            redis_server.cli("HSET", f"specpilot:{tag}:overrides", "x", junk)
+            assert [o.traffic_class for o in await store.overrides("bad")] == ["code"]
+        await store.add_decisions("bad", "a", [_event(1, 2)], max_len=10)
+        redis_server.cli("XADD", f"specpilot:{tag}:decisions", "*", "sidecar", "a",
+                         "event", '{"format": 1, "at": "NaN"}')
+        assert [e.policy_version for _, e in await store.decisions("bad", 10)] == [1]
     finally:
         await store.close()
 
@@ -103,3 +114,49 @@ async def test_an_unreachable_redis_raises_store_unavailable(tmp_path: Path) -> 
             await store.evidence("m", since=0.0)
     finally:
         await store.close()
+
+
+async def _next_change(changes: AsyncIterator[None]) -> None:
+    await asyncio.wait_for(anext(changes), timeout=5.0)
+
+
+async def test_fleet_overrides_round_trip_and_every_change_is_announced(
+        store: StateStore, request: pytest.FixtureRequest) -> None:
+    model = f"ov-{request.node.callspec.id}"
+    changes = store.override_changes(model)
+    await _next_change(changes)  # subscribed
+    pin = Override("code", pin_k=2, note="incident 7", set_at=10.0, set_by="sidecar-a")
+    await store.put_override(model, pin)
+    await _next_change(changes)
+    await store.put_override(model, Override("*", force_off=True, set_at=11.0))
+    await _next_change(changes)
+    await store.put_override(model + "-other", Override("chat", pin_k=1))
+    got = await store.overrides(model)
+    assert [(o.traffic_class, o.scope) for o in got] == [("*", OverrideScope.FLEET),
+                                                         ("code", OverrideScope.FLEET)]
+    assert got[1] == Override("code", pin_k=2, note="incident 7", set_at=10.0,
+                              scope=OverrideScope.FLEET, set_by="sidecar-a")
+    assert await store.clear_override(model, "code")
+    await _next_change(changes)
+    assert not await store.clear_override(model, "code")
+    assert [o.traffic_class for o in await store.overrides(model)] == ["*"]
+    await changes.aclose()  # type: ignore[attr-defined]
+
+
+def _event(version: int, k: int) -> DecisionEvent:
+    return DecisionEvent(version, 100.0 + version,
+                         Decision("code", 1, "d" if k else "", k, Reason.GOODPUT, 1.2),
+                         Decision("code", 1, "", 0, Reason.WARMUP) if version > 1 else None)
+
+
+async def test_the_decision_log_keeps_about_its_size_newest_last(
+        store: StateStore, request: pytest.FixtureRequest) -> None:
+    model = f"log-{request.node.callspec.id}"
+    await store.add_decisions(model, "a", [_event(v, v % 4) for v in range(1, 301)], max_len=100)
+    await store.add_decisions(model, "b", [_event(301, 3)], max_len=100)
+    newest = await store.decisions(model, count=5)
+    assert [(s, e.policy_version) for s, e in newest] == [
+        ("a", 297), ("a", 298), ("a", 299), ("a", 300), ("b", 301)]
+    assert newest[-1][1] == _event(301, 3)
+    held = await store.decisions(model, count=1000)
+    assert 100 <= len(held) < 300  # capped near max_len (Redis trims whole nodes: "about")

@@ -1,11 +1,21 @@
 from specpilot.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class OverrideScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OVERRIDE_SCOPE_UNSPECIFIED: _ClassVar[OverrideScope]
+    OVERRIDE_SCOPE_POD: _ClassVar[OverrideScope]
+    OVERRIDE_SCOPE_FLEET: _ClassVar[OverrideScope]
+OVERRIDE_SCOPE_UNSPECIFIED: OverrideScope
+OVERRIDE_SCOPE_POD: OverrideScope
+OVERRIDE_SCOPE_FLEET: OverrideScope
 
 class GetPolicyRequest(_message.Message):
     __slots__ = ("traffic_class",)
@@ -40,20 +50,24 @@ class DraftEstimate(_message.Message):
     def __init__(self, draft: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionEstimate, _Mapping]]] = ..., expected_tokens: _Optional[_Iterable[float]] = ..., changes_detected: _Optional[int] = ...) -> None: ...
 
 class Override(_message.Message):
-    __slots__ = ("traffic_class", "pin_k", "force_draft", "force_off", "note", "set_unix_seconds")
+    __slots__ = ("traffic_class", "pin_k", "force_draft", "force_off", "note", "set_unix_seconds", "scope", "set_by")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     PIN_K_FIELD_NUMBER: _ClassVar[int]
     FORCE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     FORCE_OFF_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     SET_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    SET_BY_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
     pin_k: int
     force_draft: str
     force_off: bool
     note: str
     set_unix_seconds: float
-    def __init__(self, traffic_class: _Optional[str] = ..., pin_k: _Optional[int] = ..., force_draft: _Optional[str] = ..., force_off: _Optional[bool] = ..., note: _Optional[str] = ..., set_unix_seconds: _Optional[float] = ...) -> None: ...
+    scope: OverrideScope
+    set_by: str
+    def __init__(self, traffic_class: _Optional[str] = ..., pin_k: _Optional[int] = ..., force_draft: _Optional[str] = ..., force_off: _Optional[bool] = ..., note: _Optional[str] = ..., set_unix_seconds: _Optional[float] = ..., scope: _Optional[_Union[OverrideScope, str]] = ..., set_by: _Optional[str] = ...) -> None: ...
 
 class ClassPolicy(_message.Message):
     __slots__ = ("traffic_class", "decisions", "estimates", "overrides", "offline")
@@ -94,10 +108,12 @@ class SetOverrideResponse(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
 
 class ClearOverrideRequest(_message.Message):
-    __slots__ = ("traffic_class",)
+    __slots__ = ("traffic_class", "scope")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
-    def __init__(self, traffic_class: _Optional[str] = ...) -> None: ...
+    scope: OverrideScope
+    def __init__(self, traffic_class: _Optional[str] = ..., scope: _Optional[_Union[OverrideScope, str]] = ...) -> None: ...
 
 class ClearOverrideResponse(_message.Message):
     __slots__ = ("policy_version", "cleared")
