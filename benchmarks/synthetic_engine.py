@@ -46,10 +46,13 @@ class TrueCost:
     per_token_above_ridge: float = 4e-4
     draft_per_pass: float = 0.004
     draft_per_token: float = 1e-5
+    # What speculation costs every step even at K = 0 (vLLM's #49548: the drafter's state is
+    # kept up to date); 0 for a plain engine.
+    speculative_overhead: float = 0.0
 
     def step_seconds(self, batch: int, k: int) -> float:
         tokens = batch * (1 + k)
-        t = self.base + self.per_token * tokens
+        t = self.base + self.per_token * tokens + self.speculative_overhead
         t += self.per_token_above_ridge * max(0, tokens - self.ridge_tokens)
         if k:
             t += k * (self.draft_per_pass + self.draft_per_token * batch)
@@ -94,6 +97,7 @@ class SyntheticEngine:
     batch_size: int = 1
     steps_per_report: int = 400
     engine_id: str = "synthetic-0"
+    draft: str = DRAFT  # "" : a plain engine (no speculation: max_k is ignored)
     draft_vocab_hash: str = VOCAB
     seed: int = 0
     bucket_bounds: list[int] = field(default_factory=list)
@@ -107,8 +111,9 @@ class SyntheticEngine:
     def hello(self) -> engine_pb2.ConnectRequest:
         return engine_pb2.ConnectRequest(hello=wire.hello_to_proto(EngineHello(
             engine_id=self.engine_id, model="synthetic-target", target_vocab_hash=VOCAB,
-            drafts=(DraftSpec(DRAFT, DraftKind.MODEL, self.max_k, self.draft_vocab_hash),),
-            max_k=self.max_k,
+            drafts=((DraftSpec(self.draft, DraftKind.MODEL, self.max_k, self.draft_vocab_hash),)
+                    if self.draft else ()),
+            max_k=self.max_k if self.draft else 0,
             # Batch-wide: the synthetic drafter drafts only the K in force, so K=0 saves drafting.
             per_request_k=False, batch_wide_k=True,
             engine_version="synthetic", plugin_version="synthetic", max_batch_size=64,
@@ -119,8 +124,9 @@ class SyntheticEngine:
         """The start-up profile a real engine's plugin sends (``engine_plugin/profile.py``): the
         true step time at its batch sizes and K."""
         return tuple(
-            StepProfile(b, b * (1 + k), DRAFT if k else "", k, self.cost.step_seconds(b, k))
-            for b in PROFILE_BATCH_SIZES for k in PROFILE_KS if k <= self.max_k)
+            StepProfile(b, b * (1 + k), self.draft if k else "", k, self.cost.step_seconds(b, k))
+            for b in PROFILE_BATCH_SIZES for k in PROFILE_KS
+            if k <= (self.max_k if self.draft else 0))
 
     def bucket(self) -> int:
         return bucket_of(tuple(self.bucket_bounds), self.batch_size)
@@ -137,25 +143,25 @@ class SyntheticEngine:
 
     def k_in_force(self, traffic_class: str) -> int:
         d = self.decision(traffic_class)
-        return d.k if d is not None else self.max_k
+        return d.k if d is not None else (self.max_k if self.draft else 0)
 
     def report(self) -> engine_pb2.ConnectRequest:
         acceptance: list[AcceptanceRecord] = []
         timings: list[StepTimingRecord] = []
         for name, rates in self.rates.items():
             d = self.decision(name)
-            k = d.k if d is not None else self.max_k
+            k = self.k_in_force(name)
             steps = self.steps_per_report
             if k == 0 and d is not None and d.probe_k:
                 k, steps = d.probe_k, int(self.rng.binomial(steps, d.probe_rate))
             if k and steps:
                 acceptance.append(AcceptanceRecord(
-                    name, DRAFT, k, tuple(draw_histogram(self.rng, rates, k, steps))))
-            k_run = d.k if d is not None else self.max_k
+                    name, self.draft, k, tuple(draw_histogram(self.rng, rates, k, steps))))
+            k_run = self.k_in_force(name)
             b, n = self.batch_size, self.steps_per_report
             noise = 1.0 + 0.02 * float(self.rng.standard_normal())
             timings.append(StepTimingRecord(
-                batch_bucket=self.bucket(), draft=DRAFT if k_run else "", k=k_run, steps=n,
+                batch_bucket=self.bucket(), draft=self.draft if k_run else "", k=k_run, steps=n,
                 sum_batch_size=n * b, sum_verified_tokens=n * b * (1 + k_run),
                 sum_draft_tokens=n * b * k_run,
                 sum_step_seconds=n * self.cost.step_seconds(b, k_run) * noise))

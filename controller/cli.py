@@ -264,6 +264,27 @@ def policy_explain(stub: PolicyStub, args: argparse.Namespace) -> int:
     return 0
 
 
+def render_recommendations(resp: policy_pb2.GetRecommendationsResponse) -> str:
+    if not resp.classes:
+        return "no recommendations yet (no class has enough evidence on a speculative engine)"
+    rows = [(c.traffic_class, c.batch_size, "*" if i == 0 else "", o.pool,
+             arm_label(o.draft, o.k), f"{o.goodput_tokens_per_second:.1f}",
+             f"{o.tries:.0f}" if o.draft else "-", o.sidecars)
+            for c in resp.classes for i, o in enumerate(c.options)]
+    return _table(("CLASS", "BATCH", "", "POOL", "CHOICE", "TOKENS/S", "TRIES", "SIDECARS"),
+                  rows)
+
+
+def policy_recommend(stub: PolicyStub, args: argparse.Namespace) -> int:
+    resp = stub.GetRecommendations(policy_pb2.GetRecommendationsRequest(traffic_class=args.cls),
+                                   timeout=args.timeout)
+    if args.json:
+        _print_json(resp)
+    else:
+        print(render_recommendations(resp))
+    return 0
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.target) as channel:
         try:
@@ -369,6 +390,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     explain = action("explain", policy_explain, "explain one class's decision", True)
     explain.add_argument("--bucket", type=int, default=0, help="batch bucket index")
     explain.add_argument("--json", action="store_true", help="print the response as JSON")
+    recommend = action("recommend", policy_recommend,
+                       "the fleet's best draft and pool per class (needs a shared store)", False)
+    recommend.add_argument("--json", action="store_true", help="print the response as JSON")
     return parser
 
 

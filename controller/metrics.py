@@ -13,7 +13,7 @@ can run in one process (the tests do).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from controller.core.controller import ControllerCore
+from controller.core.recommend import Recommendation
 from controller.core.snapshot import CoreSnapshot
 from controller.core.types import DecisionEvent, Reason, StepPrediction
 
@@ -86,7 +87,9 @@ class Metrics:
                 counter.labels(value)
         for reason in Reason:
             self._decisions.labels(reason.value)
-        self._store_up: Gauge | None = None  # created by the first fleet round
+        self._store_up: Gauge | None = None
+        self._recommended: Gauge | None = None
+        self._option_goodput: Gauge | None = None  # created by the first fleet round
         r.register(_CoreCollector(core, clock))
 
     def render(self) -> bytes:
@@ -133,6 +136,30 @@ class Metrics:
                 "controller then decides from memory); absent without a store.",
                 registry=self.registry)
         self._store_up.set(1.0 if up else 0.0)
+
+    def recommendations(self, recs: Sequence[Recommendation]) -> None:
+        """The fleet's latest recommendations: every option's goodput and which is best (the
+        series exist only where a store is configured; each update replaces them all)."""
+        if self._recommended is None:
+            labels = ["traffic_class", "pool", "draft"]
+            self._option_goodput = Gauge(
+                "specpilot_recommendation_goodput_tokens_per_second",
+                "Goodput of each way to serve a class at the fleet's load (pool, draft; draft "
+                "'' is speculation off), posterior means, tokens/s of the batch.", labels,
+                registry=self.registry)
+            self._recommended = Gauge(
+                "specpilot_recommendation",
+                "1 for the recommended (pool, draft) of each class, 0 for the other options.",
+                labels, registry=self.registry)
+        assert self._option_goodput is not None
+        self._option_goodput.clear()
+        self._recommended.clear()
+        for rec in recs:
+            for i, opt in enumerate(rec.options):
+                self._option_goodput.labels(rec.traffic_class, opt.pool, opt.draft).set(
+                    opt.goodput)
+                self._recommended.labels(rec.traffic_class, opt.pool, opt.draft).set(
+                    1.0 if i == 0 else 0.0)
 
 
 class _CoreCollector(Collector):

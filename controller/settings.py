@@ -88,6 +88,9 @@ class FleetConfig:
     fleet_max_age_seconds: float = tunable(600.0, gt=0)
     """A sidecar's export older than this is left out (and expires in the store), seconds:
     departed sidecars age out."""
+    fleet_recommend_min_tries: float = tunable(200.0, ge=0)
+    """Position-1 tries (after forgetting) a draft's estimate for a class needs before the
+    fleet's recommendations count that draft for it, tries."""
     fleet_decision_log_size: int = tunable(10_000, ge=1)
     """Decisions the fleet's log in the store keeps (a capped stream shared by every sidecar
     of the model; about this many, newest kept), entries."""

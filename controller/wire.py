@@ -9,12 +9,14 @@ exception is what protobuf cannot express in a dataclass (an unset enum or oneof
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from google.protobuf.message import Message
 
 from controller.core.controller import HelloOutcome
 from controller.core.policy import ArmValue
+from controller.core.recommend import Recommendation
 from controller.core.snapshot import AcceptanceEstimate, ClassView, CoreSnapshot, Explanation
 from controller.core.types import (
     AcceptanceRecord,
@@ -376,3 +378,17 @@ def policy_response_to_proto(snap: CoreSnapshot, classes: tuple[ClassView, ...],
         classes=[class_view_to_proto(c, credible_level) for c in classes],
         engines=[e.engine_id for e in snap.engines],
     )
+
+
+def recommendations_to_proto(recs: Sequence[Recommendation], traffic_class: str,
+                             at: float) -> policy_pb2.GetRecommendationsResponse:
+    """All classes' recommendations (or one's: empty name for all)."""
+    return policy_pb2.GetRecommendationsResponse(computed_unix_seconds=at, classes=[
+        policy_pb2.ClassRecommendation(
+            traffic_class=r.traffic_class, batch_bucket=r.batch_bucket, batch_size=r.batch_size,
+            draft=r.draft, pool=r.pool, options=[
+                policy_pb2.RecommendedOption(
+                    pool=o.pool, draft=o.draft, k=o.k, goodput_tokens_per_second=o.goodput,
+                    tries=o.tries, sidecars=o.sidecars, cost_steps=o.cost_steps)
+                for o in r.options])
+        for r in recs if not traffic_class or r.traffic_class == traffic_class])

@@ -45,7 +45,9 @@ def _start_pilot(vllm_config: VllmConfigLike) -> Pilot | None:
         install_worker_patches()
         engine = EngineSpec.from_vllm(vllm_config)
         if not engine.max_k:
-            log.warning("specpilot: no speculative decoding configured; nothing to steer")
+            log.warning("specpilot: no speculative decoding configured; nothing to steer, "
+                        "reporting step times as a plain engine (the fleet's pool "
+                        "recommendations compare it with speculative ones)")
         return Pilot.create(engine, PluginConfig.from_env())
     except Exception:
         log.exception("specpilot: could not start; serving without specpilot")

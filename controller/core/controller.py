@@ -29,7 +29,7 @@ from controller.core.fleet import (
     add_evidence,
     entries_of,
 )
-from controller.core.goodput import expected_tokens_curve
+from controller.core.goodput import expected_tokens_curve, goodput
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
 from controller.core.policy import (
     BucketState,
@@ -38,6 +38,7 @@ from controller.core.policy import (
     arm_values,
     decide_class,
 )
+from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
 from controller.core.snapshot import (
     AcceptanceEstimate,
     ClassView,
@@ -534,6 +535,39 @@ class ControllerCore:
         """The other sidecars' evidence (``controller.core.fleet.fleet_evidence``), as of
         ``now``: it adds to this controller's posteriors, replacing the previous fleet view."""
         self._estimator.set_fleet(evidence, now)
+
+    def engine_options(self, sidecar: str, now: float) -> EngineOptions | None:
+        """What this controller's engines achieve, for the fleet's recommendations
+        (``controller.core.recommend``); None while no engine is connected. Posterior means and
+        mean costs, the class alone in the batch; draws nothing, so deciding is unaffected."""
+        if not self._engines:
+            return None
+        drafts = self.drafts()
+        sunk = self._sunk_draft()
+        sizes = tuple(self.config.bucket_batch_size(b) for b in range(self.config.n_buckets))
+        off = tuple(float(n / self._cost.predict_curve(n, "", False, 0, sunk_draft=sunk)[0])
+                    for n in sizes)
+        curves = []
+        for name in sorted(self._classes):
+            for d in drafts:
+                if not self._estimator.has_data(name, d.name):
+                    continue
+                post = self._estimator.posterior(name, d.name, now)
+                k_max = min(self.config.policy.max_k, d.max_k)
+                expected = expected_tokens_curve(post.mean[:k_max])[1:]
+                best = []
+                for n in sizes:
+                    seconds = self._cost.predict_curve(n, d.pass_draft, bool(d.pass_draft),
+                                                       k_max, sunk_draft=sunk)[1:]
+                    values = goodput(expected, n, seconds)
+                    k = int(np.argmax(values))
+                    best.append((k + 1, float(values[k])))
+                curves.append(DraftCurve(name, d.name, tuple(k for k, _ in best),
+                                         tuple(g for _, g in best),
+                                         float(post.effective_tries[0])))
+        load = float(np.mean([e.running_requests for e in self._engines.values()]))
+        return EngineOptions(sidecar, now, SPECULATIVE if drafts else PLAIN, load, sizes, off,
+                             self._cost.observed_steps, tuple(curves))
 
     # --- overrides --------------------------------------------------------------------------
     def set_override(self, override: Override) -> None:

@@ -186,13 +186,14 @@ async def start_server(settings: Settings) -> RunningServer:
             core, store, FleetIdentity(sidecar, fleet_settings.fleet_model),
             fleet_settings.fleet_flush_interval_seconds, fleet_settings.fleet_max_age_seconds,
             clock, metrics, decide=hub.decide,
-            decision_log_size=fleet_settings.fleet_decision_log_size)
+            decision_log_size=fleet_settings.fleet_decision_log_size,
+            recommend_min_tries=fleet_settings.fleet_recommend_min_tries)
         hub.on_decisions(fleet.record_decisions)
     policy = PolicyService(core, hub, metrics, token, clock, sidecar, fleet)
     health = health_aio.HealthServicer()
     grpc_server, grpc_port = await _start_grpc(server, engine, policy, health)
     try:
-        runner, http_port = await _start_http(server, make_app(core, metrics, clock))
+        runner, http_port = await _start_http(server, make_app(core, metrics, clock, fleet))
     except ServeError:
         await grpc_server.stop(None)
         raise

@@ -1,7 +1,9 @@
-"""The fleet edge: every ``flush_interval_seconds`` publish this sidecar's acceptance evidence and
-decisions to the state store and load the other sidecars' evidence and the fleet's overrides
-into the core; between rounds, a subscription to override changes brings a fleet override set
-through any sidecar into force here within one report interval.
+"""The fleet edge: every ``flush_interval_seconds`` publish this sidecar's acceptance evidence,
+what its engines achieve and its decisions to the state store, load the other sidecars' evidence
+and the fleet's overrides into the core, and recompute the fleet's recommendations (which draft
+and which pool serve each class best; ``controller.core.recommend``); between rounds, a
+subscription to override changes brings a fleet override set through any sidecar into force
+here within one report interval.
 
 On the first round that knows the model (from the settings, or the first engine's hello) the
 sidecar first reads its own record back, so a restart (even after SIGKILL) resumes from its last
@@ -26,12 +28,16 @@ from dataclasses import dataclass
 
 from controller.core.controller import ControllerCore
 from controller.core.fleet import EvidenceExport, fleet_evidence
+from controller.core.recommend import Recommendation, recommend
 from controller.core.types import DecisionEvent, Override
 from controller.metrics import Metrics
 from controller.store.base import StateStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 _MAX_BACKOFF_FACTOR = 16  # retries wait at most 16 flush intervals
+# Engine options older than this many flush intervals are left out of recommendations: they
+# describe an engine's present, and a sidecar gone for longer is no pool to route to.
+_OPTIONS_MAX_AGE_INTERVALS = 6
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class FleetSync:
                  clock: Callable[[], float], metrics: Metrics | None = None,
                  rng: random.Random | None = None,
                  decide: Callable[[float], None] | None = None,
-                 decision_log_size: int = 10_000) -> None:
+                 decision_log_size: int = 10_000, recommend_min_tries: float = 200.0) -> None:
         """``decide``: what to run when the fleet's overrides changed (the hub's decide, so
         engines get the new policy at once)."""
         self._core, self._store, self._id = core, store, identity
@@ -61,6 +67,9 @@ class FleetSync:
         self._restored = False
         self._up: bool | None = None
         self._refused: set[tuple[str, float]] = set()
+        self._min_tries = recommend_min_tries
+        self.recommendations: tuple[Recommendation, ...] = ()
+        self.recommended_at = 0.0  # when they were computed (0: never)
 
     @property
     def sidecar(self) -> str:
@@ -96,6 +105,10 @@ class FleetSync:
         now = self._clock()
         export = EvidenceExport(self._id.sidecar, now, self._core.export_evidence(now))
         await self._store.put_evidence(model, export, ttl_seconds=self._max_age)
+        options = self._core.engine_options(self._id.sidecar, now)
+        options_ttl = _OPTIONS_MAX_AGE_INTERVALS * self._interval
+        if options is not None:
+            await self._store.put_options(model, options, ttl_seconds=options_ttl)
         if self._pending:
             events = list(self._pending)
             await self._store.add_decisions(model, self._id.sidecar, events, self._log_size)
@@ -107,7 +120,24 @@ class FleetSync:
             fleet_evidence(exports, self._id.sidecar, now, self._core.evidence_half_life,
                            self._max_age), now)
         await self._load_overrides(model)
+        self._set_recommendations(recommend(
+            await self._store.options(model, now - options_ttl), self._min_tries), now)
         return True
+
+    def _set_recommendations(self, recs: tuple[Recommendation, ...], now: float) -> None:
+        """Keep the latest; log each class whose recommended (pool, draft) changed."""
+        before = {r.traffic_class: (r.pool, r.draft) for r in self.recommendations}
+        for r in recs:
+            if before.get(r.traffic_class) != (r.pool, r.draft):
+                best = r.options[0]
+                runner_up = (f"; next {r.options[1].pool} {r.options[1].draft or 'off'} "
+                             f"{r.options[1].goodput:.0f}") if len(r.options) > 1 else ""
+                log.info("recommendation for class %r at batch %d: %s pool, draft %s "
+                         "(%.0f tokens/s%s)", r.traffic_class, r.batch_size, r.pool,
+                         r.draft or "none", best.goodput, runner_up)
+        self.recommendations, self.recommended_at = recs, now
+        if self._metrics is not None:
+            self._metrics.recommendations(recs)
 
     def record_decisions(self, events: Sequence[DecisionEvent]) -> None:
         """Decisions to append to the fleet's log at the next round (the oldest are dropped

@@ -1,4 +1,5 @@
-"""The HTTP side: /metrics (Prometheus), /healthz, and JSON views under /api.
+"""The HTTP side: /metrics (Prometheus), /healthz, and JSON views under /api (the fleet's
+recommendations, for a gateway to poll, at /api/recommendations).
 
 The JSON is the protobuf JSON mapping of the same messages the policy API returns (field names as
 in the .proto; 64-bit integers as strings, as that mapping prescribes), so the dashboard and gRPC
@@ -14,11 +15,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from controller.core.controller import ControllerCore
 from controller.metrics import Metrics
+from controller.server.fleet import FleetSync
 from controller.server.views import policy_response, to_json_dict
-from controller.wire import event_to_proto
+from controller.wire import event_to_proto, recommendations_to_proto
 
 
-def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float]) -> web.Application:
+def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
+             fleet: FleetSync | None = None) -> web.Application:
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -45,9 +48,19 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float])
         kept = events[-limit:] if limit > 0 else ()
         return web.json_response({"events": [to_json_dict(event_to_proto(e)) for e in kept]})
 
+    async def recommendations(request: web.Request) -> web.Response:
+        """The fleet's recommendations per class (?class= for one); 404 without a shared
+        store."""
+        if fleet is None:
+            return web.json_response({"error": "recommendations need a shared state store "
+                                               "(state_store)"}, status=404)
+        return web.json_response(to_json_dict(recommendations_to_proto(
+            fleet.recommendations, request.query.get("class", ""), fleet.recommended_at)))
+
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/policy", policy)
     app.router.add_get("/api/decisions", decisions)
+    app.router.add_get("/api/recommendations", recommendations)
     return app

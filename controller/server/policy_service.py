@@ -28,6 +28,7 @@ from controller.wire import (
     event_to_proto,
     explanation_to_proto,
     override_from_proto,
+    recommendations_to_proto,
     scope_from_proto,
 )
 from specpilot.v1 import policy_pb2
@@ -162,6 +163,16 @@ class PolicyService:
                                 f"batch_bucket: {bucket} outside 0..{snap.n_buckets - 1}")
         ex = self._core.explain(name, bucket, now)
         return explanation_to_proto(ex, explanation_text(ex))
+
+    async def GetRecommendations(
+        self, request: policy_pb2.GetRecommendationsRequest, context: Context
+    ) -> policy_pb2.GetRecommendationsResponse:
+        if self._fleet is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "recommendations compare the sidecars of a fleet: configure a "
+                                "shared state store (state_store)")
+        return recommendations_to_proto(self._fleet.recommendations, request.traffic_class,
+                                        self._fleet.recommended_at)
 
 
 def _watch_response(e: DecisionEvent) -> policy_pb2.WatchDecisionsResponse:

@@ -39,6 +39,8 @@ class AsyncPolicyStub(Protocol):
                                                       policy_pb2.WatchDecisionsResponse]
     ExplainDecision: grpc.aio.UnaryUnaryMultiCallable[policy_pb2.ExplainDecisionRequest,
                                                       policy_pb2.ExplainDecisionResponse]
+    GetRecommendations: grpc.aio.UnaryUnaryMultiCallable[
+        policy_pb2.GetRecommendationsRequest, policy_pb2.GetRecommendationsResponse]
 
 
 class PolicyStub(Protocol):
@@ -54,6 +56,8 @@ class PolicyStub(Protocol):
                                                   policy_pb2.WatchDecisionsResponse]
     ExplainDecision: grpc.UnaryUnaryMultiCallable[policy_pb2.ExplainDecisionRequest,
                                                   policy_pb2.ExplainDecisionResponse]
+    GetRecommendations: grpc.UnaryUnaryMultiCallable[
+        policy_pb2.GetRecommendationsRequest, policy_pb2.GetRecommendationsResponse]
 
 
 def add_engine_service(servicer: object, server: grpc.aio.Server) -> None:

@@ -1,7 +1,8 @@
 """The state-store interface: what the server flushes to and loads from, in the core's terms.
 
 The core keeps every estimate in its own objects; a store only holds what sidecars exchange:
-their acceptance evidence, the fleet's overrides and the fleet's decision log. One model's keys
+their acceptance evidence, what their engines achieve (for recommendations), the fleet's
+overrides and the fleet's decision log. One model's keys
 share a namespace (and, in Redis Cluster, a hash slot), so sidecars serving different models
 never see each other's state.
 """
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from controller.core.fleet import EvidenceExport
+from controller.core.recommend import EngineOptions
 from controller.core.types import DecisionEvent, Override
 
 
@@ -30,6 +32,14 @@ class StateStore(Protocol):
         """Every sidecar's latest export for ``model`` stamped at or after ``since``, this one's
         included (callers skip their own, or read it back after a restart). Records that cannot
         be read are skipped."""
+
+    async def put_options(self, model: str, options: EngineOptions, ttl_seconds: float) -> None:
+        """Publish what one sidecar's engines achieve (replacing its previous record); it
+        expires after ``ttl_seconds`` unless published again."""
+
+    async def options(self, model: str, since: float) -> list[EngineOptions]:
+        """Every sidecar's latest options for ``model`` stamped at or after ``since``, by
+        sidecar. Records that cannot be read are skipped."""
 
     async def put_override(self, model: str, override: Override) -> None:
         """Put a fleet override in force for ``model`` (replacing the one on the same class)

@@ -1,5 +1,5 @@
 """The one converter between the core's records and what a state store holds (JSON): evidence
-exports, fleet overrides and decision events."""
+exports, engine options (for recommendations), fleet overrides and decision events."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from controller.core.fleet import EvidenceEntry, EvidenceExport
+from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
 from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 
 # Bumped when the stored shape changes; a record of another version is skipped, not misread.
@@ -115,3 +116,43 @@ def event_from_json(text: str | bytes) -> DecisionEvent:
         raise
     except (ValueError, TypeError, KeyError) as exc:
         raise StoredRecordError(f"malformed decision record: {exc}") from exc
+
+
+def options_to_json(o: EngineOptions) -> str:
+    return json.dumps({
+        "format": FORMAT, "sidecar": o.sidecar, "at": o.at, "pool": o.pool, "load": o.load,
+        "batch_sizes": list(o.batch_sizes), "off": list(o.off), "cost_steps": o.cost_steps,
+        "curves": [[c.traffic_class, c.draft, list(c.ks), list(c.goodput), c.tries]
+                   for c in o.curves],
+    }, separators=(",", ":"), allow_nan=False)
+
+
+def options_from_json(text: str | bytes) -> EngineOptions:
+    """StoredRecordError for anything but well-formed options with finite, non-negative
+    numbers and one value per bucket."""
+    try:
+        raw: Any = json.loads(text)
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise StoredRecordError(f"not an engine-options record of format {FORMAT}")
+        if raw["pool"] not in (SPECULATIVE, PLAIN):
+            raise StoredRecordError(f"pool {raw['pool']!r} is neither {SPECULATIVE} nor {PLAIN}")
+        sizes = tuple(int(n) for n in raw["batch_sizes"])
+
+        def per_bucket(values: Any, what: str) -> tuple[float, ...]:
+            out = tuple(_finite(v, what) for v in values)
+            if len(out) != len(sizes) or min(out, default=0.0) < 0:
+                raise StoredRecordError(f"{what}: expected {len(sizes)} values >= 0")
+            return out
+        curves = tuple(
+            DraftCurve(str(c), str(d), tuple(int(k) for k in ks), per_bucket(g, "goodput"),
+                       _finite(t, "tries"))
+            for c, d, ks, g, t in raw["curves"])
+        if any(len(c.ks) != len(sizes) for c in curves):
+            raise StoredRecordError("ks: expected one K per bucket")
+        return EngineOptions(str(raw["sidecar"]), _finite(raw["at"], "at"), raw["pool"],
+                             _finite(raw["load"], "load"), sizes, per_bucket(raw["off"], "off"),
+                             _finite(raw["cost_steps"], "cost_steps"), curves)
+    except StoredRecordError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise StoredRecordError(f"malformed engine-options record: {exc}") from exc

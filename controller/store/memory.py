@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from controller.core.fleet import EvidenceExport
+from controller.core.recommend import EngineOptions
 from controller.core.types import DecisionEvent, Override, OverrideScope
 
 
@@ -18,6 +19,7 @@ class MemoryStore:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._evidence: dict[str, dict[str, tuple[EvidenceExport, float]]] = {}
+        self._options: dict[str, dict[str, tuple[EngineOptions, float]]] = {}
         self._overrides: dict[str, dict[str, Override]] = {}
         self._subscribers: dict[str, set[asyncio.Queue[None]]] = {}
         self._decisions: dict[str, deque[tuple[str, DecisionEvent]]] = {}
@@ -34,6 +36,16 @@ class MemoryStore:
             del held[sidecar]
         return sorted((ex for ex, _ in held.values() if ex.at >= since),
                       key=lambda ex: ex.sidecar)
+
+    async def put_options(self, model: str, options: EngineOptions, ttl_seconds: float) -> None:
+        self._options.setdefault(model, {})[options.sidecar] = (
+            options, self._clock() + ttl_seconds)
+
+    async def options(self, model: str, since: float) -> list[EngineOptions]:
+        now = self._clock()
+        held = self._options.get(model, {})
+        return sorted((o for o, expires in held.values() if expires > now and o.at >= since),
+                      key=lambda o: o.sidecar)
 
     def _notify(self, model: str) -> None:
         for queue in self._subscribers.get(model, ()):

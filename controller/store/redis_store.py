@@ -5,6 +5,7 @@ multi-key reads (MGET) work there as on a single server:
 
     specpilot:{<model>}:evidence:<sidecar>   one sidecar's latest export (JSON), with a TTL
     specpilot:{<model>}:sidecars             sorted set: sidecar -> time of its latest export
+    specpilot:{<model>}:options:<sidecar>    what its engines achieve (JSON), with a TTL
     specpilot:{<model>}:overrides            hash: class -> fleet override (JSON); also the
                                              pub/sub channel that announces each change
     specpilot:{<model>}:decisions            stream, capped (MAXLEN ~): sidecar, event (JSON)
@@ -24,6 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from controller.core.fleet import EvidenceExport
+from controller.core.recommend import EngineOptions
 from controller.core.types import DecisionEvent, Override
 from controller.store.base import StoreUnavailable
 from controller.store.codec import (
@@ -32,6 +34,8 @@ from controller.store.codec import (
     event_to_json,
     export_from_json,
     export_to_json,
+    options_from_json,
+    options_to_json,
     override_from_json,
     override_to_json,
 )
@@ -96,6 +100,38 @@ class RedisStore:
             except StoredRecordError as exc:
                 log.warning("skipping the stored evidence of sidecar %r: %s", sidecar, exc)
         return sorted(out, key=lambda ex: ex.sidecar)
+
+    async def put_options(self, model: str, options: EngineOptions, ttl_seconds: float) -> None:
+        tag = model_tag(model)
+        try:
+            await self._r.set(f"specpilot:{tag}:options:{options.sidecar}",
+                              options_to_json(options), px=max(int(ttl_seconds * 1000), 1))
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    async def options(self, model: str, since: float) -> list[EngineOptions]:
+        # The sidecars' index is the evidence's (a sidecar publishes both every round); the
+        # options' own time decides what is recent enough.
+        tag = model_tag(model)
+        try:
+            sidecars = [_text(s) for s in await self._r.zrange(f"specpilot:{tag}:sidecars", 0, -1)]
+            if not sidecars:
+                return []
+            values = await self._r.mget([f"specpilot:{tag}:options:{s}" for s in sidecars])
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        out = []
+        for sidecar, value in zip(sidecars, values, strict=True):
+            if value is None:
+                continue
+            try:
+                options = options_from_json(value)
+            except StoredRecordError as exc:
+                log.warning("skipping the stored engine options of sidecar %r: %s", sidecar, exc)
+                continue
+            if options.at >= since:
+                out.append(options)
+        return sorted(out, key=lambda o: o.sidecar)
 
     async def put_override(self, model: str, override: Override) -> None:
         key = f"specpilot:{model_tag(model)}:overrides"

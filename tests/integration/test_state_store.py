@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from controller.core.fleet import EvidenceEntry, EvidenceExport
+from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
 from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 from controller.store.base import StateStore, StoreUnavailable
 from controller.store.memory import MemoryStore
@@ -96,6 +97,9 @@ async def test_a_malformed_record_is_skipped_not_fatal(redis_server: RedisServer
                      '"force_off": false, "note": "", "set_at": 1, "set_by": ""}', "not json"):
             redis_server.cli("HSET", f"specpilot:{tag}:overrides", "x", junk)
             assert [o.traffic_class for o in await store.overrides("bad")] == ["code"]
+        await store.put_options("bad", _options("a", 1.0), ttl_seconds=60)
+        redis_server.cli("SET", f"specpilot:{tag}:options:b", '{"format": 1, "pool": "gpu"}')
+        assert [o.sidecar for o in await store.options("bad", since=0.0)] == ["a"]
         await store.add_decisions("bad", "a", [_event(1, 2)], max_len=10)
         redis_server.cli("XADD", f"specpilot:{tag}:decisions", "*", "sidecar", "a",
                          "event", '{"format": 1, "at": "NaN"}')
@@ -160,3 +164,25 @@ async def test_the_decision_log_keeps_about_its_size_newest_last(
     assert newest[-1][1] == _event(301, 3)
     held = await store.decisions(model, count=1000)
     assert 100 <= len(held) < 300  # capped near max_len (Redis trims whole nodes: "about")
+
+
+def _options(sidecar: str, at: float) -> EngineOptions:
+    return EngineOptions(sidecar, at, SPECULATIVE if sidecar != "plain" else PLAIN, 8.0,
+                         (1, 8), (100.0, 400.0), 1234.5,
+                         (DraftCurve("code", "d", (4, 2), (210.5, 800.0), 950.0),)
+                         if sidecar != "plain" else ())
+
+
+async def test_engine_options_round_trip_and_age_out(
+        store: StateStore, request: pytest.FixtureRequest) -> None:
+    model = f"opt-{request.node.callspec.id}"
+    for sidecar in ("a", "plain"):  # the sidecars' index comes with their evidence
+        await store.put_evidence(model, _export(sidecar, 100.0, 1.0), ttl_seconds=60)
+        await store.put_options(model, _options(sidecar, 100.0), ttl_seconds=60)
+    await store.put_options(model, _options("a", 101.0), ttl_seconds=60)  # replaces a's
+    assert await store.options(model, since=0.0) == [_options("a", 101.0),
+                                                     _options("plain", 100.0)]
+    assert [o.sidecar for o in await store.options(model, since=100.5)] == ["a"]
+    await store.put_options(model, _options("a", 102.0), ttl_seconds=0.05)
+    await asyncio.sleep(0.2)
+    assert [o.sidecar for o in await store.options(model, since=0.0)] == ["plain"]

@@ -170,3 +170,51 @@ class ExplainDecisionResponse(_message.Message):
     text: str
     batch_size: int
     def __init__(self, decision: _Optional[_Union[_common_pb2.Decision, _Mapping]] = ..., arms: _Optional[_Iterable[_Union[ArmScore, _Mapping]]] = ..., text: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...
+
+class GetRecommendationsRequest(_message.Message):
+    __slots__ = ("traffic_class",)
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    def __init__(self, traffic_class: _Optional[str] = ...) -> None: ...
+
+class RecommendedOption(_message.Message):
+    __slots__ = ("pool", "draft", "k", "goodput_tokens_per_second", "tries", "sidecars", "cost_steps")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TRIES_FIELD_NUMBER: _ClassVar[int]
+    SIDECARS_FIELD_NUMBER: _ClassVar[int]
+    COST_STEPS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    draft: str
+    k: int
+    goodput_tokens_per_second: float
+    tries: float
+    sidecars: int
+    cost_steps: float
+    def __init__(self, pool: _Optional[str] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., goodput_tokens_per_second: _Optional[float] = ..., tries: _Optional[float] = ..., sidecars: _Optional[int] = ..., cost_steps: _Optional[float] = ...) -> None: ...
+
+class ClassRecommendation(_message.Message):
+    __slots__ = ("traffic_class", "batch_bucket", "batch_size", "draft", "pool", "options")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    batch_bucket: int
+    batch_size: int
+    draft: str
+    pool: str
+    options: _containers.RepeatedCompositeFieldContainer[RecommendedOption]
+    def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ..., batch_size: _Optional[int] = ..., draft: _Optional[str] = ..., pool: _Optional[str] = ..., options: _Optional[_Iterable[_Union[RecommendedOption, _Mapping]]] = ...) -> None: ...
+
+class GetRecommendationsResponse(_message.Message):
+    __slots__ = ("classes", "computed_unix_seconds")
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    classes: _containers.RepeatedCompositeFieldContainer[ClassRecommendation]
+    computed_unix_seconds: float
+    def __init__(self, classes: _Optional[_Iterable[_Union[ClassRecommendation, _Mapping]]] = ..., computed_unix_seconds: _Optional[float] = ...) -> None: ...

@@ -61,6 +61,11 @@ class PolicyServiceStub:
                 request_serializer=specpilot_dot_v1_dot_policy__pb2.ExplainDecisionRequest.SerializeToString,
                 response_deserializer=specpilot_dot_v1_dot_policy__pb2.ExplainDecisionResponse.FromString,
                 _registered_method=True)
+        self.GetRecommendations = channel.unary_unary(
+                '/specpilot.v1.PolicyService/GetRecommendations',
+                request_serializer=specpilot_dot_v1_dot_policy__pb2.GetRecommendationsRequest.SerializeToString,
+                response_deserializer=specpilot_dot_v1_dot_policy__pb2.GetRecommendationsResponse.FromString,
+                _registered_method=True)
 
 
 class PolicyServiceServicer:
@@ -102,6 +107,15 @@ class PolicyServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRecommendations(self, request, context):
+        """Across the fleet of this model (needs a shared state store): which draft, and which pool
+        (speculative or plain engines), serves each class best at the fleet's load, with the
+        evidence behind every option.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +143,11 @@ def add_PolicyServiceServicer_to_server(servicer, server):
                     servicer.ExplainDecision,
                     request_deserializer=specpilot_dot_v1_dot_policy__pb2.ExplainDecisionRequest.FromString,
                     response_serializer=specpilot_dot_v1_dot_policy__pb2.ExplainDecisionResponse.SerializeToString,
+            ),
+            'GetRecommendations': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRecommendations,
+                    request_deserializer=specpilot_dot_v1_dot_policy__pb2.GetRecommendationsRequest.FromString,
+                    response_serializer=specpilot_dot_v1_dot_policy__pb2.GetRecommendationsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +287,33 @@ class PolicyService:
             '/specpilot.v1.PolicyService/ExplainDecision',
             specpilot_dot_v1_dot_policy__pb2.ExplainDecisionRequest.SerializeToString,
             specpilot_dot_v1_dot_policy__pb2.ExplainDecisionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRecommendations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specpilot.v1.PolicyService/GetRecommendations',
+            specpilot_dot_v1_dot_policy__pb2.GetRecommendationsRequest.SerializeToString,
+            specpilot_dot_v1_dot_policy__pb2.GetRecommendationsResponse.FromString,
             options,
             channel_credentials,
             insecure,
