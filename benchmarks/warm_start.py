@@ -27,7 +27,7 @@ from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.scenario import Scenario, load_scenario  # noqa: E402
 from benchmarks.sim.specpilot_policy import SpecPilotPolicy  # noqa: E402
 from controller.core.fleet import EvidenceExport, fleet_evidence  # noqa: E402
-from controller.core.types import Reason  # noqa: E402
+from controller.core.types import DecisionEvent, Reason  # noqa: E402
 
 DEFAULT_SCENARIOS = ("stationary-mixed", "five-classes", "h100-70b-8b", "flat-high")
 FIRST_SECONDS = 60.0
@@ -54,9 +54,9 @@ def _run(s: Scenario, seed: int, fleet: EvidenceExport | None) -> tuple[StartRun
     explores = changes = 0
     decide = core.decide
 
-    def counting(now: float):  # type: ignore[no-untyped-def]
+    def counting(now: float, joint: bool = True) -> list[DecisionEvent]:
         nonlocal explores, changes
-        events = decide(now)
+        events = decide(now, joint)
         if now <= FIRST_SECONDS:
             changes += sum(e.previous is not None for e in events)
             explores += sum(e.decision.reason is Reason.EXPLORE for e in events)

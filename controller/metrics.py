@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -60,6 +60,12 @@ class Metrics:
             ["reason"], registry=r)
         self._policy_updates = Counter(
             "specpilot_policy_updates_sent", "Policy updates sent on engine streams.", registry=r)
+        self._report_to_decision = Histogram(
+            "specpilot_report_to_decision_seconds",
+            "How long each accepted report waited for the decide round that took it into "
+            "account (then the policy goes out), seconds.",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+            registry=r)
         self._policy_writes = Counter(
             "specpilot_policy_writes", "PolicyService override writes, by outcome.", ["outcome"],
             registry=r)
@@ -122,6 +128,10 @@ class Metrics:
 
     def policy_update_sent(self) -> None:
         self._policy_updates.inc()
+
+    def reports_decided(self, waits: Iterable[float]) -> None:
+        for seconds in waits:
+            self._report_to_decision.observe(seconds)
 
     def policy_write(self, outcome: WriteOutcome) -> None:
         self._policy_writes.labels(outcome).inc()

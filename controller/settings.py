@@ -63,6 +63,10 @@ class ServerConfig:
     stream stays up."""
     report_interval_seconds: float = tunable(1.0, gt=0)
     """How often engines report, seconds (sent in the hello ack)."""
+    decide_min_interval_seconds: float = tunable(0.01, ge=0)
+    """Shortest time between two report-prompted decide rounds, seconds (a round that took
+    longer spaces the next by its own duration): reports that arrive closer together share one
+    round; a lone report is decided at once."""
     fail_static_timeout_seconds: float = tunable(30.0, gt=0)
     """Engines fall back to their static config after this long without hearing from the
     controller, seconds."""

@@ -276,7 +276,10 @@ class ControllerCore:
             self._classes[cls].evidence_at = now  # traffic, even with no drafts to count
             if cls not in verified:
                 self._mix.observe(cls, max(req.output_tokens - req.accepted_tokens, 1), now)
+        # Predicted by the costs as they were before the report (one solve per report, not
+        # per record), then learnt.
         predictions = []
+        learnt: list[tuple[StepShape, float, int]] = []
         for st in report.step_timings:
             if st.steps <= 0:
                 continue
@@ -294,7 +297,9 @@ class ControllerCore:
             self._loads.observe(st.batch_bucket, st.steps, st.sum_batch_size, now)
             predictions.append(StepPrediction(st.batch_bucket, st.k, st.steps,
                                               self._cost.predict(shape), measured))
-            self._cost.observe(shape, measured, st.steps, now)
+            learnt.append((shape, measured, st.steps))
+        for shape, measured, steps in learnt:
+            self._cost.observe(shape, measured, steps, now)
         engine.last_sequence = report.sequence
         engine.running_requests = report.running_requests
         engine.last_report_at = now
@@ -350,8 +355,14 @@ class ControllerCore:
             out[batch] = BatchOthers.build(batch, shares.get(name, 0.0), others)
         return out
 
+    def refresh_joint(self, now: float, max_buckets: int) -> None:
+        """Rerun the joint search for at most ``max_buckets`` of the stalest buckets (the
+        server spreads it over its own loop turns, so no report waits behind it)."""
+        self._refresh_joint(self.drafts(), now, {}, max_buckets)
+
     def _refresh_joint(self, drafts: tuple[DraftSpec, ...], now: float,
-                       cache: dict[tuple[str, str], np.ndarray]) -> None:
+                       cache: dict[tuple[str, str], np.ndarray],
+                       max_buckets: int | None = None) -> None:
         """Per bucket, the arms that make the expected batch fastest (the joint search). Each
         class then scores its own arms with the others at these arms, so the per-class decisions
         (with their Thompson draws, hysteresis and dwell) land on the batch optimum instead of
@@ -359,19 +370,22 @@ class ControllerCore:
 
         A bucket is refreshed when its result is older than joint_interval_seconds, at most
         ``_JOINT_BUCKETS_PER_DECIDE`` per call (stalest first) so no decide round stalls the
-        server; every bucket at once after a detected change. Batch size 1 has no others."""
+        server; every bucket at once after a detected change, unless ``max_buckets`` bounds
+        the call. Batch size 1 has no others."""
         shares = self._mix.shares()
         if not shares or self._sunk_draft() is not None:
             return
         interval = self.config.policy.joint_interval_seconds
         buckets = [b for b in range(self.config.n_buckets)
                    if self._loads.batch_size(b) > 1]
-        if any(s.change_pending for s in self._classes.values()):
+        changed = any(s.change_pending for s in self._classes.values())
+        if changed and max_buckets is None:
             due = buckets
         else:
-            stale = [b for b in buckets if now - self._joint_at.get(b, -np.inf) >= interval]
+            stale = [b for b in buckets
+                     if changed or now - self._joint_at.get(b, -np.inf) >= interval]
             stale.sort(key=lambda b: self._joint_at.get(b, -np.inf))
-            due = stale[:_JOINT_BUCKETS_PER_DECIDE]
+            due = stale[:_JOINT_BUCKETS_PER_DECIDE if max_buckets is None else max_buckets]
         if not due:
             return
         classes = []
@@ -438,6 +452,19 @@ class ControllerCore:
             drafter_sunk=sunk is not None,
         )
 
+    def _holds(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...]) -> bool:
+        """Whether deciding the class would keep every bucket's decision as it is (what
+        ``decide_bucket`` does for a settled bucket without new evidence): no override, no
+        detected change, not offline, and each bucket settled and not fresh."""
+        if (state.change_pending or not drafts or name in self.config.offline_classes
+                or self._override_for(name) is not None):
+            return False
+        for b in range(self.config.n_buckets):
+            d = state.decisions.get(b)
+            if d is None or d.reason in (Reason.WARMUP, Reason.OVERRIDE) or self._fresh(state, b):
+                return False
+        return True
+
     def _fresh(self, state: _ClassState, bucket: int) -> bool:
         """Whether the class's decision for ``bucket`` has new evidence behind it: acceptance
         data for the class and decode steps in the bucket since the bucket was last decided."""
@@ -457,17 +484,25 @@ class ControllerCore:
                     return (spec.name, spec.max_k)
         return None
 
-    def decide(self, now: float) -> list[DecisionEvent]:
-        """Re-decide every class and bucket; return the events for choices that changed."""
+    def decide(self, now: float, joint: bool = True) -> list[DecisionEvent]:
+        """Re-decide what new evidence, an override or time may have changed; return the events
+        for choices that changed. A class whose every bucket is settled and has no new evidence
+        keeps its decisions without being scored (incremental: a round costs what the evidence
+        since the last one touched). ``joint=False`` leaves the joint search's refresh to
+        ``refresh_joint`` (the server's rounds, so that a report's policy never waits behind
+        it)."""
         drafts = self.drafts()
         if not drafts and not self._engines:
             return []
         events: list[DecisionEvent] = []
         material = False
         cache: dict[tuple[str, str], np.ndarray] = {}
-        self._refresh_joint(drafts, now, cache)
+        if joint:
+            self._refresh_joint(drafts, now, cache)
         drawn = self._cost.draw(self._rng)  # one cost draw per round, before acceptance draws
         for name, state in self._classes.items():
+            if self._holds(name, state, drafts):
+                continue
             ctx = self._context(name, state, drafts, now, cache, drawn)
             for new, bucket in zip(decide_class(ctx, self.config.policy), ctx.buckets,
                                    strict=True):

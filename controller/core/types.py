@@ -196,7 +196,7 @@ class Override:
 @dataclass(frozen=True)
 class StepPrediction:
     """One step-timing record of a report against what the cost model predicted for its mean
-    shape just before the record was learnt (a one-step-ahead check of the cost model)."""
+    shape just before the report was learnt (a one-step-ahead check of the cost model)."""
 
     batch_bucket: int
     k: int

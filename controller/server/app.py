@@ -66,6 +66,9 @@ KEEPALIVE_OPTIONS = [
 RECEIVE_LIMIT_FACTOR = 4
 # Per-stream queue length before a stream that does not read is cut off.
 STREAM_QUEUE_LIMIT = 1024
+# Joint-search buckets refreshed per periodic round (9 buckets, joint_interval_seconds 5 s at
+# one round a second: every bucket within 4.5 s).
+JOINT_BUCKETS_PER_ROUND = 2
 
 
 class ServeError(RuntimeError):
@@ -119,11 +122,16 @@ def _host_for_url(host: str) -> str:
 
 async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: float) -> None:
     """Re-decide without waiting for reports, so overrides and the decaying probe share reach
-    the engines within one report interval even when none is reporting."""
+    the engines within one report interval even when none is reporting; and refresh the joint
+    search, a bucket per loop turn (each costs up to ~25 ms with 8 classes: one at a time, a
+    report waits behind one at most)."""
     while True:
         await asyncio.sleep(interval)
         try:
-            hub.decide(clock())
+            for _ in range(JOINT_BUCKETS_PER_ROUND):
+                hub.refresh_joint(clock())
+                await asyncio.sleep(0)
+            hub.decide(clock(), joint=False)
         except Exception:  # one failed round must not stop all later ones
             log.exception("periodic decide failed")
 
@@ -171,7 +179,8 @@ async def start_server(settings: Settings) -> RunningServer:
     server = server_config(settings)
     core = ControllerCore(core_config(settings), np.random.default_rng(server.seed))
     metrics = Metrics(core, clock)
-    hub = Hub(core, metrics, clock, server.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT)
+    hub = Hub(core, metrics, clock, server.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT,
+              server.decide_min_interval_seconds)
     given = server.policy_token.get_secret_value() if server.policy_token else ""
     token = given or secrets.token_urlsafe(24)
     engine = EngineService(core, hub, metrics, controller_version=package_version(),

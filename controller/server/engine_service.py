@@ -138,7 +138,7 @@ class EngineService:
         session.send(engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
             sequence=report.sequence, accepted=True, code=grpc.StatusCode.OK.value[0],
             folded_classes=result.folded_classes)))
-        self._hub.decide(now)
+        self._hub.decide_soon()
 
     def _reject(self, session: EngineSession, sequence: int, category: RejectReason,
                 reason: str) -> None:

@@ -2,7 +2,11 @@
 
 ``Hub.decide`` is the one place a decision round runs on the server: whatever prompted it (a
 report, a hello, an override, the periodic task), its events reach watchers, metrics and engines
-the same way.
+the same way. Reports ask for a round with ``decide_soon``: one round runs after the reports
+already waiting on the loop, and the next no sooner than ``decide_min_interval_seconds`` and
+the last round's own duration after it (rounds take at most half the loop), so under load many
+reports share a round instead of each paying for one, and reports are still read while rounds
+are slow. ``specpilot_report_to_decision_seconds`` is how long each report waited for its round.
 
 Everything here runs on the server's event loop, like every access to the core, so no locks.
 Each stream owns an ``Outbox`` (an asyncio queue) that its RPC handler drains; producers never
@@ -13,6 +17,7 @@ the loop does anything else.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -27,6 +32,7 @@ from controller.wire import policy_update_to_proto
 from specpilot.v1 import engine_pb2
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,8 +120,13 @@ class Watcher:
 
 class Hub:
     def __init__(self, core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
-                 fail_static_timeout_seconds: float, queue_limit: int) -> None:
+                 fail_static_timeout_seconds: float, queue_limit: int,
+                 decide_min_interval_seconds: float = 0.0) -> None:
         self._core = core
+        self._min_interval = decide_min_interval_seconds
+        self._decide_due: asyncio.Handle | None = None
+        self._next_decide = -float("inf")  # loop time before which no report-prompted round
+        self._waiting: list[float] = []  # loop times of the reports since the last round
         self._metrics = metrics
         self._clock = clock
         self._fail_static = fail_static_timeout_seconds
@@ -154,9 +165,38 @@ class Hub:
         return self._cached
 
     # --- decisions -----------------------------------------------------------------------------
-    def decide(self, now: float) -> None:
-        """Re-decide every class as of ``now`` and publish what changed."""
-        self._publish(self._core.decide(now))
+    def decide(self, now: float, joint: bool = True) -> None:
+        """Re-decide as of ``now`` and publish what changed (``ControllerCore.decide``)."""
+        self._publish(self._core.decide(now, joint))
+
+    def refresh_joint(self, now: float) -> None:
+        """One bucket's joint search (``ControllerCore.refresh_joint``); the periodic task
+        runs a few, one per loop turn."""
+        self._core.refresh_joint(now, max_buckets=1)
+
+    def decide_soon(self) -> None:
+        """A round for a report's new evidence: after what is already waiting on the loop, and
+        not before the previous round's spacing is over. Never blocks."""
+        loop = asyncio.get_running_loop()
+        self._waiting.append(loop.time())
+        if self._decide_due is not None:
+            return
+        wait = self._next_decide - loop.time()
+        self._decide_due = (loop.call_later(wait, self._decide_now) if wait > 0
+                            else loop.call_soon(self._decide_now))
+
+    def _decide_now(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._decide_due = None
+        start = loop.time()
+        try:
+            self.decide(self._clock(), joint=False)
+        except Exception:  # one failed round must not stop later ones
+            log.exception("decide round failed")
+        end = loop.time()
+        self._next_decide = end + max(self._min_interval, end - start)
+        self._metrics.reports_decided([end - t for t in self._waiting])
+        self._waiting.clear()
 
     def _publish(self, events: list[DecisionEvent]) -> None:
         """Hand new decisions to watchers and metrics; push the policy to every engine when its
@@ -189,6 +229,9 @@ class Hub:
 
     def close_all(self) -> None:
         """End every stream with OK (server shutdown)."""
+        if self._decide_due is not None:
+            self._decide_due.cancel()
+            self._decide_due = None
         for session in list(self.sessions.values()):
             session.outbox.close()
         for watcher in self._watchers:

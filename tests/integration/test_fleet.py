@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
+from benchmarks.redis_servers import RedisServer
 from controller.server.app import RunningServer, start_server
 from controller.server.stubs import async_policy_stub
 from controller.settings import load_settings
@@ -22,7 +23,6 @@ from controller.store.redis_store import RedisStore
 from specpilot.v1 import engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN
 from tests.integration.engine_client import DRAFT, EngineClient, acceptance, hello, report
-from tests.redis_servers import RedisServer
 
 FLUSH = 0.1
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -18,13 +18,13 @@ import grpc
 import numpy as np
 import pytest
 
+from benchmarks.redis_servers import RedisServer
 from benchmarks.synthetic_engine import SyntheticEngine, TrueCost, brute_force_goodputs, drive
 from controller import cli
 from controller.server.app import RunningServer, start_server
 from controller.server.stubs import async_policy_stub
 from controller.settings import load_settings
 from specpilot.v1 import policy_pb2
-from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.integration
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.redis_servers import RedisCluster, RedisServer
 from controller.core.fleet import EvidenceEntry, EvidenceExport
 from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
 from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 from controller.store.base import StateStore, StoreUnavailable
 from controller.store.memory import MemoryStore
 from controller.store.redis_store import RedisStore, model_tag
-from tests.redis_servers import RedisCluster, RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""Real Redis servers for the tests: ``redis-server`` (the Debian package) on free loopback ports,
-in a temporary directory, with no persistence; standalone or a three-node Cluster built with
-``redis-cli --cluster create``. No fakes: a test that needs Redis fails with the reason if the
-binary is missing (the README's test command and ``.ci/run`` install it)."""
+"""Real Redis servers for the tests and the fleet benchmark: ``redis-server`` (the Debian
+package) on free loopback ports, in a temporary directory, with no persistence; standalone or a
+three-node Cluster built with ``redis-cli --cluster create``. No fakes: a test that needs Redis
+fails with the reason if the binary is missing (the README's test command and ``.ci/run``
+install it)."""
 
 from __future__ import annotations
 

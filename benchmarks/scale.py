@@ -1,0 +1,472 @@
+"""Scale benchmarks: one controller for many engines, and one Redis for many sidecars.
+
+    python benchmarks/scale.py controller [--engines 64] [--seconds 6] [--out benchmarks/results]
+    python benchmarks/scale.py fleet [--sidecars 4,16,64] [--out benchmarks/results]
+
+``controller``: the real server (this process, pinned to one core) and a client process on
+another core streaming ``--engines`` engines over loopback, each report a busy engine's interval
+(8 classes, K=4, 9 step-timing groups, 32 finished requests), at increasing offered rates; one
+more engine flips its class's acceptance every report. Per rate: reports acknowledged per second,
+report -> acknowledgement latency, report -> decided (how long each report waited for the
+decide round that used it, as the server measures it: then its policy goes out), and for the
+flipping engine report -> new policy as it saw it (p50, p99).
+
+``fleet``: N sidecars (the real FleetSync and RedisStore, split over worker processes) sharing
+one redis-server, each with evidence for 8 classes x 2 drafts and engine options, flushing every
+``--interval`` seconds: Redis commands and bytes per flush per sidecar (INFO commandstats and
+stats), redis-server CPU per flush per sidecar (INFO cpu), and the largest fleet one Redis carries
+at the default 5 s interval, extrapolated from a fit of CPU per flush against N.
+
+Writes scale-<part>.json and .md (and .png with matplotlib) under --out; docs/benchmarks.md quotes
+them. A benchmark, not a test: the figures vary with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+
+from benchmarks.ingest import realistic_report  # noqa: E402
+from benchmarks.plots import plots_available, pyplot  # noqa: E402
+from benchmarks.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
+from controller import wire  # noqa: E402
+from controller.core.types import DraftKind, DraftSpec, EngineHello  # noqa: E402
+from controller.server.app import start_server  # noqa: E402
+from controller.server.stubs import engine_stub  # noqa: E402
+from controller.settings import load_settings  # noqa: E402
+from specpilot.v1 import engine_pb2  # noqa: E402
+
+OFFERED_RATES = (64, 256, 512, 1024, 1536)  # reports/s over all engines
+
+
+def _pin(core_index: int) -> None:
+    if hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[core_index % len(cores)]})
+
+
+def _percentile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+
+# --- controller ----------------------------------------------------------------------------------
+def _hello(engine_id: str, batch_wide: bool) -> engine_pb2.ConnectRequest:
+    return engine_pb2.ConnectRequest(hello=wire.hello_to_proto(EngineHello(
+        engine_id, "bench-target", "v", (DraftSpec("draft", DraftKind.MODEL, 8, "v"),), 8,
+        per_request_k=not batch_wide, batch_wide_k=batch_wide)))
+
+
+async def _engine(engine_id: str, interval: float, until: float, acks: list[float],
+                  target: str, batch_wide: bool) -> None:
+    """One engine streaming busy reports every ``interval`` seconds (one in flight)."""
+    rng = np.random.default_rng(abs(hash(engine_id)) % 2**32)
+    report = wire.report_to_proto(realistic_report(1, rng))
+    outbox: asyncio.Queue[engine_pb2.ConnectRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[engine_pb2.ConnectRequest]:
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = engine_stub(channel).Connect(requests())
+        await outbox.put(_hello(engine_id, batch_wide))
+        responses = aiter(call)
+        while (await anext(responses)).WhichOneof("message") != "policy":
+            pass
+        await asyncio.sleep(float(rng.random()) * interval)  # engines out of phase
+        seq = 0
+        while time.monotonic() < until:
+            seq += 1
+            report.sequence = seq
+            sent = time.monotonic()
+            await outbox.put(engine_pb2.ConnectRequest(report=report))
+            while (await anext(responses)).WhichOneof("message") != "report_result":
+                pass
+            acks.append(time.monotonic() - sent)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - sent)))
+        await outbox.put(None)
+        call.cancel()
+
+
+async def _flipper(until: float, latencies: list[float], target: str) -> None:
+    """An engine whose class alternates easy and hopeless traffic: each report moves its
+    decision, so report -> policy latency is measured on every report."""
+    engine = SyntheticEngine({"flip": np.full(4, 0.95)}, TrueCost(), max_k=4,
+                             steps_per_report=5000, engine_id="flipper")
+    outbox: asyncio.Queue[engine_pb2.ConnectRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[engine_pb2.ConnectRequest]:
+        while (msg := await outbox.get()) is not None:
+            yield msg
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = engine_stub(channel).Connect(requests())
+        await outbox.put(engine.hello())
+        responses = aiter(call)
+        while (msg := await anext(responses)).WhichOneof("message") != "policy":
+            pass
+        engine.policy = msg.policy
+        i = 0
+        while time.monotonic() < until:
+            i += 1
+            engine.rates["flip"] = np.full(4, 0.95 if i % 2 else 0.02)
+            version = engine.policy.version
+            sent = time.monotonic()
+            await outbox.put(engine.report())
+            got_result = got_policy = False
+            while not (got_result and got_policy):
+                msg = await anext(responses)
+                kind = msg.WhichOneof("message")
+                got_result |= kind == "report_result"
+                if kind == "policy":
+                    engine.policy = msg.policy
+                    if msg.policy.version > version and not got_policy:
+                        got_policy = True
+                        latencies.append(time.monotonic() - sent)
+            await asyncio.sleep(0.05)
+        await outbox.put(None)
+        call.cancel()
+
+
+def _client(target: str, engines: int, rate: float, seconds: float, batch_wide: bool,
+            core: int, out: Any) -> None:
+    """Client process: ``engines`` engines at ``rate`` reports/s in all, plus the flipper."""
+    _pin(core)
+
+    async def run() -> dict[str, list[float]]:
+        acks: list[float] = []
+        flips: list[float] = []
+        until = time.monotonic() + seconds
+        await asyncio.gather(
+            *(_engine(f"engine-{i}", engines / rate, until, acks, target, batch_wide)
+              for i in range(engines)),
+            _flipper(until, flips, target))
+        return {"acks": acks, "flips": flips}
+
+    out.send(asyncio.run(run()))
+
+
+async def _serve_one_rate(engines: int, rate: float, seconds: float,
+                          batch_wide: bool) -> dict[str, Any]:
+    # The embedded defaults: the flipper's reports move its class through the change detector.
+    settings = load_settings(grpc_port=0, http_port=0, seed=1, max_k=4, max_classes=16)
+    server = await start_server(settings)
+    decided: list[float] = []  # each report's wait for its decide round, as the hub measures it
+    observe = server.metrics.reports_decided
+
+    def record(waits: Any) -> None:
+        waits = list(waits)
+        decided.extend(waits)
+        observe(waits)
+
+    server.metrics.reports_decided = record  # type: ignore[method-assign]
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    client = ctx.Process(target=_client, args=(server.grpc_target, engines, rate, seconds,
+                                               batch_wide, 1, send))
+    start = time.monotonic()
+    client.start()
+    try:
+        while not receive.poll():
+            await asyncio.sleep(0.05)
+        got: dict[str, list[float]] = receive.recv()
+    finally:
+        client.join(timeout=30)
+        await server.stop(grace_seconds=0.5)
+    elapsed = time.monotonic() - start
+    acks, flips = got["acks"], got["flips"]
+    return {
+        "mode": "batch-wide" if batch_wide else "per-request",
+        "offered_reports_per_second": rate,
+        "acked_reports_per_second": len(acks) / seconds,
+        "ack_p50_ms": 1e3 * statistics.median(acks) if acks else float("nan"),
+        "ack_p99_ms": 1e3 * _percentile(acks, 0.99),
+        "decision_p50_ms": 1e3 * statistics.median(decided) if decided else float("nan"),
+        "decision_p99_ms": 1e3 * _percentile(decided, 0.99),
+        "policy_p50_ms": 1e3 * statistics.median(flips) if flips else float("nan"),
+        "policy_p99_ms": 1e3 * _percentile(flips, 0.99),
+        "policy_updates_measured": float(len(flips)),
+        "wall_seconds": elapsed,
+    }
+
+
+def bench_controller(args: argparse.Namespace) -> dict[str, Any]:
+    _pin(0)
+    rows = []
+    runs = [(False, rate) for rate in args.rates] + [(True, rate) for rate in args.batch_wide_rates]
+    for batch_wide, rate in runs:
+        mode = "batch-wide" if batch_wide else "per-request"
+        print(f"  controller: {args.engines} {mode} engines at {rate:.0f} reports/s offered ...",
+              flush=True)
+        row = asyncio.run(_serve_one_rate(args.engines, rate, args.seconds, batch_wide))
+        print(f"    acked {row['acked_reports_per_second']:.0f}/s, ack p99 "
+              f"{row['ack_p99_ms']:.1f} ms, report -> policy p99 {row['policy_p99_ms']:.1f} ms",
+              flush=True)
+        rows.append(row)
+    return {"engines": args.engines, "seconds_per_rate": args.seconds, "rows": rows}
+
+
+def _controller_md(result: dict[str, Any]) -> str:
+    lines = ["| engines' K | offered reports/s | acknowledged reports/s | "
+             "report -> ack p50 / p99 ms | report -> decided p50 / p99 ms | "
+             "flipping class: report -> new policy p50 / p99 ms |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['mode']} | {r['offered_reports_per_second']:.0f} | "
+                     f"{r['acked_reports_per_second']:.0f} | {r['ack_p50_ms']:.1f} / "
+                     f"{r['ack_p99_ms']:.1f} | {r['decision_p50_ms']:.1f} / "
+                     f"{r['decision_p99_ms']:.1f} | {r['policy_p50_ms']:.1f} / "
+                     f"{r['policy_p99_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def _controller_plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    top = max(r["offered_reports_per_second"] for r in result["rows"])
+    left.plot([0, top], [0, top], "k:", label="offered")
+    for mode, marker in (("per-request", "o"), ("batch-wide", "s")):
+        rows = [r for r in result["rows"] if r["mode"] == mode]
+        if not rows:
+            continue
+        offered = [r["offered_reports_per_second"] for r in rows]
+        left.plot(offered, [r["acked_reports_per_second"] for r in rows], marker + "-",
+                  label=f"acknowledged, {mode}")
+        right.plot(offered, [r["decision_p99_ms"] for r in rows], marker + "-",
+                   label=f"report -> decided p99, {mode}")
+        right.plot(offered, [r["ack_p99_ms"] for r in rows], marker + ":",
+                   label=f"report -> ack p99, {mode}")
+    left.set_xlabel("offered reports/s")
+    left.set_ylabel("reports/s")
+    left.legend(fontsize=8)
+    left.set_title(f"{result['engines']} engines, one controller core")
+    right.axhline(50, color="grey", ls="--", lw=1, label="50 ms")
+    right.set_xlabel("offered reports/s")
+    right.set_ylabel("ms")
+    right.set_yscale("log")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- fleet ---------------------------------------------------------------------------------------
+def _fleet_worker(url: str, names: list[str], interval: float, rounds: int, model: str,
+                  core: int, out: Any) -> None:
+    """Worker process: one FleetSync (with its own core and Redis connection) per name."""
+    _pin(core)
+    from controller.core.controller import ControllerCore
+    from controller.server.fleet import FleetIdentity, FleetSync
+    from controller.settings import core_config
+    from controller.store.redis_store import RedisStore
+
+    async def run() -> int:
+        syncs, stores = [], []
+        rng = np.random.default_rng(0)
+        hello = EngineHello("e", model, "v", (DraftSpec("draft", DraftKind.MODEL, 8, "v"),
+                                              DraftSpec("ngram", DraftKind.NGRAM, 8)), 8)
+        for name in names:
+            core_ = ControllerCore(core_config(load_settings(seed=1)), np.random.default_rng(1))
+            core_.connect_engine(hello, time.time())
+            core_.ingest("e", realistic_report(1, rng), time.time())
+            core_.decide(time.time())
+            store = RedisStore.from_url(url, timeout_seconds=5.0)
+            stores.append(store)
+            syncs.append(FleetSync(core_, store, FleetIdentity(name, model), interval, 600.0,
+                                   time.time))
+        for sync in syncs:  # the first round restores; not measured
+            await sync.sync_once()
+        out.send("ready")
+        out.recv()  # go
+        done = 0
+        for _ in range(rounds):
+            start = time.monotonic()
+            await asyncio.gather(*(s.sync_once() for s in syncs))
+            done += len(syncs)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - start)))
+        for store in stores:
+            await store.close()
+        return done
+
+    out.send(asyncio.run(run()))
+
+
+def _redis_info(cli: Any) -> dict[str, float]:
+    stats = {}
+    for line in cli("INFO", "all").splitlines():
+        if ":" in line:
+            k, v = line.split(":", 1)
+            stats[k] = v
+    calls = sum(int(v.split("calls=")[1].split(",")[0]) for k, v in stats.items()
+                if k.startswith("cmdstat_"))
+    return {"calls": float(calls), "in": float(stats["total_net_input_bytes"]),
+            "out": float(stats["total_net_output_bytes"]),
+            # The server's own CPU, in microseconds' resolution (/proc ticks are 10 ms).
+            "cpu": float(stats["used_cpu_sys"]) + float(stats["used_cpu_user"])}
+
+
+def bench_fleet(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from benchmarks.redis_servers import RedisServer
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp))
+        redis.start()
+        try:
+            # Redis's own background work (its cron, the INFO calls here), per second idle:
+            # subtracted from every measurement.
+            idle0, t_idle = _redis_info(redis.cli), time.monotonic()
+            time.sleep(2.0)
+            idle_cpu = (_redis_info(redis.cli)["cpu"] - idle0["cpu"]) / (time.monotonic() - t_idle)
+            for n in args.sidecars:
+                model = f"bench-{n}"
+                workers = min(args.workers, n)
+                ctx = mp.get_context("spawn")
+                pipes, procs = [], []
+                for w in range(workers):
+                    names = [f"sidecar-{i}" for i in range(w, n, workers)]
+                    here, there = ctx.Pipe()
+                    p = ctx.Process(target=_fleet_worker, args=(
+                        redis.url, names, args.interval, args.rounds, model, w + 1, there))
+                    p.start()
+                    pipes.append(here)
+                    procs.append(p)
+                for here in pipes:
+                    assert here.recv() == "ready"
+                before, t0 = _redis_info(redis.cli), time.monotonic()
+                for here in pipes:
+                    here.send("go")
+                flushes = sum(here.recv() for here in pipes)
+                after, t1 = _redis_info(redis.cli), time.monotonic()
+                for p in procs:
+                    p.join(timeout=30)
+                row = {
+                    "sidecars": n, "flushes": flushes, "seconds": t1 - t0,
+                    "commands_per_flush": (after["calls"] - before["calls"]) / flushes,
+                    "bytes_in_per_flush": (after["in"] - before["in"]) / flushes,
+                    "bytes_out_per_flush": (after["out"] - before["out"]) / flushes,
+                    "redis_cpu_ms_per_flush": 1e3 * max(
+                        after["cpu"] - before["cpu"] - idle_cpu * (t1 - t0), 0.0) / flushes,
+                }
+                print(f"  fleet: {n} sidecars: {row['commands_per_flush']:.1f} commands, "
+                      f"{row['bytes_in_per_flush']:.0f} B in, {row['bytes_out_per_flush']:.0f} B "
+                      f"out, {row['redis_cpu_ms_per_flush']:.3f} ms redis CPU per flush",
+                      flush=True)
+                rows.append(row)
+        finally:
+            redis.stop()
+    # Per flush, each sidecar reads every other's record: Redis CPU and egress per flush grow
+    # with N, so N sidecars flushing every 5 s cost N (a + b N) / 5 per second. Fit a + b N to
+    # each and solve for the N that fills half of one Redis core and half of a 10 GbE link.
+    ns = np.array([r["sidecars"] for r in rows], dtype=float)
+    default_interval, budget, link = 5.0, 0.5, 1.25e9
+
+    def largest(per_flush: np.ndarray, capacity: float) -> tuple[float, float, float]:
+        b, a = np.polyfit(ns, per_flush, 1) if len(rows) > 1 else (0.0, float(per_flush[0]))
+        a, b = max(float(a), 0.0), max(float(b), 0.0)
+        target = budget * capacity * default_interval
+        n = target / a if b == 0 else (-a + (a * a + 4 * b * target) ** 0.5) / (2 * b)
+        return a, b, n
+
+    cpu_a, cpu_b, n_cpu = largest(np.array([r["redis_cpu_ms_per_flush"] for r in rows]) / 1e3,
+                                  1.0)
+    out_a, out_b, n_net = largest(np.array([r["bytes_out_per_flush"] for r in rows]), link)
+    return {"rows": rows, "interval_seconds": args.interval,
+            "fit_cpu_seconds_per_flush": {"a": cpu_a, "b_per_sidecar": cpu_b},
+            "fit_bytes_out_per_flush": {"a": out_a, "b_per_sidecar": out_b},
+            "budget": budget, "link_bytes_per_second": link,
+            "default_interval_seconds": default_interval,
+            "largest_fleet_by_cpu": n_cpu, "largest_fleet_by_network": n_net,
+            "largest_fleet": min(n_cpu, n_net)}
+
+
+def _fleet_md(result: dict[str, Any]) -> str:
+    lines = ["| sidecars | commands / flush / sidecar | bytes in / out per flush | "
+             "redis CPU per flush |", "|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['sidecars']} | {r['commands_per_flush']:.1f} | "
+                     f"{r['bytes_in_per_flush']:,.0f} / {r['bytes_out_per_flush']:,.0f} | "
+                     f"{1e3 * r['redis_cpu_ms_per_flush']:.0f} us |")
+    cpu, out = result["fit_cpu_seconds_per_flush"], result["fit_bytes_out_per_flush"]
+    lines += ["", (
+        f"Fits: Redis CPU per flush {1e6 * cpu['a']:.0f} us + {1e6 * cpu['b_per_sidecar']:.2f} us"
+        f" x N; bytes out per flush {out['a']:,.0f} + {out['b_per_sidecar']:,.0f} x N. With "
+        f"every sidecar flushing every {result['default_interval_seconds']:.0f} s, "
+        f"{result['budget']:.0%} of one Redis core carries about "
+        f"{result['largest_fleet_by_cpu']:,.0f} sidecars and {result['budget']:.0%} of a "
+        f"10 GbE link about {result['largest_fleet_by_network']:,.0f}: one Redis carries about "
+        f"{result['largest_fleet']:,.0f} sidecars of one model.")]
+    return "\n".join(lines)
+
+
+def _fleet_plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    rows = result["rows"]
+    ns = [r["sidecars"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot(ns, [r["redis_cpu_ms_per_flush"] * 1e3 for r in rows], "o-")
+    left.set_xlabel("sidecars")
+    left.set_ylabel("redis CPU per flush, us")
+    right.plot(ns, [r["bytes_out_per_flush"] / 1e3 for r in rows], "o-", label="out")
+    right.plot(ns, [r["bytes_in_per_flush"] / 1e3 for r in rows], "s-", label="in")
+    right.set_xlabel("sidecars")
+    right.set_ylabel("kB per flush per sidecar")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=("controller", "fleet"))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--engines", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=6.0, help="per offered rate")
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
+                        default=list(OFFERED_RATES),
+                        help="offered reports/s with per-request-K engines, comma-separated")
+    parser.add_argument("--batch-wide-rates", type=lambda s: [float(x) for x in s.split(",")],
+                        default=[64.0, 256.0], help="the same with batch-wide engines")
+    parser.add_argument("--sidecars", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[4, 8, 16, 32, 64])
+    parser.add_argument("--workers", type=int, default=4, help="fleet worker processes")
+    parser.add_argument("--interval", type=float, default=0.5, help="fleet flush interval, s")
+    parser.add_argument("--rounds", type=int, default=20, help="measured flushes per sidecar")
+    args = parser.parse_args()
+    print(f"specpilot scale benchmark: {args.part}", flush=True)
+    result = bench_controller(args) if args.part == "controller" else bench_fleet(args)
+    result["machine"] = f"{platform.machine()} cpus={os.cpu_count()}"
+    result["python"] = platform.python_version()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"scale-{args.part}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    md = _controller_md(result) if args.part == "controller" else _fleet_md(result)
+    stem.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    if plots_available("scale"):
+        (_controller_plot if args.part == "controller" else _fleet_plot)(
+            result, stem.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
