@@ -43,6 +43,15 @@ def _non_negative(value: int, where: str) -> None:
         raise ReportRejected(f"{where}: {value} exceeds {MAX_STEPS_PER_RECORD}")
 
 
+def _counts(values: tuple[int, ...], where: str, names: tuple[str, ...] | None = None) -> None:
+    """Every value in 0..MAX_STEPS_PER_RECORD; the message names the first that is not, as
+    ``where[i]`` or ``where.<name>``. (Checked in bulk first: a report holds hundreds of
+    counts, and formatting a field name for each good one was a third of ingesting it.)"""
+    if values and (min(values) < 0 or max(values) > MAX_STEPS_PER_RECORD):
+        for i, v in enumerate(values):
+            _non_negative(v, f"{where}[{i}]" if names is None else f"{where}.{names[i]}")
+
+
 def check_hello(hello: EngineHello) -> None:
     if not hello.engine_id:
         raise ReportRejected("hello.engine_id: must not be empty")
@@ -72,6 +81,10 @@ def check_hello(hello: EngineHello) -> None:
                                  f"{p.seconds!r}")
 
 
+_SUMMARY_COUNTS = ("prompt_tokens", "output_tokens", "drafted_tokens", "accepted_tokens")
+_TIMING_COUNTS = ("steps", "sum_batch_size", "sum_verified_tokens", "sum_draft_tokens")
+
+
 def check_report(
     report: EngineReport,
     drafts: dict[str, DraftSpec],
@@ -88,7 +101,8 @@ def check_report(
     _finite_non_negative(report.interval_seconds, "interval_seconds")
     for i, rec in enumerate(report.acceptance):
         where = f"acceptance[{i}]"
-        check_class_name(rec.traffic_class, f"{where}.traffic_class")
+        if not valid_class_name(rec.traffic_class):
+            check_class_name(rec.traffic_class, f"{where}.traffic_class")
         spec = drafts.get(rec.draft)
         if spec is None:
             raise ReportRejected(f"{where}.draft: unknown draft {rec.draft!r}")
@@ -100,21 +114,21 @@ def check_report(
                 f"{where}.steps_by_accepted: {len(rec.steps_by_accepted)} entries, "
                 f"expected k+1 = {rec.k + 1}"
             )
-        for a, n in enumerate(rec.steps_by_accepted):
-            _non_negative(n, f"{where}.steps_by_accepted[{a}]")
+        _counts(rec.steps_by_accepted, f"{where}.steps_by_accepted")
     for i, req in enumerate(report.finished):
-        where = f"finished[{i}]"
-        check_class_name(req.traffic_class, f"{where}.traffic_class")
+        if not valid_class_name(req.traffic_class):
+            check_class_name(req.traffic_class, f"finished[{i}].traffic_class")
         if req.draft and req.draft not in drafts:
-            raise ReportRejected(f"{where}.draft: unknown draft {req.draft!r}")
-        for field in ("prompt_tokens", "output_tokens", "drafted_tokens", "accepted_tokens"):
-            _non_negative(getattr(req, field), f"{where}.{field}")
+            raise ReportRejected(f"finished[{i}].draft: unknown draft {req.draft!r}")
+        _counts((req.prompt_tokens, req.output_tokens, req.drafted_tokens, req.accepted_tokens),
+                f"finished[{i}]", _SUMMARY_COUNTS)
         if req.accepted_tokens > req.drafted_tokens:
             raise ReportRejected(
-                f"{where}.accepted_tokens: {req.accepted_tokens} > drafted_tokens "
+                f"finished[{i}].accepted_tokens: {req.accepted_tokens} > drafted_tokens "
                 f"{req.drafted_tokens}"
             )
-        _finite_non_negative(req.latency_seconds, f"{where}.latency_seconds")
+        if not (math.isfinite(req.latency_seconds) and req.latency_seconds >= 0):
+            _finite_non_negative(req.latency_seconds, f"finished[{i}].latency_seconds")
     for i, st in enumerate(report.step_timings):
         where = f"step_timings[{i}]"
         if st.batch_bucket >= n_buckets:
@@ -123,8 +137,8 @@ def check_report(
             raise ReportRejected(f"{where}.draft: unknown draft {st.draft!r}")
         if st.k > engine_max_k:
             raise ReportRejected(f"{where}.k: {st.k} above the engine's max K {engine_max_k}")
-        for field in ("steps", "sum_batch_size", "sum_verified_tokens", "sum_draft_tokens"):
-            _non_negative(getattr(st, field), f"{where}.{field}")
+        _counts((st.steps, st.sum_batch_size, st.sum_verified_tokens, st.sum_draft_tokens),
+                where, _TIMING_COUNTS)
         _finite_non_negative(st.sum_step_seconds, f"{where}.sum_step_seconds")
         if st.sum_verified_tokens < st.sum_batch_size:
             raise ReportRejected(
