@@ -9,7 +9,6 @@ exception is what protobuf cannot express in a dataclass (an unset enum or oneof
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar, cast
 
@@ -103,19 +102,25 @@ def scope_from_proto(value: int) -> OverrideScope | None:
 
 
 # --- records whose fields mirror their message one to one ----------------------------------------
-@functools.cache
-def _mirrored_fields(cls: type[DataclassInstance], msg_type: type[Message]
-                     ) -> tuple[tuple[str, bool], ...]:
+_MIRRORED: dict[tuple[type, type], tuple[tuple[str, bool], ...]] = {}
+
+
+def _mirrored_fields(cls: type[DataclassInstance], msg: Message) -> tuple[tuple[str, bool], ...]:
     """Per field in declaration order (the constructor's positional order): its name and
     whether the message repeats it. Cached: every report converts dozens of records."""
-    fields = msg_type.DESCRIPTOR.fields_by_name
-    return tuple((f.name, bool(fields[f.name].is_repeated)) for f in dataclasses.fields(cls))
+    key = (cls, type(msg))
+    got = _MIRRORED.get(key)
+    if got is None:
+        fields = msg.DESCRIPTOR.fields_by_name
+        got = _MIRRORED[key] = tuple((f.name, bool(fields[f.name].is_repeated))
+                                     for f in dataclasses.fields(cls))
+    return got
 
 
 def _mirror_from_proto(cls: type[_D], msg: Message) -> _D:
     # Repeated scalar fields become tuples (the core's records are frozen and hashable).
     return cls(*[tuple(getattr(msg, name)) if repeated else getattr(msg, name)
-                 for name, repeated in _mirrored_fields(cls, type(msg))])
+                 for name, repeated in _mirrored_fields(cls, msg)])
 
 
 def _mirror_to_proto(cls: type[_M], record: DataclassInstance) -> _M:

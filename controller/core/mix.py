@@ -17,7 +17,7 @@ one).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -87,6 +87,8 @@ class BatchOthers:
     draft_tokens: dict[str, float]
     # Per model draft: (passes, probability that the others' largest K for it is exactly that).
     passes: dict[str, tuple[tuple[int, float], ...]]
+    _pass_cache: dict[str, tuple[FloatArray, FloatArray, float]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, batch_size: int, own_share: float, others: Iterable[OtherClass]) -> BatchOthers:
@@ -112,20 +114,31 @@ class BatchOthers:
             passes[draft] = tuple(dist)
         return cls(batch_size, n_self, tokens, verified, draft_tokens, passes)
 
+    def _pass_arrays(self, draft: str) -> tuple[FloatArray, FloatArray, float]:
+        """``passes[draft]`` as arrays (K, probability) and their total probability; cached,
+        as the policy prices a few hundred arms against one BatchOthers per decide round."""
+        cache = self._pass_cache
+        got = cache.get(draft)
+        if got is None:
+            dist = self.passes.get(draft, ())
+            ks = np.array([k for k, _ in dist], dtype=np.float64)
+            ps = np.array([p for _, p in dist], dtype=np.float64)
+            got = cache[draft] = (ks, ps, float(ps.sum()))
+        return got
+
     def expected_passes(self, draft: str, own_k: npt.ArrayLike) -> FloatArray:
         """E[max(own K, the others' largest K)] for ``draft``, per own K."""
         own = np.asarray(own_k, dtype=np.float64)
-        out = np.zeros_like(own)
-        none = 1.0
-        for k, p in self.passes.get(draft, ()):
-            out += p * np.maximum(own, k)
-            none -= p
-        return np.asarray(out + max(none, 0.0) * own, dtype=np.float64)
+        ks, ps, some = self._pass_arrays(draft)
+        if not ks.size:
+            return own.copy()
+        out = ps @ np.maximum(own[None, :], ks[:, None])
+        return np.asarray(out + max(1.0 - some, 0.0) * own, dtype=np.float64)
 
     def drafting_probability(self, draft: str, own_k: npt.ArrayLike) -> FloatArray:
         """P(``draft`` runs at all in the step), per own K: 1 where own K > 0."""
         own = np.asarray(own_k, dtype=np.float64)
-        others = sum(p for _, p in self.passes.get(draft, ()))  # P(some other sequence drafts)
+        others = self._pass_arrays(draft)[2]  # P(some other sequence drafts)
         return np.asarray(np.where(own > 0, 1.0, others), dtype=np.float64)
 
 

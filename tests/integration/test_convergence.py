@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.synthetic_engine import SyntheticEngine, TrueCost, best_k, drive
+from benchmarks.synthetic_engine import (
+    SyntheticEngine,
+    TrueCost,
+    best_k,
+    brute_force_goodputs,
+    drive,
+)
 from controller.server.app import RunningServer, start_server
 from controller.settings import load_settings
 
@@ -110,10 +116,13 @@ async def test_drift_lowers_k_within_the_stated_reports(server: RunningServer) -
     print(f"drift {0.72}->{0.58}: K {level} -> lower after {reaction} reports "
           f"({None if reaction is None else reaction * STEPS_PER_REPORT} verification steps)")
     assert reaction is not None and reaction <= DRIFT_REACTION_WITHIN_REPORTS
-    # Settled after it: the K of most of the last 30 reports (one report's K is a single
-    # Thompson draw, which the last-report check it replaced failed on under host load).
+    # Settled after it, on a K whose true goodput is within the hysteresis (3%) plus 2% of the
+    # best: at 0.58, K=2 beats K=3 by only 3.8%, so an estimate a little off holds K=3 by
+    # design (a test that wanted exactly K=2 failed 1 run in 3); K=4 (10% worse) fails this.
     tail = history[-30:]
-    assert max(set(tail), key=tail.count) == k_after, f"not settled after the drift: {tail}"
+    settled_k = max(set(tail), key=tail.count)
+    goodputs = brute_force_goodputs(after, 1, cost)
+    assert goodputs[settled_k] >= 0.95 * goodputs[k_after], f"not settled after it: {tail}"
     assert server.core.estimate("chat", "draft-small", time.time()).changes_detected >= 1
 
 
