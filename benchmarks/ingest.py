@@ -45,6 +45,8 @@ from controller.settings import core_config, load_settings  # noqa: E402
 from specpilot.v1 import engine_pb2  # noqa: E402
 
 CLASSES = [f"class-{i}" for i in range(8)]
+# A flipping report whose policy change has not come after this long moved no decision.
+NO_CHANGE_SECONDS = 1.0
 K = 4
 
 
@@ -104,6 +106,7 @@ async def bench_grpc(reports: int) -> dict[str, float]:
     outbox: asyncio.Queue[engine_pb2.ConnectRequest] = asyncio.Queue()
     latencies: list[float] = []
     round_trips: list[float] = []
+    unchanged = 0
 
     async def requests() -> AsyncIterator[engine_pb2.ConnectRequest]:
         while True:
@@ -113,11 +116,17 @@ async def bench_grpc(reports: int) -> dict[str, float]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
             call = engine_stub(channel).Connect(requests())
             await outbox.put(engine.hello())
-            responses = aiter(call)
+            inbox: asyncio.Queue[engine_pb2.ConnectResponse] = asyncio.Queue()
+
+            async def read() -> None:
+                async for msg in call:
+                    await inbox.put(msg)
+
+            reader = asyncio.create_task(read())
 
             async def until(pred: Callable[[engine_pb2.ConnectResponse], bool]
                             ) -> engine_pb2.ConnectResponse:
-                while not pred(msg := await anext(responses)):
+                while not pred(msg := await asyncio.wait_for(inbox.get(), NO_CHANGE_SECONDS)):
                     if msg.WhichOneof("message") == "policy":
                         engine.policy = msg.policy
                 return msg
@@ -136,11 +145,16 @@ async def bench_grpc(reports: int) -> dict[str, float]:
                 def newer(m: engine_pb2.ConnectResponse, v: int = version) -> bool:
                     return m.WhichOneof("message") == "policy" and m.policy.version > v
 
-                msg = await until(newer)
+                try:
+                    msg = await until(newer)
+                except TimeoutError:  # this report moved no decision (a draw kept the arm)
+                    unchanged += 1
+                    continue
                 latencies.append(time.perf_counter() - sent)
                 engine.policy = msg.policy
                 _progress("grpc report -> policy", i + 1, reports)
             call.cancel()
+            reader.cancel()
     finally:
         await server.stop()
     lat = sorted(latencies)
@@ -149,6 +163,7 @@ async def bench_grpc(reports: int) -> dict[str, float]:
         "report_to_policy_p50_ms": 1e3 * statistics.median(lat),
         "report_to_policy_p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
         "policy_updates": float(len(latencies)),
+        "reports_without_a_policy_change": float(unchanged),
     }
 
 

@@ -71,10 +71,6 @@ class FleetSync:
         self.recommendations: tuple[Recommendation, ...] = ()
         self.recommended_at = 0.0  # when they were computed (0: never)
 
-    @property
-    def sidecar(self) -> str:
-        return self._id.sidecar
-
     def model(self) -> str:
         return self._id.model or self._core.first_engine_model()
 
