@@ -116,15 +116,23 @@ class FleetSync:
             fleet_evidence(exports, self._id.sidecar, now, self._core.evidence_half_life,
                            self._max_age), now)
         await self._load_overrides(model)
-        self._set_recommendations(recommend(
-            await self._store.options(model, now - options_ttl), self._min_tries), now)
+        fleet_options = await self._store.options(model, now - options_ttl)
+        changed = self._set_recommendations(recommend(fleet_options, self._min_tries), now)
+        if changed and min(o.sidecar for o in fleet_options) == self._id.sidecar:
+            # Every sidecar computes the same; the first by name logs the changes for the fleet.
+            await self._store.add_recommendations(model, self._id.sidecar, changed, now,
+                                                  self._log_size)
         return True
 
-    def _set_recommendations(self, recs: tuple[Recommendation, ...], now: float) -> None:
-        """Keep the latest; log each class whose recommended (pool, draft) changed."""
+    def _set_recommendations(self, recs: tuple[Recommendation, ...], now: float
+                             ) -> list[Recommendation]:
+        """Keep the latest; log each class whose recommended (pool, draft) changed, and return
+        those."""
         before = {r.traffic_class: (r.pool, r.draft) for r in self.recommendations}
+        changed = []
         for r in recs:
             if before.get(r.traffic_class) != (r.pool, r.draft):
+                changed.append(r)
                 best = r.options[0]
                 runner_up = (f"; next {r.options[1].pool} {r.options[1].draft or 'off'} "
                              f"{r.options[1].goodput:.0f}") if len(r.options) > 1 else ""
@@ -134,6 +142,7 @@ class FleetSync:
         self.recommendations, self.recommended_at = recs, now
         if self._metrics is not None:
             self._metrics.recommendations(recs)
+        return changed
 
     def record_decisions(self, events: Sequence[DecisionEvent]) -> None:
         """Decisions to append to the fleet's log at the next round (the oldest are dropped

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from controller.core.fleet import EvidenceExport
-from controller.core.recommend import EngineOptions
+from controller.core.recommend import EngineOptions, Recommendation
 from controller.core.types import DecisionEvent, Override
 
 
@@ -62,8 +62,20 @@ class StateStore(Protocol):
         newest ``max_len`` entries of the whole fleet."""
 
     async def decisions(self, model: str, count: int) -> list[tuple[str, DecisionEvent]]:
-        """The newest ``count`` entries of the model's decision log, oldest first, each with
-        the sidecar that decided it. Entries that cannot be read are skipped."""
+        """The decisions among the newest ``count`` entries of the model's decision log, oldest
+        first, each with the sidecar that decided it. Entries that cannot be read are
+        skipped."""
+
+    async def add_recommendations(self, model: str, sidecar: str,
+                                  recommendations: Sequence[Recommendation], at: float,
+                                  max_len: int) -> None:
+        """Append changed recommendations to the model's decision log (one entry each)."""
+
+    async def recommendations_log(self, model: str, count: int
+                                  ) -> list[tuple[str, float, Recommendation]]:
+        """The recommendations among the newest ``count`` entries of the decision log, oldest
+        first: the sidecar that logged each, when, and what. Entries that cannot be read are
+        skipped."""
 
     async def close(self) -> None:
         """Release connections."""

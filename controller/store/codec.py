@@ -1,5 +1,5 @@
 """The one converter between the core's records and what a state store holds (JSON): evidence
-exports, engine options (for recommendations), fleet overrides and decision events."""
+exports, engine options, recommendations, fleet overrides and decision events."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import math
 from typing import Any
 
 from controller.core.fleet import EvidenceEntry, EvidenceExport
-from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
+from controller.core.recommend import (
+    PLAIN,
+    SPECULATIVE,
+    DraftCurve,
+    EngineOptions,
+    Option,
+    Recommendation,
+)
 from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 
 # Bumped when the stored shape changes; a record of another version is skipped, not misread.
@@ -156,3 +163,32 @@ def options_from_json(text: str | bytes) -> EngineOptions:
         raise
     except (ValueError, TypeError, KeyError) as exc:
         raise StoredRecordError(f"malformed engine-options record: {exc}") from exc
+
+
+def recommendation_to_json(r: Recommendation, at: float) -> str:
+    """ValueError when a number in it is not finite."""
+    return json.dumps({
+        "format": FORMAT, "at": at, "traffic_class": r.traffic_class,
+        "batch_bucket": r.batch_bucket, "batch_size": r.batch_size, "draft": r.draft,
+        "pool": r.pool,
+        "options": [[o.pool, o.draft, o.k, o.goodput, o.tries, o.sidecars, o.cost_steps]
+                    for o in r.options],
+    }, separators=(",", ":"), allow_nan=False)
+
+
+def recommendation_from_json(text: str | bytes) -> tuple[float, Recommendation]:
+    """(when it was made, the recommendation); StoredRecordError for anything else."""
+    try:
+        raw: Any = json.loads(text)
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise StoredRecordError(f"not a recommendation record of format {FORMAT}")
+        options = tuple(Option(str(p), str(d), int(k), _finite(g, "goodput"),
+                               _finite(t, "tries"), int(n), _finite(c, "cost_steps"))
+                        for p, d, k, g, t, n, c in raw["options"])
+        return _finite(raw["at"], "at"), Recommendation(
+            str(raw["traffic_class"]), int(raw["batch_bucket"]), int(raw["batch_size"]),
+            str(raw["draft"]), str(raw["pool"]), options)
+    except StoredRecordError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise StoredRecordError(f"malformed recommendation record: {exc}") from exc

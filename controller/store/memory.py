@@ -9,9 +9,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from controller.core.fleet import EvidenceExport
-from controller.core.recommend import EngineOptions
+from controller.core.recommend import EngineOptions, Recommendation
 from controller.core.types import DecisionEvent, Override, OverrideScope
 
 
@@ -22,7 +23,8 @@ class MemoryStore:
         self._options: dict[str, dict[str, tuple[EngineOptions, float]]] = {}
         self._overrides: dict[str, dict[str, Override]] = {}
         self._subscribers: dict[str, set[asyncio.Queue[None]]] = {}
-        self._decisions: dict[str, deque[tuple[str, DecisionEvent]]] = {}
+        # One log per model, as the Redis stream: decisions and recommendations interleaved.
+        self._log: dict[str, deque[tuple[str, DecisionEvent | tuple[float, Recommendation]]]] = {}
 
     async def put_evidence(self, model: str, export: EvidenceExport,
                            ttl_seconds: float) -> None:
@@ -77,16 +79,30 @@ class MemoryStore:
         finally:
             self._subscribers[model].discard(queue)
 
+    def _append(self, model: str, entries: list[tuple[str, Any]], max_len: int) -> None:
+        log = self._log.get(model)
+        if log is None or log.maxlen != max_len:
+            log = self._log[model] = deque(log or (), maxlen=max_len)
+        log.extend(entries)
+
+    def _newest(self, model: str, count: int) -> list[tuple[str, Any]]:
+        return list(self._log.get(model, ()))[-count:] if count > 0 else []
+
     async def add_decisions(self, model: str, sidecar: str, events: Sequence[DecisionEvent],
                             max_len: int) -> None:
-        log = self._decisions.get(model)
-        if log is None or log.maxlen != max_len:
-            log = self._decisions[model] = deque(log or (), maxlen=max_len)
-        log.extend((sidecar, e) for e in events)
+        self._append(model, [(sidecar, e) for e in events], max_len)
 
     async def decisions(self, model: str, count: int) -> list[tuple[str, DecisionEvent]]:
-        log = self._decisions.get(model, deque())
-        return list(log)[-count:] if count > 0 else []
+        return [(s, e) for s, e in self._newest(model, count) if isinstance(e, DecisionEvent)]
+
+    async def add_recommendations(self, model: str, sidecar: str,
+                                  recommendations: Sequence[Recommendation], at: float,
+                                  max_len: int) -> None:
+        self._append(model, [(sidecar, (at, r)) for r in recommendations], max_len)
+
+    async def recommendations_log(self, model: str, count: int
+                                  ) -> list[tuple[str, float, Recommendation]]:
+        return [(s, e[0], e[1]) for s, e in self._newest(model, count) if isinstance(e, tuple)]
 
     async def close(self) -> None:
         return None

@@ -8,7 +8,8 @@ multi-key reads (MGET) work there as on a single server:
     specpilot:{<model>}:options:<sidecar>    what its engines achieve (JSON), with a TTL
     specpilot:{<model>}:overrides            hash: class -> fleet override (JSON); also the
                                              pub/sub channel that announces each change
-    specpilot:{<model>}:decisions            stream, capped (MAXLEN ~): sidecar, event (JSON)
+    specpilot:{<model>}:decisions            stream, capped (MAXLEN ~): sidecar and an event or
+                                             a recommendation (JSON)
 
 Every Redis error surfaces as ``StoreUnavailable``; retrying is the caller's business.
 """
@@ -25,7 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from controller.core.fleet import EvidenceExport
-from controller.core.recommend import EngineOptions
+from controller.core.recommend import EngineOptions, Recommendation
 from controller.core.types import DecisionEvent, Override
 from controller.store.base import StoreUnavailable
 from controller.store.codec import (
@@ -38,6 +39,8 @@ from controller.store.codec import (
     options_to_json,
     override_from_json,
     override_to_json,
+    recommendation_from_json,
+    recommendation_to_json,
 )
 
 log = logging.getLogger(__name__)
@@ -185,18 +188,10 @@ class RedisStore:
             with contextlib.suppress(RedisError, OSError):
                 await pubsub.aclose()
 
-    async def add_decisions(self, model: str, sidecar: str, events: Sequence[DecisionEvent],
-                            max_len: int) -> None:
-        key = f"specpilot:{model_tag(model)}:decisions"
-        entries = []
-        for e in events:
-            try:
-                entries.append({"sidecar": sidecar, "event": event_to_json(e)})
-            except ValueError as exc:
-                log.warning("decision on class %r not logged to the store: %s",
-                            e.decision.traffic_class, exc)
+    async def _append(self, model: str, entries: list[dict[str, str]], max_len: int) -> None:
         if not entries:
             return
+        key = f"specpilot:{model_tag(model)}:decisions"
         try:
             async with self._r.pipeline(transaction=False) as pipe:
                 for fields in entries:
@@ -205,7 +200,7 @@ class RedisStore:
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
-    async def decisions(self, model: str, count: int) -> list[tuple[str, DecisionEvent]]:
+    async def _newest(self, model: str, count: int) -> list[tuple[str, dict[str, Any]]]:
         if count <= 0:
             return []
         try:
@@ -213,13 +208,55 @@ class RedisStore:
                                               count=count)
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
+        return [(_text(i), {_text(k): v for k, v in fields.items()})
+                for i, fields in reversed(entries)]
+
+    async def add_decisions(self, model: str, sidecar: str, events: Sequence[DecisionEvent],
+                            max_len: int) -> None:
+        entries = []
+        for e in events:
+            try:
+                entries.append({"sidecar": sidecar, "event": event_to_json(e)})
+            except ValueError as exc:
+                log.warning("decision on class %r not logged to the store: %s",
+                            e.decision.traffic_class, exc)
+        await self._append(model, entries, max_len)
+
+    async def decisions(self, model: str, count: int) -> list[tuple[str, DecisionEvent]]:
         out = []
-        for entry_id, fields in reversed(entries):
-            fields = {_text(k): v for k, v in fields.items()}
+        for entry_id, fields in await self._newest(model, count):
+            if "event" not in fields:
+                continue  # a recommendation
             try:
                 out.append((_text(fields["sidecar"]), event_from_json(fields["event"])))
             except (KeyError, StoredRecordError) as exc:
-                log.warning("skipping decision log entry %s: %s", _text(entry_id), exc)
+                log.warning("skipping decision log entry %s: %s", entry_id, exc)
+        return out
+
+    async def add_recommendations(self, model: str, sidecar: str,
+                                  recommendations: Sequence[Recommendation], at: float,
+                                  max_len: int) -> None:
+        entries = []
+        for r in recommendations:
+            try:
+                entries.append({"sidecar": sidecar,
+                                "recommendation": recommendation_to_json(r, at)})
+            except ValueError as exc:
+                log.warning("recommendation for class %r not logged to the store: %s",
+                            r.traffic_class, exc)
+        await self._append(model, entries, max_len)
+
+    async def recommendations_log(self, model: str, count: int
+                                  ) -> list[tuple[str, float, Recommendation]]:
+        out = []
+        for entry_id, fields in await self._newest(model, count):
+            if "recommendation" not in fields:
+                continue
+            try:
+                at, rec = recommendation_from_json(fields["recommendation"])
+                out.append((_text(fields["sidecar"]), at, rec))
+            except (KeyError, StoredRecordError) as exc:
+                log.warning("skipping decision log entry %s: %s", entry_id, exc)
         return out
 
     async def close(self) -> None:

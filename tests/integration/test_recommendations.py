@@ -24,6 +24,7 @@ from controller import cli
 from controller.server.app import RunningServer, start_server
 from controller.server.stubs import async_policy_stub
 from controller.settings import load_settings
+from controller.store.redis_store import RedisStore
 from specpilot.v1 import policy_pb2
 
 pytestmark = pytest.mark.integration
@@ -94,7 +95,8 @@ def _engine(draft: str, seed: int) -> SyntheticEngine:
 
 
 async def test_recommendations_name_the_truly_best_draft_and_pool_per_class(
-        fleet: dict[str, RunningServer], capsys: pytest.CaptureFixture[str]) -> None:
+        fleet: dict[str, RunningServer], redis: RedisServer,
+        capsys: pytest.CaptureFixture[str]) -> None:
     await asyncio.gather(*(drive(_engine(d, i), s.grpc_target, reports=200)
                            for i, (d, s) in enumerate(fleet.items())))
     plain = fleet[""]
@@ -137,6 +139,16 @@ async def test_recommendations_name_the_truly_best_draft_and_pool_per_class(
     assert (docs["pool"], docs["options"][0]["pool"]) == ("plain", "plain")
     assert b'specpilot_recommendation{draft="",pool="plain",traffic_class="docs"} 1.0' in (
         spec.metrics.render())
+
+    # The first sidecar by name logged each class's recommendation to the fleet's decision log.
+    store = RedisStore.from_url(redis.url)
+    try:
+        logged = await store.recommendations_log("synthetic-target", 1000)
+    finally:
+        await store.close()
+    newest = {r.traffic_class: (sidecar, r.pool, r.draft) for sidecar, _, r in logged}
+    assert newest == {r.traffic_class: ("sidecar-draft-a", r.pool, r.draft)
+                      for r in resp.classes}
 
     # And the command line: the recommended option of each class is starred.
     capsys.readouterr()  # what was printed above, out of the way

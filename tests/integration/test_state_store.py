@@ -11,7 +11,14 @@ import pytest
 
 from benchmarks.redis_servers import RedisCluster, RedisServer
 from controller.core.fleet import EvidenceEntry, EvidenceExport
-from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
+from controller.core.recommend import (
+    PLAIN,
+    SPECULATIVE,
+    DraftCurve,
+    EngineOptions,
+    Option,
+    Recommendation,
+)
 from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 from controller.store.base import StateStore, StoreUnavailable
 from controller.store.memory import MemoryStore
@@ -164,6 +171,21 @@ async def test_the_decision_log_keeps_about_its_size_newest_last(
     assert newest[-1][1] == _event(301, 3)
     held = await store.decisions(model, count=1000)
     assert 100 <= len(held) < 300  # capped near max_len (Redis trims whole nodes: "about")
+
+
+async def test_recommendations_share_the_log_with_decisions(
+        store: StateStore, request: pytest.FixtureRequest) -> None:
+    model = f"rec-{request.node.callspec.id}"
+    rec = Recommendation("docs", 3, 8, "", PLAIN, (
+        Option(PLAIN, "", 0, 397.5, 0.0, 1, 5000.0),
+        Option(SPECULATIVE, "d", 2, 342.0, 3487.0, 2, 9000.0)))
+    await store.add_decisions(model, "a", [_event(1, 2)], max_len=100)
+    await store.add_recommendations(model, "a", [rec], at=123.0, max_len=100)
+    await store.add_decisions(model, "b", [_event(2, 3)], max_len=100)
+    assert await store.recommendations_log(model, count=10) == [("a", 123.0, rec)]
+    assert [(s, e.policy_version) for s, e in await store.decisions(model, 10)] == [
+        ("a", 1), ("b", 2)]
+    assert await store.recommendations_log(model, count=1) == []  # newest entry: a decision
 
 
 def _options(sidecar: str, at: float) -> EngineOptions:
