@@ -502,6 +502,10 @@ class ControllerCore:
         drawn = self._cost.draw(self._rng)  # one cost draw per round, before acceptance draws
         for name, state in self._classes.items():
             if self._holds(name, state, drafts):
+                # Its draws are still taken, so that what the other classes draw does not depend
+                # on which classes held (runs stay comparable, draw for draw, across versions).
+                for d in drafts:
+                    self._estimator.posterior(name, d.name, now).sample(self._rng)
                 continue
             ctx = self._context(name, state, drafts, now, cache, drawn)
             for new, bucket in zip(decide_class(ctx, self.config.policy), ctx.buckets,
