@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 from redis import asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -44,6 +44,7 @@ from controller.store.codec import (
 )
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 CLUSTER_SCHEME = "redis+cluster://"
 # How long one wait for an override announcement blocks before looking again (seconds).
 _SUBSCRIBE_POLL_SECONDS = 1.0
@@ -83,25 +84,35 @@ class RedisStore:
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
+    async def _per_sidecar(self, tag: str, sidecars: list[str], kind: str,
+                           parse: Callable[[bytes], R], what: str) -> list[R]:
+        """Each listed sidecar's ``kind`` record, parsed; expired ones (the sidecar left) and
+        unreadable ones (with a warning) left out."""
+        if not sidecars:
+            return []
+        try:
+            values = await self._r.mget([f"specpilot:{tag}:{kind}:{s}" for s in sidecars])
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        out = []
+        for sidecar, value in zip(sidecars, values, strict=True):
+            if value is None:
+                continue
+            try:
+                out.append(parse(value))
+            except StoredRecordError as exc:
+                log.warning("skipping the stored %s of sidecar %r: %s", what, sidecar, exc)
+        return out
+
     async def evidence(self, model: str, since: float) -> list[EvidenceExport]:
         tag = model_tag(model)
         index = f"specpilot:{tag}:sidecars"
         try:
             await self._r.zremrangebyscore(index, "-inf", f"({since}")
             sidecars = [_text(s) for s in await self._r.zrangebyscore(index, since, "+inf")]
-            if not sidecars:
-                return []
-            values = await self._r.mget([f"specpilot:{tag}:evidence:{s}" for s in sidecars])
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
-        out = []
-        for sidecar, value in zip(sidecars, values, strict=True):
-            if value is None:
-                continue  # expired: the sidecar left
-            try:
-                out.append(export_from_json(value))
-            except StoredRecordError as exc:
-                log.warning("skipping the stored evidence of sidecar %r: %s", sidecar, exc)
+        out = await self._per_sidecar(tag, sidecars, "evidence", export_from_json, "evidence")
         return sorted(out, key=lambda ex: ex.sidecar)
 
     async def put_options(self, model: str, options: EngineOptions, ttl_seconds: float) -> None:
@@ -118,23 +129,11 @@ class RedisStore:
         tag = model_tag(model)
         try:
             sidecars = [_text(s) for s in await self._r.zrange(f"specpilot:{tag}:sidecars", 0, -1)]
-            if not sidecars:
-                return []
-            values = await self._r.mget([f"specpilot:{tag}:options:{s}" for s in sidecars])
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
-        out = []
-        for sidecar, value in zip(sidecars, values, strict=True):
-            if value is None:
-                continue
-            try:
-                options = options_from_json(value)
-            except StoredRecordError as exc:
-                log.warning("skipping the stored engine options of sidecar %r: %s", sidecar, exc)
-                continue
-            if options.at >= since:
-                out.append(options)
-        return sorted(out, key=lambda o: o.sidecar)
+        out = await self._per_sidecar(tag, sidecars, "options", options_from_json,
+                                      "engine options")
+        return sorted((o for o in out if o.at >= since), key=lambda o: o.sidecar)
 
     async def put_override(self, model: str, override: Override) -> None:
         key = f"specpilot:{model_tag(model)}:overrides"

@@ -1,14 +1,17 @@
-"""A real controller on loopback for each test: free ports, fast report interval, known token."""
+"""A real controller on loopback for each test: free ports, fast report interval, known token;
+and a real redis-server for the tests that share state through one."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from benchmarks.redis_servers import RedisServer
 from controller.core.snapshot import CoreSnapshot
 from controller.server.app import RunningServer, start_server
 from controller.settings import load_settings
@@ -40,3 +43,12 @@ async def server() -> AsyncIterator[RunningServer]:
 async def channel(server: RunningServer) -> AsyncIterator[grpc.aio.Channel]:
     async with grpc.aio.insecure_channel(server.grpc_target) as ch:
         yield ch
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, for one test (SIGKILLed after it)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -30,14 +29,6 @@ AUTH = (("authorization", f"Bearer {TOKEN}"),)
 # in force on every sidecar (the tests' controllers run with a much shorter one).
 DEFAULT_REPORT_INTERVAL = 1.0
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 async def _controller(redis: RedisServer, sidecar: str, **extra: Any) -> RunningServer:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -63,14 +62,6 @@ def true_options(batch: int) -> dict[tuple[str, str, str], float]:
             [batch / COSTS[d].step_seconds(batch, 0) for d in RATES]))
         out[(cls, "plain", "")] = batch / COSTS[""].step_seconds(batch, 0)
     return out
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
