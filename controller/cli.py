@@ -30,10 +30,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import yaml
+from google.protobuf.message import Message
 
 from controller.core.types import Override, arm_key
 from controller.server.app import ServeError, start_server
@@ -48,6 +49,8 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # Flags of `serve` that map one to one onto a setting of the same name.
 SERVE_FLAGS = ("grpc_host", "grpc_port", "http_host", "http_port", "policy_token",
                "report_interval_seconds", "seed")
+
+M = TypeVar("M", bound=Message)  # a policy API response
 
 
 def _say(line: str, *, err: bool = False) -> None:
@@ -134,6 +137,15 @@ def _print_json(msg: Any, indent: int | None = 2) -> None:
     print(json.dumps(to_json_dict(msg), indent=indent), flush=True)
 
 
+def _print_response(resp: M, args: argparse.Namespace, render: Callable[[M], str]) -> int:
+    """The response as JSON with --json, else as ``render`` writes it; exit code 0."""
+    if args.json:
+        _print_json(resp)
+    else:
+        print(render(resp))
+    return 0
+
+
 def _override_text(ov: policy_pb2.Override) -> str:
     action = ov.WhichOneof("action")
     what = {"pin_k": f"pin K={ov.pin_k}", "force_draft": f"force draft {ov.force_draft}",
@@ -202,11 +214,7 @@ def _write_metadata(args: argparse.Namespace) -> tuple[tuple[str, str | bytes], 
 def policy_get(stub: PolicyStub, args: argparse.Namespace) -> int:
     resp = stub.GetPolicy(policy_pb2.GetPolicyRequest(traffic_class=args.cls),
                           timeout=args.timeout)
-    if args.json:
-        _print_json(resp)
-    else:
-        print(render_policy(resp))
-    return 0
+    return _print_response(resp, args, render_policy)
 
 
 def policy_set(stub: PolicyStub, args: argparse.Namespace) -> int:
@@ -257,11 +265,7 @@ def policy_explain(stub: PolicyStub, args: argparse.Namespace) -> int:
     resp = stub.ExplainDecision(
         policy_pb2.ExplainDecisionRequest(traffic_class=args.cls, batch_bucket=args.bucket),
         timeout=args.timeout)
-    if args.json:
-        _print_json(resp)
-    else:
-        print(render_explanation(resp))
-    return 0
+    return _print_response(resp, args, render_explanation)
 
 
 def render_recommendations(resp: policy_pb2.GetRecommendationsResponse) -> str:
@@ -278,11 +282,7 @@ def render_recommendations(resp: policy_pb2.GetRecommendationsResponse) -> str:
 def policy_recommend(stub: PolicyStub, args: argparse.Namespace) -> int:
     resp = stub.GetRecommendations(policy_pb2.GetRecommendationsRequest(traffic_class=args.cls),
                                    timeout=args.timeout)
-    if args.json:
-        _print_json(resp)
-    else:
-        print(render_recommendations(resp))
-    return 0
+    return _print_response(resp, args, render_recommendations)
 
 
 def cmd_policy(args: argparse.Namespace) -> int:

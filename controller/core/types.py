@@ -183,7 +183,7 @@ class Override:
     note: str = ""
     set_at: float = 0.0
     scope: OverrideScope = OverrideScope.POD
-    set_by: str = ""  # the sidecar whose policy API took it ("" where that is this one)
+    set_by: str = ""  # the sidecar whose policy API took it ("": set in-process, no API)
 
     def __post_init__(self) -> None:
         actions = (self.pin_k is not None) + (self.force_draft is not None) + self.force_off

@@ -107,9 +107,13 @@ class FleetSync:
             await self._store.put_options(model, options, ttl_seconds=options_ttl)
         if self._pending:
             events = list(self._pending)
-            await self._store.add_decisions(model, self._id.sidecar, events, self._log_size)
-            for _ in events:  # what arrived meanwhile stays for the next round
-                self._pending.popleft()
+            self._pending.clear()  # what arrives meanwhile waits for the next round
+            try:
+                await self._store.add_decisions(model, self._id.sidecar, events,
+                                                self._log_size)
+            except BaseException:
+                self._pending.extendleft(reversed(events))  # ahead of the newer ones
+                raise
         exports = await self._store.evidence(model, now - self._max_age)
         now = self._clock()
         self._core.set_fleet_evidence(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from controller.core.fleet import EvidenceEntry, EvidenceExport
 from controller.core.recommend import (
@@ -20,37 +21,30 @@ from controller.core.types import Decision, DecisionEvent, Override, OverrideSco
 
 # Bumped when the stored shape changes; a record of another version is skipped, not misread.
 FORMAT = 1
+T = TypeVar("T")
 
 
 class StoredRecordError(ValueError):
     """A stored record could not be read; the message says why (the record is skipped)."""
 
 
-def export_to_json(export: EvidenceExport) -> str:
-    return json.dumps({
-        "format": FORMAT, "sidecar": export.sidecar, "at": export.at,
-        "entries": [[e.traffic_class, e.draft, list(e.accepts), list(e.rejects)]
-                    for e in export.entries],
-    }, separators=(",", ":"), allow_nan=False)
+def _dump(fields: dict[str, Any]) -> str:
+    """One record: its fields and the format, compact; ValueError for a number not finite."""
+    return json.dumps({"format": FORMAT, **fields}, separators=(",", ":"), allow_nan=False)
 
 
-def export_from_json(text: str | bytes) -> EvidenceExport:
-    """StoredRecordError for anything that is not a well-formed export of this format."""
+def _parse(text: str | bytes, what: str, build: Callable[[dict[str, Any]], T]) -> T:
+    """``build`` on the fields of a stored ``what`` record of this format; StoredRecordError
+    for anything else (a missing field, a wrong type or a failed check inside ``build``)."""
     try:
         raw: Any = json.loads(text)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise StoredRecordError(f"not an evidence record of format {FORMAT}")
-        at = float(raw["at"])
-        if not math.isfinite(at):
-            raise StoredRecordError("its time is not finite")
-        entries = tuple(EvidenceEntry(str(c), str(d), tuple(float(x) for x in a),
-                                      tuple(float(x) for x in r))
-                        for c, d, a, r in raw["entries"])
-        return EvidenceExport(str(raw["sidecar"]), at, entries)
+            raise StoredRecordError(f"not a {what} record of format {FORMAT}")
+        return build(raw)
     except StoredRecordError:
         raise
-    except (ValueError, TypeError, KeyError) as exc:
-        raise StoredRecordError(f"malformed evidence record: {exc}") from exc
+    except (ValueError, TypeError, KeyError) as exc:  # the records' own checks are ValueErrors
+        raise StoredRecordError(f"malformed {what} record: {exc}") from exc
 
 
 def _finite(value: Any, what: str) -> float:
@@ -60,20 +54,36 @@ def _finite(value: Any, what: str) -> float:
     return number
 
 
+def export_to_json(export: EvidenceExport) -> str:
+    return _dump({
+        "sidecar": export.sidecar, "at": export.at,
+        "entries": [[e.traffic_class, e.draft, list(e.accepts), list(e.rejects)]
+                    for e in export.entries],
+    })
+
+
+def export_from_json(text: str | bytes) -> EvidenceExport:
+    """StoredRecordError for anything that is not a well-formed export of this format."""
+    def build(raw: dict[str, Any]) -> EvidenceExport:
+        at = _finite(raw["at"], "at")
+        entries = tuple(EvidenceEntry(str(c), str(d), tuple(float(x) for x in a),
+                                      tuple(float(x) for x in r))
+                        for c, d, a, r in raw["entries"])
+        return EvidenceExport(str(raw["sidecar"]), at, entries)
+    return _parse(text, "evidence", build)
+
+
 def override_to_json(ov: Override) -> str:
-    return json.dumps({
-        "format": FORMAT, "traffic_class": ov.traffic_class, "pin_k": ov.pin_k,
+    return _dump({
+        "traffic_class": ov.traffic_class, "pin_k": ov.pin_k,
         "force_draft": ov.force_draft, "force_off": ov.force_off, "note": ov.note,
         "set_at": ov.set_at, "set_by": ov.set_by,
-    }, separators=(",", ":"), allow_nan=False)
+    })
 
 
 def override_from_json(text: str | bytes) -> Override:
     """A fleet override; StoredRecordError for anything else (a bad action included)."""
-    try:
-        raw: Any = json.loads(text)
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise StoredRecordError(f"not an override record of format {FORMAT}")
+    def build(raw: dict[str, Any]) -> Override:
         pin_k = raw["pin_k"]
         if pin_k is not None and (not isinstance(pin_k, int) or isinstance(pin_k, bool)):
             raise StoredRecordError(f"pin_k {pin_k!r} is not an integer")
@@ -84,10 +94,7 @@ def override_from_json(text: str | bytes) -> Override:
             force_off=bool(raw["force_off"]), note=str(raw["note"]),
             set_at=_finite(raw["set_at"], "set_at"), scope=OverrideScope.FLEET,
             set_by=str(raw["set_by"]))
-    except StoredRecordError:
-        raise
-    except (ValueError, TypeError, KeyError) as exc:  # Override's own checks are ValueErrors
-        raise StoredRecordError(f"malformed override record: {exc}") from exc
+    return _parse(text, "override", build)
 
 
 def event_to_json(e: DecisionEvent) -> str:
@@ -96,18 +103,15 @@ def event_to_json(e: DecisionEvent) -> str:
         return {"traffic_class": d.traffic_class, "bucket": d.bucket, "draft": d.draft,
                 "k": d.k, "reason": d.reason.value, "expected_speedup": d.expected_speedup,
                 "probe_rate": d.probe_rate, "probe_k": d.probe_k, "probe_draft": d.probe_draft}
-    return json.dumps({
-        "format": FORMAT, "policy_version": e.policy_version, "at": e.at,
+    return _dump({
+        "policy_version": e.policy_version, "at": e.at,
         "decision": decision(e.decision),
         "previous": None if e.previous is None else decision(e.previous),
-    }, separators=(",", ":"), allow_nan=False)
+    })
 
 
 def event_from_json(text: str | bytes) -> DecisionEvent:
-    try:
-        raw: Any = json.loads(text)
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise StoredRecordError(f"not a decision record of format {FORMAT}")
+    def build(raw: dict[str, Any]) -> DecisionEvent:
 
         def decision(d: dict[str, Any]) -> Decision:
             return Decision(str(d["traffic_class"]), int(d["bucket"]), str(d["draft"]),
@@ -119,28 +123,22 @@ def event_from_json(text: str | bytes) -> DecisionEvent:
         return DecisionEvent(int(raw["policy_version"]), _finite(raw["at"], "at"),
                              decision(raw["decision"]),
                              None if previous is None else decision(previous))
-    except StoredRecordError:
-        raise
-    except (ValueError, TypeError, KeyError) as exc:
-        raise StoredRecordError(f"malformed decision record: {exc}") from exc
+    return _parse(text, "decision", build)
 
 
 def options_to_json(o: EngineOptions) -> str:
-    return json.dumps({
-        "format": FORMAT, "sidecar": o.sidecar, "at": o.at, "pool": o.pool, "load": o.load,
+    return _dump({
+        "sidecar": o.sidecar, "at": o.at, "pool": o.pool, "load": o.load,
         "batch_sizes": list(o.batch_sizes), "off": list(o.off), "cost_steps": o.cost_steps,
         "curves": [[c.traffic_class, c.draft, list(c.ks), list(c.goodput), c.tries]
                    for c in o.curves],
-    }, separators=(",", ":"), allow_nan=False)
+    })
 
 
 def options_from_json(text: str | bytes) -> EngineOptions:
     """StoredRecordError for anything but well-formed options with finite, non-negative
     numbers and one value per bucket."""
-    try:
-        raw: Any = json.loads(text)
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise StoredRecordError(f"not an engine-options record of format {FORMAT}")
+    def build(raw: dict[str, Any]) -> EngineOptions:
         if raw["pool"] not in (SPECULATIVE, PLAIN):
             raise StoredRecordError(f"pool {raw['pool']!r} is neither {SPECULATIVE} nor {PLAIN}")
         sizes = tuple(int(n) for n in raw["batch_sizes"])
@@ -159,36 +157,27 @@ def options_from_json(text: str | bytes) -> EngineOptions:
         return EngineOptions(str(raw["sidecar"]), _finite(raw["at"], "at"), raw["pool"],
                              _finite(raw["load"], "load"), sizes, per_bucket(raw["off"], "off"),
                              _finite(raw["cost_steps"], "cost_steps"), curves)
-    except StoredRecordError:
-        raise
-    except (ValueError, TypeError, KeyError) as exc:
-        raise StoredRecordError(f"malformed engine-options record: {exc}") from exc
+    return _parse(text, "engine-options", build)
 
 
 def recommendation_to_json(r: Recommendation, at: float) -> str:
     """ValueError when a number in it is not finite."""
-    return json.dumps({
-        "format": FORMAT, "at": at, "traffic_class": r.traffic_class,
+    return _dump({
+        "at": at, "traffic_class": r.traffic_class,
         "batch_bucket": r.batch_bucket, "batch_size": r.batch_size, "draft": r.draft,
         "pool": r.pool,
         "options": [[o.pool, o.draft, o.k, o.goodput, o.tries, o.sidecars, o.cost_steps]
                     for o in r.options],
-    }, separators=(",", ":"), allow_nan=False)
+    })
 
 
 def recommendation_from_json(text: str | bytes) -> tuple[float, Recommendation]:
     """(when it was made, the recommendation); StoredRecordError for anything else."""
-    try:
-        raw: Any = json.loads(text)
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise StoredRecordError(f"not a recommendation record of format {FORMAT}")
+    def build(raw: dict[str, Any]) -> tuple[float, Recommendation]:
         options = tuple(Option(str(p), str(d), int(k), _finite(g, "goodput"),
                                _finite(t, "tries"), int(n), _finite(c, "cost_steps"))
                         for p, d, k, g, t, n, c in raw["options"])
         return _finite(raw["at"], "at"), Recommendation(
             str(raw["traffic_class"]), int(raw["batch_bucket"]), int(raw["batch_size"]),
             str(raw["draft"]), str(raw["pool"]), options)
-    except StoredRecordError:
-        raise
-    except (ValueError, TypeError, KeyError) as exc:
-        raise StoredRecordError(f"malformed recommendation record: {exc}") from exc
+    return _parse(text, "recommendation", build)
