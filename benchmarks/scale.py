@@ -292,7 +292,8 @@ def _fleet_worker(url: str, names: list[str], interval: float, rounds: int, mode
         syncs, stores = [], []
         rng = np.random.default_rng(0)
         hello = EngineHello("e", model, "v", (DraftSpec("draft", DraftKind.MODEL, 8, "v"),
-                                              DraftSpec("ngram", DraftKind.NGRAM, 8)), 8)
+                                              DraftSpec("ngram", DraftKind.NGRAM, 8)), 8,
+                            hardware="NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16")
         for name in names:
             core_ = ControllerCore(core_config(load_settings(seed=1)), np.random.default_rng(1))
             core_.connect_engine(hello, time.time())

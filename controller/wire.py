@@ -180,6 +180,7 @@ def hello_from_proto(msg: engine_pb2.EngineHello) -> EngineHello:
         step_profile=tuple(
             StepProfile(p.batch_size, p.verified_tokens, p.draft, p.draft_passes, p.seconds)
             for p in msg.step_profile),
+        hardware=msg.hardware,
     )
 
 
@@ -203,6 +204,7 @@ def hello_to_proto(hello: EngineHello) -> engine_pb2.EngineHello:
             engine_pb2.StepProfile(batch_size=p.batch_size, verified_tokens=p.verified_tokens,
                                    draft=p.draft, draft_passes=p.draft_passes, seconds=p.seconds)
             for p in hello.step_profile],
+        hardware=hello.hardware,
     )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal, cast
 
+from controller.core.validation import MAX_HARDWARE_CHARS
 from controller.fielddocs import field_docs, markdown_table
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,12 @@ class PluginConfig:
     drafter's first forward (10-20% of a step on CPUs); the skipped positions are holes in the
     drafter's KV cache that cost some later acceptance, never correctness: ``true`` or
     ``false``."""
+
+    hardware: str = ""
+    """What the engine runs on, as the controller's fleet groups engines (with the model and
+    its drafts) to share step costs; empty: described from the device, its parallelism and
+    dtype (e.g. ``NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16``). Name it where devices of one name
+    cost differently (power limits, shared hosts), at most 200 printable characters."""
 
     step_profile: bool = True
     """Time a few dummy target steps and drafter passes after the warm-up of an engine on
@@ -199,6 +206,8 @@ def _check(c: PluginConfig) -> None:
             raise bad("controller", str(exc)) from None
     if not c.engine_id.strip():
         raise bad("engine_id", "must not be empty")
+    if len(c.hardware) > MAX_HARDWARE_CHARS or not c.hardware.isprintable():
+        raise bad("hardware", f"must be at most {MAX_HARDWARE_CHARS} printable characters")
     if type(c.max_classes) is not int or c.max_classes < 2:
         raise bad("max_classes", f"must be an integer >= 2 (room for 'default' and 'other'), "
                                  f"got {c.max_classes!r}")

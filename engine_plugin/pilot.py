@@ -22,6 +22,7 @@ from controller.core.types import DraftKind, DraftSpec, EngineHello
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.deterministic import Counterfactual, DeterministicDraft
+from engine_plugin.hardware import describe_hardware
 from engine_plugin.link import ControllerLink
 from engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
 from engine_plugin.policy_view import Choice, PolicyLookup, PolicyView, probe_point
@@ -82,6 +83,7 @@ class EngineSpec:
     # sampling method (engine_plugin.worker_patch).
     one_hot_rows: bool = False
     suffix: SuffixTrees = field(default_factory=SuffixTrees)  # the suffix trees' settings
+    hardware: str = ""  # engine_plugin.hardware.describe_hardware
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfigLike) -> EngineSpec:
@@ -112,6 +114,7 @@ class EngineSpec:
             max_model_len=int(model_cfg.max_model_len),
             max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
             one_hot_rows=patches_applicable(),
+            hardware=describe_hardware(vllm_config),
         )
 
     @property
@@ -172,6 +175,7 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         engine_version=_vllm_version(), plugin_version=package_version(),
         max_batch_size=e.max_num_seqs,
         step_profile=step_profile(e.drafter if e.drafter_kind is DraftKind.MODEL else ""),
+        hardware=config.hardware or e.hardware,
     )
     return Announcement(hello, frozenset(allowed))
 

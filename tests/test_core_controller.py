@@ -334,6 +334,14 @@ def test_a_bad_start_up_profile_is_rejected(bad: StepProfile) -> None:
         core.connect_engine(too_many, now=0.0)
 
 
+@pytest.mark.parametrize("hardware", ["x" * 201, "line\nbreak"])
+def test_a_hardware_name_that_is_too_long_or_not_printable_is_rejected(hardware: str) -> None:
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    with pytest.raises(ReportRejected, match=r"hello\.hardware"):
+        core.connect_engine(replace(HELLO, hardware=hardware), now=0.0)
+    core.connect_engine(replace(HELLO, hardware="x" * 200), now=0.0)  # the bound itself is fine
+
+
 def test_older_plugins_without_a_profile_keep_the_prior() -> None:
     core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
     core.connect_engine(WIDE, now=0.0)

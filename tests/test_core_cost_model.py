@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.core.cost_model import CostPrior, StepCostModel, StepShape
+from controller.core.cost_model import CostEvidence, CostPrior, StepCostModel, StepShape
 
 KNOTS = (16, 32, 64, 128, 256)
 
@@ -129,3 +129,81 @@ def test_cost_draws_spread_more_where_no_step_was_observed() -> None:
 def test_a_zero_sample_scale_prices_by_the_means() -> None:
     model = StepCostModel(KNOTS, CostPrior(ridge_tokens=64, sample_scale=0.0), 1e9, [1, 8], 4)
     assert model.draw(np.random.default_rng(0)) is model.mean
+
+
+# --- shared evidence (controller.core.fleet.fleet_costs) -------------------------------------
+
+def _fitted(seed: int = 0, reports: int = 200) -> StepCostModel:
+    rng = np.random.default_rng(seed)
+    model = _model()
+    for t in range(reports):
+        batch = int(rng.choice([1, 2, 4, 8, 16, 32]))
+        k = int(rng.integers(0, 7))
+        model.observe(StepShape.for_arm(batch, k, "d", True), _truth(batch, k), 50, now=float(t))
+    return model
+
+
+def _worst_error(model: StepCostModel) -> float:
+    return max(abs(model.predict_arm(b, k, "d", True) / _truth(b, k) - 1)
+               for b in (1, 8, 32) for k in range(7))
+
+
+def test_a_model_with_another_ones_evidence_prices_like_it_and_exports_only_its_own() -> None:
+    veteran, newcomer = _fitted(), _model()
+    assert _worst_error(newcomer) > 0.3  # the generic prior is far off this hardware
+    shared = veteran.export(now=199.0)
+    newcomer.set_fleet(shared.aligned(newcomer.drafts, newcomer.knot_tokens), now=199.0)
+    assert _worst_error(newcomer) < 0.05
+    assert newcomer.fleet_steps == pytest.approx(shared.steps)
+    # What it publishes is its own (nothing yet): the fleet's is never re-published.
+    assert newcomer.observed_steps == 0 and newcomer.export(199.0).steps == 0
+    # A second exchange replaces the fleet view (the double-count control: adding would give
+    # twice the steps).
+    newcomer.set_fleet(shared, now=199.0)
+    assert newcomer.fleet_steps == pytest.approx(shared.steps)
+
+
+def test_evidence_with_the_drafts_in_another_order_is_aligned_column_by_column() -> None:
+    rng = np.random.default_rng(1)
+    ab = StepCostModel(KNOTS, CostPrior(ridge_tokens=64), 1e9, [1, 4, 16], 4)
+    ab.ensure_drafts(["a", "b"])
+    for t in range(100):
+        batch, k = int(rng.choice([1, 4, 16])), int(rng.integers(1, 5))
+        d = str(rng.choice(["a", "b"]))
+        cost = _truth(batch, k) * (2.0 if d == "b" else 1.0)
+        ab.observe(StepShape.for_arm(batch, k, d, True), cost, 20, now=float(t))
+    ba = StepCostModel(KNOTS, CostPrior(ridge_tokens=64), 1e9, [1, 4, 16], 4)
+    ba.ensure_drafts(["b", "a"])
+    ba.set_fleet(ab.export(99.0).aligned(ba.drafts, ba.knot_tokens), now=99.0)
+    for d in ("a", "b"):
+        assert ba.predict_arm(8, 3, d, True) == pytest.approx(ab.predict_arm(8, 3, d, True),
+                                                             rel=1e-6)
+    # Other drafts or other knots are another engine type's: not aligned.
+    assert ab.export(99.0).aligned(("a",), KNOTS) is None
+    assert ab.export(99.0).aligned(("a", "b"), (16, 32)) is None
+
+
+def test_a_restarted_model_takes_its_flushed_evidence_back_decayed() -> None:
+    before = _fitted()
+    flushed = before.export(now=199.0)
+    after = _model(half_life=100.0)
+    assert after.restore(flushed, at=199.0, now=299.0)
+    assert after.observed_steps == pytest.approx(flushed.steps / 2)  # one half-life later
+    assert after.export(299.0).steps == pytest.approx(flushed.steps / 2)  # held as its own
+    assert _worst_error(after) < 0.05
+
+
+@pytest.mark.parametrize("damage", ["nan", "asymmetric", "shape", "negative"])
+def test_cost_evidence_that_is_not_sound_is_refused(damage: str) -> None:
+    ev = _fitted(reports=20).export(19.0)
+    info, times, steps = ev.information.copy(), ev.weighted_times.copy(), ev.steps
+    if damage == "nan":
+        times[0] = float("nan")
+    elif damage == "asymmetric":
+        info[0, 1] += 1.0
+    elif damage == "shape":
+        info, times = info[:-1, :-1], times[:-1]
+    else:
+        steps = -1.0
+    with pytest.raises(ValueError, match="cost evidence"):
+        CostEvidence(ev.drafts, ev.knots, info, times, ev.squared_times, ev.reports, steps)

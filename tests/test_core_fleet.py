@@ -1,13 +1,22 @@
-"""The fleet's sum of evidence: others only, decayed to a common time, departed sidecars out."""
+"""The fleet's sum of evidence: others only, decayed to a common time, departed sidecars out;
+step costs only between engines of one type."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from controller.core.controller import ControllerCore
-from controller.core.fleet import EvidenceEntry, EvidenceExport, entries_of, fleet_evidence
-from controller.core.types import AcceptanceRecord, EngineReport
+from controller.core.fleet import (
+    EvidenceEntry,
+    EvidenceExport,
+    entries_of,
+    fleet_costs,
+    fleet_evidence,
+)
+from controller.core.types import AcceptanceRecord, EngineReport, StepTimingRecord
 from controller.settings import core_config, load_settings
 from tests.test_core_controller import HELLO
 
@@ -61,9 +70,9 @@ def test_counts_that_are_not_finite_and_non_negative_are_refused(bad: float) -> 
 
 # --- the core's side: export, fleet view, restore -------------------------------------------
 
-def _core(seed: int = 0) -> ControllerCore:
+def _core(seed: int = 0, hardware: str = "") -> ControllerCore:
     core = ControllerCore(core_config(load_settings()), np.random.default_rng(seed))
-    core.connect_engine(HELLO, now=0.0)
+    core.connect_engine(replace(HELLO, hardware=hardware), now=0.0)
     return core
 
 
@@ -119,3 +128,73 @@ def test_a_restarted_core_takes_its_flushed_evidence_back_as_its_own() -> None:
     want = np.array(before.export_evidence(5.0)[0].accepts) / 2
     assert np.allclose(after.export_evidence(5.0 + after.evidence_half_life)[0].accepts, want)
     assert {c.name for c in after.snapshot(6.0).classes} >= {"c0", "c1"}
+
+
+# --- step costs: shared within one engine type ------------------------------------------------
+
+GPU = "NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16"
+
+
+def _timed(core: ControllerCore, reports: int = 30) -> None:
+    """Steps three times slower than the generic prior's, at every K and two loads."""
+    shapes = [(bucket, batch, k) for bucket, batch in ((0, 1), (4, 16)) for k in (0, 2, 4)]
+    true = {s: 3 * core.predicted_step_seconds(s[1], "d", s[2]) for s in shapes}
+    for seq in range(1, reports + 1):
+        timings = tuple(
+            StepTimingRecord(bucket, "d" if k else "", k, 100, 100 * batch,
+                             100 * batch * (1 + k), 100 * batch * k,
+                             100 * true[bucket, batch, k])
+            for bucket, batch, k in shapes)
+        core.ingest("e1", EngineReport(sequence=seq, interval_seconds=1.0, policy_version=0,
+                                       step_timings=timings), now=float(seq))
+
+
+def test_a_core_prices_steps_from_the_fleet_of_its_engine_type_only() -> None:
+    veteran = _core(hardware=GPU)
+    prior = veteran.predicted_step_seconds(16, "d", 4)
+    _timed(veteran)
+    learnt = veteran.predicted_step_seconds(16, "d", 4)
+    assert learnt > 2 * prior  # it learnt this hardware
+    shared = veteran.export_costs("veteran", 30.0)
+    assert shared is not None
+    exports = [shared]
+    for hardware, peers in ((GPU, 1), ("NVIDIA L4 tp1 pp1 bfloat16", 0)):
+        newcomer = _core(hardware=hardware)
+        assert newcomer.set_fleet_costs(exports, "new", 30.0, 600.0) == peers
+        got = newcomer.predicted_step_seconds(16, "d", 4)
+        assert got == pytest.approx(learnt if peers else prior, rel=0.02)
+        # Its own export stays empty: the fleet's evidence is never re-published as its own.
+        assert newcomer.export_costs("new", 30.0).evidence.steps == 0  # type: ignore[union-attr]
+    # An engine from an older plugin names no hardware: nothing to share, nothing taken.
+    unknown = _core()
+    assert unknown.export_costs("old", 30.0) is None
+    assert unknown.set_fleet_costs(exports, "old", 30.0, 600.0) == 0
+
+
+def test_fleet_costs_skip_this_sidecar_departed_ones_and_other_drafts() -> None:
+    veteran = _core(hardware=GPU)
+    _timed(veteran, reports=5)
+    ev = veteran.export_costs("a", 5.0)
+    assert ev is not None
+    mine = replace(ev, sidecar="me")
+    old = replace(ev, sidecar="old", at=5.0 - 700.0)
+    drafts, knots = ev.evidence.drafts, ev.evidence.knots
+    total, count = fleet_costs([ev, mine, old], "me", GPU, drafts, knots, 5.0, 600.0, 600.0)
+    assert count == 1 and total is not None and total.steps == pytest.approx(ev.evidence.steps)
+    assert fleet_costs([ev], "me", GPU, ("other",), knots, 5.0, 600.0, 600.0) == (None, 0)
+    # Decayed to now with the cost half-life.
+    later, _ = fleet_costs([ev], "me", GPU, drafts, knots, 605.0, 600.0, 1e9)
+    assert later is not None and later.steps == pytest.approx(ev.evidence.steps / 2)
+
+
+def test_a_restarted_core_takes_its_flushed_costs_back_but_not_another_hardwares() -> None:
+    before = _core(hardware=GPU)
+    _timed(before)
+    flushed = before.export_costs("a", 30.0)
+    assert flushed is not None
+    after = _core(hardware=GPU)
+    assert after.restore_costs(flushed, now=30.0)
+    assert after.predicted_step_seconds(16, "d", 4) == pytest.approx(
+        before.predicted_step_seconds(16, "d", 4), rel=0.02)
+    moved = _core(hardware="NVIDIA L4 tp1 pp1 bfloat16")  # same id, rescheduled elsewhere
+    assert not moved.restore_costs(flushed, now=30.0)

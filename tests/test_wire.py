@@ -31,6 +31,7 @@ HELLO = EngineHello(
     max_k=5, per_request_k=False, batch_wide_k=True, ngram_substitution=True,
     ngram_counterfactual=True, engine_version="0.9", plugin_version="0.1", max_batch_size=256,
     step_profile=(StepProfile(16, 16, "", 0, 0.004), StepProfile(16, 48, "d1", 2, 0.009)),
+    hardware="NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16",
 )
 REPORT = EngineReport(
     sequence=9, interval_seconds=1.5, policy_version=4,

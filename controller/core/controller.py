@@ -23,11 +23,13 @@ from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, BucketLoads, bucket_o
 from controller.core.classes import fold_class, fold_classes
 from controller.core.cost_model import CostPrior, PricedCosts, StepCostModel, StepShape, SunkDraft
 from controller.core.fleet import (
+    CostExport,
     EvidenceEntry,
     EvidenceKey,
     FloatArray,
     add_evidence,
     entries_of,
+    fleet_costs,
 )
 from controller.core.goodput import expected_tokens_curve, goodput
 from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
@@ -574,6 +576,41 @@ class ControllerCore:
         """The other sidecars' evidence (``controller.core.fleet.fleet_evidence``), as of
         ``now``: it adds to this controller's posteriors, replacing the previous fleet view."""
         self._estimator.set_fleet(evidence, now)
+
+    def hardware(self) -> str:
+        """What the first connected engine runs on ("" with none, or from an older plugin): the
+        engine type whose step costs this controller shares."""
+        return next((e.hello.hardware for e in self._engines.values()), "")
+
+    def export_costs(self, sidecar: str, now: float) -> CostExport | None:
+        """This controller's own step-cost evidence, decayed to ``now`` (never the fleet's);
+        None while the hardware is not known (nothing to share it with)."""
+        hardware = self.hardware()
+        if not hardware:
+            return None
+        return CostExport(sidecar, now, hardware, self._cost.export(now))
+
+    def restore_costs(self, export: CostExport, now: float) -> bool:
+        """Take back this controller's own step-cost evidence (its last flush before a
+        restart); False when it was made for other hardware or other drafts."""
+        if export.hardware != self.hardware():
+            return False
+        return self._cost.restore(export.evidence, export.at, now)
+
+    def set_fleet_costs(self, exports: Iterable[CostExport], me: str, now: float,
+                        max_age_seconds: float) -> int:
+        """The other sidecars' step-cost evidence of this engine type
+        (``controller.core.fleet.fleet_costs``) replaces the previous fleet view; returns how
+        many sidecars it came from."""
+        hardware = self.hardware()
+        if not hardware:
+            self._cost.set_fleet(None, now)
+            return 0
+        evidence, count = fleet_costs(exports, me, hardware, self._cost.drafts,
+                                      self._cost.knot_tokens, now,
+                                      self.config.cost_half_life_seconds, max_age_seconds)
+        self._cost.set_fleet(evidence, now)
+        return count
 
     def engine_options(self, sidecar: str, now: float) -> EngineOptions | None:
         """What this controller's engines achieve, for the fleet's recommendations

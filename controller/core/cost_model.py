@@ -14,6 +14,11 @@ above what they cost. N-gram drafts cost nothing measurable. The fit is Bayesian
 in information form: the prior is a set of virtual observations of the prior roofline (so it is
 usable before any data and carries units), the data evidence decays by 2^(-dt/half_life), so
 unexcited directions fall back to the prior instead of drifting.
+
+The evidence is a sufficient statistic (``CostEvidence``: the information matrix, the
+time-weighted features, the squared times, reports and steps), so engines of one type (model,
+drafts, hardware) share it as they share acceptance evidence: the posterior is prior + own + the
+fleet's (``controller.core.fleet.fleet_costs``), and what a model exports is only its own.
 """
 
 from __future__ import annotations
@@ -74,6 +79,124 @@ class CostPrior:
     sample_scale: float = tunable(0.5, ge=0)
     """Scale of the posterior cost draw each decide round prices its sampled goodput with
     (1 = the posterior; 0 = decide on mean costs, no exploration over cost)."""
+
+
+@dataclass(frozen=True, eq=False)
+class CostEvidence:
+    """Decayed step-timing evidence of a cost model, in information form: ``information`` =
+    sum w x x^T and ``weighted_times`` = sum w x t over observed steps (w steps of features x and
+    mean time t), ``squared_times`` = sum w t^2 (seconds^2), ``reports`` and ``steps`` the
+    decayed counts. Columns: base, batch, tokens, one hinge per knot, then three per model draft
+    in ``drafts`` order."""
+
+    drafts: tuple[str, ...]
+    knots: tuple[int, ...]
+    information: FloatArray
+    weighted_times: FloatArray
+    squared_times: float
+    reports: float
+    steps: float
+
+    def __post_init__(self) -> None:
+        n = 3 + len(self.knots) + _DRAFT_COLUMNS * len(self.drafts)
+        if self.information.shape != (n, n) or self.weighted_times.shape != (n,):
+            raise ValueError(f"cost evidence: expected a {n}x{n} information matrix and {n} "
+                             f"weighted times for {len(self.knots)} knots and "
+                             f"{len(self.drafts)} drafts, got {self.information.shape} and "
+                             f"{self.weighted_times.shape}")
+        if len(set(self.drafts)) != len(self.drafts):
+            raise ValueError(f"cost evidence: drafts repeat: {self.drafts}")
+        scalars = np.array([self.squared_times, self.reports, self.steps])
+        if not (np.isfinite(self.information).all() and np.isfinite(self.weighted_times).all()
+                and np.isfinite(scalars).all()):
+            raise ValueError("cost evidence: numbers must be finite")
+        if scalars.min() < 0 or np.diag(self.information).min(initial=0.0) < 0:
+            raise ValueError("cost evidence: squared times, reports, steps and the information "
+                             "matrix's diagonal must be >= 0")
+        if not np.allclose(self.information, self.information.T, rtol=1e-9, atol=0.0):
+            raise ValueError("cost evidence: the information matrix must be symmetric")
+
+    def scaled(self, factor: float) -> CostEvidence:
+        """The evidence weighted by ``factor`` (a decay)."""
+        return CostEvidence(self.drafts, self.knots, self.information * factor,
+                            self.weighted_times * factor, self.squared_times * factor,
+                            self.reports * factor, self.steps * factor)
+
+    def plus(self, other: CostEvidence) -> CostEvidence:
+        """The sum of two evidences with the same columns."""
+        if (other.drafts, other.knots) != (self.drafts, self.knots):
+            raise ValueError("cost evidence: columns differ")
+        return CostEvidence(self.drafts, self.knots, self.information + other.information,
+                            self.weighted_times + other.weighted_times,
+                            self.squared_times + other.squared_times,
+                            self.reports + other.reports, self.steps + other.steps)
+
+    def aligned(self, drafts: Sequence[str], knots: Sequence[int]) -> CostEvidence | None:
+        """The same evidence with its draft columns in ``drafts`` order; None when the knots or
+        the set of drafts differ (another engine type's, or another configuration's)."""
+        if tuple(knots) != self.knots or sorted(drafts) != sorted(self.drafts):
+            return None
+        n_base = 3 + len(self.knots)
+        order = list(range(n_base))
+        for d in drafts:
+            col = n_base + _DRAFT_COLUMNS * self.drafts.index(d)
+            order.extend(range(col, col + _DRAFT_COLUMNS))
+        idx = np.asarray(order)
+        return CostEvidence(tuple(drafts), self.knots, self.information[np.ix_(idx, idx)],
+                            self.weighted_times[idx], self.squared_times, self.reports,
+                            self.steps)
+
+
+class _Sums:
+    """A cost model's decayed evidence, mutable (what ``CostEvidence`` records, unchecked: it
+    only ever holds what ``observe`` added or a checked record brought)."""
+
+    def __init__(self, n: int) -> None:
+        self.a = np.zeros((n, n))
+        self.b = np.zeros(n)
+        self.yy = 0.0  # steps-weighted squared mean step times (the noise level)
+        self.reports = 0.0
+        self.steps = 0.0
+
+    def scale(self, f: float) -> None:
+        self.a *= f
+        self.b *= f
+        self.yy *= f
+        self.reports *= f
+        self.steps *= f
+
+    def add_point(self, x: FloatArray, seconds: float, steps: float) -> None:
+        self.a += steps * np.outer(x, x)
+        self.b += steps * x * seconds
+        self.yy += steps * seconds**2
+        self.reports += 1.0
+        self.steps += steps
+
+    def add(self, ev: CostEvidence) -> None:
+        m = ev.weighted_times.size
+        self.a[:m, :m] += ev.information
+        self.b[:m] += ev.weighted_times
+        self.yy += ev.squared_times
+        self.reports += ev.reports
+        self.steps += ev.steps
+
+    def grow(self, n: int) -> None:
+        """Zero columns for drafts added since."""
+        m = self.b.size
+        a, b = np.zeros((n, n)), np.zeros(n)
+        a[:m, :m], b[:m] = self.a, self.b
+        self.a, self.b = a, b
+
+    def plus(self, other: _Sums) -> _Sums:
+        out = _Sums(self.b.size)
+        out.a, out.b = self.a + other.a, self.b + other.b
+        out.yy, out.reports = self.yy + other.yy, self.reports + other.reports
+        out.steps = self.steps + other.steps
+        return out
+
+    def record(self, drafts: tuple[str, ...], knots: tuple[int, ...]) -> CostEvidence:
+        return CostEvidence(drafts, knots, self.a.copy(), self.b.copy(), self.yy,
+                            self.reports, self.steps)
 
 
 @dataclass(frozen=True)
@@ -176,13 +299,9 @@ class StepCostModel:
         self._design_batch_sizes = list(design_batch_sizes)
         self._design_max_k = design_max_k
         self._drafts: list[str] = []  # model drafts with their own cost columns
-        self._evidence_a = np.zeros((self.n_base, self.n_base))
-        self._evidence_b = np.zeros(self.n_base)
-        # Decayed sums for the noise level: steps-weighted squared mean step times, and reports.
-        self._evidence_yy = 0.0
-        self._evidence_reports = 0.0
+        self._own = _Sums(self.n_base)  # this model's observations, decayed to _at
+        self._fleet = _Sums(self.n_base)  # the other sidecars' (set_fleet), decayed alike
         self._at: float | None = None
-        self._observed_steps = 0.0
         self._mean: PricedCosts | None = None
         self._rebuild_prior()
 
@@ -246,49 +365,81 @@ class StepCostModel:
     def _invalidate(self) -> None:
         self._mean = None
 
+    @property
+    def knot_tokens(self) -> tuple[int, ...]:
+        return tuple(int(k) for k in self.knots)
+
     def ensure_drafts(self, model_drafts: Iterable[str]) -> None:
         """Add cost columns for model drafts not seen before; evidence so far is kept."""
         new = [d for d in model_drafts if d not in self._drafts]
         if not new:
             return
-        old_n = self.n_features
         self._drafts.extend(new)
-        grown_a = np.zeros((self.n_features, self.n_features))
-        grown_a[:old_n, :old_n] = self._evidence_a
-        grown_b = np.zeros(self.n_features)
-        grown_b[:old_n] = self._evidence_b
-        self._evidence_a, self._evidence_b = grown_a, grown_b
+        self._own.grow(self.n_features)
+        self._fleet.grow(self.n_features)
         self._rebuild_prior()
 
     # --- fitting ----------------------------------------------------------------------------
-    def observe(self, shape: StepShape, mean_step_seconds: float, steps: float, now: float) -> None:
-        """Add ``steps`` steps of this mean shape whose mean wall time was ``mean_step_seconds``."""
+    def _decay_to(self, now: float) -> None:
         if self._at is not None and now > self._at:
             f = float(2.0 ** (-(now - self._at) / self.half_life_seconds))
-            self._evidence_a *= f
-            self._evidence_b *= f
-            self._observed_steps *= f
-            self._evidence_yy *= f
-            self._evidence_reports *= f
+            self._own.scale(f)
+            self._fleet.scale(f)
         self._at = now if self._at is None else max(self._at, now)
-        x = self.features(shape)
-        self._evidence_a += steps * np.outer(x, x)
-        self._evidence_b += steps * x * mean_step_seconds
-        self._evidence_yy += steps * mean_step_seconds**2
-        self._evidence_reports += 1.0
-        self._observed_steps += steps
+
+    def observe(self, shape: StepShape, mean_step_seconds: float, steps: float, now: float) -> None:
+        """Add ``steps`` steps of this mean shape whose mean wall time was ``mean_step_seconds``."""
+        self._decay_to(now)
+        self._own.add_point(self.features(shape), mean_step_seconds, steps)
         self._invalidate()
 
     @property
     def observed_steps(self) -> float:
-        """Decayed number of observed steps (0 before any data)."""
-        return self._observed_steps
+        """Decayed number of this model's own observed steps (0 before any data)."""
+        return self._own.steps
+
+    @property
+    def fleet_steps(self) -> float:
+        """Decayed number of steps behind the fleet's evidence (``set_fleet``)."""
+        return self._fleet.steps
+
+    # --- sharing (controller.core.fleet) ----------------------------------------------------
+    def export(self, now: float) -> CostEvidence:
+        """This model's own evidence, decayed to ``now`` (never the fleet's)."""
+        f = 1.0
+        if self._at is not None and now > self._at:
+            f = float(2.0 ** (-(now - self._at) / self.half_life_seconds))
+        return self._own.record(self.drafts, self.knot_tokens).scaled(f)
+
+    def restore(self, evidence: CostEvidence, at: float, now: float) -> bool:
+        """Take back this model's own evidence as of ``at`` (its last flush before a restart);
+        False when its columns are not this model's."""
+        ev = evidence.aligned(self.drafts, self.knot_tokens)
+        if ev is None:
+            return False
+        self._decay_to(now)
+        self._own.add(ev.scaled(float(2.0 ** (-max(now - at, 0.0) / self.half_life_seconds))))
+        self._invalidate()
+        return True
+
+    def set_fleet(self, evidence: CostEvidence | None, now: float) -> None:
+        """The other sidecars' evidence as of ``now`` with this model's columns
+        (``CostEvidence.aligned``), replacing the previous fleet view; None forgets it."""
+        self._decay_to(now)
+        self._fleet = _Sums(self.n_features)
+        if evidence is not None:
+            self._fleet.add(evidence)
+        self._invalidate()
+
+    def _evidence(self) -> _Sums:
+        return self._own.plus(self._fleet)
 
     @property
     def mean(self) -> PricedCosts:
         """Predictions by the posterior mean weights (cached until the next observation)."""
         if self._mean is None:
-            theta = np.linalg.solve(self._precision(), self._prior_b + self._evidence_b)
+            ev = self._evidence()
+            theta = np.linalg.solve(self._prior_a + ev.a, self._prior_b + ev.b)
             self._mean = PricedCosts(self, theta)
         return self._mean
 
@@ -297,7 +448,7 @@ class StepCostModel:
         return self.mean.theta
 
     def _precision(self) -> FloatArray:
-        return np.asarray(self._prior_a + self._evidence_a, dtype=np.float64)
+        return np.asarray(self._prior_a + self._evidence().a, dtype=np.float64)
 
     def noise_variance(self) -> float:
         """Variance of one step's time around the fit, seconds^2: the prior level blended with
@@ -305,10 +456,10 @@ class StepCostModel:
         over n steps weighs n, so its weighted squared residual estimates one step's variance
         (and a misfit or correlated noise shows up instead of averaging away)."""
         th = self.theta
-        a, b = self._evidence_a, self._evidence_b
-        residual = max(float(self._evidence_yy - 2.0 * th @ b + th @ a @ th), 0.0)
+        ev = self._evidence()
+        residual = max(float(ev.yy - 2.0 * th @ ev.b + th @ ev.a @ th), 0.0)
         prior = _NOISE_PRIOR_REPORTS * self.prior.noise_seconds**2
-        return (prior + residual) / (_NOISE_PRIOR_REPORTS + self._evidence_reports)
+        return (prior + residual) / (_NOISE_PRIOR_REPORTS + ev.reports)
 
     def draw(self, rng: np.random.Generator) -> PricedCosts:
         """Predictions by one draw of the weights from their posterior, N(mean, s^2 sigma^2

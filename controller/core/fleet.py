@@ -1,4 +1,5 @@
-"""What sidecars of one model share: each one's acceptance evidence, and the fleet's sum of it.
+"""What sidecars of one model share: each one's acceptance evidence and step-cost evidence, and
+the fleet's sums of them.
 
 Each sidecar publishes only its own evidence (its estimator's decayed accepts and rejects per
 (class, draft, position)), stamped with the wall-clock time it was decayed to. A sidecar's view of
@@ -12,6 +13,15 @@ back as someone else's (the sum skips its id), so nothing is counted twice; a si
 publishing ages out after ``max_age`` (and its key expires in the store). Restart recovery is the
 same record read back by its owner: its own evidence, decayed to the restart.
 
+Step costs are shared the same way within one engine type: the sidecars of a model whose engines
+name the same hardware and the same model drafts (``CostExport``). The cost model is linear in
+its weights, so its evidence (information matrix, time-weighted features, squared times) adds
+like counts do:
+
+    fleet_cost(now) = sum over s != me of my type, age_s <= max_age of  E_s * 2^(-(now - t_s) / h_c)
+
+with ``h_c`` the cost model's half-life, and the posterior is prior + own + fleet_cost.
+
 Pure: plain records and numpy, no clock (times are passed in) and no I/O.
 """
 
@@ -23,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+
+from controller.core.cost_model import CostEvidence
 
 FloatArray = npt.NDArray[np.float64]
 EvidenceKey = tuple[str, str]  # (traffic class, draft)
@@ -97,3 +109,36 @@ def entries_of(evidence: Mapping[EvidenceKey, tuple[FloatArray, FloatArray]]
     """Records of evidence arrays, ordered by key."""
     return tuple(EvidenceEntry(c, d, tuple(float(x) for x in a), tuple(float(x) for x in r))
                  for (c, d), (a, r) in sorted(evidence.items()))
+
+
+@dataclass(frozen=True)
+class CostExport:
+    """One sidecar's step-cost evidence, decayed to ``at``, for engines on ``hardware`` (what the
+    engines' hellos name, e.g. "NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16")."""
+
+    sidecar: str
+    at: float
+    hardware: str
+    evidence: CostEvidence
+
+
+def fleet_costs(exports: Iterable[CostExport], me: str, hardware: str, drafts: tuple[str, ...],
+                knots: tuple[int, ...], now: float, half_life_seconds: float,
+                max_age_seconds: float) -> tuple[CostEvidence | None, int]:
+    """The other sidecars' step-cost evidence of this engine type (``hardware`` and the set of
+    model ``drafts``, with the same ``knots``), each decayed from its stamp to ``now`` and
+    summed in this sidecar's column order; with how many sidecars it came from. (None, 0)
+    when none matches."""
+    total: CostEvidence | None = None
+    count = 0
+    for ex in exports:
+        age = now - ex.at
+        if ex.sidecar == me or age > max_age_seconds or ex.hardware != hardware:
+            continue
+        ev = ex.evidence.aligned(drafts, knots)
+        if ev is None:
+            continue
+        ev = ev.scaled(float(2.0 ** (-max(age, 0.0) / half_life_seconds)))
+        total = ev if total is None else total.plus(ev)
+        count += 1
+    return total, count

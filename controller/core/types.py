@@ -80,6 +80,7 @@ class EngineHello:
     plugin_version: str = ""
     max_batch_size: int = 0
     step_profile: tuple[StepProfile, ...] = ()
+    hardware: str = ""  # what the engine runs on; "" = unknown (its step costs are not shared)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ MAX_STEPS_PER_RECORD = 10**12
 MAX_PROFILE_POINTS = 256
 # A profiled step slower than this is not a decode step.
 MAX_PROFILE_SECONDS = 60.0
+# A hardware name is a device, its count and a dtype; it becomes part of a stored record.
+MAX_HARDWARE_CHARS = 200
 
 
 def valid_class_name(name: object) -> bool:
@@ -65,6 +67,9 @@ def check_hello(hello: EngineHello) -> None:
             raise ReportRejected(f"hello.drafts[{i}].name: must not be empty")
         if d.max_k < 1:
             raise ReportRejected(f"hello.drafts[{i}].max_k: must be >= 1, got {d.max_k}")
+    if len(hello.hardware) > MAX_HARDWARE_CHARS or not hello.hardware.isprintable():
+        raise ReportRejected(f"hello.hardware: must be printable and at most "
+                             f"{MAX_HARDWARE_CHARS} characters, got {hello.hardware[:40]!r}")
     if len(hello.step_profile) > MAX_PROFILE_POINTS:
         raise ReportRejected(f"hello.step_profile: {len(hello.step_profile)} points exceed "
                              f"{MAX_PROFILE_POINTS}")

@@ -1,6 +1,7 @@
 """The fleet edge: every ``flush_interval_seconds`` publish this sidecar's acceptance evidence,
-what its engines achieve and its decisions to the state store, load the other sidecars' evidence
-and the fleet's overrides into the core, and recompute the fleet's recommendations (which draft
+its step-cost evidence, what its engines achieve and its decisions to the state store, load the
+other sidecars' evidence (step costs from engines of the same type only) and the fleet's
+overrides into the core, and recompute the fleet's recommendations (which draft
 and which pool serve each class best; ``controller.core.recommend``); between rounds, a
 subscription to override changes brings a fleet override set through any sidecar into force
 here within one report interval.
@@ -8,7 +9,8 @@ here within one report interval.
 On the first round that knows the model (from the settings, or the first engine's hello) the
 sidecar first reads its own record back, so a restart (even after SIGKILL) resumes from its last
 flush: at most one flush interval of evidence is lost. It never publishes before that read, so a
-restarted sidecar cannot overwrite its record with an empty one.
+restarted sidecar cannot overwrite its record with an empty one. Step costs are read back the
+same way once an engine has said what hardware it runs on.
 
 A store that fails (Redis down or restarting) costs nothing but sharing: the core keeps deciding
 from memory (with the fleet overrides it last read), rounds retry with exponential backoff and
@@ -38,6 +40,10 @@ _MAX_BACKOFF_FACTOR = 16  # retries wait at most 16 flush intervals
 # Engine options older than this many flush intervals are left out of recommendations: they
 # describe an engine's present, and a sidecar gone for longer is no pool to route to.
 _OPTIONS_MAX_AGE_INTERVALS = 6
+# The others' step costs are read every this many rounds (and whenever this sidecar's engine
+# type changes): they move with a 10-minute half-life, and each is a 2 kB record, so reading them
+# every round would grow the fleet's egress (N^2 records per interval) by half for nothing.
+_COSTS_READ_EVERY_ROUNDS = 6
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,10 @@ class FleetSync:
         self._log_size = decision_log_size
         self._pending: deque[DecisionEvent] = deque(maxlen=decision_log_size)
         self._restored = False
+        self._costs_restored = False
+        self._cost_peers = 0
+        self._costs_read: tuple[int, str] | None = None  # (round, hardware) of the last read
+        self._round = 0
         self._up: bool | None = None
         self._refused: set[tuple[str, float]] = set()
         self._min_tries = recommend_min_tries
@@ -98,9 +108,14 @@ class FleetSync:
                          "store (flushed %.1f s ago)", len(own[0].entries),
                          self._clock() - own[0].at)
             self._restored = True
+        if not self._costs_restored and self._core.hardware():
+            await self._restore_costs(model)
         now = self._clock()
         export = EvidenceExport(self._id.sidecar, now, self._core.export_evidence(now))
         await self._store.put_evidence(model, export, ttl_seconds=self._max_age)
+        costs = self._core.export_costs(self._id.sidecar, now)
+        if costs is not None and self._costs_restored:
+            await self._store.put_costs(model, costs, ttl_seconds=self._max_age)
         options = self._core.engine_options(self._id.sidecar, now)
         options_ttl = _OPTIONS_MAX_AGE_INTERVALS * self._interval
         if options is not None:
@@ -119,6 +134,7 @@ class FleetSync:
         self._core.set_fleet_evidence(
             fleet_evidence(exports, self._id.sidecar, now, self._core.evidence_half_life,
                            self._max_age), now)
+        await self._load_costs(model, now)
         await self._load_overrides(model)
         fleet_options = await self._store.options(model, now - options_ttl)
         changed = self._set_recommendations(recommend(fleet_options, self._min_tries), now)
@@ -127,6 +143,28 @@ class FleetSync:
             await self._store.add_recommendations(model, self._id.sidecar, changed, now,
                                                   self._log_size)
         return True
+
+    async def _load_costs(self, model: str, now: float) -> None:
+        hardware = self._core.hardware()
+        self._round += 1
+        if self._costs_read is not None:
+            last_round, last_hardware = self._costs_read
+            if last_hardware == hardware and self._round - last_round < _COSTS_READ_EVERY_ROUNDS:
+                return
+        peers = self._core.set_fleet_costs(await self._store.costs(model, now - self._max_age),
+                                           self._id.sidecar, now, self._max_age)
+        self._costs_read = (self._round, hardware)
+        if peers != self._cost_peers:
+            log.info("step costs shared with %d other sidecar(s) on %r", peers, hardware)
+            self._cost_peers = peers
+
+    async def _restore_costs(self, model: str) -> None:
+        own = [c for c in await self._store.costs(model, self._clock() - self._max_age)
+               if c.sidecar == self._id.sidecar]
+        if own and self._core.restore_costs(own[0], self._clock()):
+            log.info("restored step-cost evidence of %.0f steps from the state store (flushed "
+                     "%.1f s ago)", own[0].evidence.steps, self._clock() - own[0].at)
+        self._costs_restored = True
 
     def _set_recommendations(self, recs: tuple[Recommendation, ...], now: float
                              ) -> list[Recommendation]:

@@ -1,8 +1,8 @@
 """The state-store interface: what the server flushes to and loads from, in the core's terms.
 
 The core keeps every estimate in its own objects; a store only holds what sidecars exchange:
-their acceptance evidence, what their engines achieve (for recommendations), the fleet's
-overrides and the fleet's decision log. One model's keys
+their acceptance evidence, their step-cost evidence (per engine type), what their engines
+achieve (for recommendations), the fleet's overrides and the fleet's decision log. One model's keys
 share a namespace (and, in Redis Cluster, a hash slot), so sidecars serving different models
 never see each other's state.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from controller.core.fleet import EvidenceExport
+from controller.core.fleet import CostExport, EvidenceExport
 from controller.core.recommend import EngineOptions, Recommendation
 from controller.core.types import DecisionEvent, Override
 
@@ -32,6 +32,14 @@ class StateStore(Protocol):
         """Every sidecar's latest export for ``model`` stamped at or after ``since``, this one's
         included (callers skip their own, or read it back after a restart). Records that cannot
         be read are skipped."""
+
+    async def put_costs(self, model: str, export: CostExport, ttl_seconds: float) -> None:
+        """Publish one sidecar's step-cost evidence (replacing its previous export); it expires
+        after ``ttl_seconds`` unless published again."""
+
+    async def costs(self, model: str, since: float) -> list[CostExport]:
+        """Every sidecar's latest step-cost export for ``model`` stamped at or after ``since``,
+        by sidecar, this one's included. Records that cannot be read are skipped."""
 
     async def put_options(self, model: str, options: EngineOptions, ttl_seconds: float) -> None:
         """Publish what one sidecar's engines achieve (replacing its previous record); it

@@ -1,5 +1,6 @@
 """The one converter between the core's records and what a state store holds (JSON): evidence
-exports, engine options, recommendations, fleet overrides and decision events."""
+exports, step-cost exports, engine options, recommendations, fleet overrides and decision
+events."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from controller.core.fleet import EvidenceEntry, EvidenceExport
+import numpy as np
+
+from controller.core.cost_model import CostEvidence
+from controller.core.fleet import CostExport, EvidenceEntry, EvidenceExport
 from controller.core.recommend import (
     PLAIN,
     SPECULATIVE,
@@ -71,6 +75,42 @@ def export_from_json(text: str | bytes) -> EvidenceExport:
                         for c, d, a, r in raw["entries"])
         return EvidenceExport(str(raw["sidecar"]), at, entries)
     return _parse(text, "evidence", build)
+
+
+def costs_to_json(export: CostExport) -> str:
+    """ValueError when a number in it is not finite."""
+    ev = export.evidence
+    return _dump({
+        "sidecar": export.sidecar, "at": export.at, "hardware": export.hardware,
+        "drafts": list(ev.drafts), "knots": list(ev.knots),
+        # Symmetric: its upper triangle, row by row, is all there is (half the bytes).
+        "information_upper": ev.information[np.triu_indices(ev.weighted_times.size)].tolist(),
+        "weighted_times": ev.weighted_times.tolist(),
+        "squared_times": ev.squared_times, "reports": ev.reports, "steps": ev.steps,
+    })
+
+
+def costs_from_json(text: str | bytes) -> CostExport:
+    """StoredRecordError for anything but a well-formed step-cost export of this format (finite
+    numbers, an information matrix of the size its knots and drafts give)."""
+    def build(raw: dict[str, Any]) -> CostExport:
+        times = np.asarray(raw["weighted_times"], dtype=np.float64)
+        upper = np.asarray(raw["information_upper"], dtype=np.float64)
+        n = times.size
+        if times.ndim != 1 or upper.shape != (n * (n + 1) // 2,):
+            raise StoredRecordError(f"information_upper: expected {n * (n + 1) // 2} values "
+                                    f"for {n} weighted times")
+        information = np.zeros((n, n))
+        information[np.triu_indices(n)] = upper
+        information = information + np.triu(information, 1).T
+        evidence = CostEvidence(
+            tuple(str(d) for d in raw["drafts"]), tuple(int(k) for k in raw["knots"]),
+            information, times,
+            _finite(raw["squared_times"], "squared_times"), _finite(raw["reports"], "reports"),
+            _finite(raw["steps"], "steps"))
+        return CostExport(str(raw["sidecar"]), _finite(raw["at"], "at"), str(raw["hardware"]),
+                          evidence)
+    return _parse(text, "step-cost", build)
 
 
 def override_to_json(ov: Override) -> str:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from controller.core.fleet import EvidenceExport
+from controller.core.fleet import CostExport, EvidenceExport
 from controller.core.recommend import EngineOptions, Recommendation
 from controller.core.types import DecisionEvent, Override, OverrideScope
 
@@ -21,6 +21,7 @@ class MemoryStore:
         self._clock = clock
         self._evidence: dict[str, dict[str, tuple[EvidenceExport, float]]] = {}
         self._options: dict[str, dict[str, tuple[EngineOptions, float]]] = {}
+        self._costs: dict[str, dict[str, tuple[CostExport, float]]] = {}
         self._overrides: dict[str, dict[str, Override]] = {}
         self._subscribers: dict[str, set[asyncio.Queue[None]]] = {}
         # One log per model, as the Redis stream: decisions and recommendations interleaved.
@@ -38,6 +39,15 @@ class MemoryStore:
             del held[sidecar]
         return sorted((ex for ex, _ in held.values() if ex.at >= since),
                       key=lambda ex: ex.sidecar)
+
+    async def put_costs(self, model: str, export: CostExport, ttl_seconds: float) -> None:
+        self._costs.setdefault(model, {})[export.sidecar] = (export, self._clock() + ttl_seconds)
+
+    async def costs(self, model: str, since: float) -> list[CostExport]:
+        now = self._clock()
+        held = self._costs.get(model, {})
+        return sorted((c for c, expires in held.values() if expires > now and c.at >= since),
+                      key=lambda c: c.sidecar)
 
     async def put_options(self, model: str, options: EngineOptions, ttl_seconds: float) -> None:
         self._options.setdefault(model, {})[options.sidecar] = (

@@ -5,6 +5,7 @@ multi-key reads (MGET) work there as on a single server:
 
     specpilot:{<model>}:evidence:<sidecar>   one sidecar's latest export (JSON), with a TTL
     specpilot:{<model>}:sidecars             sorted set: sidecar -> time of its latest export
+    specpilot:{<model>}:costs:<sidecar>      its step-cost evidence (JSON), with a TTL
     specpilot:{<model>}:options:<sidecar>    what its engines achieve (JSON), with a TTL
     specpilot:{<model>}:overrides            hash: class -> fleet override (JSON); also the
                                              pub/sub channel that announces each change
@@ -25,12 +26,14 @@ from redis import asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from controller.core.fleet import EvidenceExport
+from controller.core.fleet import CostExport, EvidenceExport
 from controller.core.recommend import EngineOptions, Recommendation
 from controller.core.types import DecisionEvent, Override
 from controller.store.base import StoreUnavailable
 from controller.store.codec import (
     StoredRecordError,
+    costs_from_json,
+    costs_to_json,
     event_from_json,
     event_to_json,
     export_from_json,
@@ -115,24 +118,43 @@ class RedisStore:
         out = await self._per_sidecar(tag, sidecars, "evidence", export_from_json, "evidence")
         return sorted(out, key=lambda ex: ex.sidecar)
 
-    async def put_options(self, model: str, options: EngineOptions, ttl_seconds: float) -> None:
-        tag = model_tag(model)
+    async def _put(self, model: str, kind: str, sidecar: str, value: str,
+                   ttl_seconds: float) -> None:
         try:
-            await self._r.set(f"specpilot:{tag}:options:{options.sidecar}",
-                              options_to_json(options), px=max(int(ttl_seconds * 1000), 1))
+            await self._r.set(f"specpilot:{model_tag(model)}:{kind}:{sidecar}", value,
+                              px=max(int(ttl_seconds * 1000), 1))
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
-    async def options(self, model: str, since: float) -> list[EngineOptions]:
-        # The sidecars' index is the evidence's (a sidecar publishes both every round); the
-        # options' own time decides what is recent enough.
+    async def _listed(self, model: str, kind: str, parse: Callable[[bytes], R],
+                      what: str) -> list[R]:
+        """Every indexed sidecar's ``kind`` record. The sidecars' index is the evidence's (a
+        sidecar publishes it every round); the records' own times decide what is recent."""
         tag = model_tag(model)
         try:
             sidecars = [_text(s) for s in await self._r.zrange(f"specpilot:{tag}:sidecars", 0, -1)]
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
-        out = await self._per_sidecar(tag, sidecars, "options", options_from_json,
-                                      "engine options")
+        return await self._per_sidecar(tag, sidecars, kind, parse, what)
+
+    async def put_costs(self, model: str, export: CostExport, ttl_seconds: float) -> None:
+        try:
+            value = costs_to_json(export)
+        except ValueError as exc:  # not finite: the core never makes one, a bug must not spread
+            log.warning("step costs not published to the store: %s", exc)
+            return
+        await self._put(model, "costs", export.sidecar, value, ttl_seconds)
+
+    async def costs(self, model: str, since: float) -> list[CostExport]:
+        out = await self._listed(model, "costs", costs_from_json, "step costs")
+        return sorted((c for c in out if c.at >= since), key=lambda c: c.sidecar)
+
+    async def put_options(self, model: str, options: EngineOptions, ttl_seconds: float) -> None:
+        await self._put(model, "options", options.sidecar, options_to_json(options),
+                        ttl_seconds)
+
+    async def options(self, model: str, since: float) -> list[EngineOptions]:
+        out = await self._listed(model, "options", options_from_json, "engine options")
         return sorted((o for o in out if o.at >= since), key=lambda o: o.sidecar)
 
     async def put_override(self, model: str, override: Override) -> None:

@@ -431,3 +431,5 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
     assert (1, 0) in points and (1, 4) in points and len(points) >= 4
     assert all(p.draft in ("", tiny_models.draft.name) for p in hello.step_profile)
     assert all(0 < p.seconds < 1.0 for p in hello.step_profile)
+    # The engine type its step costs are shared under: this CPU, one worker, the tiny dtype.
+    assert hello.hardware.startswith("cpu ") and hello.hardware.endswith(" tp1 pp1 float32")

@@ -1,11 +1,13 @@
 """Two real controllers sharing a real redis-server: evidence learnt through one is used by the
-other without double counting; an override set through one is in force on both (a pod one only
+other without double counting, step costs only between engines on the same hardware; an
+override set through one is in force on both (a pod one only
 on its own); a controller killed and restarted resumes from its last flush, one stopped
 gracefully from all it had; an outage of Redis costs nothing but sharing."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -231,5 +233,85 @@ async def test_a_graceful_stop_flushes_what_came_after_the_last_round(
     try:
         await _until(lambda: _own_and_total(restarted)[0][0] > 0)
         assert _own_and_total(restarted)[0][0] == pytest.approx(before[0], rel=0.02)
+    finally:
+        await restarted.stop(grace_seconds=0.1)
+
+
+GPU = "NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16"
+
+
+def _timed(seq: int, seconds_per_step: float) -> engine_pb2.EngineReport:
+    """100 steps at batch 1 with K=3 of the model draft, each ``seconds_per_step`` long."""
+    return engine_pb2.EngineReport(sequence=seq, interval_seconds=0.05, step_timings=[
+        engine_pb2.StepTiming(batch_bucket=0, draft=DRAFT, k=3, steps=100, sum_batch_size=100,
+                              sum_verified_tokens=400, sum_draft_tokens=300,
+                              sum_step_seconds=100 * seconds_per_step)])
+
+
+def _on(hardware: str, engine_id: str) -> engine_pb2.EngineHello:
+    h = hello(engine_id)
+    h.hardware = hardware
+    return h
+
+
+def _step(server: RunningServer) -> float:
+    """The controller's price of a batch-1 step with K=3 of the model draft, seconds."""
+    return server.core.predicted_step_seconds(1, DRAFT, 3)
+
+
+async def test_step_costs_learnt_on_one_hardware_price_the_others_steps_there_only(
+        redis: RedisServer) -> None:
+    servers = [await _controller(redis, s) for s in ("sidecar-a", "sidecar-b", "sidecar-l4")]
+    a, b, other = servers
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            engines = []
+            for i, hardware in enumerate((GPU, GPU, "NVIDIA L4 tp1 pp1 bfloat16")):
+                ch = await stack.enter_async_context(grpc.aio.insecure_channel(
+                    servers[i].grpc_target))
+                engines.append(EngineClient(ch))
+                await engines[-1].connect(_on(hardware, f"engine-{i}"))
+            prior = _step(a)
+            assert _step(b) == _step(other) == prior
+            for seq in range(1, 21):  # only A's engine times steps: 10x the generic prior
+                await engines[0].send(_timed(seq, 10 * prior))
+            assert _step(a) > 5 * prior
+            await _until(lambda: _step(b) > 0.8 * _step(a))
+            assert _step(b) == pytest.approx(_step(a), rel=0.02)
+            await asyncio.sleep(5 * FLUSH)  # another engine type's never arrive (the control)
+            assert _step(other) == pytest.approx(prior, rel=0.02)
+            for engine in engines:
+                await engine.close()
+    finally:
+        for server in servers:
+            await server.stop(grace_seconds=0.1)
+
+
+async def test_a_killed_controller_resumes_its_step_costs_from_its_last_flush(
+        redis: RedisServer) -> None:
+    a = await _controller(redis, "sidecar-a")
+    try:
+        async with grpc.aio.insecure_channel(a.grpc_target) as ch:
+            engine = EngineClient(ch)
+            await engine.connect(_on(GPU, "engine-a"))
+            prior = _step(a)
+            for seq in range(1, 21):
+                await engine.send(_timed(seq, 10 * prior))
+            learnt = _step(a)
+            assert learnt > 5 * prior
+            await asyncio.sleep(3 * FLUSH)  # flushed
+            await engine.close()
+    finally:
+        await a.stop(grace_seconds=0.0)  # no final flush: what a SIGKILL leaves behind
+    restarted = await _controller(redis, "sidecar-a")
+    try:
+        async with grpc.aio.insecure_channel(restarted.grpc_target) as ch:
+            engine = EngineClient(ch)
+            # It reconnects, naming its hardware; nothing else can teach this controller the
+            # learnt costs (no other sidecar, no timings): only its own flushed record.
+            await engine.connect(_on(GPU, "engine-a"))
+            await _until(lambda: _step(restarted) > 0.8 * learnt)
+            assert _step(restarted) == pytest.approx(learnt, rel=0.02)
+            await engine.close()
     finally:
         await restarted.stop(grace_seconds=0.1)

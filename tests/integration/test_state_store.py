@@ -4,13 +4,16 @@ three-node Redis Cluster hold the same records the same way."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks.redis_servers import RedisCluster, RedisServer
-from controller.core.fleet import EvidenceEntry, EvidenceExport
+from controller.core.cost_model import CostEvidence
+from controller.core.fleet import CostExport, EvidenceEntry, EvidenceExport
 from controller.core.recommend import (
     PLAIN,
     SPECULATIVE,
@@ -21,6 +24,7 @@ from controller.core.recommend import (
 )
 from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 from controller.store.base import StateStore, StoreUnavailable
+from controller.store.codec import costs_to_json
 from controller.store.memory import MemoryStore
 from controller.store.redis_store import RedisStore, model_tag
 
@@ -107,6 +111,9 @@ async def test_a_malformed_record_is_skipped_not_fatal(redis_server: RedisServer
         await store.put_options("bad", _options("a", 1.0), ttl_seconds=60)
         redis_server.cli("SET", f"specpilot:{tag}:options:b", '{"format": 1, "pool": "gpu"}')
         assert [o.sidecar for o in await store.options("bad", since=0.0)] == ["a"]
+        await store.put_costs("bad", _costs("a", 1.0), ttl_seconds=60)
+        redis_server.cli("SET", f"specpilot:{tag}:costs:b", _short_costs_json())
+        assert [c.sidecar for c in await store.costs("bad", since=0.0)] == ["a"]
         await store.add_decisions("bad", "a", [_event(1, 2)], max_len=10)
         redis_server.cli("XADD", f"specpilot:{tag}:decisions", "*", "sidecar", "a",
                          "event", '{"format": 1, "at": "NaN"}')
@@ -208,3 +215,39 @@ async def test_engine_options_round_trip_and_age_out(
     await store.put_options(model, _options("a", 102.0), ttl_seconds=0.05)
     await asyncio.sleep(0.2)
     assert [o.sidecar for o in await store.options(model, since=0.0)] == ["plain"]
+
+
+def _costs(sidecar: str, at: float, scale: float = 1.0) -> CostExport:
+    n = 3 + 2 + 3  # two knots, one draft
+    x = np.arange(1.0, n + 1)
+    return CostExport(sidecar, at, "gpu tp1 pp1 bfloat16", CostEvidence(
+        ("d",), (16, 32), scale * np.outer(x, x), np.asarray(scale * 0.01 * x), scale * 1e-4,
+        scale * 3.0, scale * 300.0))
+
+
+def _short_costs_json() -> str:
+    """A stored step-cost record with a value of its information matrix missing: refused, not
+    misread."""
+    raw = json.loads(costs_to_json(_costs("b", 1.0)))
+    raw["information_upper"].pop()
+    return json.dumps(raw)
+
+
+async def test_step_cost_exports_round_trip_and_age_out(
+        store: StateStore, request: pytest.FixtureRequest) -> None:
+    model = f"cost-{request.node.callspec.id}"
+    for sidecar in ("a", "b"):  # the sidecars' index comes with their evidence
+        await store.put_evidence(model, _export(sidecar, 100.0, 1.0), ttl_seconds=60)
+        await store.put_costs(model, _costs(sidecar, 100.0), ttl_seconds=60)
+    await store.put_costs(model, _costs("a", 101.0, scale=2.0), ttl_seconds=60)  # replaces a's
+    got = await store.costs(model, since=0.0)
+    assert [(c.sidecar, c.at, c.hardware) for c in got] == [
+        ("a", 101.0, "gpu tp1 pp1 bfloat16"), ("b", 100.0, "gpu tp1 pp1 bfloat16")]
+    want = _costs("a", 101.0, scale=2.0).evidence
+    assert np.array_equal(got[0].evidence.information, want.information)
+    assert (got[0].evidence.drafts, got[0].evidence.knots, got[0].evidence.steps) == (
+        ("d",), (16, 32), 600.0)
+    assert [c.sidecar for c in await store.costs(model, since=100.5)] == ["a"]
+    await store.put_costs(model, _costs("a", 102.0), ttl_seconds=0.05)
+    await asyncio.sleep(0.2)
+    assert [c.sidecar for c in await store.costs(model, since=0.0)] == ["b"]

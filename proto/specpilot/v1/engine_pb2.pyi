@@ -50,7 +50,7 @@ class DraftInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.DraftKind, str]] = ..., vocab_hash: _Optional[str] = ..., max_k: _Optional[int] = ...) -> None: ...
 
 class EngineHello(_message.Message):
-    __slots__ = ("engine_id", "model", "target_vocab_hash", "drafts", "max_k", "capabilities", "engine_version", "plugin_version", "max_batch_size", "step_profile")
+    __slots__ = ("engine_id", "model", "target_vocab_hash", "drafts", "max_k", "capabilities", "engine_version", "plugin_version", "max_batch_size", "step_profile", "hardware")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class EngineHello(_message.Message):
     PLUGIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     target_vocab_hash: str
@@ -71,7 +72,8 @@ class EngineHello(_message.Message):
     plugin_version: str
     max_batch_size: int
     step_profile: _containers.RepeatedCompositeFieldContainer[StepProfile]
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., target_vocab_hash: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., max_k: _Optional[int] = ..., capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., engine_version: _Optional[str] = ..., plugin_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., step_profile: _Optional[_Iterable[_Union[StepProfile, _Mapping]]] = ...) -> None: ...
+    hardware: str
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., target_vocab_hash: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., max_k: _Optional[int] = ..., capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., engine_version: _Optional[str] = ..., plugin_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., step_profile: _Optional[_Iterable[_Union[StepProfile, _Mapping]]] = ..., hardware: _Optional[str] = ...) -> None: ...
 
 class StepProfile(_message.Message):
     __slots__ = ("batch_size", "verified_tokens", "draft", "draft_passes", "seconds")
