@@ -45,7 +45,7 @@ $(SETUP_STAMP):
 	@touch $@
 
 tools:
-	@echo "==> setup: external tools (buf, promtool, redis-server)"
+	@echo "==> setup: external tools (buf, promtool, redis-server, chromium)"
 	tools/install-tools.sh
 
 proto: $(SETUP_STAMP)

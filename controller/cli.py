@@ -78,6 +78,7 @@ async def _serve(settings: Settings) -> int:
         return 1
     _say(f"grpc listening on {server.grpc_target}")
     _say(f"http listening on {server.http_url}")
+    _say(f"dashboard at {server.http_url}/ (read-only without the policy token)")
     if server.token_generated:
         _say(f"policy token (generated, shown once; set SPECPILOT_POLICY_TOKEN to choose one): "
              f"{server.token}")

@@ -380,6 +380,9 @@ def class_view_to_proto(c: ClassView, credible_level: float) -> policy_pb2.Class
         estimates=[estimate_to_proto(e, credible_level) for e in c.estimates],
         overrides=[override_to_proto(o) for o in c.overrides],
         offline=c.offline,
+        batch_share=c.share,
+        measured_tokens_per_step=c.measured_tokens_per_step,
+        measured_speedup=c.measured_speedup,
     )
 
 
@@ -391,6 +394,11 @@ def policy_response_to_proto(snap: CoreSnapshot, classes: tuple[ClassView, ...],
         batch_bucket_upper_bounds=snap.batch_bucket_upper_bounds,
         classes=[class_view_to_proto(c, credible_level) for c in classes],
         engines=[e.engine_id for e in snap.engines],
+        engine_status=[policy_pb2.EngineStatus(
+            engine_id=e.engine_id, model=e.model, running_requests=e.running_requests,
+            report_age_seconds=e.report_age_seconds,
+            policy_version_applied=e.policy_version_applied, hardware=e.hardware)
+            for e in snap.engines],
     )
 
 

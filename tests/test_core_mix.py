@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from controller.core.cost_model import CostPrior, StepCostModel
-from controller.core.mix import BatchOthers, ClassMix, JointClass, OtherClass, joint_arms
+from controller.core.mix import (
+    BatchOthers,
+    ClassMix,
+    JointClass,
+    OtherClass,
+    ServedSpeedup,
+    joint_arms,
+)
 from controller.core.policy import BucketState, ClassContext, arm_table
 from controller.core.types import DraftKind, DraftSpec
 
@@ -107,3 +115,16 @@ def test_joint_search_escapes_where_class_by_class_moves_stall() -> None:
     held = [JointClass("a", 0.5, curves, ("small", 1)),
             JointClass("b", 0.5, curves, ("small", 1), free=False)]
     assert joint_arms(16, held, DRAFTS, 6, model.predict_mixed)["b"] == ("small", 1)
+
+
+def test_served_speedup_is_tokens_per_step_over_the_relative_step_time() -> None:
+    served = ServedSpeedup(half_life_seconds=60.0)
+    assert served.speedup("code") is None and served.tokens_per_step("code") is None
+    # 100 steps, 2.5 tokens each, each step 1.25 plain steps long: 2.0x.
+    served.observe("code", 100, 250, 125, now=0.0)
+    assert served.tokens_per_step("code") == pytest.approx(2.5)
+    assert served.speedup("code") == pytest.approx(2.0)
+    # A minute later the old steps weigh half: 50 old at 2.0x, 100 new at 1.0x.
+    served.observe("code", 100, 100, 100, now=60.0)
+    assert served.speedup("code") == pytest.approx((125 + 100) / (62.5 + 100))
+    assert served.speedup("chat") is None

@@ -3,6 +3,8 @@
 #
 #   buf       npm package @bufbuild/buf (pinned), installed into .tools/ (git-ignored)
 #   promtool  Debian package `prometheus`; apt-get installs it when missing and running as root
+#   chromium  Debian package `chromium` (the dashboard's browser test); apt-get installs it when
+#             missing and running as root
 #   redis     Debian package `redis-server` (redis-server, redis-cli: the fleet tests start real
 #             servers); apt-get installs it when missing and running as root
 #
@@ -17,6 +19,19 @@ BIN="$TOOLS/bin"
 STATUS=0
 
 say() { printf '[install-tools] %s\n' "$*"; }
+
+# apt_install PACKAGE: install a Debian package when running as root with apt-get (updating the
+# package lists first if they do not know it); otherwise, or if that fails, return 1.
+apt_install() {
+    [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1 || return 1
+    export DEBIAN_FRONTEND=noninteractive
+    if ! apt-cache policy "$1" 2>/dev/null | grep -q 'Candidate: [0-9]'; then
+        say "apt package lists do not know '$1' yet: apt-get update"
+        apt-get update -q
+    fi
+    say "installing $1: apt-get install -y --no-install-recommends $1"
+    apt-get install -y -q --no-install-recommends "$1"
+}
 
 mkdir -p "$BIN"
 
@@ -49,16 +64,7 @@ find_promtool() {
 }
 PROMTOOL="$(find_promtool)"
 if [[ -z "$PROMTOOL" ]]; then
-    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-        export DEBIAN_FRONTEND=noninteractive
-        if ! apt-cache policy prometheus 2>/dev/null | grep -q 'Candidate: [0-9]'; then
-            say "apt package lists do not know 'prometheus' yet: apt-get update"
-            apt-get update -q
-        fi
-        say "installing promtool: apt-get install -y --no-install-recommends prometheus"
-        apt-get install -y -q --no-install-recommends prometheus
-        PROMTOOL="$(find_promtool)"
-    fi
+    apt_install prometheus && PROMTOOL="$(find_promtool)"
 fi
 if [[ -n "$PROMTOOL" ]]; then
     ln -sfn "$PROMTOOL" "$BIN/promtool"
@@ -73,15 +79,7 @@ fi
 
 # --- redis-server -----------------------------------------------------------------------------
 if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
-    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-        export DEBIAN_FRONTEND=noninteractive
-        if ! apt-cache policy redis-server 2>/dev/null | grep -q 'Candidate: [0-9]'; then
-            say "apt package lists do not know 'redis-server' yet: apt-get update"
-            apt-get update -q
-        fi
-        say "installing redis: apt-get install -y --no-install-recommends redis-server"
-        apt-get install -y -q --no-install-recommends redis-server
-    fi
+    apt_install redis-server || true
 fi
 if command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; then
     say "redis available: $(redis-server --version | head -n1)"
@@ -89,6 +87,20 @@ else
     say "ERROR: redis-server not found. Install the Debian package 'redis-server'"
     say "       (sudo apt-get install --no-install-recommends redis-server): the fleet tests"
     say "       start real Redis servers."
+    STATUS=1
+fi
+
+# --- chromium ---------------------------------------------------------------------------------
+# The dashboard's browser test drives Debian's chromium through Playwright (no browser download).
+if ! command -v chromium >/dev/null 2>&1; then
+    apt_install chromium || true
+fi
+if command -v chromium >/dev/null 2>&1; then
+    say "chromium available: $(chromium --version 2>/dev/null | head -n1)"
+else
+    say "ERROR: chromium not found. Install the Debian package 'chromium'"
+    say "       (sudo apt-get install --no-install-recommends chromium): the dashboard's"
+    say "       browser test drives it."
     STATUS=1
 fi
 

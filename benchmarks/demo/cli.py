@@ -48,6 +48,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    "(default <cache-dir>/<profile>/demo-summary.json)")
     p.add_argument("--grpc-port", type=int, default=0, help="controller gRPC port (0: free)")
     p.add_argument("--http-port", type=int, default=0, help="controller HTTP port (0: free)")
+    p.add_argument("--screenshot", default=None, metavar="PNG",
+                   help="save a screenshot of the dashboard after the traffic (needs the dev "
+                        "extra's playwright and Debian's chromium), e.g. docs/img/dashboard.png")
 
 
 def add_models_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,7 +85,8 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
     return DemoOptions(cache_dir=Path(args.cache_dir), profile=args.profile,
                        workload=base.workload.scaled(args.scale), drafter=args.drafter,
                        out=Path(args.out) if args.out else None,
-                       grpc_port=args.grpc_port, http_port=args.http_port)
+                       grpc_port=args.grpc_port, http_port=args.http_port,
+                       screenshot=Path(args.screenshot) if args.screenshot else None)
 
 
 def demo_main(args: argparse.Namespace) -> int:

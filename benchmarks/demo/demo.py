@@ -57,6 +57,8 @@ class DemoOptions:
     drafter: str = "draft"
     # Controller settings on top of the demo's (report interval, offline classes, seed).
     controller_settings: dict[str, Any] = field(default_factory=dict)
+    # Where to save a screenshot of the dashboard once the traffic has run (None: none).
+    screenshot: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,8 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
     try:
         http = controller.http_url
         echo(f"    gRPC {controller.target}, HTTP {http}")
-        echo(f"    metrics   {http}/metrics\n    policy    {http}/api/policy\n"
+        echo(f"    dashboard {http}/\n"
+             f"    metrics   {http}/metrics\n    policy    {http}/api/policy\n"
              f"    decisions {http}/api/decisions\n"
              f"    CLI       specpilot policy get --target {controller.target}")
         drafter = DRAFTER_LABELS[config.drafter]
@@ -223,6 +226,11 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
                 engine_version, synced = wait_for_policy(llm, controller, timeout=3.0), True
             except TimeoutError:
                 engine_version, synced = int(_pilot(llm).view.version), False
+            if options.screenshot is not None:
+                from benchmarks.demo.screenshot import capture_dashboard
+
+                shot = capture_dashboard(http, options.screenshot, open_class=classes[0])
+                echo(f"    dashboard screenshot written to {shot}")
         reports = int(controller.metric("specpilot_reports_received_total"))
         policy = controller.policy()
         version = int(policy.get("version", 0))

@@ -32,7 +32,15 @@ from controller.core.fleet import (
     fleet_costs,
 )
 from controller.core.goodput import expected_tokens_curve, goodput
-from controller.core.mix import Arm, BatchOthers, ClassMix, JointClass, joint_arms, other_class
+from controller.core.mix import (
+    Arm,
+    BatchOthers,
+    ClassMix,
+    JointClass,
+    ServedSpeedup,
+    joint_arms,
+    other_class,
+)
 from controller.core.policy import (
     BucketState,
     ClassContext,
@@ -151,6 +159,7 @@ class ControllerCore:
         self._rng = rng
         self._estimator = AcceptanceEstimator(config.estimator)
         self._mix = ClassMix(config.traffic_half_life_seconds)
+        self._served = ServedSpeedup(config.traffic_half_life_seconds)
         # Per bucket: the arms of the best whole batch (the joint search), and when it ran.
         self._joint: dict[int, dict[str, Arm]] = {}
         self._joint_at: dict[int, float] = {}
@@ -220,6 +229,24 @@ class ControllerCore:
                               p.batch_size * p.draft_passes)
             self._cost.observe(shape, p.seconds, weight, now)
 
+    def _observe_served(self, report: EngineReport, mapping: Mapping[str, str],
+                        now: float) -> None:
+        """Served speculative steps for the measured speedup, priced by the costs as they were
+        before the report (its timings are learnt after)."""
+        n = max(report.running_requests, 1)
+        ratios: dict[tuple[str, int], float] = {}  # a report's records share a few arms
+        for rec in report.acceptance:
+            steps = sum(rec.steps_by_accepted)
+            if rec.counterfactual or rec.k == 0 or steps == 0:
+                continue
+            arm = (rec.draft, rec.k)
+            if arm not in ratios:
+                ratios[arm] = (self.predicted_step_seconds(n, rec.draft, rec.k)
+                               / self.predicted_step_seconds(n, "", 0))
+            tokens = sum((1 + a) * h for a, h in enumerate(rec.steps_by_accepted))
+            self._served.observe(mapping[rec.traffic_class], steps, tokens,
+                                 steps * ratios[arm], now)
+
     def first_engine_model(self) -> str:
         """The model of the first connected engine ("" with none): the fleet a sidecar joins
         when no model is configured (cheaper than a snapshot)."""
@@ -273,6 +300,7 @@ class ControllerCore:
                 verified[cls] = verified.get(cls, 0) + sum(rec.steps_by_accepted)
         for cls, steps in verified.items():
             self._mix.observe(cls, steps, now)
+        self._observe_served(report, mapping, now)
         for req in report.finished:
             cls = mapping[req.traffic_class]
             self._classes[cls].evidence_at = now  # traffic, even with no drafts to count
@@ -721,6 +749,8 @@ class ControllerCore:
                 overrides=tuple(self._overrides_for(name)),
                 offline=name in self.config.offline_classes,
                 share=shares.get(name),
+                measured_tokens_per_step=self._served.tokens_per_step(name),
+                measured_speedup=self._served.speedup(name),
             )
             for name in sorted(self._classes)
         )
@@ -734,6 +764,7 @@ class ControllerCore:
                 report_age_seconds=now - e.last_report_at,
                 last_sequence=e.last_sequence,
                 policy_version_applied=e.policy_version_applied,
+                hardware=e.hello.hardware,
             )
             for engine_id, e in sorted(self._engines.items())
         )

@@ -58,6 +58,38 @@ class ClassMix:
         self._steps.pop(traffic_class, None)
 
 
+class ServedSpeedup:
+    """Measured speedup per class while it speculates: decayed sums over its served (not
+    counterfactual) verification steps of the tokens they emitted (1 + accepted) and of their
+    step time relative to a step without speculation at the same batch size (by the cost
+    model). tokens / relative time is the measured acceptance priced by the modelled cost,
+    beside each decision's expected speedup."""
+
+    def __init__(self, half_life_seconds: float) -> None:
+        self.half_life_seconds = half_life_seconds
+        self._sums: dict[str, tuple[float, float, float]] = {}  # steps, tokens, relative time
+        self._at: dict[str, float] = {}
+
+    def observe(self, traffic_class: str, steps: float, tokens: float, relative_seconds: float,
+                now: float) -> None:
+        """``relative_seconds``: the steps' summed time, in units of a plain step's."""
+        s, t, c = self._sums.get(traffic_class, (0.0, 0.0, 0.0))
+        at = self._at.get(traffic_class, now)
+        if now > at:
+            f = float(2.0 ** (-(now - at) / self.half_life_seconds))
+            s, t, c = s * f, t * f, c * f
+        self._sums[traffic_class] = (s + steps, t + tokens, c + relative_seconds)
+        self._at[traffic_class] = max(at, now)
+
+    def tokens_per_step(self, traffic_class: str) -> float | None:
+        s, t, _ = self._sums.get(traffic_class, (0.0, 0.0, 0.0))
+        return t / s if s > 0 else None
+
+    def speedup(self, traffic_class: str) -> float | None:
+        _, t, c = self._sums.get(traffic_class, (0.0, 0.0, 0.0))
+        return t / c if c > 0 else None
+
+
 @dataclass(frozen=True)
 class OtherClass:
     """Another class in the batch as it runs now."""

@@ -103,6 +103,10 @@ class ClassView:
     offline: bool
     # Its share of the batch (decode request-steps); None before any of its traffic was measured.
     share: float | None
+    # While it speculates (controller.core.mix.ServedSpeedup): tokens per served verification
+    # step, and the measured speedup; None before any served speculative step.
+    measured_tokens_per_step: float | None = None
+    measured_speedup: float | None = None
 
     @property
     def speculating(self) -> bool:
@@ -126,6 +130,7 @@ class EngineView:
     last_sequence: int | None
     # The policy version it said it ran in its last report.
     policy_version_applied: int
+    hardware: str = ""  # what it runs on, as its hello said
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,3 @@
-"""The operators' dashboard (its own issue): a page served by the controller's HTTP server that
-renders the core's read model (``ControllerCore.snapshot``) and the decision log, like the JSON
-views in ``controller.server.views`` do today.
-"""
+"""The operators' dashboard: a page served by the controller's HTTP server (``routes``) that
+renders the core's read model through the policy API's own JSON, follows decisions live and
+takes overrides with the policy token (docs/architecture.md, "The dashboard")."""

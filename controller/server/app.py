@@ -23,12 +23,14 @@ from grpc_reflection.v1alpha import reflection
 
 from controller import package_version
 from controller.core.controller import ControllerCore
+from controller.dashboard.routes import Dashboard
 from controller.metrics import Metrics
 from controller.server.engine_service import EngineService
 from controller.server.fleet import FleetIdentity, FleetSync
 from controller.server.http import make_app
 from controller.server.hub import Hub
 from controller.server.policy_service import PolicyService
+from controller.server.policy_writes import AuditLog, PolicyWriter
 from controller.server.stubs import add_engine_service, add_policy_service
 from controller.settings import (
     FleetConfig,
@@ -198,11 +200,14 @@ async def start_server(settings: Settings) -> RunningServer:
             decision_log_size=fleet_settings.fleet_decision_log_size,
             recommend_min_tries=fleet_settings.fleet_recommend_min_tries)
         hub.on_decisions(fleet.record_decisions)
-    policy = PolicyService(core, hub, metrics, token, clock, sidecar, fleet)
+    writer = PolicyWriter(core, hub, metrics, token, clock, sidecar, fleet, AuditLog())
+    policy = PolicyService(core, hub, writer, clock, fleet)
     health = health_aio.HealthServicer()
     grpc_server, grpc_port = await _start_grpc(server, engine, policy, health)
     try:
-        runner, http_port = await _start_http(server, make_app(core, metrics, clock, fleet))
+        dashboard = Dashboard(core, hub, writer, clock, fleet)
+        runner, http_port = await _start_http(server, make_app(core, metrics, clock, fleet,
+                                                               dashboard))
     except ServeError:
         await grpc_server.stop(None)
         raise

@@ -5,6 +5,7 @@ ExplainDecision returns as ``text``."""
 from __future__ import annotations
 
 from controller.core.snapshot import Explanation
+from controller.core.types import DecisionEvent
 
 
 def arm_label(draft: str, k: int) -> str:
@@ -43,3 +44,33 @@ def explanation_text(ex: Explanation) -> str:
             f"{decision.probe_draft!r} so a recovery is noticed."
         )
     return " ".join(lines)
+
+
+def decision_text(event: DecisionEvent, ex: Explanation,
+                  acceptance: tuple[float, float] | None) -> str:
+    """One decision-log line, e.g. "code: K 4 -> 2 at batch 24 (goodput); acceptance 0.52 +/-
+    0.03; K=4 goodput 9% below K=2". ``ex`` explains the (class, bucket) now and ``acceptance``
+    is (mean, half-width of the credible interval) at position 1 of the draft in question, so
+    the figures are as of when the line is rendered, not of the decision."""
+    new, old = event.decision, event.previous
+    head = f"{new.traffic_class}: "
+    if old is None:
+        head += arm_label(new.draft, new.k)
+    elif old.k == new.k and old.draft != new.draft:
+        head += f"draft {old.draft or 'none'} -> {new.draft or 'none'} at K={new.k}"
+    else:
+        head += f"K {old.k} -> {new.k}"
+        if new.k and old.k and old.draft != new.draft:
+            head += f" ({old.draft} -> {new.draft})"
+    parts = [f"{head} at batch {ex.batch_size} ({new.reason.value})"]
+    if acceptance is not None:
+        parts.append(f"acceptance {acceptance[0]:.2f} +/- {acceptance[1]:.2f}")
+    goodput = {a.arm: a.goodput for a in ex.arms}
+    compared = old is not None and old.arm != new.arm and old.arm in goodput
+    if old is not None and compared and goodput.get(new.arm, 0.0) > 0:
+        ratio = goodput[old.arm] / goodput[new.arm] - 1.0
+        parts.append(f"{arm_label(old.draft, old.k)} goodput {abs(ratio):.0%} "
+                     f"{'below' if ratio < 0 else 'above'} {arm_label(new.draft, new.k)}")
+    if new.k:
+        parts.append(f"expected {new.expected_speedup:.2f}x")
+    return "; ".join(parts)

@@ -78,8 +78,25 @@ class FleetSync:
         self._up: bool | None = None
         self._refused: set[tuple[str, float]] = set()
         self._min_tries = recommend_min_tries
+        # The other sidecars of the model and when each last published (the last round's read).
+        self.peers: tuple[tuple[str, float], ...] = ()
         self.recommendations: tuple[Recommendation, ...] = ()
         self.recommended_at = 0.0  # when they were computed (0: never)
+
+    @property
+    def sidecar(self) -> str:
+        return self._id.sidecar
+
+    @property
+    def up(self) -> bool | None:
+        """Whether the last round reached the store (None before the first)."""
+        return self._up
+
+    async def fleet_decisions(self, count: int) -> list[tuple[str, DecisionEvent]]:
+        """The newest ``count`` entries' decisions of the fleet's log (oldest first, with the
+        sidecar of each); [] while the model is not known. Raises StoreUnavailable."""
+        model = self.model()
+        return await self._store.decisions(model, count) if model else []
 
     def model(self) -> str:
         return self._id.model or self._core.first_engine_model()
@@ -130,6 +147,7 @@ class FleetSync:
                 self._pending.extendleft(reversed(events))  # ahead of the newer ones
                 raise
         exports = await self._store.evidence(model, now - self._max_age)
+        self.peers = tuple((ex.sidecar, ex.at) for ex in exports if ex.sidecar != self._id.sidecar)
         now = self._clock()
         self._core.set_fleet_evidence(
             fleet_evidence(exports, self._id.sidecar, now, self._core.evidence_half_life,

@@ -1,5 +1,6 @@
-"""The HTTP side: /metrics (Prometheus), /healthz, and JSON views under /api (the fleet's
-recommendations, for a gateway to poll, at /api/recommendations).
+"""The HTTP side: /metrics (Prometheus), /healthz, JSON views under /api (the fleet's
+recommendations, for a gateway to poll, at /api/recommendations) and the dashboard
+(``controller.dashboard.routes``: the page at / and its API).
 
 The JSON is the protobuf JSON mapping of the same messages the policy API returns (field names as
 in the .proto; 64-bit integers as strings, as that mapping prescribes), so the dashboard and gRPC
@@ -14,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from controller.core.controller import ControllerCore
+from controller.dashboard.routes import Dashboard
 from controller.metrics import Metrics
 from controller.server.fleet import FleetSync
 from controller.server.views import policy_response, to_json_dict
@@ -21,7 +23,7 @@ from controller.wire import event_to_proto, recommendations_to_proto
 
 
 def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
-             fleet: FleetSync | None = None) -> web.Application:
+             fleet: FleetSync | None, dashboard: Dashboard) -> web.Application:
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -38,15 +40,23 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
         return web.json_response(to_json_dict(msg))
 
     async def decisions(request: web.Request) -> web.Response:
-        """The recent decision log, oldest first; ?class= filters, ?limit= keeps the newest N."""
+        """The recent decision log, oldest first: ?class= filters, ?limit= keeps the newest N
+        after skipping the newest ?offset= (pages back through the log), ?text=1 adds each
+        event's plain-language line. ``total``: the events that match."""
         snap = core.snapshot(clock())
         try:
             limit = int(request.query.get("limit", len(snap.log)))
+            offset = max(int(request.query.get("offset", 0)), 0)
         except ValueError:
-            return web.json_response({"error": "limit: must be an integer"}, status=400)
+            return web.json_response({"error": "limit, offset: must be integers"}, status=400)
         events = snap.events(request.query.get("class", ""))
-        kept = events[-limit:] if limit > 0 else ()
-        return web.json_response({"events": [to_json_dict(event_to_proto(e)) for e in kept]})
+        end = len(events) - offset
+        kept = events[max(end - limit, 0):max(end, 0)] if limit > 0 else ()
+        if request.query.get("text") == "1":
+            rendered = [dashboard.event_json(e, snap) for e in kept]
+        else:
+            rendered = [to_json_dict(event_to_proto(e)) for e in kept]
+        return web.json_response({"events": rendered, "total": len(events)})
 
     async def recommendations(request: web.Request) -> web.Response:
         """The fleet's recommendations per class (?class= for one); 404 without a shared
@@ -63,4 +73,5 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
     app.router.add_get("/api/policy", policy)
     app.router.add_get("/api/decisions", decisions)
     app.router.add_get("/api/recommendations", recommendations)
+    dashboard.install(app)
     return app

@@ -218,6 +218,10 @@ class Hub:
         """Call ``listener`` with every round's new decisions (it must not block)."""
         self._listeners.append(listener)
 
+    def off_decisions(self, listener: Callable[[list[DecisionEvent]], None]) -> None:
+        """Stop calling ``listener`` (one added by ``on_decisions``)."""
+        self._listeners.remove(listener)
+
     def watch(self, traffic_class: str) -> tuple[list[DecisionEvent], Watcher]:
         """The recent log (for replay) and a watcher for what follows, with no gap between."""
         watcher = Watcher(traffic_class, self._limit)

@@ -76,9 +76,11 @@ def test_serve_prints_its_ports_answers_and_stops_on_sigterm(
     proc, lines = serve
     grpc_line = lines.next(STARTUP_SECONDS)
     http_line = lines.next(5)
+    dashboard_line = lines.next(5)
     token_line = lines.next(5)
     assert grpc_line.startswith("specpilot: grpc listening on 127.0.0.1:"), grpc_line
     assert http_line.startswith("specpilot: http listening on http://127.0.0.1:"), http_line
+    assert dashboard_line.startswith(f"specpilot: dashboard at {http_line.rsplit(' ', 1)[1]}/")
     target = grpc_line.rsplit(" ", 1)[1]
     assert int(target.rsplit(":", 1)[1]) > 0
     assert "policy token" in token_line

@@ -25,11 +25,11 @@ def test_this_cpu_is_named_with_its_cores_parallelism_and_dtype() -> None:
 
 
 def test_a_config_it_cannot_read_shares_nothing_and_serves_on() -> None:
-    assert describe_hardware(SimpleNamespace(model_config=None)) == ""  # type: ignore[arg-type]
+    assert describe_hardware(SimpleNamespace(model_config=None)) == ""
 
 
 def test_a_named_hardware_is_bounded_and_printable() -> None:
     assert PluginConfig(hardware="a100-pool-b").hardware == "a100-pool-b"
     for bad in ("x" * 201, "tab\there"):
-        with pytest.raises(ValueError, match="^SPECPILOT_PLUGIN_HARDWARE: "):
+        with pytest.raises(ValueError, match=r"^SPECPILOT_PLUGIN_HARDWARE: "):
             PluginConfig(hardware=bad)

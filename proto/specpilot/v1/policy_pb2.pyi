@@ -70,30 +70,54 @@ class Override(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., pin_k: _Optional[int] = ..., force_draft: _Optional[str] = ..., force_off: _Optional[bool] = ..., note: _Optional[str] = ..., set_unix_seconds: _Optional[float] = ..., scope: _Optional[_Union[OverrideScope, str]] = ..., set_by: _Optional[str] = ...) -> None: ...
 
 class ClassPolicy(_message.Message):
-    __slots__ = ("traffic_class", "decisions", "estimates", "overrides", "offline")
+    __slots__ = ("traffic_class", "decisions", "estimates", "overrides", "offline", "batch_share", "measured_tokens_per_step", "measured_speedup")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATES_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SHARE_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
     decisions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Decision]
     estimates: _containers.RepeatedCompositeFieldContainer[DraftEstimate]
     overrides: _containers.RepeatedCompositeFieldContainer[Override]
     offline: bool
-    def __init__(self, traffic_class: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., estimates: _Optional[_Iterable[_Union[DraftEstimate, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., offline: _Optional[bool] = ...) -> None: ...
+    batch_share: float
+    measured_tokens_per_step: float
+    measured_speedup: float
+    def __init__(self, traffic_class: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., estimates: _Optional[_Iterable[_Union[DraftEstimate, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., offline: _Optional[bool] = ..., batch_share: _Optional[float] = ..., measured_tokens_per_step: _Optional[float] = ..., measured_speedup: _Optional[float] = ...) -> None: ...
+
+class EngineStatus(_message.Message):
+    __slots__ = ("engine_id", "model", "running_requests", "report_age_seconds", "policy_version_applied", "hardware")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    model: str
+    running_requests: int
+    report_age_seconds: float
+    policy_version_applied: int
+    hardware: str
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., report_age_seconds: _Optional[float] = ..., policy_version_applied: _Optional[int] = ..., hardware: _Optional[str] = ...) -> None: ...
 
 class GetPolicyResponse(_message.Message):
-    __slots__ = ("version", "batch_bucket_upper_bounds", "classes", "engines")
+    __slots__ = ("version", "batch_bucket_upper_bounds", "classes", "engines", "engine_status")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_BUCKET_UPPER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
     version: int
     batch_bucket_upper_bounds: _containers.RepeatedScalarFieldContainer[int]
     classes: _containers.RepeatedCompositeFieldContainer[ClassPolicy]
     engines: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., batch_bucket_upper_bounds: _Optional[_Iterable[int]] = ..., classes: _Optional[_Iterable[_Union[ClassPolicy, _Mapping]]] = ..., engines: _Optional[_Iterable[str]] = ...) -> None: ...
+    engine_status: _containers.RepeatedCompositeFieldContainer[EngineStatus]
+    def __init__(self, version: _Optional[int] = ..., batch_bucket_upper_bounds: _Optional[_Iterable[int]] = ..., classes: _Optional[_Iterable[_Union[ClassPolicy, _Mapping]]] = ..., engines: _Optional[_Iterable[str]] = ..., engine_status: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...
 
 class SetOverrideRequest(_message.Message):
     __slots__ = ("override",)

@@ -1,0 +1,50 @@
+"""Acceptance estimates over time, for the dashboard's band chart: a bounded sample per class of
+the posterior mean and credible interval of the first positions of each draft with evidence, so
+a page opened now still shows the last hour. Fed snapshots; pure (no clock, no I/O)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from controller.core.snapshot import CoreSnapshot
+
+POSITIONS_KEPT = 4  # the chart draws the first four positions
+
+
+@dataclass(frozen=True)
+class EstimateSample:
+    at: float  # seconds since the Unix epoch
+    draft: str
+    # Per position 1..POSITIONS_KEPT (fewer where the draft has fewer): (mean, lower, upper).
+    positions: tuple[tuple[float, float, float], ...]
+
+
+class EstimateHistory:
+    def __init__(self, samples_per_class: int, credible_level: float) -> None:
+        self._size = samples_per_class
+        self._level = credible_level
+        self._samples: dict[str, deque[tuple[EstimateSample, ...]]] = {}
+
+    def record(self, snap: CoreSnapshot) -> None:
+        """One sample of every class's estimates with evidence; classes no longer tracked are
+        dropped."""
+        tracked = {c.name for c in snap.classes}
+        for name in [n for n in self._samples if n not in tracked]:
+            del self._samples[name]
+        for c in snap.classes:
+            sample = []
+            for est in c.estimates:
+                if not est.has_evidence:
+                    continue
+                lower, upper = est.credible_interval(self._level)
+                n = min(POSITIONS_KEPT, len(lower))
+                sample.append(EstimateSample(snap.at, est.draft, tuple(
+                    (round(float(est.mean[i]), 4), round(float(lower[i]), 4),
+                     round(float(upper[i]), 4)) for i in range(n))))
+            if sample:
+                self._samples.setdefault(c.name, deque(maxlen=self._size)).append(tuple(sample))
+
+    def of(self, traffic_class: str) -> list[EstimateSample]:
+        """The class's samples, oldest first (every draft's, flattened)."""
+        return [s for sample in self._samples.get(traffic_class, ()) for s in sample]

@@ -1,0 +1,179 @@
+"""The dashboard in a real browser (Playwright driving Debian's chromium) against a real
+controller fed by a synthetic engine built from the stubs: the K the page shows for every class
+and bucket is GetPolicy's, a new decision appears live, the page recovers by itself after the
+controller restarts, and an override is refused without the token and taken with it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from playwright.async_api import Browser, Page, async_playwright, expect
+
+from controller.server.app import RunningServer, start_server
+from controller.server.stubs import async_policy_stub
+from controller.settings import load_settings
+from specpilot.v1 import policy_pb2
+from tests.integration.conftest import FAST_SETTINGS, TOKEN
+from tests.integration.engine_client import EngineClient, acceptance, hello, report
+
+pytestmark = pytest.mark.integration
+CLASSES = ("chat", "code", "docs")
+WAIT_MS = 10_000
+
+
+def chromium_path() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:  # installed by the README's test command and .ci/run (Debian: chromium)
+        raise RuntimeError("chromium not found: apt-get install chromium (Debian package)")
+    return path
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as p:
+        b = await p.chromium.launch(executable_path=chromium_path(),
+                                    args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+async def _start(**ports: int) -> RunningServer:
+    return await start_server(load_settings(**{**FAST_SETTINGS, "max_classes": 8, **ports}))
+
+
+async def _engine(server: RunningServer, classes: tuple[str, ...]) -> tuple[Any, EngineClient]:
+    ch = grpc.aio.insecure_channel(server.grpc_target)
+    engine = EngineClient(ch)
+    await engine.connect(hello("engine-1"))
+    await engine.send(report(1, *(acceptance(c, (10 * i, 20, 70)) for i, c in
+                                  enumerate(classes, start=1))))
+    return ch, engine
+
+
+async def _policy(server: RunningServer) -> policy_pb2.GetPolicyResponse:
+    async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+        return await async_policy_stub(ch).GetPolicy(policy_pb2.GetPolicyRequest())
+
+
+async def _shown_k(page: Page) -> dict[tuple[str, int], int]:
+    cells = await page.eval_on_selector_all(
+        "#ktable td.kcell", "cs => cs.map(c => [c.dataset.class, +c.dataset.bucket, +c.dataset.k])")
+    return {(c, b): k for c, b, k in cells}
+
+
+async def _until_shown_matches(page: Page, server: RunningServer, timeout: float = 10.0) -> None:
+    """The page's K table equals GetPolicy's (it follows within a refresh)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        policy = await _policy(server)
+        want = {(c.traffic_class, d.batch_bucket): d.k for c in policy.classes
+                for d in c.decisions}
+        shown = await _shown_k(page)
+        if shown == want and want:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"page shows {shown}, GetPolicy says {want}")
+        await asyncio.sleep(0.2)
+
+
+async def test_the_page_shows_the_policy_follows_it_live_and_survives_a_restart(
+        browser: Browser) -> None:
+    server = await _start()
+    ports = {"grpc_port": server.grpc_port, "http_port": server.http_port}
+    ch, engine = await _engine(server, CLASSES[:2])
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        await page.goto(server.http_url + "/")
+        await expect(page.locator("#status")).to_have_text("live", timeout=WAIT_MS)
+        await _until_shown_matches(page, server)
+        policy = await _policy(server)
+        n_buckets = len(policy.batch_bucket_upper_bounds) + 1
+        assert len(await _shown_k(page)) == len(policy.classes) * n_buckets >= 2 * n_buckets
+        await page.evaluate("window.__sameDocument = true")  # gone if the page reloads
+
+        # A new decision arrives live: a class the controller has not seen.
+        await engine.send(report(2, acceptance("docs", (5, 5, 90))))
+        await expect(page.locator("#log li[data-class=docs]").first).to_be_visible(
+            timeout=WAIT_MS)
+        await expect(page.locator("#ktable tr[data-class=docs]")).to_have_count(1,
+                                                                                timeout=WAIT_MS)
+        await _until_shown_matches(page, server)
+        assert await page.evaluate("window.__sameDocument === true")
+
+        # The controller goes away: a banner says since when; a new one comes back on the
+        # same ports and the page follows it by itself.
+        await engine.close()
+        await ch.close()
+        await server.stop(grace_seconds=0.1)
+        banner = page.locator("#banner")
+        await expect(banner).to_be_visible(timeout=WAIT_MS)
+        await expect(banner).to_contain_text("Disconnected from the controller since")
+        server = await _start(**ports)
+        ch, engine = await _engine(server, ("after-restart",))
+        await expect(banner).to_be_hidden(timeout=WAIT_MS)
+        await expect(page.locator("#ktable tr[data-class=after-restart]")).to_have_count(
+            1, timeout=WAIT_MS)
+        await _until_shown_matches(page, server)
+        assert await page.evaluate("window.__sameDocument === true")
+        assert errors == []
+    finally:
+        await engine.close()
+        await ch.close()
+        await server.stop(grace_seconds=0.1)
+
+
+async def test_an_override_needs_the_token_and_lands_in_the_audit_log(browser: Browser) -> None:
+    server = await _start()
+    ch, engine = await _engine(server, CLASSES)
+    page = await browser.new_page()
+    try:
+        await page.goto(server.http_url + "/")
+        await expect(page.locator("#status")).to_have_text("live", timeout=WAIT_MS)
+        await page.locator("#ktable th.cls", has_text="code").click()
+        await expect(page.locator("#detail-title")).to_have_text("Class code")
+
+        # Without the token: refused, with the reason on the page and in the audit log.
+        await page.fill("#pin-k", "1")
+        await page.click("#do-pin")
+        status = page.locator("#write-status")
+        await expect(status).to_contain_text("Refused (HTTP 401, unauthenticated)")
+        await expect(page.locator("#audit li.refused").first).to_contain_text("unauthenticated")
+        assert not server.core.snapshot(0.0).overrides
+        # A wrong token: refused too.
+        await page.fill("#token", "not-the-token")
+        await page.click("#do-pin")
+        await expect(status).to_contain_text("Refused (HTTP 403, permission_denied)")
+        assert not server.core.snapshot(0.0).overrides
+
+        # With the token: in force, marked on the page, in the audit log.
+        await page.fill("#token", TOKEN)
+        await page.fill("#note", "canary rollback")
+        await page.click("#do-pin")
+        await expect(status).to_contain_text("Done: policy version")
+        ovr = server.core.snapshot(0.0).overrides
+        assert [(o.traffic_class, o.pin_k, o.note) for o in ovr] == [("code", 1, "canary rollback")]
+        await expect(page.locator("#overrides li.override").first).to_contain_text(
+            'pin K=1 (pod, set by')
+        code_cells = page.locator("#ktable td.kcell[data-class=code]")
+        await expect(code_cells.first).to_have_attribute("data-k", "1", timeout=WAIT_MS)
+        await _until_shown_matches(page, server)
+        await expect(page.locator("#audit li").first).to_contain_text("pin_k=1 on code (pod)")
+        await expect(page.locator("#audit li").first).to_contain_text(": ok")
+
+        # Clearing hands the class back to the controller.
+        await page.click("#do-clear")
+        await expect(status).to_contain_text("Done: policy version")
+        assert not server.core.snapshot(0.0).overrides
+    finally:
+        await engine.close()
+        await ch.close()
+        await server.stop(grace_seconds=0.1)
