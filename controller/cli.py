@@ -329,6 +329,33 @@ TOOL_COMMANDS = {
 }
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Wait until the controller at ``--target`` answers gRPC health SERVING and lists at least
+    ``--expect-engines`` engines (the Helm chart's test hook); 0 then, 1 at the deadline."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + args.timeout
+    last = "no answer yet"
+    with grpc.insecure_channel(args.target) as channel:
+        health, stub = health_pb2_grpc.HealthStub(channel), policy_stub(channel)
+        while True:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                engines = list(stub.GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5).engines)
+                if status == health_pb2.HealthCheckResponse.SERVING \
+                        and len(engines) >= args.expect_engines:
+                    _say(f"{args.target}: serving, engines: {', '.join(engines) or 'none'}")
+                    return 0
+                last = (f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}, "
+                        f"{len(engines)} engine(s) of {args.expect_engines}")
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}" if isinstance(exc, grpc.Call) else str(exc)
+            if time.monotonic() > deadline:
+                _say(f"{args.target}: not ready after {args.timeout:.0f} s: {last}", err=True)
+                return 1
+            time.sleep(1.0)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; the arguments of a tool command are loaded only when ``command`` names it."""
     parser = argparse.ArgumentParser(prog="specpilot", description=__doc__,
@@ -345,6 +372,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info",
                        choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
+
+    check = commands.add_parser("check", help="wait until a controller is healthy and lists "
+                                "its engines (the Helm chart's test)")
+    check.add_argument("--target", default="127.0.0.1:50051", help="controller gRPC host:port")
+    check.add_argument("--expect-engines", type=int, default=0, metavar="N",
+                       help="engines that must be connected (default 0: health only)")
+    check.add_argument("--timeout", type=float, default=60.0, help="seconds to wait")
+    check.set_defaults(func=cmd_check)
 
     shown = commands.add_parser("settings", help="show the settings in effect, or their reference")
     shown.add_argument("--config", help="YAML file of settings (env SPECPILOT_CONFIG)")

@@ -6,6 +6,7 @@
 - ``tiny_models`` (session): tokenizer, target, draft and mismatched draft
   (:mod:`benchmarks.demo.tiny_models`), cached under ``$SPECPILOT_TEST_CACHE/tiny-models`` or
   ``<repo>/.cache/tiny-models``.
+- ``controller``: a real controller on loopback (in a thread, fast settings), per test.
 - :func:`make_llm` / :func:`llm_session` (from :mod:`benchmarks.demo.engine`): an in-process
   engine with the fast settings; ``llm_session`` shuts it down and frees it afterwards.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import (
     ENGINE_DEFAULTS,
     apply_engine_env,
@@ -27,7 +30,7 @@ from benchmarks.demo.engine import (
     shutdown_llm,
 )
 from benchmarks.demo.tiny_models import TinyModels, build_tiny_models
-from tests.engine.harness import SpecCounters, spec_counters
+from tests.engine.harness import FAST_CONTROLLER, SpecCounters, spec_counters
 
 __all__ = [
     "ENGINE_DEFAULTS",
@@ -106,3 +109,13 @@ def demo_models_root(engine_deps: None) -> Path:
     """Cache folder of the demo's model builds (``benchmarks.demo.models``) for tests:
     ``$SPECPILOT_TEST_CACHE/demo-models`` or ``<repo>/.cache/demo-models``."""
     return tiny_models_root().parent / "demo-models"
+
+
+@pytest.fixture
+def controller() -> Iterator[ControllerThread]:
+    """A real controller on loopback with the fast settings, stopped after the test."""
+    ctl = ControllerThread(**FAST_CONTROLLER)
+    try:
+        yield ctl
+    finally:
+        ctl.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -63,15 +62,6 @@ def baseline(tiny_models: Any) -> list[list[int]]:
     """Greedy outputs without speculation: what every policy must reproduce."""
     with llm_session(tiny_models.target) as llm:
         return token_ids(llm.generate(PROMPTS, params(), use_tqdm=False))
-
-
-@pytest.fixture
-def controller() -> Iterator[ControllerThread]:
-    ctl = ControllerThread(**FAST_CONTROLLER)
-    try:
-        yield ctl
-    finally:
-        ctl.stop()
 
 
 def test_each_class_drafts_exactly_its_k_per_step(tiny_models: Any, controller: ControllerThread,

@@ -242,3 +242,15 @@ async def test_connection_options_work_after_the_action(
                                               "--timeout", "1"])
     _, err = capsys.readouterr()
     assert code == 1 and "127.0.0.1:9" in err
+
+
+async def test_check_waits_for_health_and_the_engines(server: RunningServer,
+                                                      channel: grpc.aio.Channel) -> None:
+    """`specpilot check` (the Helm chart's test hook): 1 while no engine is connected, 0 once
+    one is."""
+    args = ["check", "--target", server.grpc_target, "--expect-engines", "1", "--timeout", "0"]
+    assert await asyncio.to_thread(cli.main, args) == 1
+    engine = EngineClient(channel)
+    await engine.connect()
+    assert await asyncio.to_thread(cli.main, args) == 0
+    await engine.close()

@@ -1,0 +1,24 @@
+# The specpilot controller (sidecar) image. Build from the repository root:
+#   docker build -f deploy/docker/sidecar.Dockerfile -t specpilot:0.1.0 .
+# Not built in this project's CI (no container engine there): linted with hadolint.
+
+# --- build: a wheel and the controller's dependencies, with the build tools --------------------
+FROM python:3.11.11-slim-bookworm AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY controller ./controller
+COPY engine_plugin ./engine_plugin
+COPY benchmarks ./benchmarks
+COPY proto ./proto
+RUN pip install --no-cache-dir --prefix=/install . \
+    && rm -rf /install/lib/python3.11/site-packages/benchmarks
+
+# --- final: the interpreter, the installed packages, a non-root user; no compilers, no pip cache
+FROM python:3.11.11-slim-bookworm
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+COPY --from=build /install /usr/local
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specpilot
+USER 10001
+EXPOSE 50051 9464
+ENTRYPOINT ["specpilot"]
+CMD ["serve", "--grpc-host", "0.0.0.0", "--http-host", "0.0.0.0"]

@@ -1,0 +1,25 @@
+# vLLM with the specpilot engine plugin. Build from the repository root:
+#   docker build -f deploy/docker/vllm.Dockerfile -t vllm-specpilot:0.1.0 .
+# The base is vLLM's own OpenAI-server image (GPU); the plugin is pure Python and registers
+# through the vllm.general_plugins entry point. Not built in this project's CI (no container
+# engine there): linted with hadolint.
+
+FROM vllm/vllm-openai:v0.33.0 AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY controller ./controller
+COPY engine_plugin ./engine_plugin
+COPY benchmarks ./benchmarks
+COPY proto ./proto
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM vllm/vllm-openai:v0.33.0
+COPY --from=build /wheels /wheels
+# Without extras: vLLM and torch come with the base (the wheel does not depend on them); its
+# own dependencies (grpcio, protobuf, numpy, ...) are wheels, nothing compiles.
+RUN pip install --no-cache-dir /wheels/*.whl \
+    && rm -rf /wheels \
+    && useradd --uid 10001 --create-home --shell /usr/sbin/nologin vllm
+USER 10001
+EXPOSE 8000
+ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server"]

@@ -1,0 +1,278 @@
+"""The Helm chart, validated offline: rendered by Helm's own Go SDK (helm-python-sdk) over a
+matrix of values, every manifest checked with kubernetes-validate --strict for Kubernetes 1.29
+and 1.33, the alerts checked and unit-tested with promtool, the Grafana dashboard checked
+against the metrics the controller really exports, and broken values refused with a message
+naming the value."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate  # type: ignore[import-untyped]
+import numpy as np
+import pytest
+import yaml
+
+from controller.core.controller import ControllerCore
+from controller.core.types import (
+    AcceptanceRecord,
+    DraftKind,
+    DraftSpec,
+    EngineHello,
+    EngineReport,
+    StepTimingRecord,
+)
+from controller.metrics import Metrics
+from controller.settings import core_config, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "specpilot"
+KUBERNETES = ("1.29", "1.33")
+# Kinds of the Prometheus operator: no schema in kubernetes-validate; checked below instead.
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+ON = {"alerts": {"enabled": True}, "grafana": {"dashboard": {"enabled": True}}}
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    with helm.Chart.load(str(CHART)) as chart:
+        rendered = chart.render(values, name="demo", namespace="ml")
+    docs: list[dict[str, Any]] = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind}s"
+    return found[0]
+
+
+def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = one(docs, "Deployment")["spec"]["template"]["spec"]
+    return spec
+
+
+def controller_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    spec = pod_spec(docs)
+    found = [c for c in spec.get("initContainers", []) + spec["containers"]
+             if c["name"] == "specpilot"]
+    assert len(found) == 1
+    return found[0]
+
+
+MATRIX = [
+    {"sidecar": {"native": native}, "redis": redis, "metrics": monitors, "policyToken": token,
+     **ON}
+    for native, redis, monitors, token in product(
+        (True, False),
+        ({"enabled": False}, {"enabled": True, "url": "redis://redis:6379/0"},
+         {"enabled": True, "existingSecret": "redis-url"}),
+        ({}, {"serviceMonitor": {"enabled": True, "additionalLabels": {"release": "kps"}}},
+         {"podMonitor": {"enabled": True}}),
+        ({}, {"existingSecret": "my-token"}))
+]
+
+
+@pytest.mark.parametrize("values", MATRIX, ids=lambda v: "-".join((
+    "native" if v["sidecar"]["native"] else "plain",
+    "redis-secret" if v["redis"].get("existingSecret") else
+    "redis" if v["redis"]["enabled"] else "memory",
+    next(iter(v["metrics"]), "nomonitor"), "token-secret" if v["policyToken"] else "token")))
+def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> None:
+    docs = render(values)
+    for doc in docs:
+        if doc["kind"] in OPERATOR_KINDS:
+            continue
+        for version in KUBERNETES:
+            kubernetes_validate.validate(doc, version, strict=True)
+    # What each value promises.
+    spec, ctl = pod_spec(docs), controller_of(docs)
+    native = values["sidecar"]["native"]
+    assert (ctl in spec.get("initContainers", [])) is native
+    assert (ctl.get("restartPolicy") == "Always") is native
+    env = {e["name"]: e for e in ctl["env"]}
+    assert ("SPECPILOT_STATE_STORE" in env) is values["redis"]["enabled"]
+    if values["redis"].get("existingSecret"):
+        assert env["SPECPILOT_STATE_STORE"]["valueFrom"]["secretKeyRef"]["name"] == "redis-url"
+    token_secret = env["SPECPILOT_POLICY_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
+    secrets = [d for d in docs if d["kind"] == "Secret"]
+    if values["policyToken"]:
+        assert token_secret == "my-token" and not secrets
+    else:
+        assert [s["metadata"]["name"] for s in secrets] == [token_secret]
+    kinds = {d["kind"] for d in docs}
+    assert ("ServiceMonitor" in kinds) is ("serviceMonitor" in values["metrics"])
+    assert ("PodMonitor" in kinds) is ("podMonitor" in values["metrics"])
+    for kind in ("ServiceMonitor", "PodMonitor"):
+        for d in docs:
+            if d["kind"] == kind:
+                endpoints = d["spec"].get("endpoints") or d["spec"]["podMetricsEndpoints"]
+                assert endpoints[0]["port"] == "http-metrics"
+                assert d["spec"]["selector"]["matchLabels"] == one(
+                    docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    engine = next(c for c in spec["containers"] if c["name"] == "vllm")
+    engine_env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert engine_env["SPECPILOT_PLUGIN_CONTROLLER"] == "127.0.0.1:50051"
+    assert "--scheduler-cls=engine_plugin.scheduler.SpecPilotScheduler" in engine["args"]
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
+    settings = yaml.safe_load(config["data"]["specpilot.yaml"])
+    assert settings["grpc_host"] == "0.0.0.0"
+    load_settings(**settings)  # the settings file is one the controller takes
+
+
+def test_strict_validation_is_a_real_check() -> None:
+    """The control: a field Kubernetes does not know fails the strict validation."""
+    deployment = one(render({}), "Deployment")
+    pod_spec_ = deployment["spec"]["template"]["spec"]
+    pod_spec_["containers"][0]["restartPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.33", strict=True)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"redis": {"enabled": True}}, "redis.enabled=true needs redis.url or redis.existingSecret"),
+    ({"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
+     "metrics.serviceMonitor.enabled and metrics.podMonitor.enabled are both true"),
+    ({"controller": {"grpcPort": "fifty"}}, "grpcPort"),
+    ({"redis": {"url": "http://redis:6379"}}, "url"),
+    ({"alerts": {"acceptanceDrop": {"window": "half an hour"}}}, "window"),
+    ({"sidecar": {"nativ": True}}, "nativ"),
+])
+def test_broken_values_are_refused_naming_the_value(values: dict[str, Any], message: str
+                                                    ) -> None:
+    with pytest.raises(helm.HelmError) as failure:
+        render(values)
+    assert message in str(failure.value)
+
+
+def test_a_generated_token_secret_is_kept_across_upgrades() -> None:
+    secret = one(render({}), "Secret")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert len(secret["data"]["token"]) >= 40  # 32 random characters, base64
+
+
+# --- alerts ---------------------------------------------------------------------------------------
+
+def _promtool() -> str:
+    path = ROOT / ".tools" / "bin" / "promtool"
+    found = str(path) if path.exists() else shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool not found: run tools/install-tools.sh (Debian package prometheus)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def rules_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rule = one(render(ON), "PrometheusRule")
+    path = tmp_path_factory.mktemp("rules") / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    return path
+
+
+def test_the_rendered_rules_pass_promtool_check(rules_file: Path) -> None:
+    got = subprocess.run([_promtool(), "check", "rules", str(rules_file)], capture_output=True,
+                         text=True, timeout=60)
+    assert got.returncode == 0, got.stdout + got.stderr
+    alerts = {r["alert"] for g in yaml.safe_load(rules_file.read_text())["groups"]
+              for r in g["rules"]}
+    assert alerts == {"SpecpilotAcceptanceDrop", "SpecpilotSpeculationTurnedOff",
+                      "SpecpilotNoEngineConnected", "SpecpilotReportsRejected",
+                      "SpecpilotPolicyStale"}
+
+
+def test_every_alert_fires_on_its_bad_series_and_stays_quiet_on_the_good_one(
+        rules_file: Path) -> None:
+    """tests/deploy/alerts_test.yaml: one bad and one good series per alert (the seed's 0.72 ->
+    0.58 acceptance drop among them); promtool fails on any difference."""
+    test = rules_file.parent / "alerts_test.yaml"
+    test.write_text((Path(__file__).parent / "alerts_test.yaml").read_text())
+    got = subprocess.run([_promtool(), "test", "rules", str(test)], capture_output=True,
+                         text=True, timeout=60, cwd=rules_file.parent)
+    assert got.returncode == 0, got.stdout + got.stderr
+
+
+def test_the_alert_tests_can_fail(rules_file: Path) -> None:
+    """The control: expecting the acceptance-drop alert on the good series fails promtool."""
+    spec = yaml.safe_load((Path(__file__).parent / "alerts_test.yaml").read_text())
+    drop = next(t for t in spec["tests"] if t.get("name", "").startswith("acceptance drop"))
+    for case in drop["alert_rule_test"]:
+        if not case["exp_alerts"]:
+            case["exp_alerts"] = [{"exp_labels": {"severity": "warning"}}]
+    spec["tests"] = [drop]
+    test = rules_file.parent / "broken_test.yaml"
+    test.write_text(yaml.safe_dump(spec))
+    got = subprocess.run([_promtool(), "test", "rules", str(test)], capture_output=True,
+                         text=True, timeout=60, cwd=rules_file.parent)
+    assert got.returncode != 0
+
+
+# --- the Grafana dashboard ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def exported_metrics() -> set[str]:
+    """Every metric family name a controller with an engine, reports and decisions exports."""
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    now = time.time()
+    core.connect_engine(EngineHello("e", "m", "v", (DraftSpec("d", DraftKind.MODEL, 4, "v"),),
+                                    4), now)
+    metrics = Metrics(core, time.time)
+    core.ingest("e", EngineReport(1, 1.0, 0, (AcceptanceRecord("chat", "d", 2, (1, 2, 3)),),
+                                  step_timings=(StepTimingRecord(0, "d", 2, 5, 5, 15, 10, 0.1),)),
+                now)
+    metrics.decisions(core.decide(now))
+    names = set()
+    for line in metrics.render().decode().splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            names.add(name)
+            if kind == "counter":
+                names.add(name + "_total")
+            if kind == "histogram":
+                names.update(name + s for s in ("_bucket", "_sum", "_count"))
+    return names
+
+
+def _panels() -> Iterator[dict[str, Any]]:
+    dash = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    yield from dash["panels"]
+
+
+def test_the_grafana_dashboard_queries_only_what_the_controller_exports(
+        exported_metrics: set[str]) -> None:
+    import re
+
+    dash = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    assert dash["uid"] == "specpilot-overview"  # stable: links and provisioning keep working
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for panel in _panels():
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["fieldConfig"]["defaults"].get("unit"), f"{panel['title']}: no unit"
+        for target in panel["targets"]:
+            names = set(re.findall(r"\bspecpilot_[a-z0-9_]+", target["expr"]))
+            assert names, f"{panel['title']}: a query without a specpilot metric"
+            assert names <= exported_metrics, (panel["title"], names - exported_metrics)
+    # The ConfigMap carries it whole, labelled for the Grafana sidecar.
+    cm = next(d for d in render(ON) if d["kind"] == "ConfigMap" and
+              d["metadata"]["name"].endswith("-dashboard"))
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["specpilot.json"]) == dash
+
+
+def test_a_dashboard_naming_a_metric_that_does_not_exist_is_caught(
+        exported_metrics: set[str]) -> None:
+    """The control of the check above."""
+    assert "specpilot_acceptance_first_position_ratio" in exported_metrics
+    assert "specpilot_acceptance_first_position" not in exported_metrics
