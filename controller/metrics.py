@@ -25,7 +25,7 @@ from controller.core.recommend import Recommendation
 from controller.core.snapshot import CoreSnapshot
 from controller.core.types import DecisionEvent, Reason, StepPrediction
 
-RejectReason = Literal["validation", "oversized", "before_hello"]
+RejectReason = Literal["validation", "implausible", "oversized", "before_hello"]
 HelloOutcome = Literal["accepted", "rejected"]
 WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied", "unavailable"]
 

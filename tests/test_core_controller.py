@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +22,7 @@ from controller.core.types import (
     DraftSpec,
     EngineHello,
     EngineReport,
+    ImplausibleInput,
     Override,
     OverrideScope,
     Reason,
@@ -78,6 +81,19 @@ BAD_REPORTS = {
         0, "d", 3, 1, 1, 4, 3, float("nan")),)),
     "fewer verified tokens than sequences": replace(_good(), step_timings=(StepTimingRecord(
         0, "d", 3, 1, 10, 4, 3, 0.1),)),
+    # Well-formed, physically impossible (ImplausibleInput): what a rogue or a bug sends.
+    "a step of 1e308 s (it turned the cost model to NaN)": replace(_good(), step_timings=(
+        StepTimingRecord(0, "d", 3, 100, 100, 400, 300, 1e308),)),
+    "a step of 1e7 s (it sent K to 8)": replace(_good(), step_timings=(StepTimingRecord(
+        0, "d", 3, 100, 100, 400, 300, 1e9),)),
+    "more draft tokens than sequences x K": replace(_good(), step_timings=(StepTimingRecord(
+        0, "d", 3, 100, 100, 400, 10**9, 3.0),)),
+    "more verified tokens than sequences x (1 + K)": replace(_good(), step_timings=(
+        StepTimingRecord(0, "d", 3, 100, 100, 10**6, 300, 3.0),)),
+    "sums without steps": replace(_good(), step_timings=(StepTimingRecord(
+        0, "d", 3, 0, 100, 400, 300, 3.0),)),
+    "interval 0": replace(_good(), interval_seconds=0.0),
+    "records dropped 2^64-1": replace(_good(), records_dropped=2**64 - 1),
 }
 
 EXPECTED_FIELD = {
@@ -90,7 +106,16 @@ EXPECTED_FIELD = {
     "bucket out of range": "step_timings[0].batch_bucket",
     "nan seconds": "step_timings[0].sum_step_seconds",
     "fewer verified tokens than sequences": "step_timings[0].sum_verified_tokens",
+    "a step of 1e308 s (it turned the cost model to NaN)": "step_timings[0].sum_step_seconds",
+    "a step of 1e7 s (it sent K to 8)": "step_timings[0].sum_step_seconds",
+    "more draft tokens than sequences x K": "step_timings[0].sum_draft_tokens",
+    "more verified tokens than sequences x (1 + K)": "step_timings[0].sum_verified_tokens",
+    "sums without steps": "step_timings[0]: sums without steps",
+    "interval 0": "interval_seconds",
+    "records dropped 2^64-1": "records_dropped",
 }
+IMPLAUSIBLE = {k for k in BAD_REPORTS if k.startswith(("a step", "more", "sums", "interval",
+                                                         "records"))}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD_REPORTS))
@@ -98,11 +123,55 @@ def test_bad_report_is_rejected_naming_the_field_and_changes_nothing(kind: str) 
     core = _core()
     core.ingest("e1", _good(1), now=1.0)
     before = _snapshot(core)
-    with pytest.raises(ReportRejected, match=EXPECTED_FIELD[kind].replace("[", r"\[")):
+    with pytest.raises(ReportRejected, match=EXPECTED_FIELD[kind].replace("[", r"\[")) as err:
         core.ingest("e1", replace(BAD_REPORTS[kind], sequence=2), now=2.0)
+    assert isinstance(err.value, ImplausibleInput) is (kind in IMPLAUSIBLE)
     after = _snapshot(core)
     assert after[0] == before[0] and np.array_equal(after[1], before[1])
     core.ingest("e1", _good(3), now=3.0)  # the engine carries on
+
+
+def test_sequence_numbers_start_at_one_and_never_jump_by_millions() -> None:
+    core = _core()
+    with pytest.raises(ReportRejected, match="sequence: must be >= 1"):
+        core.ingest("e1", _good(0), now=1.0)
+    core.ingest("e1", _good(1), now=1.0)
+    # 2^64-1 once accepted refused every later report on the stream; now it is refused itself.
+    with pytest.raises(ImplausibleInput, match=r"sequence: .* jumps"):
+        core.ingest("e1", _good(2**64 - 1), now=2.0)
+    core.ingest("e1", _good(2), now=3.0)  # the engine carries on
+    # An idle link's heartbeat (no records) covers no interval: fine.
+    core.ingest("e1", EngineReport(sequence=3, interval_seconds=0.0, policy_version=0), now=4.0)
+
+
+def test_a_hello_beyond_any_engine_is_refused() -> None:
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    many = tuple(DraftSpec(f"d{i}", DraftKind.NGRAM, 4) for i in range(100_000))
+    started = time.perf_counter()
+    for hello, field in ((replace(HELLO, drafts=many), "hello.drafts"),
+                         (replace(HELLO, max_k=2**32 - 1), "hello.max_k"),
+                         (replace(HELLO, max_batch_size=2**32 - 1), "hello.max_batch_size"),
+                         (replace(HELLO, engine_id="e" * 10_000), "hello.engine_id")):
+        with pytest.raises(ReportRejected, match=field.replace(".", r"\.")):
+            core.connect_engine(hello, now=0.0)
+    assert time.perf_counter() - started < 0.5  # 100,000 drafts are refused, not processed
+    assert core.snapshot(0.0).engines == ()
+    # A plain engine (no drafts: the fleet's plain pool) is an engine.
+    core.connect_engine(replace(HELLO, drafts=(), max_k=0), now=0.0)
+
+
+def test_a_cost_that_is_not_finite_never_reaches_a_decision() -> None:
+    """The last guard: a cost model broken anyway (here by hand: a NaN weight) prices arms NaN;
+    those arms never win and no decision carries a number that is not finite."""
+    core = _core()
+    core.ingest("e1", _good(1), now=1.0)
+    core._cost.mean.theta[2] = float("nan")  # white-box: past every input check
+    events = core.decide(now=2.0)
+    assert events  # decided, not skipped
+    decisions = [e.decision for e in events] + [
+        d for c in core.snapshot(2.0).classes for d in c.decisions]
+    assert all(math.isfinite(d.expected_speedup) and math.isfinite(d.probe_rate)
+               for d in decisions)
 
 
 def test_duplicate_sequence_and_report_before_hello_are_rejected() -> None:

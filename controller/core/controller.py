@@ -274,7 +274,7 @@ class ControllerCore:
         if engine is None:
             raise ReportRejected(f"engine {engine_id!r}: report before hello")
         check_report(report, engine.drafts, engine.hello.max_k, self.config.n_buckets,
-                     engine.last_sequence)
+                     engine.last_sequence, engine.hello.max_batch_size)
         # Class mapping is decided before any state changes, in report order.
         names = [r.traffic_class for r in report.acceptance] + [
             r.traffic_class for r in report.finished]

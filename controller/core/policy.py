@@ -161,6 +161,17 @@ class ArmTable:
     goodput: FloatArray
     speedup: FloatArray
 
+    def __post_init__(self) -> None:
+        # A number that is not finite (a broken cost or rate) never wins and never leaves the
+        # core: such an arm scores -inf (argmax then falls to the finite ones, or to off), its
+        # speedup reads 0, and off's is 1 by definition.
+        if not (np.isfinite(self.goodput).all() and np.isfinite(self.speedup).all()):
+            speedup = np.where(np.isfinite(self.speedup), self.speedup, 0.0)
+            speedup[0] = 1.0 if not np.isfinite(self.speedup[0]) else speedup[0]
+            object.__setattr__(self, "goodput",
+                               np.where(np.isfinite(self.goodput), self.goodput, -np.inf))
+            object.__setattr__(self, "speedup", speedup)
+
     def scores(self, min_speedup: float = 1.0) -> FloatArray:
         """Goodput with speculative arms discounted by ``min_speedup``: drafting must beat no
         speculation by that ratio to win, in the argmax and in hysteresis comparisons alike."""
@@ -284,6 +295,8 @@ def _with_probe(
     if uses_model_draft(ctx, decision) or decision.reason in (Reason.OVERRIDE, Reason.OFFLINE):
         return decision
     rate, k, draft = probe_plan(ctx, cfg, state.batch_size)
+    if not math.isfinite(rate):  # priced by a broken cost: probe nothing rather than NaN
+        return decision
     return replace(decision, probe_rate=rate, probe_k=k, probe_draft=draft)
 
 

@@ -217,3 +217,9 @@ class IngestResult:
 
 class ReportRejected(ValueError):
     """A report failed validation; nothing of it was applied. The message names the field."""
+
+
+class ImplausibleInput(ReportRejected):
+    """Well-formed, but outside what the engine it describes can physically do (a step of
+    hours, more drafts than sequences x K, a sequence number that jumps by billions): counted
+    apart from malformed input (``specpilot_reports_rejected_total{reason="implausible"}``)."""

@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 import re
 
-from controller.core.types import DraftSpec, EngineHello, EngineReport, ReportRejected
+from controller.core.types import (
+    DraftSpec,
+    EngineHello,
+    EngineReport,
+    ImplausibleInput,
+    ReportRejected,
+)
 
 MAX_CLASS_NAME_LENGTH = 64
 CLASS_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
@@ -17,6 +23,21 @@ MAX_PROFILE_POINTS = 256
 MAX_PROFILE_SECONDS = 60.0
 # A hardware name is a device, its count and a dtype; it becomes part of a stored record.
 MAX_HARDWARE_CHARS = 200
+# --- physical plausibility (ImplausibleInput): what an engine can do, with room to spare -------
+# An engine offers its model drafter and a few deterministic ones; more is not an engine.
+MAX_DRAFTS = 16
+# Draft tokens per step: vLLM's proposers are practical to about 10; 64 leaves room.
+MAX_K = 64
+# Sequences in one step (vLLM's max_num_seqs): 65,536 is far above any GPU's.
+MAX_BATCH_SIZE = 65_536
+# Mean wall time of one decode step, seconds: (1 us, 60 s]; a profile point has the same bound.
+MIN_STEP_SECONDS = 1e-6
+MAX_STEP_SECONDS = MAX_PROFILE_SECONDS
+# Sequence numbers advance by at most this much per report (an engine's reports never skip
+# millions; a jump to 2^64-1 would refuse every later one).
+MAX_SEQUENCE_STEP = 1_000_000
+# Identifiers and versions: short strings (they are echoed into logs, metrics and the store).
+MAX_ID_CHARS = 256
 
 
 def valid_class_name(name: object) -> bool:
@@ -57,8 +78,21 @@ def _counts(values: tuple[int, ...], where: str, names: tuple[str, ...] | None =
 def check_hello(hello: EngineHello) -> None:
     if not hello.engine_id:
         raise ReportRejected("hello.engine_id: must not be empty")
+    for name in ("engine_id", "model", "target_vocab_hash", "engine_version", "plugin_version"):
+        if len(getattr(hello, name)) > MAX_ID_CHARS:
+            raise ReportRejected(f"hello.{name}: longer than {MAX_ID_CHARS} characters")
     if hello.max_k < 0:
         raise ReportRejected(f"hello.max_k: must be >= 0, got {hello.max_k}")
+    if hello.max_k > MAX_K:
+        raise ImplausibleInput(f"hello.max_k: {hello.max_k} above the most draft tokens per "
+                               f"step specpilot accepts, {MAX_K}")
+    if not 0 <= hello.max_batch_size <= MAX_BATCH_SIZE:
+        raise ImplausibleInput(f"hello.max_batch_size: {hello.max_batch_size} outside "
+                               f"0..{MAX_BATCH_SIZE}")
+    if len(hello.drafts) > MAX_DRAFTS:
+        raise ImplausibleInput(f"hello.drafts: {len(hello.drafts)} drafts, at most "
+                               f"{MAX_DRAFTS} (an engine runs one drafter and a few "
+                               "deterministic ones)")
     names = [d.name for d in hello.drafts]
     if len(set(names)) != len(names):
         raise ReportRejected(f"hello.drafts: duplicate names in {names}")
@@ -67,6 +101,9 @@ def check_hello(hello: EngineHello) -> None:
             raise ReportRejected(f"hello.drafts[{i}].name: must not be empty")
         if d.max_k < 1:
             raise ReportRejected(f"hello.drafts[{i}].max_k: must be >= 1, got {d.max_k}")
+        if d.max_k > MAX_K or len(d.name) > MAX_ID_CHARS or len(d.vocab_hash) > MAX_ID_CHARS:
+            raise ImplausibleInput(f"hello.drafts[{i}]: max_k at most {MAX_K}, name and "
+                                   f"vocab_hash at most {MAX_ID_CHARS} characters")
     if len(hello.hardware) > MAX_HARDWARE_CHARS or not hello.hardware.isprintable():
         raise ReportRejected(f"hello.hardware: must be printable and at most "
                              f"{MAX_HARDWARE_CHARS} characters, got {hello.hardware[:40]!r}")
@@ -96,14 +133,37 @@ def check_report(
     engine_max_k: int,
     n_buckets: int,
     last_sequence: int | None,
+    max_batch_size: int = 0,
 ) -> None:
-    """Raise ReportRejected naming the first bad field; return normally if all is well."""
+    """Raise ReportRejected naming the first bad field (ImplausibleInput where the report is
+    well-formed but beyond what the engine can do); return normally if all is well.
+    ``max_batch_size``: the engine's announced max_num_seqs (0: unknown, MAX_BATCH_SIZE)."""
+    batch_limit = max_batch_size or MAX_BATCH_SIZE
+    if report.sequence < 1:
+        raise ReportRejected(f"sequence: must be >= 1, got {report.sequence}")
     if last_sequence is not None and report.sequence <= last_sequence:
         raise ReportRejected(
             f"sequence: {report.sequence} is not after the last applied {last_sequence} "
             "(duplicate or reordered report)"
         )
-    _finite_non_negative(report.interval_seconds, "interval_seconds")
+    since = report.sequence - (last_sequence or 0)
+    if since > MAX_SEQUENCE_STEP:
+        raise ImplausibleInput(f"sequence: {report.sequence} jumps {since} past the last "
+                               f"applied {last_sequence or 0} (at most {MAX_SEQUENCE_STEP})")
+    # An idle link's heartbeat (no records) covers no interval; a report with data covers one
+    # (of any length: an engine idle for hours reports its first step after them).
+    carries = bool(report.acceptance or report.finished or report.step_timings)
+    if not (math.isfinite(report.interval_seconds)
+            and (report.interval_seconds > 0 if carries else report.interval_seconds >= 0)):
+        raise ImplausibleInput(f"interval_seconds: must be finite and "
+                               f"{'> 0 for a report with' if carries else '>= 0 for one without'}"
+                               f" records, got {report.interval_seconds!r}")
+    if not 0 <= report.running_requests <= batch_limit:
+        raise ImplausibleInput(f"running_requests: {report.running_requests} outside "
+                               f"0..{batch_limit} (the engine's max batch size)")
+    if not 0 <= report.records_dropped <= MAX_STEPS_PER_RECORD:
+        raise ImplausibleInput(f"records_dropped: {report.records_dropped} outside "
+                               f"0..{MAX_STEPS_PER_RECORD}")
     for i, rec in enumerate(report.acceptance):
         where = f"acceptance[{i}]"
         if not valid_class_name(rec.traffic_class):
@@ -150,3 +210,32 @@ def check_report(
                 f"{where}.sum_verified_tokens: {st.sum_verified_tokens} < sum_batch_size "
                 f"{st.sum_batch_size} (every sequence verifies at least one token)"
             )
+        _plausible_timing(st.steps, st.sum_batch_size, st.sum_verified_tokens,
+                          st.sum_draft_tokens, st.sum_step_seconds, engine_max_k, batch_limit,
+                          where)
+
+
+def _plausible_timing(steps: int, batch: int, verified: int, drafted: int, seconds: float,
+                      k: int, batch_limit: int, where: str) -> None:
+    """A timing group an engine can have produced: each of ``steps`` steps runs 1..batch_limit
+    sequences, each verifying at most 1 + K tokens and drafting at most K (K: the engine's max
+    K; a group's own k is its model drafter's passes, and substituted deterministic drafts of
+    other requests may be longer), in MIN..MAX step seconds on average (nothing at all for zero
+    steps)."""
+    if steps == 0:
+        if batch or verified or drafted or seconds:
+            raise ImplausibleInput(f"{where}: sums without steps")
+        return
+    if not steps <= batch <= steps * batch_limit:
+        raise ImplausibleInput(f"{where}.sum_batch_size: {batch} outside steps..steps x "
+                               f"{batch_limit} = {steps}..{steps * batch_limit}")
+    if verified > batch * (1 + k):
+        raise ImplausibleInput(f"{where}.sum_verified_tokens: {verified} above sum_batch_size "
+                               f"x (1 + max K) = {batch * (1 + k)}")
+    if drafted > batch * k:
+        raise ImplausibleInput(f"{where}.sum_draft_tokens: {drafted} above sum_batch_size x "
+                               f"max K = {batch * k}")
+    mean = seconds / steps
+    if not MIN_STEP_SECONDS <= mean <= MAX_STEP_SECONDS:
+        raise ImplausibleInput(f"{where}.sum_step_seconds: {mean!r} s per step, outside "
+                               f"[{MIN_STEP_SECONDS}, {MAX_STEP_SECONDS}]")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -46,7 +45,13 @@ from controller.server.explain import decision_text
 from controller.server.fleet import FleetSync
 from controller.server.hub import Hub
 from controller.server.policy_writes import AuditEntry, PolicyWriter, WriteRefused
-from controller.server.views import CREDIBLE_LEVEL, policy_response, to_json_dict
+from controller.server.views import (
+    CREDIBLE_LEVEL,
+    json_dumps,
+    json_response,
+    policy_response,
+    to_json_dict,
+)
 from controller.store.base import StoreUnavailable
 from controller.wire import event_to_proto, recommendations_to_proto
 from specpilot.v1 import policy_pb2
@@ -124,10 +129,10 @@ class Dashboard:
         }
 
     async def dashboard_state(self, _: web.Request) -> web.Response:
-        return web.json_response(self.state())
+        return json_response(self.state())
 
     async def estimate_history(self, request: web.Request) -> web.Response:
-        return web.json_response({"samples": [
+        return json_response({"samples": [
             {"at": s.at, "draft": s.draft, "positions": s.positions}
             for s in self.history.of(request.query.get("class", ""))]})
 
@@ -166,7 +171,7 @@ class Dashboard:
         await resp.prepare(request)
 
         async def send(event: str, data: Any) -> None:
-            await resp.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
+            await resp.write(f"event: {event}\ndata: {json_dumps(data)}\n\n".encode())
 
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._streams.add(queue)
@@ -206,15 +211,15 @@ class Dashboard:
             body = await request.json()
             msg = json_format.ParseDict(body, message())
         except (ValueError, json_format.ParseError) as exc:
-            return web.json_response({"error": f"body: {exc}", "kind": "invalid"}, status=400)
+            return json_response({"error": f"body: {exc}", "kind": "invalid"}, status=400)
         try:
             resp = await write(msg, request.headers.get("Authorization"),
                                f"http {request.remote or '?'}")
         except WriteRefused as exc:
             headers = {"WWW-Authenticate": "Bearer"} if exc.kind == "unauthenticated" else None
-            return web.json_response({"error": exc.reason, "kind": exc.kind},
+            return json_response({"error": exc.reason, "kind": exc.kind},
                                      status=_STATUS[exc.kind], headers=headers)
-        return web.json_response(to_json_dict(resp))
+        return json_response(to_json_dict(resp))
 
     async def set_override(self, request: web.Request) -> web.Response:
         return await self._write(request, policy_pb2.SetOverrideRequest,
@@ -226,17 +231,17 @@ class Dashboard:
 
     async def fleet_decisions(self, request: web.Request) -> web.Response:
         if self._fleet is None:
-            return web.json_response({"error": "the fleet's log needs a shared state store "
+            return json_response({"error": "the fleet's log needs a shared state store "
                                                "(state_store)"}, status=404)
         try:
             limit = min(max(int(request.query.get("limit", "100")), 0), 10_000)
         except ValueError:
-            return web.json_response({"error": "limit: must be an integer"}, status=400)
+            return json_response({"error": "limit: must be an integer"}, status=400)
         try:
             entries = await self._fleet.fleet_decisions(limit)
         except StoreUnavailable as exc:
-            return web.json_response({"error": f"state store: {exc}"}, status=503)
-        return web.json_response({"events": [
+            return json_response({"error": f"state store: {exc}"}, status=503)
+        return json_response({"events": [
             {"sidecar": s, **to_json_dict(event_to_proto(e))} for s, e in entries]})
 
     # --- the page -------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from controller.core.controller import ControllerCore
-from controller.core.types import ReportRejected
+from controller.core.types import ImplausibleInput, ReportRejected
 from controller.metrics import Metrics, RejectReason
 from controller.server.hub import EngineSession, Hub
 from controller.wire import hello_ack_to_proto, hello_from_proto, report_from_proto
@@ -131,7 +131,9 @@ class EngineService:
         try:
             result = self._core.ingest(session.engine_id, report_from_proto(report), now)
         except ReportRejected as exc:
-            self._reject(session, report.sequence, "validation", str(exc))
+            category: RejectReason = ("implausible" if isinstance(exc, ImplausibleInput)
+                                      else "validation")
+            self._reject(session, report.sequence, category, str(exc))
             return
         self._metrics.report_accepted(report.records_dropped, len(result.folded_classes),
                                       result.step_predictions)

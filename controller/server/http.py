@@ -18,7 +18,7 @@ from controller.core.controller import ControllerCore
 from controller.dashboard.routes import Dashboard
 from controller.metrics import Metrics
 from controller.server.fleet import FleetSync
-from controller.server.views import policy_response, to_json_dict
+from controller.server.views import json_response, policy_response, to_json_dict
 from controller.wire import event_to_proto, recommendations_to_proto
 
 
@@ -29,15 +29,15 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
 
     async def healthz(_: web.Request) -> web.Response:
         snap = core.snapshot(clock())
-        return web.json_response({"status": "ok", "engines_connected": len(snap.engines),
+        return json_response({"status": "ok", "engines_connected": len(snap.engines),
                                   "policy_version": snap.version})
 
     async def policy(request: web.Request) -> web.Response:
         try:
             msg = policy_response(core.snapshot(clock()), request.query.get("class", ""))
         except KeyError as exc:
-            return web.json_response({"error": exc.args[0]}, status=404)
-        return web.json_response(to_json_dict(msg))
+            return json_response({"error": exc.args[0]}, status=404)
+        return json_response(to_json_dict(msg))
 
     async def decisions(request: web.Request) -> web.Response:
         """The recent decision log, oldest first: ?class= filters, ?limit= keeps the newest N
@@ -48,7 +48,7 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
             limit = int(request.query.get("limit", len(snap.log)))
             offset = max(int(request.query.get("offset", 0)), 0)
         except ValueError:
-            return web.json_response({"error": "limit, offset: must be integers"}, status=400)
+            return json_response({"error": "limit, offset: must be integers"}, status=400)
         events = snap.events(request.query.get("class", ""))
         end = len(events) - offset
         kept = events[max(end - limit, 0):max(end, 0)] if limit > 0 else ()
@@ -56,15 +56,15 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
             rendered = [dashboard.event_json(e, snap) for e in kept]
         else:
             rendered = [to_json_dict(event_to_proto(e)) for e in kept]
-        return web.json_response({"events": rendered, "total": len(events)})
+        return json_response({"events": rendered, "total": len(events)})
 
     async def recommendations(request: web.Request) -> web.Response:
         """The fleet's recommendations per class (?class= for one); 404 without a shared
         store."""
         if fleet is None:
-            return web.json_response({"error": "recommendations need a shared state store "
+            return json_response({"error": "recommendations need a shared state store "
                                                "(state_store)"}, status=404)
-        return web.json_response(to_json_dict(recommendations_to_proto(
+        return json_response(to_json_dict(recommendations_to_proto(
             fleet.recommendations, request.query.get("class", ""), fleet.recommended_at)))
 
     app = web.Application()

@@ -7,8 +7,11 @@ policy is.
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
+from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
@@ -31,3 +34,29 @@ def to_json_dict(msg: Message) -> dict[str, Any]:
     a decision, not a missing field)."""
     return MessageToDict(msg, preserving_proto_field_name=True,
                          always_print_fields_with_no_presence=True)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_dumps(data: Any) -> str:
+    """Strict JSON: a number that is not finite (the core never makes one; this is the last
+    guard) is written as null instead of the invalid ``NaN``."""
+    try:
+        return json.dumps(data, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(data), allow_nan=False)
+
+
+def json_response(data: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> web.Response:
+    """Every JSON answer of the HTTP side goes through ``json_dumps``."""
+    return web.json_response(data, status=status, headers=headers, dumps=json_dumps)

@@ -137,9 +137,13 @@ async def test_recommendations_name_the_truly_best_draft_and_pool_per_class(
         logged = await store.recommendations_log("synthetic-target", 1000)
     finally:
         await store.close()
-    newest = {r.traffic_class: (sidecar, r.pool, r.draft) for sidecar, _, r in logged}
-    assert newest == {r.traffic_class: ("sidecar-draft-a", r.pool, r.draft)
-                      for r in resp.classes}
+    newest = {r.traffic_class: (r.pool, r.draft) for _, _, r in logged}
+    assert newest == {r.traffic_class: (r.pool, r.draft) for r in resp.classes}
+    # Mostly by the first by name; another sidecar logs too in a round where the first's
+    # options had not reached the store yet (each round decides from what it reads).
+    loggers = [sidecar for sidecar, _, _ in logged]
+    names = {f"sidecar-{n or 'plain'}" for n in fleet}
+    assert "sidecar-draft-a" in loggers and set(loggers) <= names
 
     # And the command line: the recommended option of each class is starred.
     capsys.readouterr()  # what was printed above, out of the way

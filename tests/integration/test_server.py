@@ -168,7 +168,19 @@ BAD_REPORTS: dict[str, tuple[Callable[[], engine_pb2.EngineReport], str, str]] =
     "refused_draft": (lambda: report(2, acceptance(), acceptance(draft="draft-other-tokenizer")),
                       "validation", "acceptance[1].draft"),
     "oversized": (_oversized, "oversized", "max_report_bytes"),
+    # A rogue's step of 1e308 s once turned the cost model to NaN for good.
+    "step_of_1e308_seconds": (lambda: _timed(2, 1e308), "implausible",
+                              "step_timings[0].sum_step_seconds"),
+    "sequence_2_pow_64_minus_1": (lambda: report(2**64 - 1), "implausible", "sequence"),
 }
+
+
+def _timed(seq: int, sum_step_seconds: float) -> engine_pb2.EngineReport:
+    msg = report(seq)
+    msg.step_timings.append(engine_pb2.StepTiming(
+        batch_bucket=0, draft=DRAFT, k=2, steps=10, sum_batch_size=10, sum_verified_tokens=30,
+        sum_draft_tokens=20, sum_step_seconds=sum_step_seconds))
+    return msg
 
 
 @pytest.mark.parametrize("kind", list(BAD_REPORTS))

@@ -47,7 +47,7 @@ def hello(engine_id: str = ENGINE) -> EngineHello:
             DraftSpec("mismatched", DraftKind.MODEL, 4, "v2"),
             DraftSpec("ngram", DraftKind.NGRAM, 4),
         ),
-        per_request_k=True, engine_version="test", plugin_version="test", max_batch_size=64)
+        per_request_k=True, engine_version="test", plugin_version="test", max_batch_size=256)
 
 
 def config(target: str, **overrides: Any) -> PluginConfig:
