@@ -47,8 +47,11 @@ from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # Flags of `serve` that map one to one onto a setting of the same name.
-SERVE_FLAGS = ("grpc_host", "grpc_port", "http_host", "http_port", "policy_token",
+SERVE_FLAGS = ("grpc_host", "grpc_port", "http_host", "http_port",
                "report_interval_seconds", "seed")
+# Tokens never come from the command line (every local user reads it in `ps`): environment
+# (SPECPILOT_POLICY_TOKEN, SPECPILOT_ENGINE_TOKEN, e.g. from a Secret) or the settings file.
+SECRET_SETTINGS = ("policy_token", "engine_token")
 
 M = TypeVar("M", bound=Message)  # a policy API response
 
@@ -66,7 +69,11 @@ def _settings_from_args(args: argparse.Namespace) -> Settings:
         name, sep, value = item.partition("=")
         if not sep:
             raise SettingsError(f"bad setting {item}: --set needs NAME=VALUE")
-        overrides[name.strip().replace("-", "_")] = yaml.safe_load(value)
+        key = name.strip().replace("-", "_")
+        if key in SECRET_SETTINGS:
+            raise SettingsError(f"{key} is a secret: set SPECPILOT_{key.upper()} or put it in "
+                                "the settings file, not on the command line")
+        overrides[key] = yaml.safe_load(value)
     return load_settings(args.config or os.environ.get("SPECPILOT_CONFIG"), **overrides)
 
 

@@ -26,7 +26,7 @@ from controller.core.snapshot import CoreSnapshot
 from controller.core.types import DecisionEvent, Reason, StepPrediction
 
 RejectReason = Literal["validation", "implausible", "oversized", "before_hello"]
-HelloOutcome = Literal["accepted", "rejected"]
+HelloOutcome = Literal["accepted", "rejected", "unauthenticated", "permission_denied"]
 WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied", "unavailable"]
 
 

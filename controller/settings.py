@@ -58,6 +58,14 @@ class ServerConfig:
     policy_token: SecretStr | None = None
     """Bearer token that PolicyService writes must carry. Unset: a random token is generated at
     start-up and printed once."""
+    engine_token: SecretStr | None = None
+    """Bearer token engines must present to open EngineService.Connect (gRPC metadata
+    ``authorization``; the plugin's SPECPILOT_PLUGIN_TOKEN). Unset: engine streams need none,
+    which the server allows only when grpc_host is a loopback address (the sidecar's own pod)
+    or allow_unauthenticated_engines is set."""
+    allow_unauthenticated_engines: bool = False
+    """Accept engine streams without a token although grpc_host is not loopback: only on a
+    network where every client is trusted (anyone who reaches the port could steer policy)."""
     max_report_bytes: int = tunable(1 << 20, ge=1024)
     """Largest accepted engine report, bytes; larger ones are rejected with a reason and the
     stream stays up."""
@@ -70,6 +78,11 @@ class ServerConfig:
     fail_static_timeout_seconds: float = tunable(30.0, gt=0)
     """Engines fall back to their static config after this long without hearing from the
     controller, seconds."""
+    engine_silence_timeout_seconds: float = tunable(60.0, gt=0)
+    """An engine stream with no report for this long is ended (UNAVAILABLE) and the engine
+    forgotten, seconds: a live plugin sends at least a heartbeat every two report intervals
+    (and a third of its fail-static timeout), so only a hung or vanished engine goes silent; a
+    live one reconnects."""
     seed: int | None = None
     """Seed of the Thompson-sampling RNG; unset: random."""
 

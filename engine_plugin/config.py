@@ -48,6 +48,10 @@ class PluginConfig:
     controller: str = ""
     """The controller's gRPC address, ``host:port`` (``[::1]:50051`` for IPv6). Empty: no
     controller; the engine keeps its static configuration."""
+    token: str = field(default="", repr=False)
+    """Bearer token for the controller's engine stream (its ``engine_token``); empty: none
+    (a controller listening on loopback only needs none). Set it from a Secret, not on a
+    command line."""
     engine_id: str = field(default_factory=default_engine_id,
                            metadata={SHOWN_DEFAULT: "<hostname>-<pid>"})
     """This engine's id on the controller; a reconnecting engine must keep its id."""

@@ -259,7 +259,9 @@ class ControllerLink:
                 request_serializer=engine_pb2.ConnectRequest.SerializeToString,
                 response_deserializer=engine_pb2.ConnectResponse.FromString,
             )
-            responses = cast(Any, connect(self._requests(stream)))
+            metadata = ((("authorization", f"Bearer {self._config.token}"),)
+                        if self._config.token else None)
+            responses = cast(Any, connect(self._requests(stream), metadata=metadata))
             self._call = responses
             if self._stop.is_set():
                 responses.cancel()
@@ -285,7 +287,9 @@ class ControllerLink:
             self._outage_warned = True
             # A refused hello is a configuration error, not an outage: say so louder.
             refused = code in (grpc.StatusCode.INVALID_ARGUMENT,
-                               grpc.StatusCode.FAILED_PRECONDITION)
+                               grpc.StatusCode.FAILED_PRECONDITION,
+                               grpc.StatusCode.UNAUTHENTICATED,
+                               grpc.StatusCode.PERMISSION_DENIED)
             log.log(logging.ERROR if refused else logging.WARNING,
                     "specpilot: controller %s: %s %s; reconnecting with backoff (the engine "
                     "keeps the last policy, then its static configuration)", self.target,

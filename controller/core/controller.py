@@ -76,6 +76,8 @@ from controller.core.types import (
 )
 from controller.core.validation import check_class_name, check_hello, check_report
 
+# An override's note is a sentence for the audit log, not a document.
+MAX_NOTE_CHARS = 1000
 # Buckets the joint search may refresh in one decide round (it costs ~10-50 ms per bucket with
 # many classes; the rest wait for later rounds).
 _JOINT_BUCKETS_PER_DECIDE = 2
@@ -692,6 +694,24 @@ class ControllerCore:
                 f"override.traffic_class: {name!r} is new and the class limit "
                 f"(max_classes={self.config.max_classes}) is reached, so its traffic is "
                 f"folded into {OTHER_CLASS!r}: override {OTHER_CLASS!r} instead")
+
+    def check_operator_override(self, override: Override) -> None:
+        """What an operator's override must also satisfy (the policy API's bounds; overrides
+        the core is given directly, as in tests, skip them): K at most the policy's max K, a
+        forced draft one of the connected engines offers (any, before an engine connects: it
+        cannot be known), a note of at most MAX_NOTE_CHARS. ValueError naming the field."""
+        self.check_override(override)
+        if override.pin_k is not None and not 0 <= override.pin_k <= self.config.policy.max_k:
+            raise ValueError(f"override.pin_k: {override.pin_k} outside 0..max_k "
+                             f"{self.config.policy.max_k}")
+        offered = [d.name for d in self.drafts()]
+        if override.force_draft is not None and self._engines \
+                and override.force_draft not in offered:
+            raise ValueError(f"override.force_draft: {override.force_draft[:80]!r} is not a "
+                             f"draft the engines offer ({', '.join(offered) or 'none'})")
+        if len(override.note) > MAX_NOTE_CHARS:
+            raise ValueError(f"override.note: {len(override.note)} characters, at most "
+                             f"{MAX_NOTE_CHARS}")
 
     def _track_override_class(self, override: Override) -> None:
         self.check_override(override)

@@ -7,6 +7,7 @@ caller's asyncio loop. The core is only ever touched from that loop, so it needs
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import secrets
 import socket
@@ -118,18 +119,32 @@ class RunningServer:
             await self._store.close()
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") only listens on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: float) -> None:
+async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: float,
+                               silence_timeout: float) -> None:
     """Re-decide without waiting for reports, so overrides and the decaying probe share reach
-    the engines within one report interval even when none is reporting; and refresh the joint
+    the engines within one report interval even when none is reporting; refresh the joint
     search, a bucket per loop turn (each costs up to ~25 ms with 8 classes: one at a time, a
-    report waits behind one at most)."""
+    report waits behind one at most); and drop engines silent for ``silence_timeout``."""
     while True:
         await asyncio.sleep(interval)
         try:
+            for engine_id in hub.drop_silent(clock(), silence_timeout):
+                log.warning("engine %s: no report for %g s, stream ended", engine_id,
+                            silence_timeout)
             for _ in range(JOINT_BUCKETS_PER_ROUND):
                 hub.refresh_joint(clock())
                 await asyncio.sleep(0)
@@ -185,7 +200,16 @@ async def start_server(settings: Settings) -> RunningServer:
               server.decide_min_interval_seconds)
     given = server.policy_token.get_secret_value() if server.policy_token else ""
     token = given or secrets.token_urlsafe(24)
+    engine_token = server.engine_token.get_secret_value() if server.engine_token else ""
+    if not engine_token and not server.allow_unauthenticated_engines \
+            and not _is_loopback(server.grpc_host):
+        raise ServeError(
+            f"grpc_host {server.grpc_host!r} is reachable beyond this host, and engine streams "
+            "would need no credential: set engine_token (engines send it as "
+            "SPECPILOT_PLUGIN_TOKEN), or allow_unauthenticated_engines=true on a trusted "
+            "network")
     engine = EngineService(core, hub, metrics, controller_version=package_version(),
+                           engine_token=engine_token,
                            report_interval_seconds=server.report_interval_seconds,
                            max_report_bytes=server.max_report_bytes, clock=clock)
     fleet_settings = fleet_config(settings)
@@ -218,7 +242,8 @@ async def start_server(settings: Settings) -> RunningServer:
         _grpc=grpc_server, _http=runner, _health=health, _hub=hub, _store=store, fleet=fleet,
     )
     running._tasks.append(asyncio.create_task(
-        _decide_periodically(hub, clock, server.report_interval_seconds)))
+        _decide_periodically(hub, clock, server.report_interval_seconds,
+                             server.engine_silence_timeout_seconds)))
     if fleet is not None:
         running._tasks.append(asyncio.create_task(fleet.run()))
     return running

@@ -17,6 +17,7 @@ import grpc
 from controller.core.controller import ControllerCore
 from controller.core.types import ImplausibleInput, ReportRejected
 from controller.metrics import Metrics, RejectReason
+from controller.server.auth import bearer_verdict, metadata_authorization
 from controller.server.hub import EngineSession, Hub
 from controller.wire import hello_ack_to_proto, hello_from_proto, report_from_proto
 from specpilot.v1 import engine_pb2
@@ -37,7 +38,10 @@ class EngineService:
         report_interval_seconds: float,
         max_report_bytes: int,
         clock: Callable[[], float],
+        engine_token: str = "",
     ) -> None:
+        """``engine_token``: the bearer token a stream must present (empty: none needed)."""
+        self._token = engine_token.encode()
         self._core = core
         self._hub = hub
         self._metrics = metrics
@@ -49,6 +53,8 @@ class EngineService:
     async def Connect(
         self, request_iterator: AsyncIterator[engine_pb2.ConnectRequest], context: Context
     ) -> AsyncIterator[engine_pb2.ConnectResponse]:
+        if self._token:
+            await self._authenticate(context)
         requests = aiter(request_iterator)
         first = await anext(requests, None)
         if first is None:
@@ -61,6 +67,21 @@ class EngineService:
         finally:
             reader.cancel()
             self._hub.close_session(session)
+
+    async def _authenticate(self, context: Context) -> None:
+        """Before anything of the stream is read: missing token -> UNAUTHENTICATED, wrong ->
+        PERMISSION_DENIED (compared in constant time), so no one without it can register an
+        engine, take over an engine id or move an estimate."""
+        verdict = bearer_verdict(metadata_authorization(context.invocation_metadata()),
+                                 self._token)
+        if verdict == "unauthenticated":
+            self._metrics.hello(verdict)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "engine streams need metadata 'authorization: Bearer <token>' "
+                                "(the plugin's SPECPILOT_PLUGIN_TOKEN)")
+        if verdict == "permission_denied":
+            self._metrics.hello(verdict)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "engine token does not match")
 
     async def _hello(self, msg: engine_pb2.ConnectRequest, context: Context) -> EngineSession:
         """Register the engine and queue its HelloAck and policy; abort the stream if the first
@@ -107,6 +128,8 @@ class EngineService:
         except asyncio.CancelledError:
             raise
         except Exception:
+            if session.outbox.closed:  # ended on purpose (replaced, or dropped as silent)
+                return
             # A bug must end the stream visibly (the engine reconnects) rather than leave the
             # engine waiting for results that never come.
             log.exception("engine %s: stream failed", session.engine_id)

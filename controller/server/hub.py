@@ -149,6 +149,22 @@ class Hub:
         self.sessions[engine_id] = session
         return session
 
+    def drop_silent(self, now: float, timeout_seconds: float) -> list[str]:
+        """End the streams of engines that have not reported for ``timeout_seconds`` and
+        forget them; returns their ids."""
+        dropped = []
+        for engine in self._core.snapshot(now).engines:
+            session = self.sessions.get(engine.engine_id)
+            if session is None or engine.report_age_seconds <= timeout_seconds:
+                continue
+            del self.sessions[engine.engine_id]
+            session.outbox.close(grpc.StatusCode.UNAVAILABLE,
+                                 f"no report for {engine.report_age_seconds:.1f} s (engine "
+                                 f"silence timeout {timeout_seconds:g} s); reconnect")
+            self._core.disconnect_engine(engine.engine_id)
+            dropped.append(engine.engine_id)
+        return dropped
+
     def close_session(self, session: EngineSession) -> None:
         """Forget the engine, unless a newer stream of the same engine took over."""
         session.outbox.close()

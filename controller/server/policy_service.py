@@ -14,6 +14,7 @@ import grpc
 
 from controller.core.controller import ControllerCore
 from controller.core.types import DecisionEvent
+from controller.server.auth import metadata_authorization
 from controller.server.explain import explanation_text
 from controller.server.fleet import FleetSync
 from controller.server.hub import Hub
@@ -29,13 +30,6 @@ _STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
-
-
-def _authorization(context: Context) -> str | None:
-    values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
-    if not values:
-        return None
-    return values[0].decode() if isinstance(values[0], bytes) else str(values[0])
 
 
 class PolicyService:
@@ -63,8 +57,8 @@ class PolicyService:
         self, request: policy_pb2.SetOverrideRequest, context: Context
     ) -> policy_pb2.SetOverrideResponse:
         try:
-            return await self._writer.set_override(request, _authorization(context),
-                                                   f"grpc {context.peer()}")
+            auth = metadata_authorization(context.invocation_metadata())
+            return await self._writer.set_override(request, auth, f"grpc {context.peer()}")
         except WriteRefused as exc:
             await self._refused(context, exc)
 
@@ -72,8 +66,8 @@ class PolicyService:
         self, request: policy_pb2.ClearOverrideRequest, context: Context
     ) -> policy_pb2.ClearOverrideResponse:
         try:
-            return await self._writer.clear_override(request, _authorization(context),
-                                                     f"grpc {context.peer()}")
+            auth = metadata_authorization(context.invocation_metadata())
+            return await self._writer.clear_override(request, auth, f"grpc {context.peer()}")
         except WriteRefused as exc:
             await self._refused(context, exc)
 

@@ -4,9 +4,9 @@ the audit log.
 
 A write needs ``Bearer <token>`` (the gRPC metadata ``authorization``, or the HTTP header
 ``Authorization``): missing -> ``unauthenticated``, wrong -> ``permission_denied``; the token
-is compared in constant time. An override's scope is the pod (this controller) or the fleet
-(every controller of the model, through the state store); unspecified means the fleet where a
-shared store is configured.
+is compared in constant time (``controller.server.auth``). An override's scope is the pod (this
+controller) or the fleet (every controller of the model, through the state store); unspecified
+means the fleet where a shared store is configured.
 
 The audit log is one JSON line per attempt on the ``specpilot.audit`` logger (ship it with the
 controller's logs) and the newest ``AUDIT_LOG_SIZE`` in memory for the dashboard.
@@ -15,7 +15,6 @@ controller's logs) and the newest ``AUDIT_LOG_SIZE`` in memory for the dashboard
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import logging
 from collections import deque
@@ -24,8 +23,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from controller.core.controller import ControllerCore
-from controller.core.types import OverrideScope
+from controller.core.types import ALL_CLASSES, OverrideScope
+from controller.core.validation import valid_class_name
 from controller.metrics import Metrics
+from controller.server.auth import bearer_verdict
 from controller.server.fleet import FleetSync
 from controller.server.hub import Hub
 from controller.store.base import StoreUnavailable
@@ -34,6 +35,8 @@ from specpilot.v1 import policy_pb2
 
 audit_log = logging.getLogger("specpilot.audit")
 AUDIT_LOG_SIZE = 1000
+# What an audit entry keeps of a client's strings (a refused request may carry megabytes).
+_AUDIT_CHARS = 200
 Refusal = Literal["unauthenticated", "permission_denied", "invalid", "unavailable"]
 
 
@@ -111,12 +114,11 @@ class PolicyWriter:
         return WriteRefused(kind, reason)
 
     def _authorize(self, authorization: str | None, entry: AuditEntry) -> None:
-        if not authorization:
+        verdict = bearer_verdict(authorization, self._token)
+        if verdict == "unauthenticated":
             raise self._refuse("unauthenticated", "policy writes need 'Bearer <token>' (gRPC "
                                "metadata 'authorization', HTTP header 'Authorization')", entry)
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self._token):
+        if verdict == "permission_denied":
             raise self._refuse("permission_denied", "bearer token does not match", entry)
 
     def _scope(self, value: int, entry: AuditEntry) -> OverrideScope:
@@ -140,8 +142,8 @@ class PolicyWriter:
                            ) -> policy_pb2.SetOverrideResponse:
         now = self._clock()
         msg = request.override
-        entry = AuditEntry(now, actor, "set_override", msg.traffic_class, _what(msg), "",
-                           msg.note, "", "")
+        entry = AuditEntry(now, actor, "set_override", msg.traffic_class[:_AUDIT_CHARS],
+                           _what(msg)[:_AUDIT_CHARS], "", msg.note[:_AUDIT_CHARS], "", "")
         self._authorize(authorization, entry)
         if not request.HasField("override"):
             raise self._refuse("invalid", "override: must be set", entry)
@@ -150,6 +152,7 @@ class PolicyWriter:
         try:
             override = dataclasses.replace(override_from_proto(msg), set_at=now, scope=scope,
                                            set_by=self._sidecar)
+            self._core.check_operator_override(override)
             if self._fleet is not None and scope is OverrideScope.FLEET:
                 await self._fleet.set_override(override)
             else:
@@ -166,12 +169,15 @@ class PolicyWriter:
     async def clear_override(self, request: policy_pb2.ClearOverrideRequest,
                              authorization: str | None, actor: str
                              ) -> policy_pb2.ClearOverrideResponse:
-        entry = AuditEntry(self._clock(), actor, "clear_override", request.traffic_class, "",
-                           "", "", "", "")
+        entry = AuditEntry(self._clock(), actor, "clear_override",
+                           request.traffic_class[:_AUDIT_CHARS], "", "", "", "", "")
         self._authorize(authorization, entry)
         if not request.traffic_class:
             raise self._refuse("invalid", "traffic_class: must not be empty (use '*' for all)",
                                entry)
+        if request.traffic_class != ALL_CLASSES and not valid_class_name(request.traffic_class):
+            raise self._refuse("invalid", f"traffic_class: {request.traffic_class[:80]!r} is not "
+                               "a class name", entry)
         scope = self._scope(request.scope, entry)
         entry = dataclasses.replace(entry, scope=scope.value)
         try:

@@ -124,11 +124,21 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
     engine = next(c for c in spec["containers"] if c["name"] == "vllm")
     engine_env = {e["name"]: e.get("value") for e in engine["env"]}
     assert engine_env["SPECPILOT_PLUGIN_CONTROLLER"] == "127.0.0.1:50051"
+    # The controller listens beyond loopback (the Service): the engine's stream carries the
+    # engine token, the same Secret key on both sides.
+    plugin_token = next(e for e in engine["env"] if e["name"] == "SPECPILOT_PLUGIN_TOKEN")
+    assert plugin_token["valueFrom"] == env["SPECPILOT_ENGINE_TOKEN"]["valueFrom"]
+    assert plugin_token["valueFrom"]["secretKeyRef"]["name"] == token_secret
+    if not values["policyToken"]:
+        assert set(secrets[0]["data"]) == {"token", "engine-token"}
     assert "--scheduler-cls=engine_plugin.scheduler.SpecPilotScheduler" in engine["args"]
     config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
     settings = yaml.safe_load(config["data"]["specpilot.yaml"])
     assert settings["grpc_host"] == "0.0.0.0"
-    load_settings(**settings)  # the settings file is one the controller takes
+    # The settings file is one the controller takes, and with the engine token from the Secret
+    # it may listen beyond loopback (start_server refuses open engine streams there).
+    taken = load_settings(**settings, engine_token="from-the-secret")
+    assert taken.grpc_host == "0.0.0.0" and taken.engine_token is not None
 
 
 def test_strict_validation_is_a_real_check() -> None:

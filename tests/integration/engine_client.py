@@ -49,8 +49,9 @@ def report(sequence: int, *records: engine_pb2.AcceptanceCounts,
 class EngineClient:
     """One Connect stream. ``policies`` collects every PolicyUpdate seen while reading."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.call = engine_stub(channel).Connect(None)
+    def __init__(self, channel: grpc.aio.Channel,
+                 metadata: tuple[tuple[str, str], ...] | None = None) -> None:
+        self.call = engine_stub(channel).Connect(None, metadata=metadata)
         self.policies: list[engine_pb2.PolicyUpdate] = []
 
     async def read(self) -> engine_pb2.ConnectResponse:

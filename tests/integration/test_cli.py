@@ -254,3 +254,14 @@ async def test_check_waits_for_health_and_the_engines(server: RunningServer,
     await engine.connect()
     assert await asyncio.to_thread(cli.main, args) == 0
     await engine.close()
+
+
+def test_tokens_are_refused_on_the_command_line() -> None:
+    for name in ("policy_token", "engine_token"):
+        got = subprocess.run([SPECPILOT, "serve", "--set", f"{name}=s3cret"], env=_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert got.returncode != 0
+        assert f"{name} is a secret" in got.stderr and "s3cret" not in got.stderr
+    got = subprocess.run([SPECPILOT, "serve", "--policy-token", "s3cret"], env=_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode != 0  # no such flag any more

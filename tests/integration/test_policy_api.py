@@ -207,3 +207,31 @@ async def test_explain(
     missing = await _code(policy.ExplainDecision(
         policy_pb2.ExplainDecisionRequest(traffic_class="nope")))
     assert missing == (grpc.StatusCode.NOT_FOUND, "unknown class 'nope'")
+
+
+async def test_override_values_beyond_what_the_engines_can_run_are_refused(
+        server: RunningServer, channel: grpc.aio.Channel) -> None:
+    engine = EngineClient(channel)
+    await engine.connect()
+    stub = async_policy_stub(channel)
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    for override, field in (
+            (policy_pb2.Override(traffic_class="chat", pin_k=9), "pin_k"),
+            (policy_pb2.Override(traffic_class="chat", pin_k=2**32 - 1), "pin_k"),
+            (policy_pb2.Override(traffic_class="chat", force_draft="no-such-draft"),
+             "force_draft"),
+            (policy_pb2.Override(traffic_class="chat", force_off=True, note="x" * 2_000),
+             "note")):
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await stub.SetOverride(policy_pb2.SetOverrideRequest(override=override),
+                                   metadata=auth)
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"override.{field}" in (failure.value.details() or "")
+        assert len(failure.value.details() or "") < 500  # nothing echoed back whole
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stub.ClearOverride(policy_pb2.ClearOverrideRequest(traffic_class="x" * 10_000),
+                                 metadata=auth)
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(failure.value.details() or "") < 500
+    assert not server.core.snapshot(0.0).overrides
+    await engine.close()

@@ -4,6 +4,7 @@ handling, policy push to every engine, the HTTP endpoints and a promtool check o
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shutil
@@ -407,3 +408,48 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
     assert decisions == len(snapshot(server).log)
     assert np.isclose(_metric(server, "specpilot_policy_version"), server.core.version)
     await engine.close()
+
+
+async def test_a_silent_engine_is_dropped_after_the_timeout_and_a_reporting_one_stays() -> None:
+    from controller.server.app import start_server
+    from controller.settings import load_settings
+
+    server = await start_server(load_settings(**{**FAST_SETTINGS,
+                                                 "engine_silence_timeout_seconds": 0.4}))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+            silent, live = EngineClient(ch), EngineClient(ch)
+            await silent.connect(hello("silent"))
+            await live.connect(hello("live"))
+            assert (await silent.send(report(1))).accepted
+            started = time.monotonic()
+            for seq in range(2, 12):  # a report every ~0.1 s for ~1 s: kept
+                assert (await live.send(report(seq))).accepted
+                await asyncio.sleep(0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                while True:  # what the silent engine's stream still had, then its end
+                    await asyncio.wait_for(silent.call.read(), 5.0)
+            ended = failure.value
+            assert ended is not None and ended.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no report for" in (ended.details() or "")
+            assert time.monotonic() - started < 5.0
+            assert [e.engine_id for e in snapshot(server).engines] == ["live"]
+            await live.close()
+    finally:
+        await server.stop(grace_seconds=0.1)
+
+
+async def test_a_reconnect_of_the_same_engine_replaces_its_old_stream_quietly(
+        server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+        old, new = EngineClient(ch), EngineClient(ch)
+        await old.connect(hello("engine-1"))
+        await new.connect(hello("engine-1"))
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            while True:
+                await asyncio.wait_for(old.call.read(), 5.0)
+        assert failure.value.code() == grpc.StatusCode.ABORTED
+        assert (await new.send(report(1))).accepted
+        await new.close()
+    await asyncio.sleep(0.1)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

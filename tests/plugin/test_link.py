@@ -386,3 +386,18 @@ def test_steps_are_bucketed_with_the_controllers_bounds(
     assert link.reports_rejected == 0
     load = engine_view(controller).running_requests
     assert load == 100
+
+
+def test_the_link_presents_its_token_and_a_wrong_one_is_refused(
+    links: list[ControllerLink], caplog: pytest.LogCaptureFixture,
+) -> None:
+    guarded = ControllerThread(**CONTROLLER_SETTINGS, engine_token="engine-secret-42")
+    try:
+        good = make_link(links, guarded.target, token="engine-secret-42")
+        wait_for(lambda: good.connected, "the link with the token")
+        bad = make_link(links, guarded.target, token="guessed")
+        with caplog.at_level(logging.ERROR, logger="engine_plugin.link"):
+            wait_for(lambda: "PERMISSION_DENIED" in caplog.text, "the refusal logged")
+        assert not bad.connected and good.connected
+    finally:
+        guarded.stop()

@@ -50,6 +50,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
         secretKeyRef:
           name: {{ include "specpilot.tokenSecret" . }}
           key: {{ .Values.policyToken.key }}
+    - name: SPECPILOT_ENGINE_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ include "specpilot.tokenSecret" . }}
+          key: {{ .Values.policyToken.engineKey }}
     - name: SPECPILOT_SIDECAR_ID
       valueFrom:
         fieldRef:
