@@ -58,6 +58,10 @@ class ServerConfig:
     policy_token: SecretStr | None = None
     """Bearer token that PolicyService writes must carry. Unset: a random token is generated at
     start-up and printed once."""
+    policy_token_file: str = ""
+    """File holding the policy token, e.g. a mounted Secret (used when policy_token is unset);
+    if it does not exist, the generated token is written there (mode 0600), so a restarted
+    controller keeps it."""
     engine_token: SecretStr | None = None
     """Bearer token engines must present to open EngineService.Connect (gRPC metadata
     ``authorization``; the plugin's SPECPILOT_PLUGIN_TOKEN). Unset: engine streams need none,

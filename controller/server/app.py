@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import secrets
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -119,6 +121,29 @@ class RunningServer:
             await self._store.close()
 
 
+def _policy_token(server: ServerConfig) -> tuple[str, bool]:
+    """The policy token and whether it was generated now: ``policy_token``, else the content of
+    ``policy_token_file``, else a new one (written to that file when one is named, so a
+    restart keeps it). ServeError when the file cannot be read or written."""
+    if server.policy_token:
+        return server.policy_token.get_secret_value(), False
+    path = Path(server.policy_token_file) if server.policy_token_file else None
+    try:
+        if path is not None and path.exists():
+            token = path.read_text().strip()
+            if not token:
+                raise ServeError(f"policy_token_file {str(path)!r} is empty")
+            return token, False
+        token = secrets.token_urlsafe(24)
+        if path is not None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
+    except OSError as exc:
+        raise ServeError(f"policy_token_file {str(path)!r}: {exc}") from exc
+    return token, True
+
+
 def _is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or "localhost") only listens on this machine."""
     if host == "localhost":
@@ -198,8 +223,7 @@ async def start_server(settings: Settings) -> RunningServer:
     metrics = Metrics(core, clock)
     hub = Hub(core, metrics, clock, server.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT,
               server.decide_min_interval_seconds)
-    given = server.policy_token.get_secret_value() if server.policy_token else ""
-    token = given or secrets.token_urlsafe(24)
+    token, generated = _policy_token(server)
     engine_token = server.engine_token.get_secret_value() if server.engine_token else ""
     if not engine_token and not server.allow_unauthenticated_engines \
             and not _is_loopback(server.grpc_host):
@@ -236,7 +260,7 @@ async def start_server(settings: Settings) -> RunningServer:
         await grpc_server.stop(None)
         raise
     running = RunningServer(
-        core=core, metrics=metrics, token=token, token_generated=not given,
+        core=core, metrics=metrics, token=token, token_generated=generated,
         grpc_host=server.grpc_host, grpc_port=grpc_port,
         http_host=server.http_host, http_port=http_port,
         _grpc=grpc_server, _http=runner, _health=health, _hub=hub, _store=store, fleet=fleet,

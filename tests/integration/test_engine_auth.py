@@ -5,6 +5,8 @@ engine streams are possible only on a loopback listener or by an explicit settin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
@@ -64,3 +66,19 @@ async def test_open_engine_streams_only_on_loopback_or_when_allowed() -> None:
             await EngineClient(ch).connect(hello("engine-1"))
     finally:
         await server.stop(grace_seconds=0.1)
+
+
+async def test_a_generated_policy_token_kept_in_its_file_survives_a_restart(
+        tmp_path: Path) -> None:
+    path = tmp_path / "policy-token"
+    settings = {**FAST_SETTINGS, "policy_token": None, "policy_token_file": str(path)}
+    first = await start_server(load_settings(**settings))
+    await first.stop(grace_seconds=0.1)
+    assert first.token_generated and path.read_text().strip() == first.token
+    assert path.stat().st_mode & 0o077 == 0  # readable by its owner only
+    again = await start_server(load_settings(**settings))
+    await again.stop(grace_seconds=0.1)
+    assert again.token == first.token and not again.token_generated
+    path.write_text("")
+    with pytest.raises(ServeError, match="is empty"):
+        await start_server(load_settings(**settings))
