@@ -6,7 +6,6 @@ controller restarts, and an override is refused without the token and taken with
 from __future__ import annotations
 
 import asyncio
-import shutil
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +13,7 @@ import grpc
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
+from benchmarks.demo.screenshot import chromium_path
 from controller.server.app import RunningServer, start_server
 from controller.server.stubs import async_policy_stub
 from controller.settings import load_settings
@@ -24,13 +24,6 @@ from tests.integration.engine_client import EngineClient, acceptance, hello, rep
 pytestmark = pytest.mark.integration
 CLASSES = ("chat", "code", "docs")
 WAIT_MS = 10_000
-
-
-def chromium_path() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:  # installed by the README's test command and .ci/run (Debian: chromium)
-        raise RuntimeError("chromium not found: apt-get install chromium (Debian package)")
-    return path
 
 
 @pytest.fixture
