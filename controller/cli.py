@@ -15,6 +15,9 @@
 Settings come from defaults < the config file < SPECPILOT_* environment < flags. The policy
 commands reach ``--target`` (env SPECPILOT_TARGET, default 127.0.0.1:50051); writes send
 ``--token`` (env SPECPILOT_POLICY_TOKEN, the same variable that sets the server's token).
+``--tls-ca`` (env SPECPILOT_TARGET_TLS_CA) talks TLS to a controller with tls_cert_file, with
+``--tls-cert``/``--tls-key`` as a client certificate and ``--tls-server-name`` for the name to
+check (``policy`` and ``check`` alike).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from controller.server.explain import arm_label
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
 from controller.settings import Settings, SettingsError, load_settings, settings_reference
+from controller.tls import TLSError, open_channel
 from controller.wire import override_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 
@@ -83,7 +87,10 @@ async def _serve(settings: Settings) -> int:
     except ServeError as exc:
         _say(str(exc), err=True)
         return 1
-    _say(f"grpc listening on {server.grpc_target}")
+    tls = " (TLS)" if server.tls else ""
+    _say(f"grpc listening on {server.grpc_target}{tls}")
+    if server.engine_grpc_port is not None:
+        _say(f"engine streams (mTLS) listening on {server.engine_grpc_target}")
     _say(f"http listening on {server.http_url}")
     _say(f"dashboard at {server.http_url}/ (read-only without the policy token)")
     if server.token_generated:
@@ -293,8 +300,20 @@ def policy_recommend(stub: PolicyStub, args: argparse.Namespace) -> int:
     return _print_response(resp, args, render_recommendations)
 
 
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """The channel of every client command: plaintext, or TLS with --tls-ca (and a client
+    certificate with --tls-cert and --tls-key); TLSError for options or files it cannot use."""
+    return open_channel(args.target, ca_file=args.tls_ca or "", cert_file=args.tls_cert or "",
+                        key_file=args.tls_key or "", server_name=args.tls_server_name or "")
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+    try:
+        channel = _channel(args)
+    except TLSError as exc:
+        _say(str(exc), err=True)
+        return 2
+    with channel:
         try:
             result: int = args.run(policy_stub(channel), args)
         except grpc.RpcError as exc:
@@ -343,7 +362,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     deadline = time.monotonic() + args.timeout
     last = "no answer yet"
-    with grpc.insecure_channel(args.target) as channel:
+    try:
+        channel = _channel(args)
+    except TLSError as exc:
+        _say(str(exc), err=True)
+        return 2
+    with channel:
         health, stub = health_pb2_grpc.HealthStub(channel), policy_stub(channel)
         while True:
             try:
@@ -386,6 +410,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     check.add_argument("--expect-engines", type=int, default=0, metavar="N",
                        help="engines that must be connected (default 0: health only)")
     check.add_argument("--timeout", type=float, default=60.0, help="seconds to wait")
+    _add_tls_options(check, with_defaults=True)
     check.set_defaults(func=cmd_check)
 
     shown = commands.add_parser("settings", help="show the settings in effect, or their reference")
@@ -454,7 +479,28 @@ def _connection_options(with_defaults: bool) -> argparse.ArgumentParser:
                          help="bearer token for writes (env SPECPILOT_POLICY_TOKEN)")
     options.add_argument("--timeout", type=float, default=default(10.0),
                          help="per call, seconds")
+    _add_tls_options(options, with_defaults)
     return options
+
+
+# The client's TLS options: flag, environment variable, help.
+TLS_OPTIONS = (
+    ("--tls-ca", "SPECPILOT_TARGET_TLS_CA",
+     "PEM CA that signed the controller's certificate: talk TLS (a controller with "
+     "tls_cert_file)"),
+    ("--tls-cert", "SPECPILOT_TARGET_TLS_CERT",
+     "PEM client certificate, for a controller that requires one (tls_client_ca_file)"),
+    ("--tls-key", "SPECPILOT_TARGET_TLS_KEY", "PEM key of --tls-cert"),
+    ("--tls-server-name", "SPECPILOT_TARGET_TLS_SERVER_NAME",
+     "check the controller's certificate for this name instead of the target's host"),
+)
+
+
+def _add_tls_options(parser: argparse.ArgumentParser, with_defaults: bool) -> None:
+    for flag, env, text in TLS_OPTIONS:
+        parser.add_argument(flag, metavar="FILE" if flag != "--tls-server-name" else "NAME",
+                            default=os.environ.get(env) if with_defaults else argparse.SUPPRESS,
+                            help=f"{text} (env {env})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

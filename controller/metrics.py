@@ -45,6 +45,11 @@ class Metrics:
             "validation (a field failed the checks), oversized (above max_report_bytes), "
             "before_hello (a stream that did not open with a hello).",
             ["reason"], registry=r)
+        self._reports_shed = Counter(
+            "specpilot_reports_shed",
+            "Engine reports shed unapplied because reports had used their share of the "
+            "controller's loop (report_budget_share); the engine sends them again later.",
+            registry=r)
         self._hellos = Counter(
             "specpilot_engine_hellos", "Engine hellos, by outcome.", ["outcome"], registry=r)
         self._classes_folded = Counter(
@@ -105,6 +110,16 @@ class Metrics:
     # --- events --------------------------------------------------------------------------------
     def report_received(self) -> None:
         self._reports_received.inc()
+
+    def watch_loop_lag(self, lag: Callable[[], float]) -> None:
+        """Export ``lag()`` (``overload.LoopLag``) as the loop-lag gauge."""
+        Gauge("specpilot_event_loop_lag_seconds",
+              "How late the controller's event loop last ran a 100 ms timer, seconds: above "
+              "a few tens of ms something starves it.", registry=self.registry
+              ).set_function(lag)
+
+    def report_shed(self) -> None:
+        self._reports_shed.inc()
 
     def report_rejected(self, reason: RejectReason) -> None:
         self._reports_rejected.labels(reason).inc()
@@ -209,7 +224,7 @@ def _engines(snap: CoreSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "specpilot_engine_policy_versions_behind",
         "How many policy versions the most outdated engine's last report was behind.",
-        value=max((snap.version - e.policy_version_applied for e in engines), default=0))
+        value=max((e.versions_behind for e in engines), default=0))
 
 
 def _acceptance(snap: CoreSnapshot) -> Iterator[Metric]:

@@ -19,7 +19,16 @@ from dataclasses import MISSING, dataclass, fields
 from functools import partial
 from pathlib import Path
 from types import GenericAlias
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Literal,
+    TypeVar,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import yaml
 from pydantic import AfterValidator, SecretStr, ValidationError, create_model, model_validator
@@ -70,6 +79,30 @@ class ServerConfig:
     allow_unauthenticated_engines: bool = False
     """Accept engine streams without a token although grpc_host is not loopback: only on a
     network where every client is trusted (anyone who reaches the port could steer policy)."""
+    tls_cert_file: str = ""
+    """PEM certificate (chain) of both listeners: with tls_key_file set, gRPC serves TLS and
+    HTTP serves HTTPS; both or neither. Read at start-up (a rotated certificate takes a
+    restart)."""
+    tls_key_file: str = ""
+    """PEM private key (unencrypted) of tls_cert_file; it must match the certificate."""
+    tls_client_ca_file: str = ""
+    """PEM CA bundle that engine client certificates must be signed by (mTLS; needs
+    tls_cert_file): an engine stream without a verified client certificate is refused
+    (UNAUTHENTICATED), and engine streams then need no engine_token to listen beyond loopback.
+    Which gRPC clients must present one: tls_client_auth. HTTP never asks for one."""
+    tls_client_auth: Literal["all", "engines"] = "all"
+    """With tls_client_ca_file: "all": every client of the gRPC port (policy API, health,
+    reflection, engines) must present a client certificate signed by it, or the handshake
+    fails; "engines": only engine streams, on engine_grpc_port (which requires one at the
+    handshake), while grpc_port asks no client certificate and refuses engine streams
+    (UNAUTHENTICATED)."""
+    engine_grpc_port: int | None = tunable(None, ge=0, le=65535)
+    """Port of the engines' mTLS listener on grpc_host (tls_client_auth "engines" only, and
+    needed there); 0 picks a free one; unset: no second listener."""
+    tls_bind_engine_id: bool = False
+    """With tls_client_ca_file: an engine's hello must name an engine_id equal to its client
+    certificate's common name or one of its subject alternative names, else PERMISSION_DENIED,
+    so one engine's certificate cannot take over another engine's id."""
     max_report_bytes: int = tunable(1 << 20, ge=1024)
     """Largest accepted engine report, bytes; larger ones are rejected with a reason and the
     stream stays up."""
@@ -79,6 +112,11 @@ class ServerConfig:
     """Shortest time between two report-prompted decide rounds, seconds (a round that took
     longer spaces the next by its own duration): reports that arrive closer together share one
     round; a lone report is decided at once."""
+    report_budget_share: float = tunable(0.5, gt=0, le=1)
+    """Share of the controller's event loop that engine reports (their ingest and the decide
+    rounds they prompt) may take per second, ratio; reports beyond it are shed unapplied
+    (RESOURCE_EXHAUSTED; the plugin sends them again later and slows its reports), so health
+    checks and the policy API always find the loop free. 1 never sheds below saturation."""
     fail_static_timeout_seconds: float = tunable(30.0, gt=0)
     """Engines fall back to their static config after this long without hearing from the
     controller, seconds."""

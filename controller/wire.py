@@ -241,6 +241,7 @@ def hello_ack_to_proto(
     report_interval_seconds: float,
     batch_bucket_upper_bounds: tuple[int, ...],
     max_classes: int,
+    policy_epoch: int,
 ) -> engine_pb2.HelloAck:
     return engine_pb2.HelloAck(
         controller_version=controller_version,
@@ -250,6 +251,7 @@ def hello_ack_to_proto(
         report_interval_seconds=report_interval_seconds,
         batch_bucket_upper_bounds=batch_bucket_upper_bounds,
         max_classes=max_classes,
+        policy_epoch=policy_epoch,
     )
 
 
@@ -397,7 +399,8 @@ def policy_response_to_proto(snap: CoreSnapshot, classes: tuple[ClassView, ...],
         engine_status=[policy_pb2.EngineStatus(
             engine_id=e.engine_id, model=e.model, running_requests=e.running_requests,
             report_age_seconds=e.report_age_seconds,
-            policy_version_applied=e.policy_version_applied, hardware=e.hardware)
+            policy_version_applied=e.policy_version_applied, hardware=e.hardware,
+            versions_behind=e.versions_behind)
             for e in snap.engines],
     )
 

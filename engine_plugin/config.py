@@ -52,6 +52,19 @@ class PluginConfig:
     """Bearer token for the controller's engine stream (its ``engine_token``); empty: none
     (a controller listening on loopback only needs none). Set it from a Secret, not on a
     command line."""
+    tls_ca_file: str = ""
+    """PEM CA bundle that signed the controller's certificate: set, the stream uses TLS and
+    verifies the controller against it; empty: plaintext. Read at every connect (a TLS failure
+    is logged once per outage, and the engine keeps serving on its last policy, then its
+    static configuration)."""
+    tls_cert_file: str = ""
+    """PEM client certificate for a controller that requires one (its tls_client_ca_file:
+    mTLS); with tls_key_file, and needs tls_ca_file."""
+    tls_key_file: str = ""
+    """PEM private key (unencrypted) of tls_cert_file."""
+    tls_server_name: str = ""
+    """Name the controller's certificate is checked for instead of the host of ``controller``
+    (e.g. the Service's DNS name while connecting to 127.0.0.1); needs tls_ca_file."""
     engine_id: str = field(default_factory=default_engine_id,
                            metadata={SHOWN_DEFAULT: "<hostname>-<pid>"})
     """This engine's id on the controller; a reconnecting engine must keep its id."""
@@ -210,6 +223,14 @@ def _check(c: PluginConfig) -> None:
             raise bad("controller", str(exc)) from None
     if not c.engine_id.strip():
         raise bad("engine_id", "must not be empty")
+    if bool(c.tls_cert_file) != bool(c.tls_key_file):
+        given, missing = (("tls_cert_file", "tls_key_file") if c.tls_cert_file
+                          else ("tls_key_file", "tls_cert_file"))
+        raise bad(given, f"needs {env_name(missing)} too (a client certificate and its key)")
+    for name in ("tls_cert_file", "tls_server_name"):
+        if getattr(c, name) and not c.tls_ca_file:
+            raise bad(name, f"needs {env_name('tls_ca_file')} (TLS is on only with the CA "
+                            "that verifies the controller)")
     if len(c.hardware) > MAX_HARDWARE_CHARS or not c.hardware.isprintable():
         raise bad("hardware", f"must be at most {MAX_HARDWARE_CHARS} printable characters")
     if type(c.max_classes) is not int or c.max_classes < 2:

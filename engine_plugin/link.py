@@ -47,7 +47,8 @@ import grpc
 
 from controller import wire
 from controller.core.types import EngineHello
-from engine_plugin.config import PluginConfig
+from controller.tls import TLSError, channel_credentials, server_name_options
+from engine_plugin.config import PluginConfig, env_name
 from engine_plugin.policy_view import PolicyView
 from engine_plugin.stats import ReportPayload
 from specpilot.v1 import engine_pb2
@@ -78,11 +79,28 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 # How often the request generator re-checks whether its stream ended or the link stops, seconds.
 _POLL_SECONDS = 0.05
+# What a failed TLS handshake is most likely about, and a connection the controller closed
+# during one (it refused the client certificate, or it speaks TLS to a plaintext plugin).
+_TLS_HINT = (f"TLS handshake failed: does {env_name('tls_ca_file')} sign the controller's "
+             f"certificate, is that valid for the controller's address or "
+             f"{env_name('tls_server_name')}, and does the controller serve TLS?")
+_CLOSED_HINTS = {
+    True: (f"if the controller requires client certificates, is {env_name('tls_cert_file')} "
+           "signed by its tls_client_ca_file?"),
+    False: f"if the controller serves TLS, set {env_name('tls_ca_file')}",
+}
 # Repeated warnings (rejected reports) are logged at most this often, seconds.
 _WARN_EVERY_SECONDS = 10.0
 # An idle stream gets an empty report after this many report intervals without one (or a third
 # of the fail-static timeout, if that is shorter).
 _HEARTBEAT_INTERVALS = 2.0
+# Reports kept until answered, so a shed one can be sent again (answers come in order, within
+# a few reports: more means the controller stopped answering).
+_IN_FLIGHT_KEPT = 64
+# Shedding stretches the report interval at most this many times, and each accepted report
+# brings it back by this factor.
+MAX_SHED_BACKOFF = 16.0
+SHED_RECOVERY = 1.25
 
 
 def backoff_delay(failures: int, initial: float, maximum: float, rng: random.Random) -> float:
@@ -100,6 +118,9 @@ class _Stream:
     ended: threading.Event = field(default_factory=threading.Event)
     acked: bool = False
     sequence: int = 0
+    # Reports sent and not answered yet, oldest first: (sequence, what was sent), so that a
+    # shed one can be sent again.
+    in_flight: deque[tuple[int, tuple[ReportPayload, int]]] = field(default_factory=deque)
 
 
 class _Throttled:
@@ -163,6 +184,12 @@ class ControllerLink:
         self._connected = False
         self._outage_warned = False
         self._rejected_warning = _Throttled(_WARN_EVERY_SECONDS)
+        self._shed_warning = _Throttled(_WARN_EVERY_SECONDS)
+        # An overloaded controller sheds reports: the interval stretches by this factor (x2 per
+        # shed report, back by 1/SHED_RECOVERY per accepted one) and nothing is sent before
+        # _hold_until (monotonic seconds).
+        self._backoff = 1.0
+        self._hold_until = 0.0
 
         # Counters (read them from any thread; written by one thread each).
         self.dropped = 0  # payloads dropped because the queue was full
@@ -171,6 +198,7 @@ class ControllerLink:
         self.heartbeats_sent = 0
         self.reports_accepted = 0
         self.reports_rejected = 0
+        self.reports_shed = 0  # answered RESOURCE_EXHAUSTED, queued again
         self.connects = 0  # HelloAcks received
         self.last_hello_ack: engine_pb2.HelloAck | None = None
 
@@ -195,8 +223,9 @@ class ControllerLink:
 
     @property
     def report_interval_seconds(self) -> float:
-        """How often the scheduler should submit: the controller's HelloAck value once known."""
-        return self._interval
+        """How often the scheduler should submit: the controller's HelloAck value once known,
+        stretched while the controller sheds reports."""
+        return self._interval * self._backoff
 
     @property
     def queued(self) -> int:
@@ -252,7 +281,9 @@ class ControllerLink:
 
     def _serve(self, stream: _Stream) -> None:
         """One Connect call, from the hello to the end of the stream."""
-        channel = grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        channel = self._open_channel()
+        if channel is None:
+            return
         try:
             connect = channel.stream_stream(
                 CONNECT_METHOD,
@@ -276,8 +307,45 @@ class ControllerLink:
             self._call = None
             stream.ended.set()
             with self._cond:
+                self._count_unanswered(stream)
                 self._cond.notify_all()
             channel.close()
+
+    def _count_unanswered(self, stream: _Stream) -> None:
+        """Reports a broken stream never answered count as dropped (reported to the next
+        stream): the controller may have applied them, so sending them again could count
+        them twice. Call with the lock held."""
+        for _, (payload, _) in stream.in_flight:
+            self.dropped += 1
+            self.records_dropped += payload.record_count
+            self._records_dropped_unreported += payload.record_count
+        stream.in_flight.clear()
+
+    def _open_channel(self) -> grpc.Channel | None:
+        """A channel for one attempt: TLS with SPECPILOT_PLUGIN_TLS_CA_FILE (files read now, so
+        a reconnect picks up a renewed certificate), else plaintext. None, logged at ERROR once
+        per outage, when a TLS file cannot be used: the attempt counts as failed."""
+        c = self._config
+        if not c.tls_ca_file:
+            return grpc.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        try:
+            credentials = channel_credentials(c.tls_ca_file, c.tls_cert_file, c.tls_key_file,
+                                              names=(env_name("tls_ca_file"),
+                                                     env_name("tls_cert_file"),
+                                                     env_name("tls_key_file")))
+        except TLSError as exc:
+            if not self._outage_warned:
+                self._outage_warned = True
+                log.error("specpilot: controller %s: cannot use the TLS files: %s; retrying with "
+                          "backoff (the engine keeps the last policy, then its static "
+                          "configuration)", self.target, exc)
+            else:
+                log.debug("specpilot: controller %s: TLS files still unusable: %s", self.target,
+                          exc)
+            return None
+        return grpc.secure_channel(self.target, credentials,
+                                   options=[*CHANNEL_OPTIONS,
+                                            *server_name_options(c.tls_server_name)])
 
     def _log_failure(self, exc: grpc.RpcError, stream: _Stream) -> None:
         """One warning per outage; the retries that follow log at debug level."""
@@ -290,6 +358,12 @@ class ControllerLink:
                                grpc.StatusCode.FAILED_PRECONDITION,
                                grpc.StatusCode.UNAUTHENTICATED,
                                grpc.StatusCode.PERMISSION_DENIED)
+            lowered = (details or "").lower()
+            if "handshake failed" in lowered:
+                refused = True  # so is a failed TLS handshake: say where to look
+                details = f"{details} ({_TLS_HINT})"
+            elif "socket closed" in lowered:
+                details = f"{details} ({_CLOSED_HINTS[bool(self._config.tls_ca_file)]})"
             log.log(logging.ERROR if refused else logging.WARNING,
                     "specpilot: controller %s: %s %s; reconnecting with backoff (the engine "
                     "keeps the last policy, then its static configuration)", self.target,
@@ -309,7 +383,7 @@ class ControllerLink:
                     if stream.ended.is_set() or self._stop.is_set():
                         return
                     if stream.acked:
-                        if self._queue:
+                        if self._queue and time.monotonic() >= self._hold_until:
                             item = self._queue.popleft()
                             break
                         if time.monotonic() - last_sent >= self._heartbeat_seconds():
@@ -324,6 +398,27 @@ class ControllerLink:
                 continue
             last_sent = time.monotonic()
             yield msg
+
+    def _on_shed(self, result: engine_pb2.ReportResult,
+                 sent: tuple[ReportPayload, int] | None) -> None:
+        """The controller is overloaded: send the payload again, first, after a pause, and
+        stretch the interval so this engine's share of the load falls."""
+        self.reports_shed += 1
+        self._backoff = min(self._backoff * 2.0, MAX_SHED_BACKOFF)
+        with self._cond:
+            self._hold_until = time.monotonic() + self._interval * self._backoff
+            if sent is not None:
+                if len(self._queue) >= self._queue_size:
+                    old, _ = self._queue.pop()  # the newest goes: the shed one is older
+                    self.dropped += 1
+                    self.records_dropped += old.record_count
+                    self._records_dropped_unreported += old.record_count
+                self._queue.appendleft(sent)
+            self._cond.notify_all()
+        self._shed_warning.warn(
+            "specpilot: controller %s is overloaded and shed report %d (%s); sending it again "
+            "and reporting every %.3g s for now", self.target, result.sequence, result.reason,
+            self.report_interval_seconds)
 
     def _heartbeat_seconds(self) -> float:
         return min(_HEARTBEAT_INTERVALS * self._interval,
@@ -341,6 +436,10 @@ class ControllerLink:
                 log.debug("specpilot: %d invalid records left out of report %d",
                           payload.ignored_records, stream.sequence)
             self.reports_sent += 1
+            with self._cond:
+                stream.in_flight.append((stream.sequence, item))
+                if len(stream.in_flight) > _IN_FLIGHT_KEPT:
+                    stream.in_flight.popleft()
         # Bucketed now, under the bounds of the controller this stream reaches.
         report = payload.report(stream.sequence, version, dropped, self._view.bucket_bounds)
         return engine_pb2.ConnectRequest(report=wire.report_to_proto(report))
@@ -355,7 +454,7 @@ class ControllerLink:
             elif kind == "policy":
                 self._view.apply(msg.policy)
             elif kind == "report_result":
-                self._on_result(msg.report_result)
+                self._on_result(msg.report_result, stream)
         except Exception:  # one odd message must not cost the stream
             log.exception("specpilot: could not apply a controller message")
 
@@ -371,6 +470,14 @@ class ControllerLink:
         for rejected in ack.rejected_drafts:
             log.error("specpilot: controller %s REFUSED draft %r: %s. The controller will not "
                       "choose it for this engine.", self.target, rejected.name, rejected.reason)
+        previous = self.last_hello_ack
+        if previous is not None and ack.policy_epoch != previous.policy_epoch:
+            # A restarted controller: its class table starts afresh, so names the old one
+            # folded into "other" may be tracked now. Its versions continue above the old ones.
+            log.info("specpilot: controller %s restarted (policy epoch %d -> %d); classes it "
+                     "folded are forgotten", self.target, previous.policy_epoch,
+                     ack.policy_epoch)
+            self._view.forget_folded_classes()
         self.last_hello_ack = ack
         self.connects += 1
         self._outage_warned = False
@@ -387,9 +494,17 @@ class ControllerLink:
             self._connected = True
             self._cond.notify_all()
 
-    def _on_result(self, result: engine_pb2.ReportResult) -> None:
+    def _on_result(self, result: engine_pb2.ReportResult, stream: _Stream) -> None:
+        with self._cond:
+            sent = None
+            while stream.in_flight and stream.in_flight[0][0] <= result.sequence:
+                seq, item = stream.in_flight.popleft()
+                sent = item if seq == result.sequence else None
         if result.accepted:
             self.reports_accepted += 1
+            self._backoff = max(1.0, self._backoff / SHED_RECOVERY)
+        elif result.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+            self._on_shed(result, sent)
         else:
             self.reports_rejected += 1
             self._rejected_warning.warn(

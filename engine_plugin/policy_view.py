@@ -130,6 +130,16 @@ class PolicyView:
         if folded != self._folded:
             self._folded = folded
 
+    @property
+    def folded_classes(self) -> frozenset[str]:
+        """Classes that follow "other"'s decisions, as the controller said."""
+        return self._folded
+
+    def forget_folded_classes(self) -> None:
+        """A new controller (another epoch) folds afresh: every class follows its own
+        decisions again until the controller says otherwise."""
+        self._folded = frozenset()
+
     def heard_from_controller(self) -> None:
         self._heard_at = self._clock()
 

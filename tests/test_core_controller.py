@@ -538,3 +538,114 @@ def test_a_decision_line_says_what_changed_and_why_in_numbers() -> None:
     other = Decision("code", 3, "ngram", 2, Reason.EXPLORE, 1.1)
     assert decision_text(DecisionEvent(9, 3.0, other, new), ex, None).startswith(
         "code: draft d -> ngram at K=2 at batch 24 (explore)")
+
+
+def test_policy_versions_carry_the_epoch_and_engines_count_versions_of_this_epoch() -> None:
+    from controller.core.controller import EPOCH_SHIFT, epoch_at
+
+    earlier, later = epoch_at(1_800_000_000.0), epoch_at(1_800_000_000.1)
+    assert later == earlier + 1
+    first = ControllerCore(core_config(load_settings()), np.random.default_rng(0), epoch=earlier)
+    first.connect_engine(HELLO, now=0.0)
+    assert first.version == earlier << EPOCH_SHIFT
+    for t in range(1, 40):  # many rounds of a busy controller
+        first.ingest("e1", _good(t), now=float(t))
+        first.decide(float(t))
+    assert first.version > earlier << EPOCH_SHIFT
+    # A restart a tenth of a second later starts above everything the first one sent.
+    second = ControllerCore(core_config(load_settings()), np.random.default_rng(0), epoch=later)
+    assert second.version > first.version
+    # Behind: the versions of this epoch not applied yet; an engine on its static configuration
+    # (0) or on the previous controller's policy is behind by all of them.
+    second.connect_engine(HELLO, now=0.0)
+    second.decide(1.0)
+    for applied, behind in ((0, second.version - (later << EPOCH_SHIFT) + 1),
+                            (first.version, second.version - (later << EPOCH_SHIFT) + 1),
+                            (second.version, 0)):
+        second.ingest("e1", replace(_good(1), policy_version=applied), now=2.0)
+        assert second.snapshot(2.0).engines[0].versions_behind == behind
+        second.connect_engine(HELLO, now=2.0)  # a new stream: sequences start again
+    with pytest.raises(ValueError, match="epoch"):
+        ControllerCore(core_config(load_settings()), np.random.default_rng(0), epoch=-1)
+
+
+def _classes(core: ControllerCore, now: float = 0.0) -> set[str]:
+    return {c.name for c in core.snapshot(now).classes}
+
+
+def _names(*names: str, seq: int = 1) -> EngineReport:
+    """A report whose acceptance records name each of ``names`` once."""
+    return replace(_good(seq), acceptance=tuple(
+        AcceptanceRecord(n, "d", 3, (1, 1, 1, 1)) for n in names), finished=())
+
+
+def test_an_engine_cannot_take_every_class_slot_while_another_is_connected() -> None:
+    core = _core(max_classes=16)  # e1 connected; 14 slots beside "default" and "other"
+    core.ingest("e1", _names("chat"), now=1.0)
+    core.connect_engine(replace(HELLO, engine_id="rogue"), now=1.0)
+    junk = [f"junk-{i}" for i in range(21)]
+    result = core.ingest("rogue", _names(*junk), now=2.0)
+    # Its share: 14 slots over two engines.
+    assert len(_classes(core) & set(junk)) == 7 and len(result.folded_classes) == 14
+    # The real engine still brings new classes.
+    assert not core.ingest("e1", _names("code", seq=2), now=3.0).folded_classes
+    assert {"chat", "code"} <= _classes(core)
+    # Alone, an engine may use every slot.
+    solo = _core(max_classes=16)
+    solo.ingest("e1", _names(*junk), now=1.0)
+    assert len(_classes(solo) & set(junk)) == 15
+
+
+def test_a_departed_engines_classes_give_their_slots_to_new_ones() -> None:
+    core = _core(max_classes=5, declared_classes=["known"])  # default, known, other + 2
+    core.connect_engine(replace(HELLO, engine_id="gone"), now=0.0)
+    core.ingest("gone", _names("g1", "g2"), now=1.0)  # share: 2 over 2 engines = 1 each
+    assert _classes(core) == {"default", "known", "g1", OTHER_CLASS}
+    core.ingest("e1", _names("chat"), now=2.0)
+    assert "chat" in _classes(core)
+    # The table is full; a new class of e1 folds while g1's engine is connected...
+    assert core.ingest("e1", _names("code", seq=2), now=3.0).folded_classes == ("code",)
+    core.disconnect_engine("gone")
+    # ...and takes g1's slot once it has left (e1 is alone now: its share is both slots).
+    assert not core.ingest("e1", _names("code", seq=3), now=4.0).folded_classes
+    assert _classes(core) == {"default", "known", "chat", "code", OTHER_CLASS}
+    assert not core.estimate("g1", "d", 4.0).has_evidence  # forgotten with its slot
+
+
+def test_idle_classes_age_out_except_declared_and_overridden_ones() -> None:
+    core = _core(max_classes=8, declared_classes=["known"], class_idle_seconds=100.0)
+    core.ingest("e1", _names("old", "pinned", "busy"), now=1.0)
+    core.set_override(Override("pinned", pin_k=1))
+    core.decide(1.0)
+    version = core.version
+    assert core.forget_idle_classes(50.0) == ()
+    core.ingest("e1", _names("busy", seq=2), now=60.0)
+    assert core.forget_idle_classes(150.0) == ("old",)
+    assert _classes(core, 150.0) == {"default", "known", "pinned", "busy"}
+    assert not core.estimate("old", "d", 150.0).has_evidence
+    core.decide(150.0)
+    assert core.version > version  # engines hear the class is gone
+    # An engine that stays connected but stopped naming a class lets it age out too.
+    assert core.forget_idle_classes(161.0) == ("busy",)
+    # Overrides only for classes that exist or are declared.
+    core.check_operator_override(Override("known", force_off=True))
+    with pytest.raises(ValueError, match=r"override\.traffic_class"):
+        core.check_operator_override(Override("old", force_off=True))
+
+
+def test_a_class_the_report_names_is_never_evicted_for_another_it_names() -> None:
+    core = _core(max_classes=5)  # default, other + 3 slots
+    core.connect_engine(replace(HELLO, engine_id="a"), now=0.0)
+    core.ingest("a", _names("chat", "code", "batch"), now=1.0)
+    core.disconnect_engine("a")
+    # "x" needs a vacant slot; "batch" (vacant, and named here too) must not be the one.
+    result = core.ingest("e1", _names("x", "batch"), now=2.0)
+    assert not result.folded_classes
+    assert {"x", "batch"} <= _classes(core) and "chat" not in _classes(core)
+
+
+def test_an_engine_ahead_of_this_controllers_versions_is_not_behind() -> None:
+    core = _core()
+    core.decide(1.0)
+    core.ingest("e1", replace(_good(1), policy_version=core.version + 1000), now=2.0)
+    assert core.snapshot(2.0).engines[0].versions_behind == 0

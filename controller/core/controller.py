@@ -47,6 +47,7 @@ from controller.core.policy import (
     PolicyConfig,
     arm_values,
     decide_class,
+    offered,
 )
 from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
 from controller.core.snapshot import (
@@ -110,9 +111,21 @@ class CoreConfig:
     batch and each bucket's mean batch size (a bucket's decisions are priced at it), seconds.
     Short, so that decisions follow a mix or load that moves within minutes."""
     max_classes: int = tunable(16, ge=1, le=256)
-    """Distinct class names tracked; more fold into 'other'."""
+    """Distinct class names tracked ('default' and declared classes included); more fold into
+    'other'. With several engines connected, each may bring new classes only while it holds
+    fewer than its share of the slots left after the declared ones and 'other' (those slots
+    over the engines, rounded up), so one engine cannot take them all."""
     offline_classes: frozenset[str] = tunable(frozenset())
-    """Classes of prefill-dominated batch work."""
+    """Classes of prefill-dominated batch work (declared: they hold a slot from the start)."""
+    declared_classes: frozenset[str] = tunable(frozenset())
+    """Classes known before any traffic: each holds a slot from the start and never gives it
+    back, and operators may override them before an engine reports them (an override must name
+    a declared class or one an engine has reported)."""
+    class_idle_seconds: float = tunable(900.0, gt=0)
+    """A class no engine has reported for this long, neither declared nor under an override of
+    its own, gives its slot back and its estimates are forgotten, seconds. A class whose every
+    reporting engine disconnected gives its slot to a new class at once when the table is
+    full."""
     decision_log_size: int = tunable(1000, ge=1)
     """Decisions kept for watch/replay."""
 
@@ -153,11 +166,33 @@ class _ClassState:
     decided_at: dict[int, float] = field(default_factory=dict)
     evidence_at: float = -math.inf
     change_pending: bool = False
+    # Connected engines that reported the class, and when each last did; when anyone last did.
+    holders: dict[str, float] = field(default_factory=dict)
+    reported_at: float = -math.inf
+
+
+# A policy version is epoch x 2^EPOCH_SHIFT + the rounds that changed the policy since start, so a
+# restarted controller (a later epoch: its start time in tenths of a second, EPOCHS_PER_SECOND)
+# never sends a version below one its predecessor sent, unless that one made over 2^16 versions
+# per tenth of a second of uptime (a round changes the policy at most ~100 times a second).
+# 2^16 keeps versions below 2^53 until the year 6000: exact in JSON and JavaScript.
+EPOCH_SHIFT = 16
+EPOCHS_PER_SECOND = 10
+
+
+def epoch_at(unix_seconds: float) -> int:
+    """The policy epoch of a controller started at ``unix_seconds``."""
+    return int(unix_seconds * EPOCHS_PER_SECOND)
 
 
 class ControllerCore:
-    def __init__(self, config: CoreConfig, rng: np.random.Generator) -> None:
+    def __init__(self, config: CoreConfig, rng: np.random.Generator, epoch: int = 0) -> None:
+        """``epoch``: the first part of every policy version (``EPOCH_SHIFT``); the server
+        passes its start time (``epoch_at``), the simulator and tests 0."""
+        if not 0 <= epoch < 2 ** (63 - EPOCH_SHIFT):
+            raise ValueError(f"epoch: {epoch} outside 0..2^{63 - EPOCH_SHIFT}")
         self.config = config
+        self.epoch = epoch
         self._rng = rng
         self._estimator = AcceptanceEstimator(config.estimator)
         self._mix = ClassMix(config.traffic_half_life_seconds)
@@ -179,14 +214,18 @@ class ControllerCore:
         self._loads = BucketLoads(config.batch_bucket_upper_bounds,
                                   config.traffic_half_life_seconds)
         self._classes: dict[str, _ClassState] = {DEFAULT_CLASS: _ClassState()}
-        # Offline classes are known before their first request, so they are pinned off from the
-        # first policy on instead of running the warm-up K until a report names them.
-        for name in sorted(config.offline_classes)[: max(config.max_classes - 1, 0)]:
+        # Declared and offline classes are known before their first request (offline ones are
+        # pinned off from the first policy on instead of running the warm-up K until a report
+        # names them); they hold their slots for good.
+        self._declared = frozenset({DEFAULT_CLASS}) | frozenset(
+            sorted(config.offline_classes | config.declared_classes)[: config.max_classes - 1])
+        for name in sorted(self._declared):
             self._classes.setdefault(name, _ClassState())
         # By scope, then class: this pod's own and the fleet's (set_fleet_overrides).
         self._overrides: dict[OverrideScope, dict[str, Override]] = {
             scope: {} for scope in OverrideScope}
-        self._version = 0
+        self._version = epoch << EPOCH_SHIFT
+        self._forgotten = False  # a class was forgotten since the last version
         self._log: deque[DecisionEvent] = deque(maxlen=config.decision_log_size)
 
     # --- engines ----------------------------------------------------------------------------
@@ -254,8 +293,16 @@ class ControllerCore:
         when no model is configured (cheaper than a snapshot)."""
         return next((e.hello.model for e in self._engines.values() if e.hello.model), "")
 
+    def heard_from(self, engine_id: str, now: float) -> None:
+        """The engine sent something (a report the server shed): not silent."""
+        engine = self._engines.get(engine_id)
+        if engine is not None:
+            engine.last_report_at = max(engine.last_report_at, now)
+
     def disconnect_engine(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)
+        for state in self._classes.values():
+            state.holders.pop(engine_id, None)
 
     def drafts(self) -> tuple[DraftSpec, ...]:
         """Drafts every connected engine accepted (union; first-seen order)."""
@@ -270,6 +317,75 @@ class ControllerCore:
         """The tracked class for ``name`` now (unknown names beyond the limit map to "other")."""
         return fold_class(name, self._classes, self.config.max_classes)
 
+    # --- class slots ------------------------------------------------------------------------
+    def _evictable(self, name: str, state: _ClassState) -> bool:
+        """Whether the class may give its slot back: not declared, not "other", no override
+        of its own (an override pins what its traffic runs once it comes)."""
+        return (name not in self._declared and name != OTHER_CLASS
+                and not any(name in layer for layer in self._overrides.values()))
+
+    def _admit(self, engine_id: str, names: Iterable[str]
+               ) -> tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]:
+        """The class each of a report's names counts under, the names it admits and the
+        classes it evicts for them; nothing changes (``ingest`` applies it). A new name takes a
+        free slot, else the slot of the least recently reported class no connected engine
+        holds; it folds into "other" when there is none, or when the engine holds its share of
+        the slots already (``CoreConfig.max_classes``)."""
+        mapping, admitted = fold_classes(names, self._classes, self.config.max_classes)
+        folded = [n for n, v in mapping.items() if v == OTHER_CLASS and n != OTHER_CLASS]
+        held = sum(engine_id in s.holders for n, s in self._classes.items()
+                   if n not in self._declared and n != OTHER_CLASS)
+        # With several engines: the slots left after the declared classes and "other" (one
+        # slot, as the plugin's classifier counts it), over the engines, rounded up. Alone, an
+        # engine may fill the table.
+        free = self.config.max_classes - len(self._declared) - 1
+        n = len(self._engines)
+        share = -(-free // n) if n > 1 else self.config.max_classes
+        kept = []
+        for name in admitted:  # free slots
+            if held < share:
+                kept.append(name)
+                held += 1
+            else:
+                mapping[name] = OTHER_CLASS
+        named = set(mapping.values())  # never evict a class this report names
+        vacant = sorted((s.reported_at, n) for n, s in self._classes.items()
+                        if not s.holders and n not in named and self._evictable(n, s))
+        evicted = []
+        for name in folded:  # slots of departed engines' classes
+            if held >= share or not vacant:
+                break
+            evicted.append(vacant.pop(0)[1])
+            mapping[name] = name
+            kept.append(name)
+            held += 1
+        return mapping, tuple(kept), tuple(evicted)
+
+    def forget_class(self, name: str) -> None:
+        """Free the class's slot: its decisions, estimates, share of the mix and measured
+        speedup are forgotten (the decision log keeps its history)."""
+        if self._classes.pop(name, None) is not None:
+            self._forgotten = True  # the next round's policy no longer lists it
+        self._estimator.forget_class(name)
+        self._mix.forget(name)
+        self._served.forget(name)
+        for arms in self._joint.values():
+            arms.pop(name, None)
+
+    def forget_idle_classes(self, now: float) -> tuple[str, ...]:
+        """Free the slots of classes no engine reported for ``class_idle_seconds`` (except
+        declared ones and those under an override of their own); returns their names."""
+        limit = now - self.config.class_idle_seconds
+        for state in self._classes.values():
+            for engine_id in [e for e, at in state.holders.items() if at < limit]:
+                del state.holders[engine_id]
+        idle = tuple(sorted(n for n, s in self._classes.items()
+                            if s.reported_at < limit and not s.holders
+                            and self._evictable(n, s)))
+        for name in idle:
+            self.forget_class(name)
+        return idle
+
     def ingest(self, engine_id: str, report: EngineReport, now: float) -> IngestResult:
         """Validate, then apply a report. On ReportRejected nothing has changed."""
         engine = self._engines.get(engine_id)
@@ -280,10 +396,15 @@ class ControllerCore:
         # Class mapping is decided before any state changes, in report order.
         names = [r.traffic_class for r in report.acceptance] + [
             r.traffic_class for r in report.finished]
-        mapping, pending_new = fold_classes(names, self._classes, self.config.max_classes)
+        mapping, pending_new, evicted = self._admit(engine_id, names)
         # --- apply (nothing below can fail) ---
+        for name in evicted:
+            self.forget_class(name)
         for name in [*pending_new, *(v for v in mapping.values() if v == OTHER_CLASS)]:
             self._classes.setdefault(name, _ClassState())
+        for cls in set(mapping.values()):
+            self._classes[cls].holders[engine_id] = now
+            self._classes[cls].reported_at = now
         changes: list[tuple[str, str]] = []
         for rec in report.acceptance:
             cls = mapping[rec.traffic_class]
@@ -487,13 +608,15 @@ class ControllerCore:
     def _holds(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...]) -> bool:
         """Whether deciding the class would keep every bucket's decision as it is (what
         ``decide_bucket`` does for a settled bucket without new evidence): no override, no
-        detected change, not offline, and each bucket settled and not fresh."""
+        detected change, not offline, and each bucket settled (on an arm the connected engines
+        offer) and not fresh."""
         if (state.change_pending or not drafts or name in self.config.offline_classes
                 or self._override_for(name) is not None):
             return False
         for b in range(self.config.n_buckets):
             d = state.decisions.get(b)
-            if d is None or d.reason in (Reason.WARMUP, Reason.OVERRIDE) or self._fresh(state, b):
+            if (d is None or d.reason in (Reason.WARMUP, Reason.OVERRIDE)
+                    or self._fresh(state, b) or not offered(drafts, d)):
                 return False
         return True
 
@@ -557,8 +680,9 @@ class ControllerCore:
                 state.changed_at[new.bucket] = now
                 events.append(DecisionEvent(0, now, new, old))
             state.change_pending = False
-        if material:
+        if material or self._forgotten:
             self._version += 1
+            self._forgotten = False
         stamped = [DecisionEvent(self._version, e.at, e.decision, e.previous) for e in events]
         self._log.extend(stamped)
         return stamped
@@ -699,7 +823,9 @@ class ControllerCore:
         """What an operator's override must also satisfy (the policy API's bounds; overrides
         the core is given directly, as in tests, skip them): K at most the policy's max K, a
         forced draft one of the connected engines offers (any, before an engine connects: it
-        cannot be known), a note of at most MAX_NOTE_CHARS. ValueError naming the field."""
+        cannot be known), a note of at most MAX_NOTE_CHARS, and a class that is declared or
+        that an engine has reported (else any client could take the class slots with
+        overrides). ValueError naming the field."""
         self.check_override(override)
         if override.pin_k is not None and not 0 <= override.pin_k <= self.config.policy.max_k:
             raise ValueError(f"override.pin_k: {override.pin_k} outside 0..max_k "
@@ -712,6 +838,11 @@ class ControllerCore:
         if len(override.note) > MAX_NOTE_CHARS:
             raise ValueError(f"override.note: {len(override.note)} characters, at most "
                              f"{MAX_NOTE_CHARS}")
+        name = override.traffic_class
+        if name != ALL_CLASSES and name not in self._classes:
+            raise ValueError(
+                f"override.traffic_class: {name[:80]!r} is neither a class an engine has "
+                "reported nor a declared one (declared_classes)")
 
     def _track_override_class(self, override: Override) -> None:
         self.check_override(override)
@@ -751,6 +882,12 @@ class ControllerCore:
         """Version of the policy: moves when a decide round changed what engines must apply."""
         return self._version
 
+    def _versions_behind(self, applied: int) -> int:
+        start = self.epoch << EPOCH_SHIFT
+        if applied < start:  # its static configuration, or a previous controller's policy
+            return self._version - start + 1
+        return max(self._version - applied, 0)  # above ours: a later controller's, not behind
+
     def decision(self, traffic_class: str, bucket: int) -> Decision | None:
         state = self._classes.get(traffic_class)
         return state.decisions.get(bucket) if state else None
@@ -785,6 +922,7 @@ class ControllerCore:
                 last_sequence=e.last_sequence,
                 policy_version_applied=e.policy_version_applied,
                 hardware=e.hello.hardware,
+                versions_behind=self._versions_behind(e.policy_version_applied),
             )
             for engine_id, e in sorted(self._engines.items())
         )

@@ -89,6 +89,10 @@ class ServedSpeedup:
         _, t, c = self._sums.get(traffic_class, (0.0, 0.0, 0.0))
         return t / c if c > 0 else None
 
+    def forget(self, traffic_class: str) -> None:
+        self._sums.pop(traffic_class, None)
+        self._at.pop(traffic_class, None)
+
 
 @dataclass(frozen=True)
 class OtherClass:

@@ -25,7 +25,7 @@ expected speedup, the "losing by means" test and explanations. On top of the arg
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
@@ -228,7 +228,10 @@ def _mixed_arm_table(ctx: ClassContext, o: BatchOthers, seconds_fn: MixedSeconds
     r = arm_rates(o, ctx.drafts, curves, max_k, seconds_fn)
     own_off = o.self_count / r.step_seconds[0]
     attributed = own_off + r.batch_rate - r.batch_rate[0]
-    return ArmTable(r.keys, r.expected_tokens, r.step_seconds, attributed, attributed / own_off)
+    # An arm that takes more from the batch than the class's own rate scores below zero (the
+    # ranking keeps that), but a speedup is a ratio of rates: it reads 0, never negative.
+    return ArmTable(r.keys, r.expected_tokens, r.step_seconds, attributed,
+                    np.maximum(attributed / own_off, 0.0))
 
 
 def arm_values(ctx: ClassContext, batch_size: int, rates: Mapping[str, FloatArray],
@@ -280,6 +283,15 @@ def probe_plan(ctx: ClassContext, cfg: PolicyConfig, batch_size: int
     return min(rate, 1.0), k, best.name
 
 
+def offered(drafts: Sequence[DraftSpec], decision: Decision) -> bool:
+    """Whether the connected engines' ``drafts`` can run ``decision`` (its arm and its probe):
+    after an engine leaves, or reconnects with a smaller max K, a decision held from before may
+    name a draft or a K no engine offers any more."""
+    def runs(draft: str, k: int) -> bool:
+        return k == 0 or any(d.name == draft and k <= d.max_k for d in drafts)
+    return runs(decision.draft, decision.k) and runs(decision.probe_draft, decision.probe_k)
+
+
 def uses_model_draft(ctx: ClassContext, decision: Decision) -> bool:
     """Whether ``decision`` runs a model draft (otherwise it is off or on a deterministic draft,
     and the model draft's acceptance is learnt only by probing)."""
@@ -310,11 +322,19 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
         spec = next((d for d in ctx.drafts if d.name == ov.force_draft), None)
         if spec is None:  # the forced draft is not offered by the engine: speculate not at all
             return Decision(name, state.bucket, "", 0, Reason.OVERRIDE)
-        table = arm_table(replace(ctx, drafts=(spec,)), state.batch_size, ctx.sampled_curves,
-                          cfg.max_k)
-        i = 1 + int(np.argmax(table.goodput[1:]))  # the best K >= 1 with that draft
-        return Decision(name, state.bucket, spec.name, table.keys[i][1], Reason.OVERRIDE,
-                        float(table.speedup[i]))
+        held = state.current
+        if (not state.fresh and held is not None and held.reason is Reason.OVERRIDE
+                and held.draft == spec.name and offered(ctx.drafts, held)):
+            # K moves with new evidence only, as every other decision's: drawn every round, it
+            # flapped (a new policy version each report interval) with no traffic at all.
+            return held
+        only = replace(ctx, drafts=(spec,))
+        mean = arm_table(only, state.batch_size, ctx.mean_curves, cfg.max_k)
+        drawn = (arm_table(only, state.batch_size, ctx.sampled_curves, cfg.max_k)
+                 if state.fresh else mean)
+        i = 1 + int(np.argmax(drawn.goodput[1:]))  # the best K >= 1 with that draft
+        return Decision(name, state.bucket, spec.name, drawn.keys[i][1], Reason.OVERRIDE,
+                        float(mean.speedup[i]))
     pin = min(ov.pin_k or 0, cfg.max_k)
     if pin == 0:
         return Decision(name, state.bucket, "", 0, Reason.OVERRIDE)
@@ -348,7 +368,8 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
             name, state.bucket, first.name if k else "", k, Reason.WARMUP))
 
     current = state.current
-    settled = current is not None and current.reason not in (Reason.WARMUP, Reason.OVERRIDE)
+    settled = (current is not None and current.reason not in (Reason.WARMUP, Reason.OVERRIDE)
+               and offered(ctx.drafts, current))
     if settled and not state.fresh:
         # Also after a detected change: the bucket's next report with traffic re-decides it from
         # the posterior the change reset (one report interval at the old decision).
@@ -399,7 +420,7 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
                   and float(mean.speedup[cur]) < cfg.min_speedup)
         margin = 0.0 if ctx.recovering or (best_k == 0 and losing) else cfg.hysteresis_ratio
         within = cur is not None and scores[best_i] <= scores[cur] * (1.0 + margin)
-        if young or within:
+        if (young and offered(ctx.drafts, current)) or within:
             return _with_probe(ctx, cfg, state, current)
     return _with_probe(ctx, cfg, state, candidate)
 

@@ -131,6 +131,9 @@ class EngineView:
     # The policy version it said it ran in its last report.
     policy_version_applied: int
     hardware: str = ""  # what it runs on, as its hello said
+    # Policy versions of this epoch it has not applied yet (all of them while it runs its static
+    # configuration or a previous controller's policy).
+    versions_behind: int = 0
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,10 @@ MAX_ID_CHARS = 256
 
 
 def valid_class_name(name: object) -> bool:
-    """Whether ``name`` is a class name the controller accepts (the engine plugin uses it too)."""
+    """Whether ``name`` is a class name the controller accepts (the engine plugin uses it too).
+    In full: ``$`` also matches before a final newline, and "chat\\n" was taken as a class."""
     return (isinstance(name, str) and len(name) <= MAX_CLASS_NAME_LENGTH
-            and CLASS_NAME_PATTERN.match(name) is not None)
+            and CLASS_NAME_PATTERN.fullmatch(name) is not None)
 
 
 def check_class_name(name: str, where: str) -> None:
@@ -121,6 +122,15 @@ def check_hello(hello: EngineHello) -> None:
         if not (math.isfinite(p.seconds) and 0 < p.seconds <= MAX_PROFILE_SECONDS):
             raise ReportRejected(f"{where}.seconds: must be in (0, {MAX_PROFILE_SECONDS}], got "
                                  f"{p.seconds!r}")
+        # A shape the engine can run, as the timing groups of reports: 2^32-1 verified tokens
+        # made the cost model's precision matrix singular, and every decide round failed after.
+        batch_limit = hello.max_batch_size or MAX_BATCH_SIZE
+        if (p.batch_size > batch_limit or p.draft_passes > hello.max_k
+                or p.verified_tokens > p.batch_size * (1 + hello.max_k)):
+            raise ImplausibleInput(
+                f"{where}: batch_size {p.batch_size}, verified_tokens {p.verified_tokens}, "
+                f"draft_passes {p.draft_passes}: at most the engine's max batch size "
+                f"{batch_limit}, batch_size x (1 + max K {hello.max_k}) and max K")
 
 
 _SUMMARY_COUNTS = ("prompt_tokens", "output_tokens", "drafted_tokens", "accepted_tokens")

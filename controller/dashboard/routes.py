@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -67,6 +69,23 @@ EVENT_QUEUE_LIMIT = 5000
 AUDIT_SHOWN = 50
 _STATUS = {"unauthenticated": 401, "permission_denied": 403, "invalid": 400, "unavailable": 503}
 _Item = tuple[str, Any]  # (event name, payload); ("close", None) ends a stream
+
+
+def _finite_number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(text: str) -> Any:
+    """JSON as RFC 8259 has it: no NaN or Infinity, no number beyond a double (Python's parser
+    takes both, and ParseDict then raised OverflowError, a 500, on {"scope": Infinity})."""
+    return json.loads(text, parse_float=_finite_number, parse_constant=_no_constant)
 
 
 def _acceptance(snap: CoreSnapshot, e: DecisionEvent) -> tuple[float, float] | None:
@@ -208,9 +227,14 @@ class Dashboard:
     async def _write(self, request: web.Request, message: type[Any],
                      write: Callable[..., Any]) -> web.Response:
         try:
-            body = await request.json()
+            body = await request.json(loads=_strict_json)
+            if not isinstance(body, dict):  # ParseDict raised TypeError (a 500) on null or [1]
+                raise ValueError(f"expected a JSON object ({message.DESCRIPTOR.name}), got "
+                                 f"{type(body).__name__}")
             msg = json_format.ParseDict(body, message())
-        except (ValueError, json_format.ParseError) as exc:
+        except (ValueError, LookupError, RecursionError, json_format.ParseError) as exc:
+            # LookupError: a charset Python does not know (Content-Type: ...; charset=bogus);
+            # RecursionError: JSON nested deeper than the parser goes ("[" * 100000).
             return json_response({"error": f"body: {exc}", "kind": "invalid"}, status=400)
         try:
             resp = await write(msg, request.headers.get("Authorization"),

@@ -25,13 +25,14 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from controller import package_version
-from controller.core.controller import ControllerCore
+from controller.core.controller import ControllerCore, epoch_at
 from controller.dashboard.routes import Dashboard
 from controller.metrics import Metrics
-from controller.server.engine_service import EngineService
+from controller.server.engine_service import ClientCertificates, EngineService
 from controller.server.fleet import FleetIdentity, FleetSync
 from controller.server.http import make_app
 from controller.server.hub import Hub
+from controller.server.overload import LoopLag, ReportBudget
 from controller.server.policy_service import PolicyService
 from controller.server.policy_writes import AuditLog, PolicyWriter
 from controller.server.stubs import add_engine_service, add_policy_service
@@ -44,6 +45,7 @@ from controller.settings import (
     server_config,
 )
 from controller.store.base import StateStore
+from controller.tls import ServerTLS, TLSError, server_tls
 from specpilot.v1 import engine_pb2, policy_pb2
 
 log = logging.getLogger(__name__)
@@ -97,14 +99,23 @@ class RunningServer:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _store: StateStore | None = None
     fleet: FleetSync | None = None
+    tls: bool = False  # both listeners serve TLS (tls_cert_file)
+    engine_grpc_port: int | None = None  # the engines' mTLS listener, if any
 
     @property
     def grpc_target(self) -> str:
         return f"{_host_for_url(self.grpc_host)}:{self.grpc_port}"
 
     @property
+    def engine_grpc_target(self) -> str:
+        """Where engines connect: the mTLS listener where there is one, else the gRPC port."""
+        port = self.grpc_port if self.engine_grpc_port is None else self.engine_grpc_port
+        return f"{_host_for_url(self.grpc_host)}:{port}"
+
+    @property
     def http_url(self) -> str:
-        return f"http://{_host_for_url(self.http_host)}:{self.http_port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{_host_for_url(self.http_host)}:{self.http_port}"
 
     async def stop(self, grace_seconds: float = 1.0) -> None:
         """Report NOT_SERVING, flush to the shared store (within the grace; none with 0, as
@@ -163,13 +174,17 @@ async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: f
     """Re-decide without waiting for reports, so overrides and the decaying probe share reach
     the engines within one report interval even when none is reporting; refresh the joint
     search, a bucket per loop turn (each costs up to ~25 ms with 8 classes: one at a time, a
-    report waits behind one at most); and drop engines silent for ``silence_timeout``."""
+    report waits behind one at most); drop engines silent for ``silence_timeout``, and free
+    the slots of classes no engine reports any more."""
     while True:
         await asyncio.sleep(interval)
         try:
             for engine_id in hub.drop_silent(clock(), silence_timeout):
                 log.warning("engine %s: no report for %g s, stream ended", engine_id,
                             silence_timeout)
+            if idle := hub.forget_idle_classes(clock()):
+                log.info("classes no engine reported for class_idle_seconds gave their slots "
+                         "back: %s", ", ".join(idle))
             for _ in range(JOINT_BUCKETS_PER_ROUND):
                 hub.refresh_joint(clock())
                 await asyncio.sleep(0)
@@ -178,8 +193,63 @@ async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: f
             log.exception("periodic decide failed")
 
 
+def _listener_tls(settings: ServerConfig) -> ServerTLS | None:
+    """The listeners' TLS (None: plaintext); ServeError naming the setting for a file that is
+    missing, unreadable or does not fit, and for TLS settings that do not go together."""
+    try:
+        tls = server_tls(settings.tls_cert_file, settings.tls_key_file,
+                         settings.tls_client_ca_file, settings.tls_client_auth)
+    except TLSError as exc:
+        raise ServeError(str(exc)) from exc
+    mtls = tls is not None and tls.client_ca is not None
+    if settings.tls_bind_engine_id and not mtls:
+        raise ServeError("tls_bind_engine_id needs tls_client_ca_file (engine client "
+                         "certificates to bind engine ids to)")
+    engines_only = mtls and settings.tls_client_auth == "engines"
+    if engines_only and settings.engine_grpc_port is None:
+        raise ServeError("tls_client_auth \"engines\" needs engine_grpc_port, the engines' "
+                         "mTLS listener (grpc_port then asks no client certificate)")
+    if settings.engine_grpc_port is not None and not engines_only:
+        raise ServeError("engine_grpc_port is the engines' mTLS listener: it needs "
+                         "tls_client_ca_file and tls_client_auth \"engines\"")
+    return tls
+
+
+def _engine_certificates(settings: ServerConfig,
+                         tls: ServerTLS | None) -> ClientCertificates | None:
+    """What EngineService requires of a stream's client certificate (None: nothing)."""
+    if tls is None or tls.client_ca is None:
+        return None
+    where = ("engines connect to engine_grpc_port, which checks it" if
+             settings.tls_client_auth == "engines" else "")
+    return ClientCertificates(bind_engine_id=settings.tls_bind_engine_id, where=where)
+
+
+def _bind_grpc(server: grpc.aio.Server, settings: ServerConfig, tls: ServerTLS | None
+               ) -> tuple[int, int | None]:
+    """Add the gRPC port (plaintext, TLS, or TLS requiring client certificates) and, with
+    tls_client_auth "engines", the engines' mTLS port; their numbers."""
+    host = _host_for_url(settings.grpc_host)
+    wanted = [(settings.grpc_port, tls is not None and tls.main_port_requires_client_certificates)]
+    if settings.engine_grpc_port is not None:
+        wanted.append((settings.engine_grpc_port, True))
+    ports: list[int] = []
+    for number, client_certificates in wanted:
+        address = f"{host}:{number}"
+        try:
+            if tls is None:
+                ports.append(server.add_insecure_port(address))
+            else:
+                ports.append(server.add_secure_port(address, tls.grpc_credentials(
+                    client_certificates=client_certificates)))
+        except RuntimeError as exc:
+            raise ServeError(f"cannot listen for gRPC on {address}: {exc}") from exc
+    return ports[0], ports[1] if len(ports) > 1 else None
+
+
 async def _start_grpc(settings: ServerConfig, engine: EngineService, policy: PolicyService,
-                      health: health_aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+                      health: health_aio.HealthServicer, tls: ServerTLS | None = None,
+                      ) -> tuple[grpc.aio.Server, int, int | None]:
     limit = RECEIVE_LIMIT_FACTOR * settings.max_report_bytes
     server = grpc.aio.server(options=[*KEEPALIVE_OPTIONS,
                                       ("grpc.max_receive_message_length", limit)])
@@ -189,21 +259,19 @@ async def _start_grpc(settings: ServerConfig, engine: EngineService, policy: Pol
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    address = f"{_host_for_url(settings.grpc_host)}:{settings.grpc_port}"
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise ServeError(f"cannot listen for gRPC on {address}: {exc}") from exc
+    port, engine_port = _bind_grpc(server, settings, tls)
     await server.start()
     for service in ("", *SERVICE_NAMES):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return server, port, engine_port
 
 
-async def _start_http(settings: ServerConfig, app: web.Application) -> tuple[web.AppRunner, int]:
+async def _start_http(settings: ServerConfig, app: web.Application,
+                      tls: ServerTLS | None = None) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.http_host, settings.http_port)
+    site = web.TCPSite(runner, settings.http_host, settings.http_port,
+                       ssl_context=tls.http_context if tls is not None else None)
     try:
         await site.start()
     except OSError as exc:
@@ -219,23 +287,31 @@ async def start_server(settings: Settings) -> RunningServer:
     """Start everything on the running loop; raise ServeError if a port cannot be bound."""
     clock = time.time
     server = server_config(settings)
-    core = ControllerCore(core_config(settings), np.random.default_rng(server.seed))
+    # The start time as the policy epoch: versions never go backwards across a restart.
+    core = ControllerCore(core_config(settings), np.random.default_rng(server.seed),
+                          epoch=epoch_at(clock()))
     metrics = Metrics(core, clock)
+    budget = ReportBudget(server.report_budget_share)
+    lag = LoopLag()
+    metrics.watch_loop_lag(lambda: lag.seconds)
     hub = Hub(core, metrics, clock, server.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT,
-              server.decide_min_interval_seconds)
+              server.decide_min_interval_seconds, budget)
     token, generated = _policy_token(server)
     engine_token = server.engine_token.get_secret_value() if server.engine_token else ""
-    if not engine_token and not server.allow_unauthenticated_engines \
+    tls = _listener_tls(server)
+    certificates = _engine_certificates(server, tls)
+    if not engine_token and certificates is None and not server.allow_unauthenticated_engines \
             and not _is_loopback(server.grpc_host):
         raise ServeError(
             f"grpc_host {server.grpc_host!r} is reachable beyond this host, and engine streams "
             "would need no credential: set engine_token (engines send it as "
-            "SPECPILOT_PLUGIN_TOKEN), or allow_unauthenticated_engines=true on a trusted "
-            "network")
+            "SPECPILOT_PLUGIN_TOKEN) or tls_client_ca_file (mTLS), or "
+            "allow_unauthenticated_engines=true on a trusted network")
     engine = EngineService(core, hub, metrics, controller_version=package_version(),
-                           engine_token=engine_token,
+                           engine_token=engine_token, client_certificates=certificates,
                            report_interval_seconds=server.report_interval_seconds,
-                           max_report_bytes=server.max_report_bytes, clock=clock)
+                           max_report_bytes=server.max_report_bytes, clock=clock,
+                           budget=budget)
     fleet_settings = fleet_config(settings)
     sidecar = fleet_settings.sidecar_id or socket.gethostname()
     store, fleet = None, None
@@ -251,11 +327,11 @@ async def start_server(settings: Settings) -> RunningServer:
     writer = PolicyWriter(core, hub, metrics, token, clock, sidecar, fleet, AuditLog())
     policy = PolicyService(core, hub, writer, clock, fleet)
     health = health_aio.HealthServicer()
-    grpc_server, grpc_port = await _start_grpc(server, engine, policy, health)
+    grpc_server, grpc_port, engine_port = await _start_grpc(server, engine, policy, health, tls)
     try:
         dashboard = Dashboard(core, hub, writer, clock, fleet)
         runner, http_port = await _start_http(server, make_app(core, metrics, clock, fleet,
-                                                               dashboard))
+                                                               dashboard), tls)
     except ServeError:
         await grpc_server.stop(None)
         raise
@@ -264,7 +340,9 @@ async def start_server(settings: Settings) -> RunningServer:
         grpc_host=server.grpc_host, grpc_port=grpc_port,
         http_host=server.http_host, http_port=http_port,
         _grpc=grpc_server, _http=runner, _health=health, _hub=hub, _store=store, fleet=fleet,
+        tls=tls is not None, engine_grpc_port=engine_port,
     )
+    running._tasks.append(asyncio.create_task(lag.run()))
     running._tasks.append(asyncio.create_task(
         _decide_periodically(hub, clock, server.report_interval_seconds,
                              server.engine_silence_timeout_seconds)))

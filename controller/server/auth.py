@@ -1,10 +1,11 @@
 """Bearer tokens, for every edge that takes one (policy writes over gRPC and HTTP, engine
-streams): one comparison, in constant time."""
+streams): one comparison, in constant time. And the names of a verified client certificate
+(mTLS engine streams)."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 Verdict = Literal["ok", "unauthenticated", "permission_denied"]
@@ -26,3 +27,15 @@ def metadata_authorization(metadata: Iterable[tuple[str, Any]] | None) -> str | 
     if not values:
         return None
     return values[0].decode() if isinstance(values[0], bytes) else str(values[0])
+
+
+def certificate_names(auth_context: Mapping[str, Iterable[bytes]]) -> frozenset[str] | None:
+    """The names of the peer's client certificate as gRPC verified it at the handshake (its
+    common name and subject alternative names), or None when the peer presented none (a
+    plaintext or server-only TLS connection). gRPC puts ``x509_*`` properties in the auth
+    context only for a certificate that chained to the server's client CA."""
+    if not auth_context.get("x509_pem_cert"):
+        return None
+    return frozenset(v.decode(errors="replace")
+                     for key in ("x509_common_name", "x509_subject_alternative_name")
+                     for v in auth_context.get(key, ()))

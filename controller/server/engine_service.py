@@ -10,21 +10,47 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 
 from controller.core.controller import ControllerCore
 from controller.core.types import ImplausibleInput, ReportRejected
 from controller.metrics import Metrics, RejectReason
-from controller.server.auth import bearer_verdict, metadata_authorization
+from controller.server.auth import bearer_verdict, certificate_names, metadata_authorization
 from controller.server.hub import EngineSession, Hub
+from controller.server.overload import ReportBudget
+from controller.server.stubs import parse
 from controller.wire import hello_ack_to_proto, hello_from_proto, report_from_proto
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
-Context = grpc.aio.ServicerContext[engine_pb2.ConnectRequest, engine_pb2.ConnectResponse]
+# Requests arrive as bytes (``stubs.add_engine_service``) and are parsed by ``_messages``.
+Context = grpc.aio.ServicerContext[bytes, engine_pb2.ConnectResponse]
+Parsed = engine_pb2.ConnectRequest | str  # a message, or why the bytes were not one
+
+
+async def _messages(raw: AsyncIterator[bytes]) -> AsyncIterator[Parsed]:
+    """The stream's messages parsed; one that does not parse as why, named by its place."""
+    n = 0
+    async for data in raw:
+        n += 1
+        msg = parse(engine_pb2.ConnectRequest, data)
+        yield f"message {n}: {msg}" if isinstance(msg, str) else msg
+
+
+@dataclass(frozen=True)
+class ClientCertificates:
+    """mTLS for engine streams: each must come with a client certificate that gRPC verified
+    against the client CA at the handshake. ``bind_engine_id``: the hello's engine_id must be
+    one of the certificate's names (common name or a subject alternative name). ``where``: how
+    an engine gets one checked, said in the refusal."""
+
+    bind_engine_id: bool = False
+    where: str = ""
 
 
 class EngineService:
@@ -39,9 +65,15 @@ class EngineService:
         max_report_bytes: int,
         clock: Callable[[], float],
         engine_token: str = "",
+        client_certificates: ClientCertificates | None = None,
+        budget: ReportBudget | None = None,
     ) -> None:
-        """``engine_token``: the bearer token a stream must present (empty: none needed)."""
+        """``engine_token``: the bearer token a stream must present (empty: none needed).
+        ``client_certificates``: streams need a verified client certificate (None: not).
+        ``budget``: the loop time reports may take; beyond it they are shed (None: never)."""
+        self._budget = budget
         self._token = engine_token.encode()
+        self._certificates = client_certificates
         self._core = core
         self._hub = hub
         self._metrics = metrics
@@ -51,14 +83,20 @@ class EngineService:
         self._clock = clock
 
     async def Connect(
-        self, request_iterator: AsyncIterator[engine_pb2.ConnectRequest], context: Context
+        self, request_iterator: AsyncIterator[bytes], context: Context
     ) -> AsyncIterator[engine_pb2.ConnectResponse]:
+        names = await self._check_certificate(context) if self._certificates else None
         if self._token:
             await self._authenticate(context)
-        requests = aiter(request_iterator)
+        requests = _messages(request_iterator)
         first = await anext(requests, None)
         if first is None:
             return
+        if isinstance(first, str):
+            self._metrics.hello("rejected")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first)
+        if names is not None:
+            await self._check_engine_id(first, names, context)
         session = await self._hello(first, context)
         reader = asyncio.create_task(self._read(requests, session))
         try:
@@ -82,6 +120,33 @@ class EngineService:
         if verdict == "permission_denied":
             self._metrics.hello(verdict)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "engine token does not match")
+
+    async def _check_certificate(self, context: Context) -> frozenset[str]:
+        """Before anything of the stream is read: no verified client certificate ->
+        UNAUTHENTICATED. The certificate's names, for ``_check_engine_id``."""
+        names = certificate_names(context.auth_context())
+        if names is None:
+            self._metrics.hello("unauthenticated")
+            where = self._certificates.where if self._certificates else ""
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "engine streams need a client certificate signed by the "
+                                "controller's tls_client_ca_file (the plugin's "
+                                "SPECPILOT_PLUGIN_TLS_CERT_FILE and _KEY_FILE)"
+                                + (f"; {where}" if where else ""))
+        return names
+
+    async def _check_engine_id(self, first: engine_pb2.ConnectRequest, names: frozenset[str],
+                               context: Context) -> None:
+        """With ``bind_engine_id``: a hello whose engine_id is none of the certificate's names
+        -> PERMISSION_DENIED, so one engine's certificate cannot take over another's id."""
+        if not (self._certificates and self._certificates.bind_engine_id) \
+                or first.WhichOneof("message") != "hello" or first.hello.engine_id in names:
+            return
+        self._metrics.hello("permission_denied")
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"engine_id {first.hello.engine_id[:200]!r} is not a name of the "
+                            "stream's client certificate (tls_bind_engine_id: its common name "
+                            "or a subject alternative name)")
 
     async def _hello(self, msg: engine_pb2.ConnectRequest, context: Context) -> EngineSession:
         """Register the engine and queue its HelloAck and policy; abort the stream if the first
@@ -111,19 +176,22 @@ class EngineService:
             report_interval_seconds=self._interval,
             batch_bucket_upper_bounds=cfg.batch_bucket_upper_bounds,
             max_classes=cfg.max_classes,
+            policy_epoch=self._core.epoch,
         )))
         # The new engine's drafts may change decisions; either way it gets the policy once.
         self._hub.decide(now)
         session.push_policy()
         return session
 
-    async def _read(
-        self, requests: AsyncIterator[engine_pb2.ConnectRequest], session: EngineSession
-    ) -> None:
+    async def _read(self, requests: AsyncIterator[Parsed], session: EngineSession) -> None:
         try:
             async for msg in requests:
                 if session.outbox.closed:
                     return
+                if isinstance(msg, str):  # not a message: a bad report like any other
+                    self._metrics.report_received()
+                    self._reject(session, 0, "validation", msg)
+                    continue
                 self._handle(msg, session)
         except asyncio.CancelledError:
             raise
@@ -151,6 +219,12 @@ class EngineService:
                          f"report: {size} bytes exceeds max_report_bytes {self._max_bytes}")
             return
         now = self._clock()
+        budget = self._budget
+        has_records = bool(report.acceptance or report.finished or report.step_timings)
+        if budget is not None and has_records and not budget.admit():
+            self._shed(session, report.sequence, budget.retry_after_seconds(), now)
+            return
+        started = time.perf_counter()
         try:
             result = self._core.ingest(session.engine_id, report_from_proto(report), now)
         except ReportRejected as exc:
@@ -158,12 +232,28 @@ class EngineService:
                                       else "validation")
             self._reject(session, report.sequence, category, str(exc))
             return
+        finally:
+            if budget is not None and has_records:  # heartbeats are taken free
+                budget.spend(time.perf_counter() - started)
         self._metrics.report_accepted(report.records_dropped, len(result.folded_classes),
                                       result.step_predictions)
         session.send(engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
             sequence=report.sequence, accepted=True, code=grpc.StatusCode.OK.value[0],
             folded_classes=result.folded_classes)))
-        self._hub.decide_soon()
+        if has_records:  # a heartbeat brings nothing to decide on
+            self._hub.decide_soon()
+
+    def _shed(self, session: EngineSession, sequence: int, retry_after: float,
+              now: float) -> None:
+        """Over the report budget: answer at once, apply nothing. The engine keeps the payload
+        and sends it again later, and it counts as heard from (not silent)."""
+        self._metrics.report_shed()
+        self._core.heard_from(session.engine_id, now)
+        session.send(engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
+            sequence=sequence, accepted=False,
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+            reason=f"controller overloaded: report shed, nothing applied; send it again in "
+                   f"{retry_after:.2f} s or later")))
 
     def _reject(self, session: EngineSession, sequence: int, category: RejectReason,
                 reason: str) -> None:

@@ -28,6 +28,7 @@ from controller.core.controller import ControllerCore
 from controller.core.snapshot import concerns
 from controller.core.types import DecisionEvent
 from controller.metrics import Metrics
+from controller.server.overload import ReportBudget
 from controller.wire import policy_update_to_proto
 from specpilot.v1 import engine_pb2
 
@@ -121,8 +122,11 @@ class Watcher:
 class Hub:
     def __init__(self, core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
                  fail_static_timeout_seconds: float, queue_limit: int,
-                 decide_min_interval_seconds: float = 0.0) -> None:
+                 decide_min_interval_seconds: float = 0.0,
+                 budget: ReportBudget | None = None) -> None:
+        """``budget``: report-prompted rounds spend from it (``overload``)."""
         self._core = core
+        self._budget = budget
         self._min_interval = decide_min_interval_seconds
         self._decide_due: asyncio.Handle | None = None
         self._next_decide = -float("inf")  # loop time before which no report-prompted round
@@ -164,6 +168,11 @@ class Hub:
             self._core.disconnect_engine(engine.engine_id)
             dropped.append(engine.engine_id)
         return dropped
+
+    def forget_idle_classes(self, now: float) -> tuple[str, ...]:
+        """Free the slots of classes no engine reports any more
+        (``ControllerCore.forget_idle_classes``); the next round's policy leaves them out."""
+        return self._core.forget_idle_classes(now)
 
     def close_session(self, session: EngineSession) -> None:
         """Forget the engine, unless a newer stream of the same engine took over."""
@@ -210,6 +219,8 @@ class Hub:
         except Exception:  # one failed round must not stop later ones
             log.exception("decide round failed")
         end = loop.time()
+        if self._budget is not None:
+            self._budget.spend(end - start)
         self._next_decide = end + max(self._min_interval, end - start)
         self._metrics.reports_decided([end - t for t in self._waiting])
         self._waiting.clear()

@@ -1,24 +1,28 @@
-"""Typed handles on the generated ``*_pb2_grpc`` modules.
+"""Typed handles on the generated ``*_pb2_grpc`` modules, and the services' registration.
 
 grpcio-tools emits those modules without annotations, so under ``mypy --strict`` every call into
 them is an untyped call and every stub method is ``Any``. The Protocols below state the real
 request and response types once; servers, the CLI and the tests go through these functions.
+
+The services are registered with their requests as bytes, parsed by ``parse``: a message that
+does not parse is refused with INVALID_ARGUMENT and a reason like any other bad input, instead
+of failing in gRPC's deserializer (UNKNOWN, and a traceback logged at ERROR).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol, cast
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from specpilot.v1 import engine_pb2, engine_pb2_grpc, policy_pb2, policy_pb2_grpc
 
+_M = TypeVar("_M", bound=Message)
 # Untyped generated callables, bound once to annotated names (assignment is not an untyped call).
-_add_engine: Callable[[Any, grpc.aio.Server], None] = (
-    engine_pb2_grpc.add_EngineServiceServicer_to_server)
-_add_policy: Callable[[Any, grpc.aio.Server], None] = (
-    policy_pb2_grpc.add_PolicyServiceServicer_to_server)
 _engine_stub: Callable[[Any], Any] = engine_pb2_grpc.EngineServiceStub
 _policy_stub: Callable[[Any], Any] = policy_pb2_grpc.PolicyServiceStub
 
@@ -60,12 +64,67 @@ class PolicyStub(Protocol):
         policy_pb2.GetRecommendationsRequest, policy_pb2.GetRecommendationsResponse]
 
 
+def parse(cls: type[_M], data: bytes) -> _M | str:
+    """``data`` as a ``cls``, or why it is not one (for the refusal)."""
+    try:
+        return cls.FromString(data)
+    except DecodeError as exc:
+        name = cls.DESCRIPTOR.full_name
+        why = str(exc).removeprefix(f"Error parsing message with type '{name}': ")
+        return f"not a {name} ({why})"
+
+
+def _parsed_unary(behaviour: Any, request: type[Message]) -> Callable[..., Any]:
+    async def handle(data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        msg = parse(request, data)
+        if isinstance(msg, str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
+        return await behaviour(msg, context)
+    return handle
+
+
+def _parsed_stream(behaviour: Any, request: type[Message]) -> Callable[..., Any]:
+    async def handle(data: bytes, context: grpc.aio.ServicerContext[Any, Any]
+                     ) -> AsyncIterator[Any]:
+        msg = parse(request, data)
+        if isinstance(msg, str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg)
+        async for item in behaviour(msg, context):
+            yield item
+    return handle
+
+
+def _add_service(servicer: object, service: ServiceDescriptor, server: grpc.aio.Server) -> None:
+    """Every method of ``service`` on ``servicer``'s method of its name, the request as bytes:
+    unary requests are parsed here; a streaming request's messages by the servicer (``parse``),
+    which answers one that does not parse on the stream it keeps."""
+    handlers = {}
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name)
+        request = message_factory.GetMessageClass(method.input_type)
+        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        if method.client_streaming and method.server_streaming:
+            handler = grpc.stream_stream_rpc_method_handler(behaviour, None, serialize)
+        elif method.client_streaming:
+            raise NotImplementedError(f"{method.full_name}: client streaming, one response")
+        elif method.server_streaming:
+            handler = grpc.unary_stream_rpc_method_handler(
+                _parsed_stream(behaviour, request), None, serialize)
+        else:
+            handler = grpc.unary_unary_rpc_method_handler(
+                _parsed_unary(behaviour, request), None, serialize)
+        handlers[method.name] = handler
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
 def add_engine_service(servicer: object, server: grpc.aio.Server) -> None:
-    _add_engine(servicer, server)
+    """``servicer.Connect`` gets the stream's messages as bytes (``parse`` each)."""
+    _add_service(servicer, engine_pb2.DESCRIPTOR.services_by_name["EngineService"], server)
 
 
 def add_policy_service(servicer: object, server: grpc.aio.Server) -> None:
-    _add_policy(servicer, server)
+    _add_service(servicer, policy_pb2.DESCRIPTOR.services_by_name["PolicyService"], server)
 
 
 def engine_stub(channel: grpc.aio.Channel) -> EngineStub:

@@ -6,6 +6,7 @@ naming the value."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -32,7 +33,10 @@ from controller.core.types import (
     StepTimingRecord,
 )
 from controller.metrics import Metrics
+from controller.server.app import start_server
 from controller.settings import core_config, load_settings
+from engine_plugin.config import PluginConfig
+from tests.certs import make_pki
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "specpilot"
@@ -83,13 +87,39 @@ MATRIX = [
          {"podMonitor": {"enabled": True}}),
         ({}, {"existingSecret": "my-token"}))
 ]
+# TLS (server only; mTLS for the engine with the controller's certificate; with its own), with
+# each monitor, native or not.
+TLS_VARIANTS = (
+    {"enabled": True, "secretName": "llm-tls"},
+    {"enabled": True, "secretName": "llm-tls", "engineClientAuth": True},
+    {"enabled": True, "secretName": "llm-tls", "caKey": "tls.crt", "serverName": "llm.example",
+     "engineClientAuth": True, "engineSecretName": "engine-tls", "engineGrpcPort": 50060},
+)
+MATRIX += [
+    {"sidecar": {"native": native}, "redis": {"enabled": False}, "metrics": monitors,
+     "policyToken": {}, "tls": tls, **ON}
+    for native, monitors, tls in product(
+        (True, False),
+        ({"serviceMonitor": {"enabled": True}}, {"podMonitor": {"enabled": True}}),
+        TLS_VARIANTS)
+]
+
+
+def _tls_id(v: dict[str, Any]) -> str:
+    tls = v.get("tls")
+    if not tls:
+        return "plaintext"
+    if not tls.get("engineClientAuth"):
+        return "tls"
+    return "mtls-engine-secret" if tls.get("engineSecretName") else "mtls"
 
 
 @pytest.mark.parametrize("values", MATRIX, ids=lambda v: "-".join((
     "native" if v["sidecar"]["native"] else "plain",
     "redis-secret" if v["redis"].get("existingSecret") else
     "redis" if v["redis"]["enabled"] else "memory",
-    next(iter(v["metrics"]), "nomonitor"), "token-secret" if v["policyToken"] else "token")))
+    next(iter(v["metrics"]), "nomonitor"), "token-secret" if v["policyToken"] else "token",
+    _tls_id(v))))
 def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> None:
     docs = render(values)
     for doc in docs:
@@ -124,7 +154,8 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
                     docs, "Deployment")["spec"]["selector"]["matchLabels"]
     engine = next(c for c in spec["containers"] if c["name"] == "vllm")
     engine_env = {e["name"]: e.get("value") for e in engine["env"]}
-    assert engine_env["SPECPILOT_PLUGIN_CONTROLLER"] == "127.0.0.1:50051"
+    if not values.get("tls", {}).get("engineClientAuth"):  # else its mTLS port (check_tls)
+        assert engine_env["SPECPILOT_PLUGIN_CONTROLLER"] == "127.0.0.1:50051"
     # The controller listens beyond loopback (the Service): the engine's stream carries the
     # engine token, the same Secret key on both sides.
     plugin_token = next(e for e in engine["env"] if e["name"] == "SPECPILOT_PLUGIN_TOKEN")
@@ -140,6 +171,105 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
     # it may listen beyond loopback (start_server refuses open engine streams there).
     taken = load_settings(**settings, engine_token="from-the-secret")
     assert taken.grpc_host == "0.0.0.0" and taken.engine_token is not None
+    probes = [ctl[p] for p in ("startupProbe", "livenessProbe", "readinessProbe")]
+    if "tls" in values:
+        check_tls(docs, values["tls"], settings)
+    else:
+        assert all(p["grpc"] == {"port": 50051} for p in probes)
+        assert not any(e["name"].startswith("SPECPILOT_PLUGIN_TLS") for e in engine["env"])
+        assert "tls_cert_file" not in settings
+
+
+def check_tls(docs: list[dict[str, Any]], tls: dict[str, Any], settings: dict[str, Any]) -> None:
+    """What the TLS values promise: the controller serves TLS from the Secret (mTLS on its
+    engine port with engineClientAuth), its probes are HTTPS GETs (the kubelet's gRPC probes
+    cannot speak TLS), the engine verifies it (and presents its certificate), the monitors
+    scrape HTTPS, the test checks over TLS."""
+    spec, ctl = pod_spec(docs), controller_of(docs)
+    engine = next(c for c in spec["containers"] if c["name"] == "vllm")
+    mtls = tls.get("engineClientAuth", False)
+    server_name = tls.get("serverName", "demo-specpilot.ml.svc")
+    engine_port = tls.get("engineGrpcPort", 50052)
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["specpilot-tls"]["secret"]["secretName"] == "llm-tls"
+    mounts = {m["name"]: m["mountPath"] for m in ctl["volumeMounts"]}
+    assert settings["tls_cert_file"] == mounts["specpilot-tls"] + "/tls.crt"
+    assert settings["tls_key_file"] == mounts["specpilot-tls"] + "/tls.key"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert ctl[probe]["httpGet"] == {"path": "/healthz", "port": "http-metrics",
+                                         "scheme": "HTTPS"}
+        assert "grpc" not in ctl[probe]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    engine_mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+    assert env["SPECPILOT_PLUGIN_TLS_CA_FILE"] == engine_mounts["specpilot-engine-tls"] + "/ca.crt"
+    assert env["SPECPILOT_PLUGIN_TLS_SERVER_NAME"] == server_name
+    sources = volumes["specpilot-engine-tls"]["projected"]["sources"]
+    assert sources[0]["secret"] == {"name": "llm-tls", "items": [
+        {"key": tls.get("caKey", "ca.crt"), "path": "ca.crt"}]}
+    ports = {p["name"]: p["containerPort"] for p in ctl["ports"]}
+    if mtls:
+        assert env["SPECPILOT_PLUGIN_CONTROLLER"] == f"127.0.0.1:{engine_port}"
+        tls_dir = engine_mounts["specpilot-engine-tls"]
+        assert env["SPECPILOT_PLUGIN_TLS_CERT_FILE"] == tls_dir + "/tls.crt"
+        assert env["SPECPILOT_PLUGIN_TLS_KEY_FILE"] == tls_dir + "/tls.key"
+        assert sources[1]["secret"]["name"] == tls.get("engineSecretName", "llm-tls")
+        assert (settings["tls_client_auth"], settings["engine_grpc_port"]) == ("engines",
+                                                                               engine_port)
+        assert settings["tls_client_ca_file"] == "/etc/specpilot-tls/" + tls.get("caKey",
+                                                                                 "ca.crt")
+        assert ports["grpc-engine"] == engine_port
+        service = one(docs, "Service")
+        assert engine_port not in {p["port"] for p in service["spec"]["ports"]}
+    else:
+        assert env["SPECPILOT_PLUGIN_CONTROLLER"] == "127.0.0.1:50051"
+        assert "SPECPILOT_PLUGIN_TLS_CERT_FILE" not in env and len(sources) == 1
+        assert "tls_client_ca_file" not in settings and "grpc-engine" not in ports
+    # The engine's TLS environment is one the plugin takes.
+    plugin = PluginConfig.from_env({k: v for k, v in env.items() if v is not None})
+    assert plugin.tls_ca_file and bool(plugin.tls_cert_file) is mtls
+    for d in docs:
+        if d["kind"] in ("ServiceMonitor", "PodMonitor"):
+            endpoint = (d["spec"].get("endpoints") or d["spec"]["podMetricsEndpoints"])[0]
+            assert endpoint["scheme"] == "https"
+            assert endpoint["tlsConfig"] == {"serverName": server_name, "ca": {"secret": {
+                "name": "llm-tls", "key": tls.get("caKey", "ca.crt")}}}
+    test_pod = next(d for d in docs if d["kind"] == "Pod")
+    args = test_pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--tls-ca") + 1] == "/etc/specpilot-tls/ca.crt"
+    assert args[args.index("--tls-server-name") + 1] == server_name
+    assert test_pod["spec"]["volumes"][0]["secret"]["items"][0]["key"] == tls.get("caKey",
+                                                                                  "ca.crt")
+
+
+@pytest.mark.parametrize("mtls", [False, True], ids=["tls", "mtls"])
+def test_the_charts_tls_settings_start_a_controller(tmp_path: Path, mtls: bool) -> None:
+    """The ConfigMap's settings, with the Secret's files where the chart mounts them (here a
+    directory of made-up certificates), start a real controller: with mTLS even without the
+    engine token, since engine streams are authenticated by their certificates."""
+    docs = render({"tls": {"enabled": True, "secretName": "llm-tls", "engineClientAuth": mtls}})
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
+    settings = yaml.safe_load(config["data"]["specpilot.yaml"])
+    pki = make_pki(tmp_path)
+    files = {"/etc/specpilot-tls/tls.crt": pki.server.cert, "/etc/specpilot-tls/tls.key":
+             pki.server.key, "/etc/specpilot-tls/ca.crt": pki.ca}
+    settings = {k: str(files[v]) if isinstance(v, str) and v in files else v
+                for k, v in settings.items()}
+    settings.update(grpc_port=0, http_port=0, policy_token="t" * 24)
+    if mtls:
+        settings["engine_grpc_port"] = 0
+
+    async def start_and_stop() -> bool:
+        server = await start_server(load_settings(**settings))
+        await server.stop(grace_seconds=0)
+        return server.tls and (server.engine_grpc_port is not None) is mtls
+
+    if mtls:
+        assert asyncio.run(start_and_stop())
+    else:  # TLS alone does not authenticate engines: the chart's engine token is needed
+        with pytest.raises(Exception, match="set engine_token"):
+            asyncio.run(start_and_stop())
+        settings["engine_token"] = "e" * 24
+        assert asyncio.run(start_and_stop())
 
 
 def test_strict_validation_is_a_real_check() -> None:
@@ -159,6 +289,11 @@ def test_strict_validation_is_a_real_check() -> None:
     ({"redis": {"url": "http://redis:6379"}}, "url"),
     ({"alerts": {"acceptanceDrop": {"window": "half an hour"}}}, "window"),
     ({"sidecar": {"nativ": True}}, "nativ"),
+    ({"tls": {"enabled": True}}, "tls.enabled=true needs tls.secretName"),
+    ({"tls": {"engineClientAuth": True}}, "tls.engineClientAuth=true needs tls.enabled=true"),
+    ({"tls": {"enabled": True, "secretName": "s", "engineClientAuth": True,
+              "engineGrpcPort": 50051}}, "tls.engineGrpcPort must differ"),
+    ({"tls": {"enabld": True}}, "enabld"),
 ])
 def test_broken_values_are_refused_naming_the_value(values: dict[str, Any], message: str
                                                     ) -> None:

@@ -60,8 +60,9 @@ class _Lines:
 @pytest.fixture
 def serve() -> Iterator[tuple[subprocess.Popen[str], _Lines]]:
     proc = subprocess.Popen(
-        [SPECPILOT, "serve", "--grpc-port", "0", "--http-port", "0"], env=_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # "chat" declared: operators may override it before an engine reports it.
+        [SPECPILOT, "serve", "--grpc-port", "0", "--http-port", "0"],
+        env=_env(SPECPILOT_DECLARED_CLASSES='["chat"]'), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         yield proc, _Lines(proc)
     finally:
@@ -90,7 +91,10 @@ def test_serve_prints_its_ports_answers_and_stops_on_sigterm(
     got = subprocess.run([SPECPILOT, "policy", "--target", target, "get"], env=_env(),
                          capture_output=True, text=True, timeout=30)
     assert got.returncode == 0, got.stderr
-    assert "policy version 0; engines: none" in got.stdout
+    # No decision yet: the version is the epoch's first (the start time in 0.1 s x 2^16).
+    version = int(got.stdout.split("policy version ", 1)[1].split(";", 1)[0])
+    assert version >> 16 > 17_000_000_000 and version & (2**16 - 1) == 0, got.stdout
+    assert "engines: none" in got.stdout
 
     written = subprocess.run(
         [SPECPILOT, "policy", "--target", target, "set", "--class", "chat", "--force-off"],

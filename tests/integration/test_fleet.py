@@ -36,7 +36,8 @@ pytestmark = pytest.mark.integration
 async def _controller(redis: RedisServer, sidecar: str, **extra: Any) -> RunningServer:
     return await start_server(load_settings(**{
         **FAST_SETTINGS, "state_store": redis.url, "sidecar_id": sidecar,
-        "fleet_model": "tiny-target", "fleet_flush_interval_seconds": FLUSH, **extra}))
+        "fleet_model": "tiny-target", "fleet_flush_interval_seconds": FLUSH,
+        "declared_classes": ["chat"], **extra}))
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 from controller.server.app import RunningServer
 from controller.server.stubs import AsyncPolicyStub, async_policy_stub
 from specpilot.v1 import common_pb2, policy_pb2
-from tests.integration.conftest import TOKEN, snapshot
-from tests.integration.engine_client import DRAFT, EngineClient, report
+from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
+from tests.integration.engine_client import DRAFT, EngineClient, acceptance, report
 
 pytestmark = pytest.mark.integration
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -233,5 +233,16 @@ async def test_override_values_beyond_what_the_engines_can_run_are_refused(
                                  metadata=auth)
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(failure.value.details() or "") < 500
+    # A class no engine reported and none declared: refused, and no slot taken (overrides for
+    # made-up classes used to fill the class table until real classes folded into "other").
+    for n in range(2 * FAST_SETTINGS["max_classes"]):
+        with pytest.raises(grpc.aio.AioRpcError) as failure:
+            await stub.SetOverride(policy_pb2.SetOverrideRequest(override=policy_pb2.Override(
+                traffic_class=f"made-up-{n}", force_off=True)), metadata=auth)
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "override.traffic_class" in (failure.value.details() or "")
     assert not server.core.snapshot(0.0).overrides
+    assert [c.name for c in server.core.snapshot(0.0).classes] == ["default"]
+    assert (await engine.send(report(1, acceptance("chat")))).accepted
+    assert server.core.canonical_class("chat") == "chat"
     await engine.close()

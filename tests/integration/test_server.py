@@ -231,6 +231,42 @@ async def test_classes_beyond_the_limit_fold_into_other(
     await engine.close()
 
 
+async def test_a_rogue_engine_cannot_keep_the_real_engines_classes_out() -> None:
+    """The issue's case: a second stream filling 21 junk classes took every slot, the real
+    engine's next class folded into "other", and the slots stayed taken after it left."""
+    from controller.server.app import start_server
+    from controller.settings import load_settings
+
+    server = await start_server(load_settings(**{**FAST_SETTINGS, "max_classes": 16,
+                                                 "class_idle_seconds": 0.5}))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+            real, rogue = EngineClient(ch), EngineClient(ch)
+            await real.connect(hello("real"))
+            assert (await real.send(report(1, acceptance("chat")))).accepted
+            await rogue.connect(hello("rogue"))
+            junk = [acceptance(f"junk-{i}") for i in range(21)]
+            folded = (await rogue.send(report(1, *junk))).folded_classes
+            assert len(folded) == 14  # it holds its share, 7 of the 14 slots
+            # While it is connected the real engine still brings new classes...
+            assert not (await real.send(report(2, acceptance("code")))).folded_classes
+            await rogue.close()
+            # ...and after it left, its classes free their slots: at once for a new class
+            # when the table is full, and by age (class_idle_seconds) otherwise.
+            for seq in range(3, 30):
+                assert (await real.send(report(seq, acceptance("chat"),
+                                               acceptance("code")))).accepted
+                if not {c.name for c in snapshot(server).classes} & {f"junk-{i}"
+                                                                    for i in range(21)}:
+                    break
+                await asyncio.sleep(0.1)
+            assert {c.name for c in snapshot(server).classes} == {"default", "chat", "code",
+                                                                  "other"}
+            await real.close()
+    finally:
+        await server.stop(grace_seconds=0.1)
+
+
 async def test_a_second_hello_on_a_stream_is_rejected_and_the_stream_stays(
     channel: grpc.aio.Channel,
 ) -> None:
@@ -345,9 +381,11 @@ async def test_http_endpoints(server: RunningServer, channel: grpc.aio.Channel) 
     status, text, _ = await _get(server, "/metrics")
     assert status == 200
     assert 'specpilot_engines_connected 1.0' in text
-    # The engine's report said it ran policy version 0 (its static configuration).
+    # The engine's report said it ran policy version 0 (its static configuration): behind by
+    # every version of this epoch, the epoch's start included.
     behind = re.search(r"^specpilot_engine_policy_versions_behind (\S+)$", text, re.M)
-    assert behind is not None and float(behind.group(1)) == server.core.version > 0
+    versions = server.core.version - (server.core.epoch << 16) + 1
+    assert behind is not None and float(behind.group(1)) == versions > 1
     assert re.search(r"^specpilot_engine_report_age_seconds \d", text, re.M)
     assert f'specpilot_acceptance_first_position_ratio{{class="chat",draft="{DRAFT}"}}' in text
     assert 'specpilot_decision_speculative_tokens{bucket="0",class="chat"}' in text

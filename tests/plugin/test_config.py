@@ -103,3 +103,32 @@ def test_settings_table_in_the_docs_is_up_to_date() -> None:
 def test_every_setting_has_one_docstring() -> None:
     docs = field_docs(PluginConfig)  # raises on a field without one
     assert set(docs) == {f.name for f in fields(PluginConfig)} and all(docs.values())
+
+
+def test_tls_variables_are_read_and_go_together() -> None:
+    env = {"SPECPILOT_PLUGIN_TLS_CA_FILE": "/etc/specpilot/tls/ca.crt",
+           "SPECPILOT_PLUGIN_TLS_CERT_FILE": "/etc/specpilot/tls/tls.crt",
+           "SPECPILOT_PLUGIN_TLS_KEY_FILE": "/etc/specpilot/tls/tls.key",
+           "SPECPILOT_PLUGIN_TLS_SERVER_NAME": "llm-specpilot.ml.svc"}
+    c = PluginConfig.from_env(env)
+    assert (c.tls_ca_file, c.tls_cert_file, c.tls_key_file, c.tls_server_name) == (
+        "/etc/specpilot/tls/ca.crt", "/etc/specpilot/tls/tls.crt", "/etc/specpilot/tls/tls.key",
+        "llm-specpilot.ml.svc")
+    # TLS without a client certificate (the controller verified, the engine not).
+    assert PluginConfig.from_env({"SPECPILOT_PLUGIN_TLS_CA_FILE": "ca.crt"}).tls_cert_file == ""
+    # Defaults: plaintext.
+    assert PluginConfig.from_env({}).tls_ca_file == ""
+
+
+@pytest.mark.parametrize(("env", "named", "fragment"), [
+    ({"TLS_CA_FILE": "ca", "TLS_CERT_FILE": "c"}, "TLS_CERT_FILE", "TLS_KEY_FILE too"),
+    ({"TLS_CA_FILE": "ca", "TLS_KEY_FILE": "k"}, "TLS_KEY_FILE", "TLS_CERT_FILE too"),
+    ({"TLS_CERT_FILE": "c", "TLS_KEY_FILE": "k"}, "TLS_CERT_FILE", "needs SPECPILOT_PLUGIN_TLS_CA"),
+    ({"TLS_SERVER_NAME": "svc"}, "TLS_SERVER_NAME", "needs SPECPILOT_PLUGIN_TLS_CA_FILE"),
+])
+def test_tls_variables_that_do_not_go_together_are_named(env: dict[str, str], named: str,
+                                                          fragment: str) -> None:
+    with pytest.raises(ValueError) as err:
+        PluginConfig.from_env({f"SPECPILOT_PLUGIN_{k}": v for k, v in env.items()})
+    assert str(err.value).startswith(f"SPECPILOT_PLUGIN_{named}: ")
+    assert fragment in str(err.value)

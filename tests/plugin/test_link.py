@@ -220,6 +220,29 @@ def test_queue_overflow_drops_the_oldest_and_reports_it(
     assert rejects[0] == 0
 
 
+def test_shed_reports_are_sent_again_later_and_nothing_is_lost(
+    links: list[ControllerLink],
+) -> None:
+    # 1 ms of loop time a second for reports: less than a report and its decide round, so
+    # the next one is shed (work beyond a window's budget is carried into the next).
+    controller = ControllerThread(**{**CONTROLLER_SETTINGS, "report_budget_share": 0.001})
+    try:
+        link = make_link(links, controller.target, queue_size=16, start=False)
+        for i in range(3):  # 1, 2, 4 steps, every draft accepted
+            link.submit(payload((0, 2**i)))
+        link.start()
+        wait_for(lambda: link.reports_shed > 0, "a shed report")
+        assert link.report_interval_seconds > 0.05  # stretched while the controller sheds
+        # Every payload taken in the end: none lost.
+        wait_for(lambda: evidence(controller, "chat", DRAFT)[0][:1] == pytest.approx(
+            [1 + 2 + 4], rel=0.01), "every payload taken", timeout=30.0)
+        assert link.dropped == 0
+        shed = metric(controller, "specpilot_reports_shed_total")
+        assert shed is not None and shed == link.reports_shed > 0
+    finally:
+        controller.stop()
+
+
 def test_rejected_report_is_logged_and_the_stream_stays(
     controller: ControllerThread, links: list[ControllerLink], caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -269,6 +292,10 @@ def test_controller_dies_and_returns(links: list[ControllerLink]) -> None:
     try:
         wait_for(lambda: view.version > 0, "the first policy")
         sched.start()
+        wait_for(lambda: link.reports_accepted > 2, "reports on the first controller")
+        last_version = view.version
+        first_ack = link.last_hello_ack
+        view.set_folded_classes(["folded-by-the-first"])
         first.stop()
         wait_for(lambda: not link.connected, "the link to notice")
         # Fail-static: the last policy, then after the timeout the static configuration.
@@ -279,6 +306,12 @@ def test_controller_dies_and_returns(links: list[ControllerLink]) -> None:
         # The new controller's policy is in force again (no longer the static K=3).
         assert view.choice("new-class", 1, "r") == Choice(DRAFT, 2, False)
         assert link.connects == 2
+        # A new epoch: its versions continue above the first controller's, and what the first
+        # folded is forgotten.
+        assert first_ack is not None and link.last_hello_ack is not None
+        assert link.last_hello_ack.policy_epoch > first_ack.policy_epoch > 0
+        wait_for(lambda: view.version > last_version, "the new controller's policy")
+        assert view.folded_classes == frozenset()
         wait_for(lambda: evidence(second, "chat", DRAFT)[0], "reports on the new controller")
         # Sequence numbers started again at 1 on the new stream (else it would reject them).
         engine = engine_view(second)

@@ -140,9 +140,8 @@ function render() {
 function renderEngines(s) {
   const body = $("engines").tBodies[0];
   body.replaceChildren();
-  const version = Number(s.policy.version);
   for (const e of s.policy.engine_status || []) {
-    const behind = version - Number(e.policy_version_applied);
+    const behind = Number(e.versions_behind || 0);
     const tr = el("tr", {"data-engine": e.engine_id});
     tr.append(el("td", {}, e.engine_id), el("td", {}, e.model), el("td", {}, e.hardware || "?"),
               el("td", {}, String(e.running_requests)),

@@ -90,20 +90,22 @@ class StepProfile(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., verified_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_passes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class HelloAck(_message.Message):
-    __slots__ = ("controller_version", "accepted_drafts", "rejected_drafts", "report_interval_seconds", "batch_bucket_upper_bounds", "max_classes")
+    __slots__ = ("controller_version", "accepted_drafts", "rejected_drafts", "report_interval_seconds", "batch_bucket_upper_bounds", "max_classes", "policy_epoch")
     CONTROLLER_VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     REPORT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_BUCKET_UPPER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     controller_version: str
     accepted_drafts: _containers.RepeatedScalarFieldContainer[str]
     rejected_drafts: _containers.RepeatedCompositeFieldContainer[RejectedDraft]
     report_interval_seconds: float
     batch_bucket_upper_bounds: _containers.RepeatedScalarFieldContainer[int]
     max_classes: int
-    def __init__(self, controller_version: _Optional[str] = ..., accepted_drafts: _Optional[_Iterable[str]] = ..., rejected_drafts: _Optional[_Iterable[_Union[RejectedDraft, _Mapping]]] = ..., report_interval_seconds: _Optional[float] = ..., batch_bucket_upper_bounds: _Optional[_Iterable[int]] = ..., max_classes: _Optional[int] = ...) -> None: ...
+    policy_epoch: int
+    def __init__(self, controller_version: _Optional[str] = ..., accepted_drafts: _Optional[_Iterable[str]] = ..., rejected_drafts: _Optional[_Iterable[_Union[RejectedDraft, _Mapping]]] = ..., report_interval_seconds: _Optional[float] = ..., batch_bucket_upper_bounds: _Optional[_Iterable[int]] = ..., max_classes: _Optional[int] = ..., policy_epoch: _Optional[int] = ...) -> None: ...
 
 class RejectedDraft(_message.Message):
     __slots__ = ("name", "reason")

@@ -90,20 +90,22 @@ class ClassPolicy(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., estimates: _Optional[_Iterable[_Union[DraftEstimate, _Mapping]]] = ..., overrides: _Optional[_Iterable[_Union[Override, _Mapping]]] = ..., offline: _Optional[bool] = ..., batch_share: _Optional[float] = ..., measured_tokens_per_step: _Optional[float] = ..., measured_speedup: _Optional[float] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "model", "running_requests", "report_age_seconds", "policy_version_applied", "hardware")
+    __slots__ = ("engine_id", "model", "running_requests", "report_age_seconds", "policy_version_applied", "hardware", "versions_behind")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REPORT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_APPLIED_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_BEHIND_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: str
     running_requests: int
     report_age_seconds: float
     policy_version_applied: int
     hardware: str
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., report_age_seconds: _Optional[float] = ..., policy_version_applied: _Optional[int] = ..., hardware: _Optional[str] = ...) -> None: ...
+    versions_behind: int
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., report_age_seconds: _Optional[float] = ..., policy_version_applied: _Optional[int] = ..., hardware: _Optional[str] = ..., versions_behind: _Optional[int] = ...) -> None: ...
 
 class GetPolicyResponse(_message.Message):
     __slots__ = ("version", "batch_bucket_upper_bounds", "classes", "engines", "engine_status")

@@ -23,6 +23,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- .Values.policyToken.existingSecret | default (printf "%s-token" (include "specpilot.fullname" .)) -}}
 {{- end -}}
 
+{{/* The name TLS clients check the controller's certificate for (tls.serverName). */}}
+{{- define "specpilot.tlsServerName" -}}
+{{- .Values.tls.serverName | default (printf "%s.%s.svc" (include "specpilot.fullname" .) .Release.Namespace) -}}
+{{- end -}}
+
+{{/* Where the engine connects: the mTLS engine port with tls.engineClientAuth, else gRPC. */}}
+{{- define "specpilot.engineTarget" -}}
+{{- if and .Values.tls.enabled .Values.tls.engineClientAuth -}}
+127.0.0.1:{{ .Values.tls.engineGrpcPort }}
+{{- else -}}
+127.0.0.1:{{ .Values.controller.grpcPort }}
+{{- end -}}
+{{- end -}}
+
 {{/* The checks no schema can express; each names the value to change. */}}
 {{- define "specpilot.checks" -}}
 {{- if and .Values.sidecar.native (not (semverCompare ">=1.29.0-0" .Capabilities.KubeVersion.Version)) -}}
@@ -30,6 +44,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- if and .Values.redis.enabled (not (or .Values.redis.url .Values.redis.existingSecret)) -}}
 {{- fail "redis.enabled=true needs redis.url or redis.existingSecret" -}}
+{{- end -}}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
+{{- fail "tls.enabled=true needs tls.secretName: a kubernetes.io/tls Secret with tls.crt, tls.key and the CA under tls.caKey" -}}
+{{- end -}}
+{{- if and .Values.tls.engineClientAuth (not .Values.tls.enabled) -}}
+{{- fail "tls.engineClientAuth=true needs tls.enabled=true (client certificates are asked for over TLS)" -}}
+{{- end -}}
+{{- if and .Values.tls.enabled .Values.tls.engineClientAuth (has (int .Values.tls.engineGrpcPort) (list (int .Values.controller.grpcPort) (int .Values.controller.httpPort))) -}}
+{{- fail "tls.engineGrpcPort must differ from controller.grpcPort and controller.httpPort" -}}
 {{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled -}}
 {{- fail "metrics.serviceMonitor.enabled and metrics.podMonitor.enabled are both true: enable one (each would scrape the controller)" -}}
@@ -75,16 +98,27 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       containerPort: {{ .Values.controller.grpcPort }}
     - name: http-metrics
       containerPort: {{ .Values.controller.httpPort }}
+    {{- if and .Values.tls.enabled .Values.tls.engineClientAuth }}
+    - name: grpc-engine
+      containerPort: {{ .Values.tls.engineGrpcPort }}
+    {{- end }}
+  {{- /* The kubelet's gRPC probes cannot speak TLS (before Kubernetes 1.37's alpha): with TLS,
+  the probes are HTTPS GETs of /healthz (the kubelet skips certificate verification), which the
+  same process answers; no exec, so no Python process per probe in the container's memory. */}}
+  {{- $probe := printf "grpc: {port: %d}" (int .Values.controller.grpcPort) }}
+  {{- if .Values.tls.enabled }}
+  {{- $probe = "httpGet: {path: /healthz, port: http-metrics, scheme: HTTPS}" }}
+  {{- end }}
   startupProbe:
-    grpc: {port: {{ .Values.controller.grpcPort }}}
+    {{ $probe }}
     periodSeconds: 2
     failureThreshold: 30
   livenessProbe:
-    grpc: {port: {{ .Values.controller.grpcPort }}}
+    {{ $probe }}
     periodSeconds: 10
     failureThreshold: 3
   readinessProbe:
-    grpc: {port: {{ .Values.controller.grpcPort }}}
+    {{ $probe }}
     periodSeconds: 5
   resources:
     {{- toYaml .Values.controller.resources | nindent 4 }}
@@ -97,4 +131,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - name: specpilot-config
       mountPath: /etc/specpilot
       readOnly: true
+    {{- if .Values.tls.enabled }}
+    - name: specpilot-tls
+      mountPath: /etc/specpilot-tls
+      readOnly: true
+    {{- end }}
 {{- end -}}
