@@ -62,7 +62,8 @@ def serve() -> Iterator[tuple[subprocess.Popen[str], _Lines]]:
     proc = subprocess.Popen(
         # "chat" declared: operators may override it before an engine reports it.
         [SPECPILOT, "serve", "--grpc-port", "0", "--http-port", "0"],
-        env=_env(SPECPILOT_DECLARED_CLASSES='["chat"]'), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=_env(SPECPILOT_DECLARED_CLASSES='["chat"]'), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
     try:
         yield proc, _Lines(proc)
     finally:
