@@ -703,15 +703,15 @@ def pilot_of(llm: Any) -> Any:
 def link_counters(link: Any) -> dict[str, int]:
     """The link's counters (``reports_shed``: answered "overloaded, send it again", and queued
     again), and ``submitted`` (every payload handed to the link is sent, dropped or still
-    queued; a shed one is sent twice) and ``outstanding`` (messages sent with no answer yet, or
-    never: the ones in flight on a stream that died)."""
+    queued; a shed one is sent twice) and ``outstanding`` (messages sent with no answer yet,
+    beside ``unanswered``: reports in flight on a stream that died, counted by the link)."""
     c = {name: int(getattr(link, name, 0)) for name in (
         "reports_sent", "heartbeats_sent", "reports_accepted", "reports_rejected",
-        "reports_shed", "dropped", "records_dropped", "connects")}
+        "reports_shed", "dropped", "unanswered", "records_dropped", "connects")}
     c["queued"] = int(link.queued)
     c["submitted"] = c["reports_sent"] - c["reports_shed"] + c["dropped"] + c["queued"]
     c["outstanding"] = (c["reports_sent"] + c["heartbeats_sent"] - c["reports_accepted"]
-                        - c["reports_rejected"] - c["reports_shed"])
+                        - c["reports_rejected"] - c["reports_shed"] - c["unanswered"])
     return c
 
 
@@ -893,16 +893,10 @@ class FaultRig:
         policy_s = time.monotonic() - t_thaw
         d = diff(link_counters(link), link0)
         after = self.steps(seconds)
-        batch = self.load.batch_size
-        normal, fault = step_stats([before, after], batch), step_stats([frozen], batch)
         return {
             "kind": "sigstop",
             "seconds": seconds,
-            "normal": normal,
-            "fault": fault,
-            "ratio": ratios(fault, normal),
-            "normal_before": step_stats([before], batch),
-            "normal_after": step_stats([after], batch),
+            **self._versus_normal(before, frozen, after),
             "submit_while_frozen": self.submits.stats(mark, end),
             "fail_static_while_frozen": fail_static,
             "submitted_while_frozen": link1["submitted"] - link0["submitted"],
@@ -916,6 +910,15 @@ class FaultRig:
             "load": self.load.counts().minus(load0).as_dict(),
             "errors_logged": ctl.error_lines(since=t_thaw - seconds),
         }
+
+    def _versus_normal(self, before: StepWindow, fault: StepWindow,
+                       after: StepWindow) -> dict[str, Any]:
+        """Step times of a fault's window against the normal windows just before and after."""
+        batch = self.load.batch_size
+        normal, faulty = step_stats([before, after], batch), step_stats([fault], batch)
+        return {"normal": normal, "fault": faulty, "ratio": ratios(faulty, normal),
+                "normal_before": step_stats([before], batch),
+                "normal_after": step_stats([after], batch)}
 
     def cut(self) -> dict[str, Any]:
         """The stream cut through the proxy in the middle of a report: the engine reconnects."""
@@ -979,17 +982,11 @@ class FaultRig:
         self.wait_policy(30.0)
         d = diff(link_counters(link), link0)
         after = self.steps(seconds)
-        batch = self.load.batch_size
-        normal, flooded_steps = step_stats([before, after], batch), step_stats([fault], batch)
         return {
             "kind": "overload",
             "seconds": seconds,
             "streams": streams,
-            "normal": normal,
-            "fault": flooded_steps,
-            "ratio": ratios(flooded_steps, normal),
-            "normal_before": step_stats([before], batch),
-            "normal_after": step_stats([after], batch),
+            **self._versus_normal(before, fault, after),
             "flood": flooded,
             "health_quiet": latency_stats(quiet),
             "health_flooded": latency_stats(loaded),

@@ -69,7 +69,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 # --- controller ----------------------------------------------------------------------------------
-def _hello(engine_id: str, batch_wide: bool) -> engine_pb2.ConnectRequest:
+def hello_request(engine_id: str, batch_wide: bool = False) -> engine_pb2.ConnectRequest:
     return engine_pb2.ConnectRequest(hello=wire.hello_to_proto(EngineHello(
         engine_id, "bench-target", "v", (DraftSpec("draft", DraftKind.MODEL, 8, "v"),), 8,
         per_request_k=not batch_wide, batch_wide_k=batch_wide)))
@@ -94,7 +94,7 @@ async def _engine(engine_id: str, interval: float, until: float, acks: list[floa
             f"/{SERVICE}/Connect", request_serializer=engine_pb2.ConnectRequest.SerializeToString,
             response_deserializer=None)
         call = connect(requests())
-        await outbox.put(_hello(engine_id, batch_wide))
+        await outbox.put(hello_request(engine_id, batch_wide))
         responses = aiter(call)
         while (await anext(responses))[:1] != _POLICY_TAG:
             pass

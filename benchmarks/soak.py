@@ -124,7 +124,8 @@ def totals(events: list[dict[str, Any]], load: dict[str, Any]) -> dict[str, Any]
             "greedy_mismatches": sum(e["load"]["greedy_mismatches"] for e in ok),
             "reports_dropped": sum(e["link"]["dropped"] for e in ok),
             "reports_shed": sum(e["link"].get("reports_shed", 0) for e in ok),
-            "reports_lost_in_flight": sum(max(e["link"]["outstanding"], 0) for e in ok),
+            "reports_lost_in_flight": sum(max(e["link"]["outstanding"], 0)
+                                          + e["link"]["unanswered"] for e in ok),
         }
         if kind in ("sigstop", "overload"):
             for key in ("median_ms", "p99_ms", "sched_median_ms", "steps_per_second"):

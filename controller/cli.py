@@ -300,18 +300,21 @@ def policy_recommend(stub: PolicyStub, args: argparse.Namespace) -> int:
     return _print_response(resp, args, render_recommendations)
 
 
-def _channel(args: argparse.Namespace) -> grpc.Channel:
+def _channel(args: argparse.Namespace) -> grpc.Channel | None:
     """The channel of every client command: plaintext, or TLS with --tls-ca (and a client
-    certificate with --tls-cert and --tls-key); TLSError for options or files it cannot use."""
-    return open_channel(args.target, ca_file=args.tls_ca or "", cert_file=args.tls_cert or "",
-                        key_file=args.tls_key or "", server_name=args.tls_server_name or "")
+    certificate with --tls-cert and --tls-key); None, said on stderr, for options or files it
+    cannot use."""
+    try:
+        return open_channel(args.target, ca_file=args.tls_ca or "",
+                            cert_file=args.tls_cert or "", key_file=args.tls_key or "",
+                            server_name=args.tls_server_name or "")
+    except TLSError as exc:
+        _say(str(exc), err=True)
+        return None
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    try:
-        channel = _channel(args)
-    except TLSError as exc:
-        _say(str(exc), err=True)
+    if (channel := _channel(args)) is None:
         return 2
     with channel:
         try:
@@ -362,10 +365,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     deadline = time.monotonic() + args.timeout
     last = "no answer yet"
-    try:
-        channel = _channel(args)
-    except TLSError as exc:
-        _say(str(exc), err=True)
+    if (channel := _channel(args)) is None:
         return 2
     with channel:
         health, stub = health_pb2_grpc.HealthStub(channel), policy_stub(channel)

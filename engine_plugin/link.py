@@ -199,6 +199,7 @@ class ControllerLink:
         self.reports_accepted = 0
         self.reports_rejected = 0
         self.reports_shed = 0  # answered RESOURCE_EXHAUSTED, queued again
+        self.unanswered = 0  # in flight on a stream that broke: not sent again
         self.connects = 0  # HelloAcks received
         self.last_hello_ack: engine_pb2.HelloAck | None = None
 
@@ -312,11 +313,11 @@ class ControllerLink:
             channel.close()
 
     def _count_unanswered(self, stream: _Stream) -> None:
-        """Reports a broken stream never answered count as dropped (reported to the next
-        stream): the controller may have applied them, so sending them again could count
-        them twice. Call with the lock held."""
+        """Reports a broken stream never answered are not sent again (the controller may have
+        applied them: sending them again could count them twice); they are counted, and their
+        records reported as dropped to the next stream. Call with the lock held."""
         for _, (payload, _) in stream.in_flight:
-            self.dropped += 1
+            self.unanswered += 1
             self.records_dropped += payload.record_count
             self._records_dropped_unreported += payload.record_count
         stream.in_flight.clear()

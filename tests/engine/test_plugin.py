@@ -18,6 +18,7 @@ import pytest
 from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import SCHEDULER as ENGINE_SCHEDULER
 from benchmarks.demo.engine import llm_session, plugin_environment
+from benchmarks.faults import PROMPTS as FAULT_PROMPTS
 from controller.core.controller import ControllerCore
 from controller.core.types import Override
 from tests.engine.harness import (
@@ -35,16 +36,7 @@ from tests.engine.harness import (
 pytestmark = pytest.mark.engine
 
 SCHEDULER = ENGINE_SCHEDULER
-PROMPTS = [
-    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-    "The licence grants you the right to copy, modify and distribute the software",
-    "import os\nimport sys\nimport os\nimport",
-    "one two three four one two three four one two",
-    "Permission is hereby granted, free of charge, to any person obtaining a copy",
-    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
-    "class Foo:\n    def __init__(self):\n        self.x = 1\n",
-    "GNU GENERAL PUBLIC LICENSE Version 3, 29 June 2007",
-]
+PROMPTS = FAULT_PROMPTS  # code, licence prose and repeats: one list for tests and soak
 MAX_TOKENS = 24
 
 

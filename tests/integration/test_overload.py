@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.ingest import realistic_report
+from benchmarks.scale import hello_request
 from controller import wire
 from controller.server.app import RunningServer, start_server
 from controller.server.stubs import async_policy_stub, engine_stub
@@ -28,14 +29,6 @@ pytestmark = pytest.mark.integration
 ENGINES = 16
 REPORTS_PER_ENGINE = 60
 SHED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-
-
-def _hello(engine_id: str) -> engine_pb2.ConnectRequest:
-    from controller.core.types import DraftKind, DraftSpec, EngineHello
-
-    return engine_pb2.ConnectRequest(hello=wire.hello_to_proto(EngineHello(
-        engine_id, "bench-target", "v", (DraftSpec("draft", DraftKind.MODEL, 8, "v"),), 8,
-        per_request_k=True, max_batch_size=1024)))
 
 
 async def _flood(target: str, engine_id: str, results: list[engine_pb2.ReportResult],
@@ -52,7 +45,7 @@ async def _flood(target: str, engine_id: str, results: list[engine_pb2.ReportRes
 
     async with grpc.aio.insecure_channel(target) as channel:
         call = engine_stub(channel).Connect(requests())
-        await outbox.put(_hello(engine_id))
+        await outbox.put(hello_request(engine_id))
         while not cast(engine_pb2.ConnectResponse, await call.read()).HasField("policy"):
             pass
         beats = set()

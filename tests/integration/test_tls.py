@@ -32,7 +32,7 @@ from specpilot.v1 import policy_pb2
 from tests.certs import PKI, KeyPair, make_pki
 from tests.integration.conftest import FAST_SETTINGS
 from tests.integration.engine_client import EngineClient, acceptance, hello, report
-from tests.plugin.test_link import DRAFT, config, wait_for
+from tests.plugin.test_link import DRAFT, config, link_fixture, wait_for  # noqa: F401 (links)
 from tests.plugin.test_link import hello as link_hello
 
 pytestmark = pytest.mark.integration
@@ -280,12 +280,6 @@ def test_serve_refuses_to_start_with_a_missing_certificate_or_a_key_that_does_no
 
 
 # --- the engine plugin's link ---------------------------------------------------------------------
-@pytest.fixture
-def links() -> Iterator[list[ControllerLink]]:
-    made: list[ControllerLink] = []
-    yield made
-    for link in made:
-        link.stop()
 
 
 def link_to(links: list[ControllerLink], target: str, **overrides: Any) -> ControllerLink:

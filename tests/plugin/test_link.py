@@ -91,8 +91,9 @@ def controller() -> Iterator[ControllerThread]:
         c.stop()
 
 
-@pytest.fixture
-def links() -> Iterator[list[ControllerLink]]:
+@pytest.fixture(name="links")
+def link_fixture() -> Iterator[list[ControllerLink]]:
+    """Links a test makes, stopped after it."""
     made: list[ControllerLink] = []
     yield made
     for link in made:
