@@ -1,6 +1,7 @@
 """Scale benchmarks: one controller for many engines, and one Redis for many sidecars.
 
     python benchmarks/scale.py controller [--engines 64] [--seconds 6] [--out benchmarks/results]
+    python benchmarks/scale.py overload [--engine-counts 16,64,150,250,500] [--seconds 8]
     python benchmarks/scale.py fleet [--sidecars 4,16,64] [--out benchmarks/results]
 
 ``controller``: the real server (this process, pinned to one core) and a client process on
@@ -10,6 +11,12 @@ more engine flips its class's acceptance every report. Per rate: reports acknowl
 report -> acknowledgement latency, report -> decided (how long each report waited for the
 decide round that used it, as the server measures it: then its policy goes out), and for the
 flipping engine report -> new policy as it saw it (p50, p99).
+
+``overload``: the real server on one core with the embedded defaults (report_budget_share 0.5)
+and a client on the other running 0 to 500 engines, each reporting a busy interval once a second
+and backing off as the plugin does when a report is shed; a probe process beside it asks gRPC
+health, GetPolicy and HTTP /healthz every 100 ms. Per engine count: reports accepted and shed per
+second, report -> answer latency, and each probe's latency (p50, p99, max) and failures.
 
 ``fleet``: N sidecars (the real FleetSync and RedisStore, split over worker processes) sharing
 one redis-server, each with evidence for 8 classes x 2 drafts and engine options, flushing every
@@ -75,9 +82,11 @@ def hello_request(engine_id: str, batch_wide: bool = False) -> engine_pb2.Connec
         per_request_k=not batch_wide, batch_wide_k=batch_wide)))
 
 
-async def _engine(engine_id: str, interval: float, until: float, acks: list[float],
-                  target: str, batch_wide: bool) -> None:
-    """One engine streaming busy reports every ``interval`` seconds (one in flight)."""
+def busy_stream(engine_id: str) -> tuple[np.random.Generator, engine_pb2.EngineReport,
+                                         asyncio.Queue[engine_pb2.ConnectRequest | None],
+                                         AsyncIterator[engine_pb2.ConnectRequest]]:
+    """A busy engine's parts: its rng, its report (a busy interval; set ``sequence`` before
+    each send), and a Connect request stream fed from a queue (None ends it)."""
     rng = np.random.default_rng(abs(hash(engine_id)) % 2**32)
     report = wire.report_to_proto(realistic_report(1, rng))
     outbox: asyncio.Queue[engine_pb2.ConnectRequest | None] = asyncio.Queue()
@@ -86,14 +95,24 @@ async def _engine(engine_id: str, interval: float, until: float, acks: list[floa
         while (msg := await outbox.get()) is not None:
             yield msg
 
+    return rng, report, outbox, requests()
+
+
+def raw_connect(channel: grpc.aio.Channel) -> Any:
+    """EngineService.Connect whose responses stay bytes: the first byte of a ConnectResponse is
+    its oneof's tag (policy 0x1a, report_result 0x12), so a client of many engines need not
+    parse the policy updates every decide round fans out to every engine."""
+    return channel.stream_stream(
+        f"/{SERVICE}/Connect", request_serializer=engine_pb2.ConnectRequest.SerializeToString,
+        response_deserializer=None)
+
+
+async def _engine(engine_id: str, interval: float, until: float, acks: list[float],
+                  target: str, batch_wide: bool) -> None:
+    """One engine streaming busy reports every ``interval`` seconds (one in flight)."""
+    rng, report, outbox, requests = busy_stream(engine_id)
     async with grpc.aio.insecure_channel(target) as channel:
-        # Responses stay bytes: the first byte of a ConnectResponse is its oneof's tag (policy
-        # 0x1a, report_result 0x12), so this client does not parse the policy updates that
-        # every decide round fans out to every engine, and 64 of them fit on one core.
-        connect = channel.stream_stream(
-            f"/{SERVICE}/Connect", request_serializer=engine_pb2.ConnectRequest.SerializeToString,
-            response_deserializer=None)
-        call = connect(requests())
+        call = raw_connect(channel)(requests)  # 64 such engines fit on one core
         await outbox.put(hello_request(engine_id, batch_wide))
         responses = aiter(call)
         while (await anext(responses))[:1] != _POLICY_TAG:
@@ -234,6 +253,10 @@ def bench_controller(args: argparse.Namespace) -> dict[str, Any]:
     return {"engines": args.engines, "seconds_per_rate": args.seconds, "rows": rows}
 
 
+def _p50_p99(row: dict[str, Any], name: str) -> str:
+    return f"{row[f'{name}_p50_ms']:.1f} / {row[f'{name}_p99_ms']:.1f}"
+
+
 def _controller_md(result: dict[str, Any]) -> str:
     # (The flipping engine's report -> new policy is in the JSON: it measures how often its
     # decision moved as much as how fast, so it is not a latency figure.)
@@ -242,10 +265,24 @@ def _controller_md(result: dict[str, Any]) -> str:
              "|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['mode']} | {r['offered_reports_per_second']:.0f} | "
-                     f"{r['acked_reports_per_second']:.0f} | {r['ack_p50_ms']:.1f} / "
-                     f"{r['ack_p99_ms']:.1f} | {r['decision_p50_ms']:.1f} / "
-                     f"{r['decision_p99_ms']:.1f} |")
+                     f"{r['acked_reports_per_second']:.0f} | {_p50_p99(r, 'ack')} | "
+                     f"{_p50_p99(r, 'decision')} |")
     return "\n".join(lines)
+
+
+def _latency_axis(ax: Any, line_ms: float, line_label: str, xlabel: str) -> None:
+    ax.axhline(line_ms, color="grey", ls="--", lw=1, label=line_label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    pyplot().close(fig)
 
 
 def _controller_plot(result: dict[str, Any], path: Path) -> None:
@@ -268,14 +305,224 @@ def _controller_plot(result: dict[str, Any], path: Path) -> None:
     left.set_ylabel("reports/s")
     left.legend(fontsize=8)
     left.set_title(f"{result['engines']} engines, one controller core")
-    right.axhline(50, color="grey", ls="--", lw=1, label="50 ms")
-    right.set_xlabel("offered reports/s")
-    right.set_ylabel("ms")
-    right.set_yscale("log")
-    right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _latency_axis(right, 50, "50 ms", "offered reports/s")
+    _save(fig, path)
+
+
+# --- overload ------------------------------------------------------------------------------------
+ENGINE_COUNTS = (16, 64, 150, 250, 500)
+PROBE_INTERVAL, PROBE_TIMEOUT = 0.1, 2.0  # seconds; a kubelet probe's default timeout is 1 s
+
+
+async def _shedding_engine(engine_id: str, until_ready: asyncio.Event, until: list[float],
+                           stats: dict[str, list[float]], target: str) -> None:
+    """One engine reporting once a second as the plugin does under shedding: a shed payload is
+    sent again first, after a pause of the interval x its backoff (x2 per shed report, at most
+    MAX_SHED_BACKOFF, back by 1/SHED_RECOVERY per accepted one)."""
+    from engine_plugin.link import MAX_SHED_BACKOFF, SHED_RECOVERY
+
+    rng, report, outbox, requests = busy_stream(engine_id)
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = raw_connect(channel)(requests)
+        await outbox.put(hello_request(engine_id))
+        responses = aiter(call)
+        while (await anext(responses))[:1] != _POLICY_TAG:
+            pass
+        stats["connected"].append(1.0)
+        await until_ready.wait()
+        await asyncio.sleep(float(rng.random()))  # engines out of phase
+        seq, backoff = 0, 1.0
+        while time.monotonic() < until[0]:
+            seq += 1
+            report.sequence = seq
+            sent = time.monotonic()
+            await outbox.put(engine_pb2.ConnectRequest(report=report))
+            while (raw := await anext(responses))[:1] != _RESULT_TAG:
+                pass
+            result = engine_pb2.ConnectResponse.FromString(raw).report_result
+            stats["ack"].append(time.monotonic() - sent)
+            if result.accepted:
+                stats["accepted"].append(sent)
+                backoff = max(1.0, backoff / SHED_RECOVERY)
+            else:
+                stats["shed"].append(sent)
+                backoff = min(backoff * 2.0, MAX_SHED_BACKOFF)
+            await asyncio.sleep(max(0.0, backoff - (time.monotonic() - sent)))
+        await outbox.put(None)
+        call.cancel()
+
+
+def _overload_client(target: str, engines: int, seconds: float, core: int, out: Any) -> None:
+    """Client process: ``engines`` engines; once all are connected, says so and reports for
+    ``seconds``."""
+    _pin(core)
+
+    async def run() -> dict[str, Any]:
+        stats: dict[str, list[float]] = {"connected": [], "ack": [], "accepted": [], "shed": []}
+        ready, until = asyncio.Event(), [0.0]
+        tasks = [asyncio.ensure_future(_shedding_engine(f"engine-{i}", ready, until, stats,
+                                                        target)) for i in range(engines)]
+        while len(stats["connected"]) < engines:
+            await asyncio.sleep(0.05)
+        start = time.monotonic()
+        until[0] = start + seconds
+        out.send(("reporting", start, until[0]))
+        ready.set()
+        await asyncio.gather(*tasks)
+        return {**stats, "start": start, "until": until[0]}
+
+    out.send(("done", asyncio.run(run())))
+
+
+def _prober(grpc_target: str, http_url: str, core: int, out: Any) -> None:
+    """Probe process: gRPC health, GetPolicy and HTTP /healthz every PROBE_INTERVAL between the
+    (monotonic) times it is sent; latencies in seconds, a probe past PROBE_TIMEOUT is failed."""
+    import urllib.request
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from controller.server.stubs import policy_stub
+    from specpilot.v1 import policy_pb2
+
+    _pin(core)
+    channel = grpc.insecure_channel(grpc_target)
+    health = health_pb2_grpc.HealthStub(channel)
+    policy = policy_stub(channel)
+    probes: dict[str, Any] = {
+        "grpc_health": lambda: health.Check(health_pb2.HealthCheckRequest(),
+                                            timeout=PROBE_TIMEOUT),
+        "get_policy": lambda: policy.GetPolicy(policy_pb2.GetPolicyRequest(),
+                                               timeout=PROBE_TIMEOUT),
+        "http_healthz": lambda: urllib.request.urlopen(f"{http_url}/healthz",
+                                                       timeout=PROBE_TIMEOUT).read(),
+    }
+    out.send("ready")
+    start, until = out.recv()
+    latencies: dict[str, list[float]] = {name: [] for name in probes}
+    failed = dict.fromkeys(probes, 0)
+    errors: dict[str, str] = {}
+    while time.monotonic() < start:
+        time.sleep(0.01)
+    while (t0 := time.monotonic()) < until:
+        for name, probe in probes.items():
+            began = time.monotonic()
+            try:
+                probe()
+                latencies[name].append(time.monotonic() - began)
+            except Exception as e:  # a failed probe is the figure
+                failed[name] += 1
+                errors.setdefault(name, repr(e)[:300])
+        time.sleep(max(0.0, PROBE_INTERVAL - (time.monotonic() - t0)))
+    channel.close()
+    out.send({"latencies": latencies, "failed": failed, "errors": errors})
+
+
+async def _overload_one(engines: int, seconds: float) -> dict[str, Any]:
+    # The embedded defaults (report_budget_share 0.5): the sidecar's settings.
+    settings = load_settings(grpc_port=0, http_port=0, seed=1, max_k=4, max_classes=16)
+    server = await start_server(settings)
+    ctx = mp.get_context("spawn")
+    probe_here, probe_there = ctx.Pipe()
+    prober = ctx.Process(target=_prober, args=(server.grpc_target, server.http_url, 1,
+                                               probe_there))
+    prober.start()
+    receive, send = ctx.Pipe(duplex=False)
+    client = ctx.Process(target=_overload_client, args=(server.grpc_target, engines, seconds,
+                                                         1, send))
+
+    async def recv(pipe: Any) -> Any:
+        while not pipe.poll():
+            await asyncio.sleep(0.02)
+        return pipe.recv()
+
+    try:
+        assert await recv(probe_here) == "ready"
+        if engines:
+            client.start()
+            _, start, until = await recv(receive)
+        else:
+            start = time.monotonic()
+            until = start + seconds
+        cpu_start = time.process_time()
+        probe_here.send((start, until))
+        got = (await recv(receive))[1] if engines else {"ack": [], "accepted": [], "shed": []}
+        probes = await recv(probe_here)
+        cpu = time.process_time() - cpu_start
+    finally:
+        if engines:
+            client.join(timeout=60)
+        prober.join(timeout=30)
+        await server.stop(grace_seconds=0.5)
+    window = until - start
+    row: dict[str, Any] = {
+        "engines": engines, "offered_reports_per_second": float(engines),
+        "accepted_reports_per_second": len(got["accepted"]) / window,
+        "shed_reports_per_second": len(got["shed"]) / window,
+        "shed_share": len(got["shed"]) / max(1, len(got["accepted"]) + len(got["shed"])),
+        "ack_p50_ms": 1e3 * statistics.median(got["ack"]) if got["ack"] else float("nan"),
+        "ack_p99_ms": 1e3 * _percentile(got["ack"], 0.99),
+        "server_cpu_fraction": cpu / window,
+    }
+    for name, values in probes["latencies"].items():
+        row[f"{name}_p50_ms"] = 1e3 * statistics.median(values) if values else float("nan")
+        row[f"{name}_p99_ms"] = 1e3 * _percentile(values, 0.99)
+        row[f"{name}_max_ms"] = 1e3 * max(values, default=float("nan"))
+        row[f"{name}_failed"] = probes["failed"][name]
+    row["probe_errors"] = probes["errors"]  # the first of each kind
+    return row
+
+
+def bench_overload(args: argparse.Namespace) -> dict[str, Any]:
+    _pin(0)
+    rows = []
+    for n in [0, *args.engine_counts]:
+        print(f"  overload: {n} engines reporting once a second ...", flush=True)
+        row = asyncio.run(_overload_one(n, args.seconds))
+        failed = sum(row[f"{name}_failed"] for name in ("grpc_health", "get_policy",
+                                                        "http_healthz"))
+        print(f"    accepted {row['accepted_reports_per_second']:.0f}/s, shed "
+              f"{row['shed_reports_per_second']:.0f}/s; health p50/p99 "
+              f"{row['grpc_health_p50_ms']:.1f}/{row['grpc_health_p99_ms']:.1f} ms, "
+              f"GetPolicy p99 {row['get_policy_p99_ms']:.1f} ms, failed probes {failed}",
+              flush=True)
+        rows.append(row)
+    return {"seconds_per_count": args.seconds, "probe_interval_seconds": PROBE_INTERVAL,
+            "probe_timeout_seconds": PROBE_TIMEOUT, "rows": rows}
+
+
+def _overload_md(result: dict[str, Any]) -> str:
+    lines = ["| engines (reports/s offered) | accepted reports/s | shed reports/s | "
+             "report -> answer p50 / p99 ms | gRPC health p50 / p99 / max ms | "
+             "GetPolicy p50 / p99 ms | /healthz p50 / p99 ms | probes failed | server CPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        failed = r["grpc_health_failed"] + r["get_policy_failed"] + r["http_healthz_failed"]
+        lines.append(
+            f"| {r['engines']} | {r['accepted_reports_per_second']:.0f} | "
+            f"{r['shed_reports_per_second']:.0f} | {_p50_p99(r, 'ack')} | "
+            f"{_p50_p99(r, 'grpc_health')} / {r['grpc_health_max_ms']:.0f} | "
+            f"{_p50_p99(r, 'get_policy')} | {_p50_p99(r, 'http_healthz')} | {failed} | "
+            f"{r['server_cpu_fraction']:.0%} |")
+    return "\n".join(lines)
+
+
+def _overload_plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    rows = [r for r in result["rows"] if r["engines"]]
+    ns = [r["engines"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot(ns, ns, "k:", label="offered")
+    left.plot(ns, [r["accepted_reports_per_second"] for r in rows], "o-", label="accepted")
+    left.plot(ns, [r["shed_reports_per_second"] for r in rows], "s-", label="shed")
+    left.set_xlabel("engines, one report a second each")
+    left.set_ylabel("reports/s")
+    left.legend(fontsize=8)
+    left.set_title("one controller core, embedded defaults")
+    for name, label in (("grpc_health", "gRPC health"), ("get_policy", "GetPolicy"),
+                        ("http_healthz", "/healthz")):
+        right.plot(ns, [r[f"{name}_p99_ms"] for r in rows], "o-", label=f"{label} p99")
+    _latency_axis(right, 1000, "kubelet probe timeout", "engines")
+    _save(fig, path)
 
 
 # --- fleet ---------------------------------------------------------------------------------------
@@ -455,17 +702,27 @@ def _fleet_plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+PARTS: dict[str, tuple[Any, Any, Any]] = {  # part: (bench, markdown, plot)
+    "controller": (bench_controller, _controller_md, _controller_plot),
+    "overload": (bench_overload, _overload_md, _overload_plot),
+    "fleet": (bench_fleet, _fleet_md, _fleet_plot),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("controller", "fleet"))
+    parser.add_argument("part", choices=tuple(PARTS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--engines", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=6.0, help="per offered rate")
+    parser.add_argument("--seconds", type=float, default=6.0,
+                        help="per offered rate (controller) or engine count (overload)")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],
                         default=list(OFFERED_RATES),
                         help="offered reports/s with per-request-K engines, comma-separated")
     parser.add_argument("--batch-wide-rates", type=lambda s: [float(x) for x in s.split(",")],
                         default=[64.0, 256.0], help="the same with batch-wide engines")
+    parser.add_argument("--engine-counts", type=lambda s: [int(x) for x in s.split(",")],
+                        default=list(ENGINE_COUNTS), help="overload: engines, comma-separated")
     parser.add_argument("--sidecars", type=lambda s: [int(x) for x in s.split(",")],
                         default=[4, 8, 16, 32, 64])
     parser.add_argument("--workers", type=int, default=4, help="fleet worker processes")
@@ -473,18 +730,18 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20, help="measured flushes per sidecar")
     args = parser.parse_args()
     print(f"specpilot scale benchmark: {args.part}", flush=True)
-    result = bench_controller(args) if args.part == "controller" else bench_fleet(args)
+    bench, markdown, plot = PARTS[args.part]
+    result = bench(args)
     result["machine"] = f"{platform.machine()} cpus={os.cpu_count()}"
     result["python"] = platform.python_version()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"scale-{args.part}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    md = _controller_md(result) if args.part == "controller" else _fleet_md(result)
+    md = markdown(result)
     stem.with_suffix(".md").write_text(md + "\n")
     print(md)
     if plots_available("scale"):
-        (_controller_plot if args.part == "controller" else _fleet_plot)(
-            result, stem.with_suffix(".png"))
+        plot(result, stem.with_suffix(".png"))
     return 0
 
 

@@ -649,3 +649,31 @@ def test_an_engine_ahead_of_this_controllers_versions_is_not_behind() -> None:
     core.decide(1.0)
     core.ingest("e1", replace(_good(1), policy_version=core.version + 1000), now=2.0)
     assert core.snapshot(2.0).engines[0].versions_behind == 0
+
+
+def test_a_draft_longer_than_the_controllers_max_k_shows_only_the_positions_tracked() -> None:
+    # Found by benchmarks/scale.py overload: an engine whose draft announces K=6 beside a
+    # controller of max_k 4 made every GetPolicy fail (IndexError: position 5 of 4 tracked).
+    from controller.wire import estimate_to_proto
+
+    core = _core(max_k=4)
+    core.ingest("e1", _good(), now=1.0)
+    core.decide(now=1.0)
+    shown = {e.draft: e for c in core.snapshot(1.0).classes for e in c.estimates}
+    assert shown["d"].positions == 4 and len(shown["d"].mean) == 4
+    assert [p.position for p in estimate_to_proto(shown["d"], 0.9).positions] == [1, 2, 3, 4]
+    # The control: the draft's own K, unclamped, is beyond what is tracked.
+    assert HELLO.drafts[0].max_k > len(core.estimate("code", "d", 1.0).alpha)
+
+
+def test_the_drafts_follow_engines_connecting_and_leaving() -> None:
+    # drafts() is kept between calls: it must still follow every connect and departure.
+    core = _core()
+    assert [d.name for d in core.drafts()] == ["d", "ngram"]
+    other = replace(HELLO, engine_id="e2", drafts=(DraftSpec("eagle", DraftKind.MODEL, 4, "v1"),))
+    core.connect_engine(other, now=1.0)
+    assert [d.name for d in core.drafts()] == ["d", "ngram", "eagle"]
+    core.disconnect_engine("e1")
+    assert [d.name for d in core.drafts()] == ["eagle"]
+    core.disconnect_engine("e2")
+    assert core.drafts() == ()

@@ -208,6 +208,7 @@ class ControllerCore:
             config.policy.max_k,
         )
         self._engines: dict[str, _EngineState] = {}
+        self._drafts: tuple[DraftSpec, ...] | None = None  # drafts(), cached
         # Per bucket: when an engine last reported decode steps at its batch sizes, and the
         # batch size those steps ran at (what the bucket's decisions are priced at).
         self._bucket_seen: dict[int, float] = {}
@@ -253,6 +254,7 @@ class ControllerCore:
             accepted = {n: (replace(d, carrier=models[0]) if d.kind is not DraftKind.MODEL else d)
                         for n, d in accepted.items()}
         self._engines[hello.engine_id] = _EngineState(hello, accepted, last_report_at=now)
+        self._drafts = None
         self._cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
         self._seed_costs(hello, accepted, now)
         return HelloOutcome(tuple(accepted), tuple(rejected))
@@ -301,16 +303,21 @@ class ControllerCore:
 
     def disconnect_engine(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)
+        self._drafts = None
         for state in self._classes.values():
             state.holders.pop(engine_id, None)
 
     def drafts(self) -> tuple[DraftSpec, ...]:
-        """Drafts every connected engine accepted (union; first-seen order)."""
-        merged: dict[str, DraftSpec] = {}
-        for engine in self._engines.values():
-            for name, spec in engine.drafts.items():
-                merged.setdefault(name, spec)
-        return tuple(merged.values())
+        """Drafts every connected engine accepted (union; first-seen order). Kept until an
+        engine connects or leaves: decisions ask for it per bucket, and a controller of
+        hundreds of engines spent most of its decide rounds merging them again."""
+        if self._drafts is None:
+            merged: dict[str, DraftSpec] = {}
+            for engine in self._engines.values():
+                for name, spec in engine.drafts.items():
+                    merged.setdefault(name, spec)
+            self._drafts = tuple(merged.values())
+        return self._drafts
 
     # --- reports ----------------------------------------------------------------------------
     def canonical_class(self, name: str) -> str:
@@ -954,8 +961,10 @@ class ControllerCore:
     def estimate(self, traffic_class: str, draft: str, now: float,
                  positions: int | None = None) -> AcceptanceEstimate:
         """The acceptance posterior of (class, draft) as of ``now``: the bare prior when no
-        report named it. ``positions`` shown: the estimator's max K unless given."""
+        report named it. ``positions`` shown: the estimator's max K unless given, never more
+        than it tracks (a draft may announce a longer K than the controller considers)."""
         post = self._estimator.posterior(traffic_class, draft, now)
+        tracked = post.alpha.size
         return AcceptanceEstimate(
             traffic_class=traffic_class,
             draft=draft,
@@ -963,7 +972,7 @@ class ControllerCore:
             beta=tuple(post.beta.tolist()),
             prior_alpha=post.prior_alpha,
             prior_beta=post.prior_beta,
-            positions=self.config.estimator.max_k if positions is None else positions,
+            positions=tracked if positions is None else min(positions, tracked),
             changes_detected=self._estimator.changes_detected(traffic_class, draft),
             has_evidence=self._estimator.has_data(traffic_class, draft),
         )

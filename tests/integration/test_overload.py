@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import AsyncIterator
 from typing import cast
 
 import grpc
@@ -15,9 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks.ingest import realistic_report
-from benchmarks.scale import hello_request
-from controller import wire
+from benchmarks.scale import busy_stream, hello_request
 from controller.server.app import RunningServer, start_server
 from controller.server.stubs import async_policy_stub, engine_stub
 from controller.settings import load_settings
@@ -35,16 +32,9 @@ async def _flood(target: str, engine_id: str, results: list[engine_pb2.ReportRes
                  heartbeats: list[engine_pb2.ReportResult]) -> None:
     """One engine sending busy reports back to back (no wait for results), a heartbeat among
     them every tenth report."""
-    rng = np.random.default_rng(abs(hash(engine_id)) % 2**32)
-    report = wire.report_to_proto(realistic_report(1, rng))
-    outbox: asyncio.Queue[engine_pb2.ConnectRequest | None] = asyncio.Queue()
-
-    async def requests() -> AsyncIterator[engine_pb2.ConnectRequest]:
-        while (msg := await outbox.get()) is not None:
-            yield msg
-
+    _, report, outbox, requests = busy_stream(engine_id)
     async with grpc.aio.insecure_channel(target) as channel:
-        call = engine_stub(channel).Connect(requests())
+        call = engine_stub(channel).Connect(requests)
         await outbox.put(hello_request(engine_id))
         while not cast(engine_pb2.ConnectResponse, await call.read()).HasField("policy"):
             pass
