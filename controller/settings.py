@@ -103,9 +103,10 @@ class ServerConfig:
     """With tls_client_ca_file: an engine's hello must name an engine_id equal to its client
     certificate's common name or one of its subject alternative names, else PERMISSION_DENIED,
     so one engine's certificate cannot take over another engine's id."""
-    max_report_bytes: int = tunable(1 << 20, ge=1024)
+    max_report_bytes: int = tunable(1 << 20, ge=1024, le=4 << 20)
     """Largest accepted engine report, bytes; larger ones are rejected with a reason and the
-    stream stays up."""
+    stream stays up. At most 4 MiB: applying a report takes about 20 times its size in memory
+    while it is ingested (benchmarks/sidecar_memory.py)."""
     report_interval_seconds: float = tunable(1.0, gt=0)
     """How often engines report, seconds (sent in the hello ack)."""
     decide_min_interval_seconds: float = tunable(0.01, ge=0)

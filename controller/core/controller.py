@@ -126,8 +126,10 @@ class CoreConfig:
     its own, gives its slot back and its estimates are forgotten, seconds. A class whose every
     reporting engine disconnected gives its slot to a new class at once when the table is
     full."""
-    decision_log_size: int = tunable(1000, ge=1)
-    """Decisions kept for watch/replay."""
+    decision_log_size: int = tunable(1000, ge=1, le=10_000)
+    """Decisions kept for watch/replay. At most 10,000: a decision held costs ~0.35 KiB, and
+    answering a read of the whole log (/api/decisions without a limit) ~2.6 KiB more each
+    (benchmarks/sidecar_memory.py: 100,000 peaked at 368 MiB)."""
 
     @property
     def n_buckets(self) -> int:
