@@ -2,8 +2,9 @@
 process: the parts shared by ``tests/engine/test_faults.py`` and ``benchmarks/soak.py``.
 
 - :class:`ControllerProcess`: ``specpilot serve`` as a child process on loopback (the sidecar),
-  its stdout read for the ports it prints, its stderr kept (for ERROR lines), and the faults:
-  SIGKILL, SIGTERM, SIGSTOP/SIGCONT. Its policy API and health check over gRPC.
+  its stdout read for the ports it prints, its last stderr lines kept (for ERROR lines), and the
+  faults: SIGKILL, SIGTERM, SIGSTOP/SIGCONT. Its policy API and health check over gRPC; its
+  memory and CPU time from /proc (``benchmarks/sidecar_memory.py``).
 - :class:`TcpProxy`: a byte-forwarding TCP proxy the plugin connects through, which can cut a
   connection in the middle of a message (half a chunk forwarded, then both sides closed).
 - :func:`start_flood` / ``python -m benchmarks.faults flood``: a separate process that opens many
@@ -29,6 +30,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import statistics
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +49,7 @@ if __name__ == "__main__":  # run as a script: the flood child
     sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 import grpc  # noqa: E402
+import yaml  # noqa: E402
 
 SPECPILOT = str(Path(sys.executable).with_name("specpilot"))
 STARTUP_SECONDS = 30.0
@@ -122,10 +126,36 @@ def renice(pid: int, nice: int) -> None:
 
 
 # --- the controller, a child process -------------------------------------------------------------
+# Its stderr lines kept, the newest: at log level info a controller logs an audit line per policy
+# write and a line per engine event, so a long benchmark's would grow without end.
+KEPT_LINES = 10_000
+# The child, before it becomes ``specpilot serve`` (exec, the same pid): SIGTERM when the thread
+# that started it ends (Linux's PR_SET_PDEATHSIG), so that a benchmark or test killed outright
+# leaves no controller behind; and out at once if that parent is gone already. (A launcher, not
+# Popen's preexec_fn: that is unsafe in a process with threads, such as one running an engine.)
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+if sys.platform == "linux":
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def set_flag(value: object) -> str:
+    """``value`` as ``specpilot serve --set NAME=VALUE`` reads it (``yaml.safe_load``): numbers,
+    bools, strings (quoted where YAML would read them otherwise), lists, all as they are."""
+    text: str = yaml.safe_dump(value, default_flow_style=True, width=float("inf"),
+                               allow_unicode=True)
+    return text.removesuffix("\n").removesuffix("\n...")  # a scalar's end-of-document mark
+
+
 class ControllerProcess:
     """``specpilot serve`` on loopback: gRPC on ``grpc_port`` (0: a free one), HTTP on a free
-    port, ``settings`` as ``--set NAME=VALUE``, the policy token from the environment; reniced
-    by ``nice`` once it listens."""
+    port, ``settings`` as ``--set NAME=VALUE``, the policy token from the environment, logging at
+    ``log_level`` (its last KEPT_LINES stderr lines kept); reniced by ``nice`` once it listens.
+    It ends with the thread that started it (SIGTERM, on Linux)."""
 
     def __init__(self, grpc_port: int = 0, *, settings: Mapping[str, object] = FAST_SETTINGS,
                  token: str = "fault-injection-policy-token", nice: int = 0,
@@ -134,13 +164,16 @@ class ControllerProcess:
         args = [SPECPILOT, "serve", "--grpc-port", str(grpc_port), "--http-port", "0",
                 "--log-level", log_level]
         for name, value in settings.items():
-            args += ["--set", f"{name}={value}"]
+            args += ["--set", f"{name}={set_flag(value)}"]
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            args, env=_child_env({"SPECPILOT_POLICY_TOKEN": token}), stdout=subprocess.PIPE,
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args],
+            env=_child_env({"SPECPILOT_POLICY_TOKEN": token}), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
+        # Its stdout is the CLI's own few lines (the ports, then "stopping"); its stderr, the log.
         self.stdout: queue.Queue[str] = queue.Queue()
-        self.stderr: list[tuple[float, str]] = []  # (monotonic time, line)
+        self._stderr: deque[tuple[float, str]] = deque(maxlen=KEPT_LINES)
+        self._stderr_lock = threading.Lock()
         self._pumps = [threading.Thread(target=self._pump, args=(s, put), daemon=True)
                        for s, put in ((self.proc.stdout, self.stdout.put),
                                       (self.proc.stderr, self._keep_err))]
@@ -164,7 +197,18 @@ class ControllerProcess:
             put(line.rstrip("\n"))
 
     def _keep_err(self, line: str) -> None:
-        self.stderr.append((time.monotonic(), line))
+        with self._stderr_lock:
+            self._stderr.append((time.monotonic(), line))
+
+    @property
+    def stderr(self) -> list[tuple[float, str]]:
+        """Its last KEPT_LINES stderr lines, oldest first: (monotonic time, line)."""
+        with self._stderr_lock:
+            return list(self._stderr)
+
+    def tail(self, n: int = 50) -> str:
+        """Its last ``n`` stderr lines, one a line."""
+        return "\n".join(line for _, line in self.stderr[-n:])
 
     def _read_ports(self) -> None:
         deadline = time.monotonic() + STARTUP_SECONDS
@@ -189,6 +233,29 @@ class ControllerProcess:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def ensure_alive(self) -> None:
+        """RuntimeError, with its last lines, if it has exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"specpilot serve exited ({self.proc.returncode}):\n"
+                               + self.tail())
+
+    # --- its resources, from /proc (Linux) -------------------------------------------------------
+    def memory(self) -> tuple[float, float]:
+        """Its resident set now and its peak so far (VmRSS, VmHWM), MiB."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        values = []
+        for key in ("VmRSS", "VmHWM"):
+            found = re.search(rf"{key}:\s+(\d+)", status)
+            if found is None:
+                raise RuntimeError(f"no {key} in /proc/{self.proc.pid}/status")
+            values.append(int(found.group(1)) / 1024)
+        return values[0], values[1]
+
+    def cpu_seconds(self) -> float:
+        """Its user and system CPU time so far, seconds."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     # --- faults ----------------------------------------------------------------------------------
     def kill(self) -> None:
@@ -709,10 +776,19 @@ def link_counters(link: Any) -> dict[str, int]:
         "reports_sent", "heartbeats_sent", "reports_accepted", "reports_rejected",
         "reports_shed", "dropped", "unanswered", "records_dropped", "connects")}
     c["queued"] = int(link.queued)
+    c["in_flight"] = int(link.in_flight)
     c["submitted"] = c["reports_sent"] - c["reports_shed"] + c["dropped"] + c["queued"]
     c["outstanding"] = (c["reports_sent"] + c["heartbeats_sent"] - c["reports_accepted"]
                         - c["reports_rejected"] - c["reports_shed"] - c["unanswered"])
     return c
+
+
+def settled_counters(link: Any, timeout: float = 10.0) -> dict[str, int]:
+    """``link_counters`` at a moment with nothing in flight on the live stream, so that
+    ``outstanding`` holds only messages lost without being counted."""
+    wait_until(lambda: link.in_flight == 0, timeout, "the link's messages to be answered",
+               poll=0.002)
+    return link_counters(link)
 
 
 def diff(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
@@ -924,7 +1000,7 @@ class FaultRig:
         """The stream cut through the proxy in the middle of a report: the engine reconnects."""
         link, ctl = self.link, self.controller
         self.wait_policy()
-        load0, link0 = self.load.counts(), link_counters(link)
+        load0, link0 = self.load.counts(), settled_counters(link)
         since = time.monotonic()
         self.proxy.cut_mid_message()
         wait_until(self.proxy.cut.is_set, 10.0, "the proxy to cut a report")
@@ -941,7 +1017,7 @@ class FaultRig:
             "cut": dict(self.proxy.cut_info),
             "reconnect_s": reconnect_s,
             "reports_flowing_s": flowing_s,
-            "link": diff(link_counters(link), link0),
+            "link": diff(settled_counters(link), link0),
             "load": self.load.counts().minus(load0).as_dict(),
             "errors_logged": ctl.error_lines(since=since),
             "controller_lines": [line for at, line in ctl.stderr if at >= since

@@ -1,9 +1,10 @@
-"""matplotlib for the commands that draw PNGs (``simulate``, ``bench engine``): optional, from
-the ``sim`` extra; without it the commands write JSON and markdown only."""
+"""matplotlib for the commands that draw PNGs (``simulate``, ``bench engine``, the benchmarks):
+optional, from the ``sim`` extra; without it the commands write JSON and markdown only."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -26,3 +27,11 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """``fig`` laid out tight, written to ``path`` (110 dpi) and closed."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    pyplot().close(fig)

@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -50,18 +50,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from benchmarks.ingest import realistic_report  # noqa: E402
-from benchmarks.plots import plots_available, pyplot  # noqa: E402
+from benchmarks.plots import plots_available, pyplot, save_figure  # noqa: E402
 from benchmarks.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
 from controller import wire  # noqa: E402
 from controller.core.types import DraftKind, DraftSpec, EngineHello  # noqa: E402
 from controller.server.app import start_server  # noqa: E402
 from controller.server.stubs import engine_stub  # noqa: E402
 from controller.settings import load_settings  # noqa: E402
+from engine_plugin.link import MAX_SHED_BACKOFF, SHED_RECOVERY  # noqa: E402
 from specpilot.v1 import engine_pb2  # noqa: E402
 
 OFFERED_RATES = (64, 256, 512, 1024, 1536)  # reports/s over all engines
-SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+CONNECT = f"/{engine_pb2.DESCRIPTOR.services_by_name['EngineService'].full_name}/Connect"
 _RESULT_TAG, _POLICY_TAG = bytes([2 << 3 | 2]), bytes([3 << 3 | 2])  # ConnectResponse fields
+_SHED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+M = TypeVar("M")
 
 
 def _pin(core_index: int) -> None:
@@ -82,54 +85,123 @@ def hello_request(engine_id: str, batch_wide: bool = False) -> engine_pb2.Connec
         per_request_k=not batch_wide, batch_wide_k=batch_wide)))
 
 
+async def _drain(outbox: asyncio.Queue[M | None]) -> AsyncIterator[M]:
+    """A request stream of what is put on ``outbox``; None ends it."""
+    while (msg := await outbox.get()) is not None:
+        yield msg
+
+
+def busy_report(engine_id: str) -> tuple[np.random.Generator, engine_pb2.EngineReport]:
+    """A busy engine's rng and its report (a busy interval; set ``sequence`` before each
+    send)."""
+    rng = np.random.default_rng(abs(hash(engine_id)) % 2**32)
+    return rng, wire.report_to_proto(realistic_report(1, rng))
+
+
 def busy_stream(engine_id: str) -> tuple[np.random.Generator, engine_pb2.EngineReport,
                                          asyncio.Queue[engine_pb2.ConnectRequest | None],
                                          AsyncIterator[engine_pb2.ConnectRequest]]:
-    """A busy engine's parts: its rng, its report (a busy interval; set ``sequence`` before
-    each send), and a Connect request stream fed from a queue (None ends it)."""
-    rng = np.random.default_rng(abs(hash(engine_id)) % 2**32)
-    report = wire.report_to_proto(realistic_report(1, rng))
+    """A busy engine's parts: ``busy_report``'s, and a Connect request stream fed from a queue
+    (None ends it)."""
+    rng, report = busy_report(engine_id)
     outbox: asyncio.Queue[engine_pb2.ConnectRequest | None] = asyncio.Queue()
-
-    async def requests() -> AsyncIterator[engine_pb2.ConnectRequest]:
-        while (msg := await outbox.get()) is not None:
-            yield msg
-
-    return rng, report, outbox, requests()
+    return rng, report, outbox, _drain(outbox)
 
 
-def raw_connect(channel: grpc.aio.Channel) -> Any:
-    """EngineService.Connect whose responses stay bytes: the first byte of a ConnectResponse is
-    its oneof's tag (policy 0x1a, report_result 0x12), so a client of many engines need not
-    parse the policy updates every decide round fans out to every engine."""
-    return channel.stream_stream(
-        f"/{SERVICE}/Connect", request_serializer=engine_pb2.ConnectRequest.SerializeToString,
-        response_deserializer=None)
+class EngineStream:
+    """One engine's Connect stream on a channel of its own, its messages sent serialized and its
+    responses left as bytes: the first byte of a ConnectResponse is its oneof's tag (policy
+    0x1a, report_result 0x12), so a client of many engines need not parse the policy updates
+    every decide round fans out to every engine.
+
+    Reports go one at a time, each answered before the next (``answer``); ``send`` sends one
+    until it is taken, a shed one again after ``pause``: the controller's
+    ``ReportResult.retry_after_seconds``, or with ``backoff`` the plugin's pause (the report
+    ``interval`` x a factor that doubles per shed report, at most MAX_SHED_BACKOFF, and falls
+    by SHED_RECOVERY per taken one, to 1; after a shed report at least the controller's hint,
+    at most MAX_SHED_BACKOFF intervals)."""
+
+    def __init__(self, target: str, hello: engine_pb2.ConnectRequest | bytes, *,
+                 backoff: bool = False, interval: float = 1.0) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        connect = self._channel.stream_stream(CONNECT, request_serializer=None,
+                                              response_deserializer=None)
+        self._call = connect(_drain(self._outbox))
+        self._responses: AsyncIterator[bytes] = aiter(self._call)
+        self._hello = hello if isinstance(hello, bytes) else hello.SerializeToString()
+        self._backoff, self._interval = backoff, interval
+        self.factor = 1.0  # the plugin's backoff
+        self.pause = 0.0  # seconds from the last answer to the next report
+        self.sequence = 0
+        self.accepted = self.shed = 0
+
+    async def connect(self) -> None:
+        """The hello sent and the first policy received."""
+        await self._outbox.put(self._hello)
+        while (await anext(self._responses))[:1] != _POLICY_TAG:
+            pass
+
+    def request(self, report: engine_pb2.EngineReport) -> bytes:
+        """``report`` with this stream's next sequence number, a serialized ConnectRequest."""
+        self.sequence += 1
+        report.sequence = self.sequence
+        return engine_pb2.ConnectRequest(report=report).SerializeToString()
+
+    async def answer(self, data: bytes) -> engine_pb2.ReportResult:
+        """A serialized report sent and its result (policy updates on the way skipped), counted
+        as taken or shed, ``pause`` set; RuntimeError if it is refused."""
+        await self._outbox.put(data)
+        while (raw := await anext(self._responses))[:1] != _RESULT_TAG:
+            pass
+        result = engine_pb2.ConnectResponse.FromString(raw).report_result
+        if result.accepted:
+            self.accepted += 1
+            self.factor = max(1.0, self.factor / SHED_RECOVERY)
+        elif result.code == _SHED:
+            self.shed += 1
+            self.factor = min(self.factor * 2.0, MAX_SHED_BACKOFF)
+        else:
+            raise RuntimeError(f"report {result.sequence} refused: {result.reason}")
+        if not self._backoff:
+            self.pause = result.retry_after_seconds
+        else:  # engine_plugin.link: the longer of its backoff and the hint, at most 16 intervals
+            self.pause = self._interval * self.factor
+            if not result.accepted and result.retry_after_seconds > self.pause:
+                self.pause = min(result.retry_after_seconds, self._interval * MAX_SHED_BACKOFF)
+        return result
+
+    async def send(self, data: bytes) -> None:
+        """A serialized report sent until it is taken."""
+        while not (await self.answer(data)).accepted:
+            await asyncio.sleep(self.pause)
+
+    async def report(self, report: engine_pb2.EngineReport) -> None:
+        """``report``, with the next sequence number, sent until it is taken."""
+        await self.send(self.request(report))
+
+    async def close(self) -> None:
+        await self._outbox.put(None)
+        self._call.cancel()
+        await self._channel.close(None)
 
 
 async def _engine(engine_id: str, interval: float, until: float, acks: list[float],
                   target: str, batch_wide: bool) -> None:
     """One engine streaming busy reports every ``interval`` seconds (one in flight)."""
-    rng, report, outbox, requests = busy_stream(engine_id)
-    async with grpc.aio.insecure_channel(target) as channel:
-        call = raw_connect(channel)(requests)  # 64 such engines fit on one core
-        await outbox.put(hello_request(engine_id, batch_wide))
-        responses = aiter(call)
-        while (await anext(responses))[:1] != _POLICY_TAG:
-            pass
+    rng, report = busy_report(engine_id)
+    engine = EngineStream(target, hello_request(engine_id, batch_wide))  # 64 fit on one core
+    try:
+        await engine.connect()
         await asyncio.sleep(float(rng.random()) * interval)  # engines out of phase
-        seq = 0
         while time.monotonic() < until:
-            seq += 1
-            report.sequence = seq
             sent = time.monotonic()
-            await outbox.put(engine_pb2.ConnectRequest(report=report))
-            while (await anext(responses))[:1] != _RESULT_TAG:
-                pass
+            data = engine.request(report)
+            await engine.answer(data)
             acks.append(time.monotonic() - sent)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - sent)))
-        await outbox.put(None)
-        call.cancel()
+    finally:
+        await engine.close()
 
 
 async def _flipper(until: float, latencies: list[float], target: str) -> None:
@@ -138,13 +210,8 @@ async def _flipper(until: float, latencies: list[float], target: str) -> None:
     engine = SyntheticEngine({"flip": np.full(4, 0.95)}, TrueCost(), max_k=4,
                              steps_per_report=5000, engine_id="flipper")
     outbox: asyncio.Queue[engine_pb2.ConnectRequest | None] = asyncio.Queue()
-
-    async def requests() -> AsyncIterator[engine_pb2.ConnectRequest]:
-        while (msg := await outbox.get()) is not None:
-            yield msg
-
     async with grpc.aio.insecure_channel(target) as channel:
-        call = engine_stub(channel).Connect(requests())
+        call = engine_stub(channel).Connect(_drain(outbox))
         await outbox.put(engine.hello())
         responses = aiter(call)
         while (msg := await anext(responses)).WhichOneof("message") != "policy":
@@ -278,13 +345,6 @@ def _latency_axis(ax: Any, line_ms: float, line_label: str, xlabel: str) -> None
     ax.legend(fontsize=7)
 
 
-def _save(fig: Any, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    fig.clf()
-    pyplot().close(fig)
-
-
 def _controller_plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -306,7 +366,7 @@ def _controller_plot(result: dict[str, Any], path: Path) -> None:
     left.legend(fontsize=8)
     left.set_title(f"{result['engines']} engines, one controller core")
     _latency_axis(right, 50, "50 ms", "offered reports/s")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 # --- overload ------------------------------------------------------------------------------------
@@ -317,39 +377,23 @@ PROBE_INTERVAL, PROBE_TIMEOUT = 0.1, 2.0  # seconds; a kubelet probe's default t
 async def _shedding_engine(engine_id: str, until_ready: asyncio.Event, until: list[float],
                            stats: dict[str, list[float]], target: str) -> None:
     """One engine reporting once a second as the plugin does under shedding: a shed payload is
-    sent again first, after a pause of the interval x its backoff (x2 per shed report, at most
-    MAX_SHED_BACKOFF, back by 1/SHED_RECOVERY per accepted one)."""
-    from engine_plugin.link import MAX_SHED_BACKOFF, SHED_RECOVERY
-
-    rng, report, outbox, requests = busy_stream(engine_id)
-    async with grpc.aio.insecure_channel(target) as channel:
-        call = raw_connect(channel)(requests)
-        await outbox.put(hello_request(engine_id))
-        responses = aiter(call)
-        while (await anext(responses))[:1] != _POLICY_TAG:
-            pass
+    sent again first, after a pause of the interval x its backoff (``EngineStream``'s)."""
+    rng, report = busy_report(engine_id)
+    engine = EngineStream(target, hello_request(engine_id), backoff=True)
+    try:
+        await engine.connect()
         stats["connected"].append(1.0)
         await until_ready.wait()
         await asyncio.sleep(float(rng.random()))  # engines out of phase
-        seq, backoff = 0, 1.0
         while time.monotonic() < until[0]:
-            seq += 1
-            report.sequence = seq
             sent = time.monotonic()
-            await outbox.put(engine_pb2.ConnectRequest(report=report))
-            while (raw := await anext(responses))[:1] != _RESULT_TAG:
-                pass
-            result = engine_pb2.ConnectResponse.FromString(raw).report_result
+            data = engine.request(report)
+            result = await engine.answer(data)
             stats["ack"].append(time.monotonic() - sent)
-            if result.accepted:
-                stats["accepted"].append(sent)
-                backoff = max(1.0, backoff / SHED_RECOVERY)
-            else:
-                stats["shed"].append(sent)
-                backoff = min(backoff * 2.0, MAX_SHED_BACKOFF)
-            await asyncio.sleep(max(0.0, backoff - (time.monotonic() - sent)))
-        await outbox.put(None)
-        call.cancel()
+            stats["accepted" if result.accepted else "shed"].append(sent)
+            await asyncio.sleep(max(0.0, engine.pause - (time.monotonic() - sent)))
+    finally:
+        await engine.close()
 
 
 def _overload_client(target: str, engines: int, seconds: float, core: int, out: Any) -> None:
@@ -522,7 +566,7 @@ def _overload_plot(result: dict[str, Any], path: Path) -> None:
                         ("http_healthz", "/healthz")):
         right.plot(ns, [r[f"{name}_p99_ms"] for r in rows], "o-", label=f"{label} p99")
     _latency_axis(right, 1000, "kubelet probe timeout", "engines")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 # --- fleet ---------------------------------------------------------------------------------------
@@ -697,9 +741,7 @@ def _fleet_plot(result: dict[str, Any], path: Path) -> None:
     right.set_xlabel("sidecars")
     right.set_ylabel("kB per flush per sidecar")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 PARTS: dict[str, tuple[Any, Any, Any]] = {  # part: (bench, markdown, plot)

@@ -2,12 +2,12 @@
 
     .venv/bin/python benchmarks/sidecar_memory.py [--cases idle,classes-max,...] [--out DIR]
 
-Each case is a fresh `specpilot serve` child process (settings by ``--set``) driven to its limit
-over the real gRPC and HTTP interfaces from this process (grpc.aio; engine streams leave the
-policy fan-out unparsed, as benchmarks/scale.py's do). The child's resident set comes from
-/proc: VmRSS after the case's work (its streams still open, its state held, the loop settled)
-and VmHWM, the peak over the process's life; also its CPU share at that state. Cases
-(``cases``):
+Each case is a fresh `specpilot serve` child process (benchmarks.faults.ControllerProcess,
+settings by ``--set``) driven to its limit over the real gRPC and HTTP interfaces from this
+process (grpc.aio; engine streams leave the policy fan-out unparsed: benchmarks.scale's
+EngineStream). The child's resident set comes from /proc: VmRSS after the case's work (its
+streams still open, its state held, the loop settled) and VmHWM, the peak over the process's
+life; also its CPU share at that state. Cases (``cases``):
 
 - idle: the embedded defaults.
 - classes-default, classes-max: max_classes at its default and its bound, filled by one engine
@@ -37,18 +37,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import json
 import os
 import platform
-import re
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +55,8 @@ import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 import yaml  # noqa: E402
 
+from benchmarks.faults import ControllerProcess  # noqa: E402
+from benchmarks.scale import EngineStream  # noqa: E402
 from controller.core.controller import MAX_NOTE_CHARS  # noqa: E402
 from controller.core.validation import (  # noqa: E402
     MAX_CLASS_NAME_LENGTH,
@@ -72,16 +69,11 @@ from controller.server.app import STREAM_QUEUE_LIMIT  # noqa: E402
 from controller.server.policy_writes import AUDIT_LOG_SIZE  # noqa: E402
 from controller.server.stubs import AsyncPolicyStub, async_policy_stub  # noqa: E402
 from controller.settings import SETTINGS  # noqa: E402
-from engine_plugin.link import MAX_SHED_BACKOFF  # noqa: E402
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2  # noqa: E402
 
 TOKEN = "memory-bench-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
-CONNECT = f"/{engine_pb2.DESCRIPTOR.services_by_name['EngineService'].full_name}/Connect"
 WATCH = f"/{policy_pb2.DESCRIPTOR.services_by_name['PolicyService'].full_name}/WatchDecisions"
-# First byte of a ConnectResponse: its oneof's tag (field 2 report_result, field 3 policy).
-_RESULT_TAG, _POLICY_TAG = bytes([2 << 3 | 2]), bytes([3 << 3 | 2])
-_SHED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 MAX_CLASSES_DEFAULT: int = SETTINGS["max_classes"].default
 MAX_CLASSES_BOUND = int(SETTINGS["max_classes"].constraints.le or 256)
@@ -93,6 +85,7 @@ MAX_K: int = SETTINGS["max_k"].default  # the controller's; engines announce as 
 BUCKET_BOUNDS: tuple[int, ...] = SETTINGS["batch_bucket_upper_bounds"].default
 BATCH = 256  # the engines' max_batch_size
 REPORT_INTERVAL: float = SETTINGS["report_interval_seconds"].default
+WATCHERS_MAX: int = SETTINGS["max_watch_streams"].default
 SETTLE_SECONDS = 2.0  # after a case's work: the CPU share over this long
 VALUES = ROOT / "deploy" / "helm" / "specpilot" / "values.yaml"
 
@@ -132,79 +125,6 @@ def _class_names(n: int, long: bool) -> list[str]:
 def _draft_names(n: int, long: bool, prefix: str = "draft") -> list[str]:
     return [_long(f"{prefix}-{j:02d}", MAX_ID_CHARS) if long else f"{prefix}-{j:02d}"
             for j in range(n)]
-
-
-# --- the controller process ---------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when this benchmark dies (Linux), so a killed run
-    leaves no controller behind."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Serve:
-    """`specpilot serve` in a child process with ``settings`` as --set flags; its output is
-    drained by a thread (the last lines kept for errors)."""
-
-    def __init__(self, settings: dict[str, object]) -> None:
-        cmd = [sys.executable, "-c", "import sys; from controller.cli import main; "
-               "sys.exit(main())", "serve", "--grpc-port", "0", "--http-port", "0",
-               "--log-level", "warning"]
-        for name, value in settings.items():
-            cmd += ["--set", f"{name}={json.dumps(value)}"]
-        env = {**os.environ, "SPECPILOT_POLICY_TOKEN": TOKEN,
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "proto")])}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, cwd=ROOT, preexec_fn=_die_with_parent)
-        self.lines: deque[str] = deque(maxlen=50)
-        self.target = ""
-        self.http_url = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
-        if not self._ready.wait(60) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError("specpilot serve did not start:\n" + "".join(self.lines))
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if found := re.search(r"grpc listening on (\S+)", line):
-                self.target = found.group(1)
-            if found := re.search(r"http listening on (\S+)", line):
-                self.http_url = found.group(1)
-            if self.target and self.http_url:
-                self._ready.set()
-        self._ready.set()
-
-    def memory(self) -> tuple[float, float]:
-        """(VmRSS, VmHWM) of the controller, MiB."""
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        values = []
-        for key in ("VmRSS", "VmHWM"):
-            found = re.search(rf"{key}:\s+(\d+)", status)
-            if found is None:
-                raise RuntimeError(f"no {key} in /proc/{self.proc.pid}/status")
-            values.append(int(found.group(1)) / 1024)
-        return values[0], values[1]
-
-    def cpu_seconds(self) -> float:
-        """User and system CPU time of the controller so far, seconds."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"specpilot serve exited ({self.proc.returncode}):\n"
-                               + "".join(self.lines))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 # --- engine streams -----------------------------------------------------------------------------
@@ -304,77 +224,19 @@ def full_report(classes: list[str], drafts: list[str], max_bytes: int
     return report
 
 
-def _retry_after(reason: str) -> float:
-    found = re.search(r"again in ([0-9.]+) s", reason)
-    return float(found.group(1)) if found else 0.5
-
-
-class Engine:
-    """One engine's Connect stream on its own channel; policy updates stay bytes. Reports are
-    sent one at a time; a shed one is sent again after the pause its answer names, or with
-    ``backoff`` as the plugin does: after its report interval (1 s) x a backoff that doubles
-    per shed report (at most MAX_SHED_BACKOFF)."""
-
-    def __init__(self, target: str, hello_bytes: bytes, backoff: bool = False) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
-        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
-        connect = self._channel.stream_stream(CONNECT, request_serializer=None,
-                                              response_deserializer=None)
-        self._hello = hello_bytes
-        self._call = connect(self._requests())
-        self._responses: AsyncIterator[bytes] = aiter(self._call)
-        self.sequence = 0
-        self.accepted = self.shed = 0
-        self._backoff = 1.0 if backoff else 0.0
-
-    async def _requests(self) -> AsyncIterator[bytes]:
-        while (msg := await self._outbox.get()) is not None:
-            yield msg
-
-    async def connect(self) -> None:
-        await self._outbox.put(self._hello)
-        while (await anext(self._responses))[:1] != _POLICY_TAG:
-            pass
-
-    async def report(self, report: engine_pb2.EngineReport) -> None:
-        self.sequence += 1
-        report.sequence = self.sequence
-        await self.send(engine_pb2.ConnectRequest(report=report).SerializeToString())
-
-    async def send(self, data: bytes) -> None:
-        """Send a serialized report until it is taken; RuntimeError if it is refused."""
-        while True:
-            await self._outbox.put(data)
-            while (raw := await anext(self._responses))[:1] != _RESULT_TAG:
-                pass
-            result = engine_pb2.ConnectResponse.FromString(raw).report_result
-            if result.accepted:
-                self.accepted += 1
-                return
-            if result.code != _SHED:
-                raise RuntimeError(f"report {result.sequence} refused: {result.reason}")
-            self.shed += 1
-            if self._backoff:  # the plugin's pause; it does not wait for the hinted time
-                self._backoff = min(self._backoff * 2.0, MAX_SHED_BACKOFF)
-                await asyncio.sleep(REPORT_INTERVAL * self._backoff)
-            else:
-                await asyncio.sleep(_retry_after(result.reason))
-
-    async def close(self) -> None:
-        await self._outbox.put(None)
-        self._call.cancel()
-        await self._channel.close(None)
-
-
 async def connect_engines(target: str, hellos: list[bytes], concurrency: int = 50,
-                          backoff: bool = False) -> list[Engine]:
-    engines = [Engine(target, h, backoff) for h in hellos]
+                          backoff: bool = False) -> list[EngineStream]:
+    """Engines of ``hellos``, each on its own channel, connected ``concurrency`` at a time. A shed
+    report is sent again after the pause its answer names or, with ``backoff``, the plugin's
+    (EngineStream)."""
+    engines = [EngineStream(target, h, backoff=backoff, interval=REPORT_INTERVAL) for h in hellos]
     for i in range(0, len(engines), concurrency):
         await asyncio.gather(*(e.connect() for e in engines[i:i + concurrency]))
     return engines
 
 
-async def stream_all(engine: Engine, batch: list[engine_pb2.EngineReport], label: str) -> None:
+async def stream_all(engine: EngineStream, batch: list[engine_pb2.EngineReport],
+                     label: str) -> None:
     for i, r in enumerate(batch):
         await engine.report(r)
         if len(batch) >= 10 and (i + 1) % max(len(batch) // 4, 1) == 0:
@@ -387,7 +249,7 @@ class Client:
     """What a case drives: the controller, a policy stub with the token, an HTTP session; and
     what it found (``notes``, ``after``)."""
 
-    serve: Serve
+    serve: ControllerProcess
     policy: AsyncPolicyStub
     http: aiohttp.ClientSession
     notes: dict[str, Any] = field(default_factory=dict)
@@ -399,7 +261,7 @@ class Client:
         await asyncio.sleep(1.0)
         cpu, start = self.serve.cpu_seconds(), time.monotonic()
         await asyncio.sleep(SETTLE_SECONDS)
-        self.serve.alive()
+        self.serve.ensure_alive()
         self.rss_after, hwm = self.serve.memory()
         self.notes.update(peak_before_reads_mib=round(hwm, 1), cpu_share_settled=round(
             (self.serve.cpu_seconds() - cpu) / (time.monotonic() - start), 2))
@@ -481,11 +343,11 @@ async def _idle(c: Client) -> None:
 
 
 async def _filler(c: Client, n_classes: int, drafts: list[str], label: str,
-                  long_ids: bool = False) -> Engine:
+                  long_ids: bool = False) -> EngineStream:
     """One engine reporting ``n_classes`` classes x every draft x every K, in as many reports
     of max_report_bytes as that takes (the first with a step-timing group per bucket and
     draft); it stays connected."""
-    engine = (await connect_engines(c.serve.target, [
+    engine = (await connect_engines(c.serve.grpc_target, [
         hello("filler", drafts, long_ids=long_ids, profile=long_ids)]))[0]
     records = acceptance(_class_names(n_classes, True), drafts, range(1, MAX_K + 1))
     batch = reports(records, MAX_REPORT_BYTES, timings(drafts))
@@ -527,7 +389,7 @@ async def _drafts(c: Client) -> None:
 def _reports(n: int, size: int) -> Work:
     async def work(c: Client) -> None:
         drafts = _draft_names(MAX_DRAFTS, False)
-        engine = (await connect_engines(c.serve.target, [hello("filler", drafts)]))[0]
+        engine = (await connect_engines(c.serve.grpc_target, [hello("filler", drafts)]))[0]
         # Four times more class names than slots: the rest fold into "other".
         report = full_report(_class_names(4 * MAX_CLASSES_DEFAULT, True), drafts, size)
         c.notes.update(report_bytes=report.ByteSize(), records=len(report.acceptance))
@@ -547,9 +409,9 @@ def _reports(n: int, size: int) -> Work:
     return work
 
 
-async def _log_engine(c: Client, n_classes: int = MAX_CLASSES_DEFAULT) -> Engine:
+async def _log_engine(c: Client, n_classes: int = MAX_CLASSES_DEFAULT) -> EngineStream:
     """An engine that reported ``n_classes`` classes once (a few fold into "other")."""
-    engine = (await connect_engines(c.serve.target, [hello("filler", ["draft"])]))[0]
+    engine = (await connect_engines(c.serve.grpc_target, [hello("filler", ["draft"])]))[0]
     await engine.report(engine_pb2.EngineReport(
         interval_seconds=1.0, running_requests=16,
         acceptance=acceptance(_class_names(n_classes, True), ["draft"], [4]),
@@ -624,12 +486,12 @@ def fleet_payloads(n: int, drafts: list[str]) -> list[tuple[bytes, bytes]]:
             for i in range(n)]
 
 
-async def _many_engines(c: Client, payloads: list[tuple[bytes, bytes]]) -> list[Engine]:
+async def _many_engines(c: Client, payloads: list[tuple[bytes, bytes]]) -> list[EngineStream]:
     """The engines of ``payloads`` connected, one report each taken; they stay connected."""
     c.notes.update(engines=len(payloads), hello_bytes=len(payloads[0][0]),
                    engine_report_bytes=len(payloads[0][1]))
     start = time.monotonic()
-    engines = await connect_engines(c.serve.target, [h for h, _ in payloads], backoff=True)
+    engines = await connect_engines(c.serve.grpc_target, [h for h, _ in payloads], backoff=True)
     _progress(f"engines: {len(engines)} connected in {time.monotonic() - start:.1f} s")
     await asyncio.gather(*(e.send(r) for e, (_, r) in zip(engines, payloads, strict=True)))
     c.notes["engine_reports_shed"] = sum(e.shed for e in engines)
@@ -638,7 +500,7 @@ async def _many_engines(c: Client, payloads: list[tuple[bytes, bytes]]) -> list[
     return engines
 
 
-async def _close_all(engines: list[Engine]) -> None:
+async def _close_all(engines: list[EngineStream]) -> None:
     await asyncio.gather(*(e.close() for e in engines))
 
 
@@ -695,7 +557,7 @@ async def _overfill(c: Client, watchers: Watchers, log_size: int) -> None:
 def _watchers(n: int) -> Work:
     async def work(c: Client) -> None:
         engine = await _log_engine(c)
-        watchers = Watchers(c.serve.target, n)
+        watchers = Watchers(c.serve.grpc_target, n)
         await watchers.opened()
         await _overfill(c, watchers, LOG_DEFAULT)
         c.notes["watchers"] = n
@@ -708,14 +570,19 @@ def _watchers(n: int) -> Work:
 
 
 def _distinct_drafts(n: int) -> Work:
+    """Engines coming and going, each under MAX_DRAFTS model-draft names of its own (an
+    upgrade, or a client churning names): two connected at a time, the older leaving as the
+    next connects."""
     async def work(c: Client) -> None:
-        engines = []
+        engines: list[EngineStream] = []
         for i in range(n):
             drafts = _draft_names(MAX_DRAFTS, False, prefix=f"e{i:02d}-draft")
-            engines += await connect_engines(c.serve.target, [hello(f"engine-{i}", drafts)])
+            engines += await connect_engines(c.serve.grpc_target, [hello(f"engine-{i}", drafts)])
+            if len(engines) > 2:
+                await engines.pop(0).close()
             rss, hwm = c.serve.memory()
-            _progress(f"distinct drafts: {(i + 1) * MAX_DRAFTS} model drafts, RSS {rss:.0f} "
-                      f"MiB, peak {hwm:.0f} MiB")
+            _progress(f"distinct drafts: {(i + 1) * MAX_DRAFTS} model-draft names so far, RSS "
+                      f"{rss:.0f} MiB, peak {hwm:.0f} MiB")
         c.notes.update(engines=n, model_drafts=n * MAX_DRAFTS)
         await c.after()
         await _close_all(engines)
@@ -738,21 +605,21 @@ def _everything(engines: int, watchers: int, log_size: int, full_reports: int) -
         # then.
         await _override_every_class(c, -(-AUDIT_LOG_SIZE // (len(DECLARED) + 1)))
         # Watchers on an empty log: the next round's decisions overflow every queue at once.
-        watching = Watchers(c.serve.target, watchers)
+        watching = Watchers(c.serve.grpc_target, watchers)
         await asyncio.sleep(1.0)
         # The decision log, filled by an engine of one draft coming and going, its draft named
         # anew each time (of two names): every class's pinned K then runs on another draft,
         # 254 x 9 new decisions per visit.
         cycles = 0
         while await c.log_total() < log_size:
-            logger = (await connect_engines(c.serve.target, [
+            logger = (await connect_engines(c.serve.grpc_target, [
                 hello("logger", [f"logger-draft-{cycles % 2}"])]))[0]
             await logger.close()
             cycles += 1
         c.notes["log_cycles"] = cycles
         _progress(f"all: decision log full ({log_size:,}) after {cycles} engine visits; "
                   f"{watchers} watchers not reading")
-        filler = (await connect_engines(c.serve.target, [filler_hello]))[0]
+        filler = (await connect_engines(c.serve.grpc_target, [filler_hello]))[0]
         await stream_all(filler, filler_batch, "all: classes")
         _progress(f"all: {MAX_CLASSES_BOUND} classes x {MAX_DRAFTS} drafts x K reported in "
                   f"{len(filler_batch)} reports ({filler.shed} shed)")
@@ -809,22 +676,26 @@ def cases(args: argparse.Namespace) -> list[Case]:
              f"{MAX_PROFILE_POINTS} profile points, one report each", {},
              _engines(args.engines)),
         Case("watchers", "WatchDecisions streams that never read (queue limit)",
-             f"{args.watchers} streams, {STREAM_QUEUE_LIMIT:,} queued each", {},
+             f"{args.watchers} streams, {STREAM_QUEUE_LIMIT:,} queued each",
+             {"max_watch_streams": max(args.watchers, WATCHERS_MAX)},
              _watchers(args.watchers)),
-        Case("distinct-drafts", "model drafts across engines (no limit)",
-             f"{args.distinct_engines} engines x {MAX_DRAFTS} distinct model drafts", {},
+        Case("distinct-drafts", "model drafts across engines (max_model_drafts)",
+             f"{args.distinct_engines} engines x {MAX_DRAFTS} distinct model drafts, two "
+             "connected at a time", {},
              _distinct_drafts(args.distinct_engines)),
         Case("all", "everything at once",
              f"{MAX_CLASSES_BOUND} classes x {MAX_DRAFTS} drafts, log {big_log:,}, "
              f"{args.all_engines} engines, {args.all_watchers} watchers, notes, "
              f"{args.all_reports} more 1 MiB reports",
-             {**declared, "decision_log_size": big_log, "report_budget_share": 1.0},
+             {**declared, "decision_log_size": big_log, "report_budget_share": 1.0,
+              "max_watch_streams": max(args.all_watchers, WATCHERS_MAX)},
              _everything(args.all_engines, args.all_watchers, big_log, args.all_reports)),
     ]
 
 
-async def _run_case(case: Case, serve: Serve) -> Client:
-    async with aiohttp.ClientSession() as http, grpc.aio.insecure_channel(serve.target) as ch:
+async def _run_case(case: Case, serve: ControllerProcess) -> Client:
+    async with aiohttp.ClientSession() as http, grpc.aio.insecure_channel(
+            serve.grpc_target) as ch:
         client = Client(serve, async_policy_stub(ch), http)
         await case.work(client)
         return client
@@ -833,20 +704,20 @@ async def _run_case(case: Case, serve: Serve) -> Client:
 def run_case(case: Case) -> dict[str, Any]:
     print(f"[{case.name}] {case.limit}: {case.value}", flush=True)
     start = _started[0] = time.monotonic()
-    serve = Serve(case.settings)
+    serve = ControllerProcess(settings=case.settings, token=TOKEN, log_level="warning")
     try:
         time.sleep(1.0)
         started = serve.memory()[0]
         try:
             client = asyncio.run(_run_case(case, serve))
         except Exception:
-            print(f"[{case.name}] failed; the controller's last lines:\n" + "".join(serve.lines),
+            print(f"[{case.name}] failed; the controller's last lines:\n" + serve.tail(),
                   flush=True)
             raise
-        serve.alive()
+        serve.ensure_alive()
         rss, peak = serve.memory()
     finally:
-        serve.stop()
+        serve.close()
     after = client.rss_after if client.rss_after is not None else rss
     peak = max(peak, after)  # VmHWM is kept in pages: a hair under VmRSS read just before
     seconds = time.monotonic() - start
@@ -888,8 +759,9 @@ def main() -> int:
     ap.add_argument("--engines", type=int, default=500)
     ap.add_argument("--all-engines", type=int, default=6,
                     help="engines in case all (each hello costs a ~0.7 s decide round there)")
-    ap.add_argument("--watchers", type=int, default=150)
-    ap.add_argument("--all-watchers", type=int, default=100)
+    ap.add_argument("--watchers", type=int, default=WATCHERS_MAX,
+                    help="WatchDecisions streams (default: max_watch_streams, the most served)")
+    ap.add_argument("--all-watchers", type=int, default=WATCHERS_MAX)
     ap.add_argument("--distinct-engines", type=int, default=10)
     ap.add_argument("--all-reports", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results")

@@ -118,6 +118,11 @@ class ServerConfig:
     rounds they prompt) may take per second, ratio; reports beyond it are shed unapplied
     (RESOURCE_EXHAUSTED; the plugin sends them again later and slows its reports), so health
     checks and the policy API always find the loop free. 1 never sheds below saturation."""
+    max_watch_streams: int = tunable(32, ge=1, le=1024)
+    """WatchDecisions streams served at once; one more is refused (RESOURCE_EXHAUSTED) until
+    one ends. Each costs the loop its replay of the decision log and every event after it:
+    150 that never read kept a core busy for seconds after a burst of 10 policy writes
+    (benchmarks/sidecar_memory.py). The dashboard's event stream is not one of them."""
     fail_static_timeout_seconds: float = tunable(30.0, gt=0)
     """Engines fall back to their static config after this long without hearing from the
     controller, seconds."""

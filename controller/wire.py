@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
+import numpy as np
 from google.protobuf.message import Message
 
+from controller.core.acceptance import credible_bounds
 from controller.core.controller import HelloOutcome
 from controller.core.policy import ArmValue
 from controller.core.recommend import Recommendation
@@ -361,25 +363,74 @@ def policy_update_to_proto(
     )
 
 
-def estimate_to_proto(e: AcceptanceEstimate, credible_level: float) -> policy_pb2.DraftEstimate:
-    mean, tries = e.mean, e.effective_tries
-    lower, upper = e.credible_interval(credible_level)
+class EstimateValues(NamedTuple):
+    """What a DraftEstimate reports of one estimate, by shown position (plain floats): the
+    figures of its ``mean``, ``credible_interval``, ``effective_tries`` and
+    ``expected_tokens``."""
+
+    mean: list[float]
+    lower: list[float]
+    upper: list[float]
+    effective_tries: list[float]
+    expected_tokens: list[float]  # for K = 0..positions
+
+
+def estimates_values(estimates: Sequence[AcceptanceEstimate], credible_level: float
+                     ) -> list[EstimateValues]:
+    """``EstimateValues`` of every estimate, each figure computed for all of them in one
+    vectorised pass (one pass per estimate took seconds at 256 classes x 16 drafts)."""
+    if not estimates:
+        return []
+    sizes = np.array([e.positions for e in estimates])
+    total = int(sizes.sum())
+    alpha = np.fromiter((x for e in estimates for x in e.alpha[:e.positions]), np.float64, total)
+    beta = np.fromiter((x for e in estimates for x in e.beta[:e.positions]), np.float64, total)
+    prior = np.repeat([e.prior_alpha + e.prior_beta for e in estimates], sizes)
+    mean = alpha / (alpha + beta)
+    lower, upper = credible_bounds(alpha, beta, credible_level)
+    # E(K) by row: expected_tokens_curve of each estimate's means (the same sequential
+    # products and sums, so the same figures), rows padded with zeros past their positions.
+    starts = np.concatenate(([0], np.cumsum(sizes)))
+    rows = np.repeat(np.arange(len(estimates)), sizes)
+    padded = np.zeros((len(estimates), max(int(sizes.max()), 1)))
+    padded[rows, np.arange(total) - starts[rows]] = mean
+    curves = (1.0 + np.cumsum(np.cumprod(padded, axis=1), axis=1)).tolist()
+    columns = [mean.tolist(), lower.tolist(), upper.tolist(), (alpha + beta - prior).tolist()]
+    out = []
+    for i, (a, b) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)):
+        m, lo, hi, t = (c[a:b] for c in columns)
+        out.append(EstimateValues(m, lo, hi, t, [1.0, *curves[i][:b - a]]))
+    return out
+
+
+def estimate_to_proto(e: AcceptanceEstimate, credible_level: float,
+                      values: EstimateValues | None = None) -> policy_pb2.DraftEstimate:
+    """``values``: its figures, where the caller computed them for many estimates at once
+    (``estimates_values``)."""
+    v = values if values is not None else estimates_values([e], credible_level)[0]
     return policy_pb2.DraftEstimate(
         draft=e.draft,
-        positions=[policy_pb2.PositionEstimate(position=i + 1, mean=float(mean[i]),
-                                               lower=float(lower[i]), upper=float(upper[i]),
-                                               effective_tries=float(tries[i]))
-                   for i in range(e.positions)],
-        expected_tokens=e.expected_tokens.tolist(),
+        positions=[policy_pb2.PositionEstimate(position=i + 1, mean=m, lower=lo, upper=hi,
+                                               effective_tries=t)
+                   for i, (m, lo, hi, t) in enumerate(zip(
+                       v.mean, v.lower, v.upper, v.effective_tries, strict=True))],
+        expected_tokens=v.expected_tokens,
         changes_detected=e.changes_detected,
     )
 
 
-def class_view_to_proto(c: ClassView, credible_level: float) -> policy_pb2.ClassPolicy:
+def class_view_to_proto(c: ClassView, credible_level: float,
+                        values: Sequence[EstimateValues] | None = None
+                        ) -> policy_pb2.ClassPolicy:
+    """``values``: the figures of its estimates, in order (``estimates_values``), where the
+    caller computed them for many classes at once."""
+    if values is None:
+        values = estimates_values(c.estimates, credible_level)
     return policy_pb2.ClassPolicy(
         traffic_class=c.name,
         decisions=[decision_to_proto(d) for d in c.decisions],
-        estimates=[estimate_to_proto(e, credible_level) for e in c.estimates],
+        estimates=[estimate_to_proto(e, credible_level, v)
+                   for e, v in zip(c.estimates, values, strict=True)],
         overrides=[override_to_proto(o) for o in c.overrides],
         offline=c.offline,
         batch_share=c.share,
@@ -390,11 +441,15 @@ def class_view_to_proto(c: ClassView, credible_level: float) -> policy_pb2.Class
 
 def policy_response_to_proto(snap: CoreSnapshot, classes: tuple[ClassView, ...],
                              credible_level: float) -> policy_pb2.GetPolicyResponse:
-    """The policy of ``classes`` (of ``snap``) and the estimates behind it."""
+    """The policy of ``classes`` (of ``snap``) and the estimates behind it (their figures from
+    one vectorised pass)."""
+    values = estimates_values([e for c in classes for e in c.estimates], credible_level)
+    starts = np.cumsum([0] + [len(c.estimates) for c in classes]).tolist()
     return policy_pb2.GetPolicyResponse(
         version=snap.version,
         batch_bucket_upper_bounds=snap.batch_bucket_upper_bounds,
-        classes=[class_view_to_proto(c, credible_level) for c in classes],
+        classes=[class_view_to_proto(c, credible_level, values[start:end])
+                 for c, start, end in zip(classes, starts, starts[1:], strict=False)],
         engines=[e.engine_id for e in snap.engines],
         engine_status=[policy_pb2.EngineStatus(
             engine_id=e.engine_id, model=e.model, running_requests=e.running_requests,

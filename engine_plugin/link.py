@@ -118,9 +118,11 @@ class _Stream:
     ended: threading.Event = field(default_factory=threading.Event)
     acked: bool = False
     sequence: int = 0
-    # Reports sent and not answered yet, oldest first: (sequence, what was sent), so that a
-    # shed one can be sent again.
-    in_flight: deque[tuple[int, tuple[ReportPayload, int]]] = field(default_factory=deque)
+    # Messages sent and not answered yet, oldest first: (sequence, the report sent, or None
+    # for a heartbeat), so that a shed report can be sent again and a broken stream's losses
+    # are all counted.
+    in_flight: deque[tuple[int, tuple[ReportPayload, int] | None]] = field(
+        default_factory=deque)
 
 
 class _Throttled:
@@ -199,9 +201,10 @@ class ControllerLink:
         self.reports_accepted = 0
         self.reports_rejected = 0
         self.reports_shed = 0  # answered RESOURCE_EXHAUSTED, queued again
-        self.unanswered = 0  # in flight on a stream that broke: not sent again
+        self.unanswered = 0  # reports and heartbeats in flight on a stream that broke
         self.connects = 0  # HelloAcks received
         self.last_hello_ack: engine_pb2.HelloAck | None = None
+        self._stream: _Stream | None = None
 
         self._thread = threading.Thread(
             target=self._run, name=f"specpilot-link-{self._engine_id}", daemon=True)
@@ -231,6 +234,12 @@ class ControllerLink:
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Messages on the live stream not answered yet (0 between streams)."""
+        stream = self._stream
+        return 0 if stream is None or stream.ended.is_set() else len(stream.in_flight)
 
     def submit(self, payload: ReportPayload) -> None:
         """Queue a payload for the controller; never blocks, never raises. When the queue is
@@ -264,7 +273,7 @@ class ControllerLink:
     def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
-            stream = _Stream()
+            stream = self._stream = _Stream()
             try:
                 self._serve(stream)
             except Exception:  # a bug here must not end the thread: log, back off, retry
@@ -316,10 +325,11 @@ class ControllerLink:
         """Reports a broken stream never answered are not sent again (the controller may have
         applied them: sending them again could count them twice); they are counted, and their
         records reported as dropped to the next stream. Call with the lock held."""
-        for _, (payload, _) in stream.in_flight:
+        for _, item in stream.in_flight:
             self.unanswered += 1
-            self.records_dropped += payload.record_count
-            self._records_dropped_unreported += payload.record_count
+            if item is not None:
+                self.records_dropped += item[0].record_count
+                self._records_dropped_unreported += item[0].record_count
         stream.in_flight.clear()
 
     def _open_channel(self) -> grpc.Channel | None:
@@ -402,12 +412,18 @@ class ControllerLink:
 
     def _on_shed(self, result: engine_pb2.ReportResult,
                  sent: tuple[ReportPayload, int] | None) -> None:
-        """The controller is overloaded: send the payload again, first, after a pause, and
-        stretch the interval so this engine's share of the load falls."""
+        """The controller is overloaded: send the payload again, first, after a pause (the
+        longer of our own backoff and the controller's ``retry_after_seconds``, at most
+        MAX_SHED_BACKOFF intervals), and stretch the interval so this engine's share of the
+        load falls."""
         self.reports_shed += 1
         self._backoff = min(self._backoff * 2.0, MAX_SHED_BACKOFF)
+        pause = self._interval * self._backoff
+        asked = result.retry_after_seconds
+        if math.isfinite(asked) and asked > pause:
+            pause = min(asked, self._interval * MAX_SHED_BACKOFF)
         with self._cond:
-            self._hold_until = time.monotonic() + self._interval * self._backoff
+            self._hold_until = time.monotonic() + pause
             if sent is not None:
                 if len(self._queue) >= self._queue_size:
                     old, _ = self._queue.pop()  # the newest goes: the shed one is older
@@ -437,10 +453,10 @@ class ControllerLink:
                 log.debug("specpilot: %d invalid records left out of report %d",
                           payload.ignored_records, stream.sequence)
             self.reports_sent += 1
-            with self._cond:
-                stream.in_flight.append((stream.sequence, item))
-                if len(stream.in_flight) > _IN_FLIGHT_KEPT:
-                    stream.in_flight.popleft()
+        with self._cond:
+            stream.in_flight.append((stream.sequence, item))
+            if len(stream.in_flight) > _IN_FLIGHT_KEPT:
+                stream.in_flight.popleft()
         # Bucketed now, under the bounds of the controller this stream reaches.
         report = payload.report(stream.sequence, version, dropped, self._view.bucket_bounds)
         return engine_pb2.ConnectRequest(report=wire.report_to_proto(report))

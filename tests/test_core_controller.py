@@ -379,6 +379,9 @@ def test_the_start_up_profile_seeds_the_cost_model_toward_this_hardware() -> Non
         assert seeded_error < 0.25 * prior_error, (b, k)
         # Batch 1 (2.4 ms) keeps some of the prior's pull (20 ms base): ~14% at this weight.
         assert seeded_error < (0.2 if b == 1 else 0.1) * want, (b, k)
+    # Learnt, the profile is not kept (up to 0.3 MiB an engine); the rest of the hello is.
+    held = seeded._engines["e1"].hello  # white-box: memory, not behaviour
+    assert held.step_profile == () and held == replace(WIDE, step_profile=())
     # Live timings still take over: steps that disagree with the profile move the prediction.
     before = seeded.predicted_step_seconds(16, "d", 2)
     seeded.ingest("e1", replace(_good(), step_timings=(
@@ -677,3 +680,51 @@ def test_the_drafts_follow_engines_connecting_and_leaving() -> None:
     assert [d.name for d in core.drafts()] == ["eagle"]
     core.disconnect_engine("e2")
     assert core.drafts() == ()
+
+
+def _model_drafts(engine_id: str, names: list[str]) -> EngineHello:
+    return replace(HELLO, engine_id=engine_id,
+                   drafts=tuple(DraftSpec(n, DraftKind.MODEL, 4, "v1") for n in names))
+
+
+def test_model_drafts_are_bounded_across_engines_and_reconnects() -> None:
+    # An engine that reconnects under new draft names each time must not grow the cost model
+    # (3 columns a draft, a prior of their square) without bound: drafts nobody announces any
+    # more give their columns back, the longest-held first.
+    core = _core(max_model_drafts=4)
+    core.ingest("e1", _good(), now=1.0)
+    evidence = core._estimator  # white-box, as the cost model below
+    assert evidence.has_data("code", "d")
+    for round_ in range(5):
+        names = [f"r{round_}-{i}" for i in range(3)]
+        outcome = core.connect_engine(_model_drafts("rogue", names), now=2.0 + round_)
+        assert outcome.accepted_drafts == tuple(names) and outcome.rejected_drafts == ()
+        held = core._cost.drafts  # white-box: the cost model has no read model
+        assert len(held) <= 4 and "d" in held  # e1's draft is in use: kept
+        assert set(names) <= set(held)
+        rogue = EngineReport(
+            sequence=1, interval_seconds=1.0, policy_version=0,
+            acceptance=(AcceptanceRecord("code", names[0], 3, (1, 2, 3, 4)),))
+        core.ingest("rogue", rogue, now=2.5 + round_)
+        assert evidence.has_data("code", names[0])
+    assert evidence.has_data("code", "d") and not evidence.has_data("code", "r0-0")
+    # Every column in use by connected engines: a new draft is refused, with the reason.
+    outcome = core.connect_engine(_model_drafts("e3", ["new"]), now=10.0)
+    assert outcome.accepted_drafts == ()
+    assert outcome.rejected_drafts and "max_model_drafts" in outcome.rejected_drafts[0][1]
+    assert "new" not in core._cost.drafts
+    # Once an engine leaves, its drafts' columns can be taken.
+    core.disconnect_engine("rogue")
+    outcome = core.connect_engine(_model_drafts("e3", ["new"]), now=11.0)
+    assert outcome.accepted_drafts == ("new",) and "new" in core._cost.drafts
+    snap = core.snapshot(12.0)
+    assert snap.version >= 0 and core.decide(12.0) is not None  # decisions still priced
+
+
+def test_without_the_bound_the_columns_grow_with_every_new_name() -> None:
+    """The control: at the bound's ceiling the same churn keeps every name."""
+    core = _core(max_model_drafts=64)
+    for round_ in range(5):
+        core.connect_engine(_model_drafts("rogue", [f"r{round_}-{i}" for i in range(3)]),
+                            now=2.0 + round_)
+    assert len(core._cost.drafts) == 16

@@ -5,11 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from controller.core import mix as mix_module
 from controller.core.cost_model import CostPrior, StepCostModel
 from controller.core.mix import (
+    JOINT_ARM_BUDGET,
+    JOINT_MAX_FREE,
     BatchOthers,
     ClassMix,
+    FloatArray,
     JointClass,
+    MixedSecondsFn,
     OtherClass,
     ServedSpeedup,
     joint_arms,
@@ -115,6 +120,55 @@ def test_joint_search_escapes_where_class_by_class_moves_stall() -> None:
     held = [JointClass("a", 0.5, curves, ("small", 1)),
             JointClass("b", 0.5, curves, ("small", 1), free=False)]
     assert joint_arms(16, held, DRAFTS, 6, model.predict_mixed)["b"] == ("small", 1)
+
+
+def _counting(model: StepCostModel, priced: list[int]) -> MixedSecondsFn:
+    def seconds(batch: float, verified: FloatArray, *rest: dict[str, FloatArray]) -> FloatArray:
+        priced.append(len(verified))
+        return model.predict_mixed(batch, verified, *rest)
+    return seconds
+
+
+def test_the_joint_search_is_bounded_whatever_the_classes_and_drafts() -> None:
+    # 256 classes x 16 drafts took 20-27 s a bucket on the loop that answers health checks.
+    model = _model()
+    drafts = (DraftSpec("small", DraftKind.MODEL, 8),
+              *(DraftSpec(f"ngram-{i}", DraftKind.NGRAM, 8) for i in range(15)))
+    rng = np.random.default_rng(0)
+    classes = []
+    for i in range(64):
+        rates = rng.uniform(0.2, 0.9, size=8)
+        curve = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(rates))))
+        classes.append(JointClass(f"c{i}", float(rng.uniform(0.5, 1.5)), {
+            d.name: curve for d in drafts}, ("small", 2), free=i != 3))
+    total = sum(c.share for c in classes)
+    classes = [JointClass(c.name, c.share / total, c.curves, c.arm, c.free) for c in classes]
+    priced: list[int] = []
+    found = joint_arms(16, classes, drafts, 8, _counting(model, priced))
+    assert set(found) == {c.name for c in classes}
+    # The class priced last may pass it, and the start's batch rate is priced after.
+    assert JOINT_ARM_BUDGET <= sum(priced) <= JOINT_ARM_BUDGET + 2 * (1 + 16 * 8)
+    largest = [c.name for c in sorted(classes, key=lambda c: -c.share) if c.free]
+    moved = {c.name for c in classes if found[c.name] != c.arm}
+    assert moved and moved <= set(largest[:JOINT_MAX_FREE])  # only the largest shares move
+    assert found["c3"] == ("small", 2)  # held
+
+
+def test_the_bounds_do_not_bind_at_a_handful_of_classes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: five classes and two drafts search exactly as an unbounded search does."""
+    model = _model()
+    rng = np.random.default_rng(1)
+    classes = []
+    for i in range(5):
+        curve = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(rng.uniform(0.3, 0.9, 6)))))
+        classes.append(JointClass(f"c{i}", 0.2, {"small": curve, "ngram": curve[::-1].copy()},
+                                  ("", 0)))
+    priced: list[int] = []
+    bounded = joint_arms(16, classes, DRAFTS, 6, _counting(model, priced))
+    monkeypatch.setattr(mix_module, "JOINT_ARM_BUDGET", 10**9)
+    monkeypatch.setattr(mix_module, "JOINT_MAX_FREE", 10**9)
+    assert joint_arms(16, classes, DRAFTS, 6, model.predict_mixed) == bounded
+    assert sum(priced) < JOINT_ARM_BUDGET
 
 
 def test_served_speedup_is_tokens_per_step_over_the_relative_step_time() -> None:

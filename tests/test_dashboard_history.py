@@ -27,4 +27,8 @@ def test_history_keeps_the_newest_samples_of_drafts_with_evidence() -> None:
     est = core.estimate("code", "d", 4.0)
     assert mean == pytest.approx(float(est.mean[0]), abs=1e-4) and lower < mean < upper
     assert len(samples[-1].positions) == 4  # the first four of the draft's six positions
+    # One pass for every estimate gives each its own interval.
+    lo, hi = est.credible_interval(0.9)
+    assert [p[1:] for p in samples[-1].positions] == [
+        (round(float(lo[i]), 4), round(float(hi[i]), 4)) for i in range(4)]
     assert history.of("unknown") == []

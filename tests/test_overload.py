@@ -44,6 +44,19 @@ def test_work_beyond_a_window_is_carried_into_the_next() -> None:
     assert budget.admit()  # 0.2 s carried: below 0.5 s
 
 
+def test_the_pause_asked_of_a_shed_report_is_capped() -> None:
+    # A long round (a 1 MiB report, a saturated loop) must not tell engines to wait past the
+    # silence timeout: they would be dropped as silent for obeying.
+    clock = Clock()
+    budget = ReportBudget(0.5, clock, max_retry_after=15.0)
+    budget.spend(40.0)  # 79 windows of work carried
+    assert not budget.admit()
+    assert budget.retry_after_seconds() == pytest.approx(15.0)
+    uncapped = ReportBudget(0.5, clock, max_retry_after=1000.0)
+    uncapped.spend(40.0)
+    assert uncapped.retry_after_seconds() == pytest.approx(WINDOW_SECONDS + 79.0)  # the control
+
+
 @pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
 def test_a_share_outside_0_1_is_refused(share: float) -> None:
     with pytest.raises(ValueError, match="share"):

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from controller import wire
+from controller.core.controller import ControllerCore
+from controller.core.snapshot import CoreSnapshot
 from controller.core.types import (
     AcceptanceRecord,
     Decision,
@@ -23,7 +26,9 @@ from controller.core.types import (
     StepProfile,
     StepTimingRecord,
 )
+from controller.settings import core_config, load_settings
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
+from tests.test_core_controller import HELLO as HELLO_CORE
 
 HELLO = EngineHello(
     engine_id="e-7", model="m", target_vocab_hash="abc",
@@ -116,3 +121,32 @@ def test_override_without_action_is_refused() -> None:
         wire.override_from_proto(policy_pb2.Override(traffic_class="chat"))
     with pytest.raises(ValueError, match=r"override\.force_off"):
         wire.override_from_proto(policy_pb2.Override(traffic_class="chat", force_off=False))
+
+
+def _read_model() -> CoreSnapshot:
+    """A core with several classes: varied evidence, K up to each draft's, an n-gram draft with
+    no evidence (the bare prior), a class reported at a lower K than the draft's."""
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    core.connect_engine(HELLO_CORE, now=0.0)
+    records = tuple(AcceptanceRecord(cls, "d", k, tuple(5 + (i * 7 + a * 3) % 40 for a in
+                                                          range(k + 1)))
+                    for i, cls in enumerate(("chat", "code", "rag", "batch")) for k in
+                    range(1, 7 - i))
+    core.ingest("e1", EngineReport(1, 1.0, 0, records), now=1.0)
+    core.decide(1.0)
+    return core.snapshot(30.0)
+
+
+def test_estimate_figures_from_one_pass_are_each_estimates_own() -> None:
+    snap = _read_model()
+    estimates = [e for c in snap.classes for e in c.estimates]
+    assert len(estimates) > 8 and any(not e.has_evidence for e in estimates)
+    for e, v in zip(estimates, wire.estimates_values(estimates, 0.9), strict=True):
+        lower, upper = e.credible_interval(0.9)
+        assert v.mean == e.mean.tolist() and v.effective_tries == e.effective_tries.tolist()
+        assert v.lower == lower.tolist() and v.upper == upper.tolist()
+        assert v.expected_tokens == e.expected_tokens.tolist()
+    # The whole response (one pass) and each class on its own (a pass per class) agree.
+    whole = wire.policy_response_to_proto(snap, snap.classes, 0.9)
+    assert list(whole.classes) == [wire.class_view_to_proto(c, 0.9) for c in snap.classes]
+    assert wire.estimates_values([], 0.9) == []

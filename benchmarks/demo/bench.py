@@ -421,7 +421,7 @@ def report_json(report: BenchReport) -> dict[str, Any]:
 def plot(report: BenchReport, path: Path) -> None:
     import numpy as np
 
-    from benchmarks.plots import pyplot
+    from benchmarks.plots import pyplot, save_figure
 
     plt = pyplot()
 
@@ -456,9 +456,7 @@ def plot(report: BenchReport, path: Path) -> None:
     fig.suptitle("vLLM-CPU, tiny trained models: " + "; ".join(
         f"{v.name} / best static rival {_fmt(v.ratio_best_static, 2)}x, "
         f"{_fmt(v.ceiling_share, 2)} of its ceiling" for v in report.versus))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def probe_prompts(plan: RequestPlan) -> dict[str, tuple[int, ...]]:

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.plots import pyplot
+from benchmarks.plots import pyplot, save_figure
 from benchmarks.sim.engine import RunResult
 
 ORACLE_TARGET = {"stationary": 0.97, "shifting": 0.93}
@@ -198,9 +198,7 @@ def plot_k_timeline(result: ScenarioResult, path: Path,
     axes[0, 0].legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("simulated seconds")
     fig.suptitle(f"{result.name}: K per class over time (dotted: batch size)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_ratios(labels: list[str], ratios: dict[str, list[float | None]], path: Path,
@@ -221,9 +219,7 @@ def plot_ratios(labels: list[str], ratios: dict[str, list[float | None]], path: 
     ax.set_ylim(0, 1.1)
     ax.legend(fontsize=7, ncol=4, loc="lower left")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def comparison_policies(result: ScenarioResult) -> list[str]:

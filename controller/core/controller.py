@@ -37,6 +37,7 @@ from controller.core.mix import (
     BatchOthers,
     ClassMix,
     JointClass,
+    OtherClass,
     ServedSpeedup,
     joint_arms,
     other_class,
@@ -115,6 +116,12 @@ class CoreConfig:
     'other'. With several engines connected, each may bring new classes only while it holds
     fewer than its share of the slots left after the declared ones and 'other' (those slots
     over the engines, rounded up), so one engine cannot take them all."""
+    max_model_drafts: int = tunable(32, ge=1, le=64)
+    """Model drafts the step-cost model prices at once, across engines and reconnects (three
+    cost columns each, and its prior grows with their square). A hello naming a new model
+    draft when this many are held gives back the columns and estimates of drafts no connected
+    engine announces, the longest-held first; when every one is in use the new draft is
+    refused (HelloAck.rejected_drafts says why). One engine announces at most MAX_DRAFTS."""
     offline_classes: frozenset[str] = tunable(frozenset())
     """Classes of prefill-dominated batch work (declared: they hold a slot from the start)."""
     declared_classes: frozenset[str] = tunable(frozenset())
@@ -248,6 +255,7 @@ class ControllerCore:
                 rejected.append((d.name, "engine max_k is 0: speculation not configured"))
                 continue
             accepted[d.name] = DraftSpec(d.name, d.kind, min(d.max_k, hello.max_k), d.vocab_hash)
+        rejected.extend(self._make_room(hello.engine_id, accepted))
         # vLLM runs one drafter: next to a model draft, an n-gram draft is substituted into its
         # proposals. With one K for the whole step (batch-wide, not per request) the n-gram
         # requests' K sets the drafter's passes too, so it costs that model's passes.
@@ -255,11 +263,45 @@ class ControllerCore:
         if models and hello.batch_wide_k and not hello.per_request_k:
             accepted = {n: (replace(d, carrier=models[0]) if d.kind is not DraftKind.MODEL else d)
                         for n, d in accepted.items()}
-        self._engines[hello.engine_id] = _EngineState(hello, accepted, last_report_at=now)
         self._drafts = None
         self._cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
         self._seed_costs(hello, accepted, now)
+        # The profile is learnt now; kept, it would cost up to 0.3 MiB an engine for nothing.
+        self._engines[hello.engine_id] = _EngineState(replace(hello, step_profile=()), accepted,
+                                                      last_report_at=now)
         return HelloOutcome(tuple(accepted), tuple(rejected))
+
+    def _make_room(self, engine_id: str, accepted: dict[str, DraftSpec]
+                   ) -> list[tuple[str, str]]:
+        """Cost columns for the model drafts in ``accepted`` that have none, within
+        ``max_model_drafts``: drafts no other connected engine announces (nor this one again)
+        are forgotten, the longest-held first; new drafts that still find no room are removed
+        from ``accepted`` and returned refused, with the reason."""
+        held = self._cost.drafts
+        new = [n for n, d in accepted.items() if d.kind is DraftKind.MODEL and n not in held]
+        room = self.config.max_model_drafts - len(held)
+        if len(new) <= room:
+            return []
+        in_use = set(accepted) | {n for e_id, e in self._engines.items() if e_id != engine_id
+                                  for n in e.drafts}
+        free = [d for d in held if d not in in_use]  # column order: the longest-held first
+        self._forget_drafts(free[:len(new) - room])
+        room += min(len(free), len(new) - room)
+        refused = new[room:]
+        for name in refused:
+            del accepted[name]
+        return [(name, f"the controller prices at most {self.config.max_model_drafts} model "
+                       "drafts at once (max_model_drafts) and connected engines use them all: "
+                       "draft refused") for name in refused]
+
+    def _forget_drafts(self, names: list[str]) -> None:
+        """Forget model drafts no connected engine announces: cost columns and estimates."""
+        self._cost.forget_drafts(names)
+        for name in names:
+            self._estimator.forget_draft(name)
+        for arms in self._joint.values():
+            for cls in [c for c, arm in arms.items() if arm[0] in names]:
+                del arms[cls]
 
     def _seed_costs(self, hello: EngineHello, accepted: dict[str, DraftSpec], now: float) -> None:
         """The engine's start-up profile enters the cost model as observed steps of stated
@@ -492,30 +534,44 @@ class ControllerCore:
         return curve
 
     def _others(self, name: str, drafts: tuple[DraftSpec, ...], now: float,
-                cache: dict[tuple[str, str], np.ndarray]) -> dict[int, BatchOthers]:
+                cache: dict[tuple[str, str], np.ndarray],
+                running: dict[int, dict[str, OtherClass]] | None = None,
+                ) -> dict[int, BatchOthers]:
         """Per bucket batch size: the rest of a batch as the other classes run now (empty while
-        the mix is unknown: every batch is then scored as if it were all this class)."""
+        the mix is unknown: every batch is then scored as if it were all this class).
+        ``running``: per bucket, every class as it runs (``_running``), kept by a decide round
+        for all its classes so each is priced once a round, not once per deciding class (at
+        256 classes that was most of a round)."""
         shares = self._mix.shares()
         if not shares:
             return {}
-        known = {d.name for d in drafts}
+        running = {} if running is None else running
         out: dict[int, BatchOthers] = {}
         for b in range(self.config.n_buckets):
-            others = []
-            for other, share in shares.items():
-                state = self._classes.get(other)
-                if other == name or share <= 0 or state is None:
-                    continue
-                d = state.decisions.get(b)
-                k, draft = (d.k, d.draft) if d is not None and d.draft in known else (0, "")
-                target = self._joint.get(b, {}).get(other)
-                if target is not None and target[0] in known | {""}:
-                    draft, k = target
-                e = float(self._mean_curve(other, draft, now, cache)[k]) if k else 1.0
-                others.append(other_class(share, (draft, k), e, drafts))
+            if b not in running:
+                running[b] = {other: o for other, share in shares.items()
+                              if (o := self._running(other, share, b, drafts, now, cache))}
             batch = self._loads.batch_size(b)
-            out[batch] = BatchOthers.build(batch, shares.get(name, 0.0), others)
+            out[batch] = BatchOthers.build(batch, shares.get(name, 0.0),
+                                           (o for other, o in running[b].items()
+                                            if other != name))
         return out
+
+    def _running(self, name: str, share: float, bucket: int, drafts: tuple[DraftSpec, ...],
+                 now: float, cache: dict[tuple[str, str], np.ndarray]) -> OtherClass | None:
+        """Class ``name`` at the arm it runs in ``bucket`` (the joint search's where it has
+        one), as another class in the batch; None when it has no share or state."""
+        state = self._classes.get(name)
+        if share <= 0 or state is None:
+            return None
+        known = {d.name for d in drafts}
+        d = state.decisions.get(bucket)
+        k, draft = (d.k, d.draft) if d is not None and d.draft in known else (0, "")
+        target = self._joint.get(bucket, {}).get(name)
+        if target is not None and target[0] in known | {""}:
+            draft, k = target
+        e = float(self._mean_curve(name, draft, now, cache)[k]) if k else 1.0
+        return other_class(share, (draft, k), e, drafts)
 
     def refresh_joint(self, now: float, max_buckets: int) -> None:
         """Rerun the joint search for at most ``max_buckets`` of the stalest buckets (the
@@ -574,9 +630,11 @@ class ControllerCore:
 
     def _context(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...],
                  now: float, cache: dict[tuple[str, str], np.ndarray] | None = None,
-                 drawn: PricedCosts | None = None) -> ClassContext:
+                 drawn: PricedCosts | None = None,
+                 running: dict[int, dict[str, OtherClass]] | None = None,
+                 ) -> ClassContext:
         """``drawn``: the decide round's draw of the cost weights (None: sampled goodput is
-        priced by the mean costs, as explanations are)."""
+        priced by the mean costs, as explanations are). ``running``: see ``_others``."""
         cache = {} if cache is None else cache
         sunk = self._sunk_draft()
         sampled, mean, position1 = {}, {}, {}
@@ -605,7 +663,7 @@ class ControllerCore:
             buckets=buckets,
             step_seconds=partial(self._cost.predict_curve, sunk_draft=sunk),
             # Per-request engines draft max K for everyone anyway: the homogeneous view is exact.
-            others=self._others(name, drafts, now, cache) if sunk is None else {},
+            others=self._others(name, drafts, now, cache, running) if sunk is None else {},
             mixed_seconds=self._cost.predict_mixed,
             drawn_step_seconds=(None if drawn is None
                                 else partial(drawn.predict_curve, sunk_draft=sunk)),
@@ -664,6 +722,9 @@ class ControllerCore:
         if joint:
             self._refresh_joint(drafts, now, cache)
         drawn = self._cost.draw(self._rng)  # one cost draw per round, before acceptance draws
+        # The classes as they run, per bucket (``_others``); a decision the round changes is
+        # priced again, so later classes see it, as they always did.
+        running: dict[int, dict[str, OtherClass]] = {}
         for name, state in self._classes.items():
             if self._holds(name, state, drafts):
                 # Its draws are still taken, so that what the other classes draw does not depend
@@ -671,7 +732,7 @@ class ControllerCore:
                 for d in drafts:
                     self._estimator.posterior(name, d.name, now).sample(self._rng)
                 continue
-            ctx = self._context(name, state, drafts, now, cache, drawn)
+            ctx = self._context(name, state, drafts, now, cache, drawn, running)
             for new, bucket in zip(decide_class(ctx, self.config.policy), ctx.buckets,
                                    strict=True):
                 old = state.decisions.get(new.bucket)
@@ -684,6 +745,11 @@ class ControllerCore:
                 material |= _material(old, new)
                 state.decisions[new.bucket] = new
                 state.decided_at[new.bucket] = now
+                if name in running.get(new.bucket, {}):
+                    o = self._running(name, running[new.bucket][name].share, new.bucket,
+                                      drafts, now, cache)
+                    if o is not None:
+                        running[new.bucket][name] = o
                 if new.same_choice(old):
                     continue
                 state.changed_at[new.bucket] = now
@@ -890,6 +956,11 @@ class ControllerCore:
     def version(self) -> int:
         """Version of the policy: moves when a decide round changed what engines must apply."""
         return self._version
+
+    @property
+    def engines_connected(self) -> int:
+        """Engines registered now (what a health check reports: cheaper than a snapshot)."""
+        return len(self._engines)
 
     def _versions_behind(self, applied: int) -> int:
         start = self.epoch << EPOCH_SHIFT

@@ -189,6 +189,11 @@ class _Sums:
         a[:m, :m], b[:m] = self.a, self.b
         self.a, self.b = a, b
 
+    def drop(self, columns: Sequence[int]) -> None:
+        """Remove ``columns`` (a forgotten draft's): its steps' other features stay."""
+        keep = np.setdiff1d(np.arange(self.b.size), np.asarray(columns, dtype=np.int64))
+        self.a, self.b = self.a[np.ix_(keep, keep)], self.b[keep]
+
     def plus(self, other: _Sums) -> _Sums:
         out = _Sums(self.b.size)
         out.a, out.b = self.a + other.a, self.b + other.b
@@ -379,6 +384,21 @@ class StepCostModel:
         self._drafts.extend(new)
         self._own.grow(self.n_features)
         self._fleet.grow(self.n_features)
+        self._rebuild_prior()
+
+    def forget_drafts(self, model_drafts: Iterable[str]) -> None:
+        """Remove the cost columns of ``model_drafts`` (drafts no engine announces any more), so
+        the columns, and the prior that grows with their square, stay bounded across engines
+        that come and go with new draft names. Their steps' evidence on the target's terms is
+        kept (it decays like the rest)."""
+        gone = [d for d in model_drafts if d in self._drafts]
+        if not gone:
+            return
+        columns = [self.n_base + _DRAFT_COLUMNS * self._drafts.index(d) + c
+                   for d in gone for c in range(_DRAFT_COLUMNS)]
+        self._own.drop(columns)
+        self._fleet.drop(columns)
+        self._drafts = [d for d in self._drafts if d not in gone]
         self._rebuild_prior()
 
     # --- fitting ----------------------------------------------------------------------------

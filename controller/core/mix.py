@@ -32,6 +32,11 @@ MixedSecondsFn = Callable[[float, FloatArray, dict[str, FloatArray], dict[str, F
 Arm = tuple[str, int]
 # Coordinate-ascent sweeps of the joint search (it stops earlier when no class moves).
 _JOINT_SWEEPS = 4
+# The joint search's bounds (``joint_arms``): classes it moves (the largest shares), and arms
+# it prices per call (~4 us an arm on this CPU: ~40 ms of the loop at most). A search of five
+# classes and two drafts prices ~3,000.
+JOINT_MAX_FREE = 8
+JOINT_ARM_BUDGET = 10_000
 
 
 class ClassMix:
@@ -190,30 +195,32 @@ class ArmRates:
 
 def arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec], curves: Mapping[str, FloatArray],
               max_k: int, seconds_fn: MixedSecondsFn) -> ArmRates:
-    """The whole batch's tokens per second for each arm of the class, the others fixed."""
+    """The whole batch's tokens per second for each arm of the class, the others fixed (every
+    arm priced in one call of ``seconds_fn``: decide rounds price thousands of these)."""
     n = o.self_count
-    model = [d.name for d in drafts if d.kind is DraftKind.MODEL]
-
-    def seconds(draft: str, ks: FloatArray) -> FloatArray:
-        own = {m: ks if m == draft else np.zeros_like(ks) for m in model}
-        drafting = {m: o.drafting_probability(m, own[m]) for m in model}
-        passes = {m: o.expected_passes(m, own[m]) for m in model}
-        tokens = {m: o.draft_tokens.get(m, 0.0) + (n * ks if m == draft else 0.0 * ks)
-                  for m in model}
-        return seconds_fn(o.batch_size, o.verified_tokens + n * (1 + ks), drafting, passes,
-                          tokens)
-
     keys: list[Arm] = [("", 0)]
     expected: list[FloatArray] = [np.ones(1)]
-    t_off = seconds("", np.zeros(1))
-    steps: list[FloatArray] = [t_off]
+    ks_list: list[int] = [0]
+    runs: list[str] = [""]  # per arm, the model draft whose passes it runs
+    segments: list[slice] = []
     for spec in drafts:
         k_max = min(max_k, spec.max_k)
-        ks = np.arange(1, k_max + 1, dtype=np.float64)
+        segments.append(slice(len(keys), len(keys) + k_max))
         keys.extend((spec.name, k) for k in range(1, k_max + 1))
         expected.append(np.asarray(curves[spec.name][1 : k_max + 1], dtype=np.float64))
-        # More verified tokens never make a step faster (as in the cost model's curves).
-        steps.append(np.maximum.accumulate(np.maximum(seconds(spec.pass_draft, ks), t_off[0])))
+        ks_list.extend(range(1, k_max + 1))
+        runs.extend([spec.pass_draft] * k_max)
+    ks = np.asarray(ks_list, dtype=np.float64)
+    run_by = np.asarray(runs)
+    own = {d.name: np.where(run_by == d.name, ks, 0.0)
+           for d in drafts if d.kind is DraftKind.MODEL}
+    t = seconds_fn(o.batch_size, o.verified_tokens + n * (1 + ks),
+                   {m: o.drafting_probability(m, own[m]) for m in own},
+                   {m: o.expected_passes(m, own[m]) for m in own},
+                   {m: o.draft_tokens.get(m, 0.0) + n * own[m] for m in own})
+    steps = [t[:1]]
+    # More verified tokens never make a step faster (as in the cost model's curves).
+    steps.extend(np.maximum.accumulate(np.maximum(t[seg], t[0])) for seg in segments)
     e, t = np.concatenate(expected), np.concatenate(steps)
     return ArmRates(keys, e, t, (n * e + o.tokens) / t)
 
@@ -236,9 +243,11 @@ class JointClass:
 
 
 def _others(classes: Sequence[JointClass], arms: Mapping[str, Arm], skip: str,
-            drafts: Sequence[DraftSpec]) -> list[OtherClass]:
-    return [other_class(c.share, arms[c.name], c.expected(arms[c.name]), drafts)
-            for c in classes if c.name != skip]
+            drafts: Sequence[DraftSpec], held: Sequence[OtherClass] = ()) -> list[OtherClass]:
+    """The classes other than ``skip`` at ``arms``, after ``held`` (classes the search does
+    not move, priced once)."""
+    return [*held, *(other_class(c.share, arms[c.name], c.expected(arms[c.name]), drafts)
+                     for c in classes if c.name != skip)]
 
 
 def other_class(share: float, arm: Arm, expected_tokens: float,
@@ -255,40 +264,58 @@ def joint_arms(batch_size: int, classes: Sequence[JointClass], drafts: Sequence[
     """The arms that maximise the batch's expected tokens per second, by coordinate ascent
     from several starts: the arms now, all free classes off, and all free classes on one draft
     at K = 1, 2, 4, ... (class-by-class moves alone stall where two classes would only gain
-    by lengthening their shared draft together)."""
-    free = [c for c in classes if c.free]
-    if not free:
+    by lengthening their shared draft together).
+
+    Bounded, so a round never stalls the loop whatever the classes and drafts: only the
+    ``JOINT_MAX_FREE`` free classes with the largest shares move (the rest keep their arms,
+    as held classes do, and are priced once), and the search stops once it has priced
+    ``JOINT_ARM_BUDGET`` arms, keeping the best batch found (starts run in the order above,
+    the arms now first). At 256 classes x 16 drafts an unbounded search took 20-27 s a
+    bucket; the bounds do not bind at a handful of classes and drafts."""
+    movable = sorted((c for c in classes if c.free), key=lambda c: -c.share)[:JOINT_MAX_FREE]
+    if not movable:
         return {c.name: c.arm for c in classes}
-    starts: list[dict[str, Arm]] = [{c.name: c.arm for c in classes}]
+    moving = {c.name for c in movable}
+    held = [other_class(c.share, c.arm, c.expected(c.arm), drafts)
+            for c in classes if c.name not in moving]
+    starts: list[dict[str, Arm]] = [{c.name: c.arm for c in movable}]
     # Uniform starts at a few K per draft (1, 2, 4, ... max): the ascent refines the rest. Every
     # draft, not only model drafts: where n-gram drafts skip the drafter's passes, all classes
     # moving to them together can gain while no single class gains by moving alone.
     uniform: list[Arm] = [("", 0)] + [
         (d.name, k) for d in drafts
         for k in sorted({min(2**i, min(max_k, d.max_k)) for i in range(8)})]
-    for arm in uniform:
-        starts.append({c.name: (arm if c.free else c.arm) for c in classes})
-    reference = free[0]
+    starts.extend({c.name: arm for c in movable} for arm in uniform)
+    budget = JOINT_ARM_BUDGET
+
+    def rates(c: JointClass, arms: Mapping[str, Arm]) -> ArmRates:
+        nonlocal budget
+        o = BatchOthers.build(batch_size, c.share, _others(movable, arms, c.name, drafts, held))
+        r = arm_rates(o, drafts, c.curves, max_k, seconds_fn)
+        budget -= len(r.keys)
+        return r
+
+    reference = movable[0]
     best_arms, best_rate = starts[0], -np.inf
     for start in starts:
+        if budget <= 0:
+            break
         arms = dict(start)
-        rate = -np.inf
         for _ in range(_JOINT_SWEEPS):
             moved = False
-            for c in free:
-                o = BatchOthers.build(batch_size, c.share, _others(classes, arms, c.name, drafts))
-                r = arm_rates(o, drafts, c.curves, max_k, seconds_fn)
+            for c in movable:
+                if budget <= 0:
+                    break
+                r = rates(c, arms)
                 i = int(np.argmax(r.batch_rate))
                 if r.keys[i] != arms[c.name] and r.batch_rate[i] > r.batch_rate[
                         r.keys.index(arms[c.name])] * (1 + 1e-9):
                     arms[c.name] = r.keys[i]
                     moved = True
-            if not moved:
+            if not moved or budget <= 0:
                 break
-        o = BatchOthers.build(batch_size, reference.share,
-                              _others(classes, arms, reference.name, drafts))
-        r = arm_rates(o, drafts, reference.curves, max_k, seconds_fn)
+        r = rates(reference, arms)
         rate = float(r.batch_rate[r.keys.index(arms[reference.name])])
         if rate > best_rate:
             best_arms, best_rate = arms, rate
-    return best_arms
+    return {**{c.name: c.arm for c in classes}, **best_arms}

@@ -51,7 +51,7 @@ from controller.server.views import (
     CREDIBLE_LEVEL,
     json_dumps,
     json_response,
-    policy_response,
+    policy_json,
     to_json_dict,
 )
 from controller.store.base import StoreUnavailable
@@ -142,7 +142,7 @@ class Dashboard:
         return {
             "controller": {"instance": self.instance, "started_at": self.started_at,
                            "now": now, "credible_level": CREDIBLE_LEVEL},
-            "policy": to_json_dict(policy_response(snap)),
+            "policy": policy_json(snap),
             "fleet": fleet,
             "audit": [dataclasses.asdict(a) for a in self._writer.audit.entries()[-AUDIT_SHOWN:]],
         }

@@ -291,11 +291,12 @@ async def start_server(settings: Settings) -> RunningServer:
     core = ControllerCore(core_config(settings), np.random.default_rng(server.seed),
                           epoch=epoch_at(clock()))
     metrics = Metrics(core, clock)
-    budget = ReportBudget(server.report_budget_share)
+    budget = ReportBudget(server.report_budget_share,
+                          max_retry_after=server.engine_silence_timeout_seconds / 4.0)
     lag = LoopLag()
     metrics.watch_loop_lag(lambda: lag.seconds)
     hub = Hub(core, metrics, clock, server.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT,
-              server.decide_min_interval_seconds, budget)
+              server.decide_min_interval_seconds, budget, server.max_watch_streams)
     token, generated = _policy_token(server)
     engine_token = server.engine_token.get_secret_value() if server.engine_token else ""
     tls = _listener_tls(server)

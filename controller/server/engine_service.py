@@ -98,6 +98,7 @@ class EngineService:
         if names is not None:
             await self._check_engine_id(first, names, context)
         session = await self._hello(first, context)
+        del first  # the hello is learnt: not held for the stream's life (its profile weighs)
         reader = asyncio.create_task(self._read(requests, session))
         try:
             async for msg in session.responses(context, self._hub.policy_message):
@@ -251,7 +252,7 @@ class EngineService:
         self._core.heard_from(session.engine_id, now)
         session.send(engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
             sequence=sequence, accepted=False,
-            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], retry_after_seconds=retry_after,
             reason=f"controller overloaded: report shed, nothing applied; send it again in "
                    f"{retry_after:.2f} s or later")))
 

@@ -29,8 +29,8 @@ from controller.core.snapshot import concerns
 from controller.core.types import DecisionEvent
 from controller.metrics import Metrics
 from controller.server.overload import ReportBudget
-from controller.wire import policy_update_to_proto
-from specpilot.v1 import engine_pb2
+from controller.wire import event_to_proto, policy_update_to_proto
+from specpilot.v1 import engine_pb2, policy_pb2
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -111,20 +111,29 @@ class EngineSession:
 
 
 class Watcher:
+    """One WatchDecisions stream: its events as serialized WatchDecisionsResponse messages
+    (each event is serialized once, whatever the number of watchers)."""
+
     def __init__(self, traffic_class: str, limit: int) -> None:
         self.traffic_class = traffic_class
-        self.outbox: Outbox[DecisionEvent] = Outbox(limit)
+        self.outbox: Outbox[bytes] = Outbox(limit)
 
     def wants(self, e: DecisionEvent) -> bool:
         return concerns(e, self.traffic_class)
+
+
+class WatchersFull(Exception):
+    """No more decision watchers now (the message says why, for the client)."""
 
 
 class Hub:
     def __init__(self, core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
                  fail_static_timeout_seconds: float, queue_limit: int,
                  decide_min_interval_seconds: float = 0.0,
-                 budget: ReportBudget | None = None) -> None:
-        """``budget``: report-prompted rounds spend from it (``overload``)."""
+                 budget: ReportBudget | None = None, max_watchers: int = 32) -> None:
+        """``budget``: report-prompted rounds spend from it (``overload``). ``max_watchers``:
+        decision watchers served at once (``watch`` refuses more)."""
+        self._max_watchers = max_watchers
         self._core = core
         self._budget = budget
         self._min_interval = decide_min_interval_seconds
@@ -140,6 +149,11 @@ class Hub:
         self._listeners: list[Callable[[list[DecisionEvent]], None]] = []
         self._pushed_version: int | None = None
         self._cached: engine_pb2.ConnectResponse | None = None
+        # Serialized watch messages by event identity (the event kept, so an id is never
+        # reused while cached): a replay of the log and a burst of decisions cost one
+        # serialization an event, not one a watcher. Bounded: the log plus one queue.
+        self._wire: dict[int, tuple[DecisionEvent, bytes]] = {}
+        self._wire_limit = core.config.decision_log_size + queue_limit
 
     # --- engines -------------------------------------------------------------------------------
     def open_session(self, engine_id: str) -> EngineSession:
@@ -235,7 +249,7 @@ class Hub:
         for watcher in self._watchers:
             for e in events:
                 if watcher.wants(e):
-                    watcher.outbox.put(e)
+                    watcher.outbox.put(self.watch_message(e))
         if self._core.version != self._pushed_version:
             self._pushed_version = self._core.version
             for session in self.sessions.values():
@@ -249,8 +263,23 @@ class Hub:
         """Stop calling ``listener`` (one added by ``on_decisions``)."""
         self._listeners.remove(listener)
 
+    def watch_message(self, e: DecisionEvent) -> bytes:
+        """``e`` as a serialized WatchDecisionsResponse."""
+        hit = self._wire.get(id(e))
+        if hit is not None and hit[0] is e:
+            return hit[1]
+        data = policy_pb2.WatchDecisionsResponse(event=event_to_proto(e)).SerializeToString()
+        self._wire[id(e)] = (e, data)
+        if len(self._wire) > self._wire_limit:
+            del self._wire[next(iter(self._wire))]  # the oldest cached
+        return data
+
     def watch(self, traffic_class: str) -> tuple[list[DecisionEvent], Watcher]:
-        """The recent log (for replay) and a watcher for what follows, with no gap between."""
+        """The recent log (for replay, ``watch_message`` each) and a watcher for what
+        follows, with no gap between; WatchersFull when ``max_watchers`` are served."""
+        if len(self._watchers) >= self._max_watchers:
+            raise WatchersFull(f"{len(self._watchers)} decision watchers are served, the most "
+                               "at once (max_watch_streams); try again when one has ended")
         watcher = Watcher(traffic_class, self._limit)
         self._watchers.add(watcher)
         return list(self._core.snapshot(self._clock()).events(traffic_class)), watcher

@@ -29,11 +29,17 @@ LAG_PROBE_SECONDS = 0.1
 
 class ReportBudget:
     """Loop time that reports (their ingest and the rounds they prompt) may take: ``share`` of
-    each ``WINDOW_SECONDS`` window."""
+    each ``WINDOW_SECONDS`` window. ``max_retry_after``: the longest pause a shed report is
+    told to wait, seconds (the server passes a quarter of its engine silence timeout, so an
+    engine that honours the pause is never dropped as silent)."""
 
-    def __init__(self, share: float, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, share: float, clock: Callable[[], float] = time.perf_counter,
+                 max_retry_after: float = 15.0) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share: must be in (0, 1], got {share}")
+        if not max_retry_after > 0:
+            raise ValueError(f"max_retry_after: must be > 0, got {max_retry_after}")
+        self._max_retry_after = max_retry_after
         self._allowed = share * WINDOW_SECONDS
         self._clock = clock
         self._start = clock()
@@ -56,11 +62,13 @@ class ReportBudget:
         self._spent += max(seconds, 0.0)
 
     def retry_after_seconds(self) -> float:
-        """When the budget has room again, seconds from now (at least the window's rest)."""
+        """When the budget has room again, seconds from now (at least the window's rest), at
+        most ``max_retry_after``."""
         now = self._clock()
         self._roll(now)
         windows = max(self._spent - self._allowed, 0.0) / self._allowed
-        return WINDOW_SECONDS - (now - self._start) + windows * WINDOW_SECONDS
+        due = WINDOW_SECONDS - (now - self._start) + windows * WINDOW_SECONDS
+        return min(due, self._max_retry_after)
 
 
 class LoopLag:

@@ -13,14 +13,13 @@ from typing import Any, NoReturn
 import grpc
 
 from controller.core.controller import ControllerCore
-from controller.core.types import DecisionEvent
 from controller.server.auth import metadata_authorization
 from controller.server.explain import explanation_text
 from controller.server.fleet import FleetSync
-from controller.server.hub import Hub
+from controller.server.hub import Hub, WatchersFull
 from controller.server.policy_writes import PolicyWriter, WriteRefused
 from controller.server.views import policy_response
-from controller.wire import event_to_proto, explanation_to_proto, recommendations_to_proto
+from controller.wire import explanation_to_proto, recommendations_to_proto
 from specpilot.v1 import policy_pb2
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -73,13 +72,17 @@ class PolicyService:
 
     async def WatchDecisions(
         self, request: policy_pb2.WatchDecisionsRequest, context: Context
-    ) -> AsyncIterator[policy_pb2.WatchDecisionsResponse]:
-        replay, watcher = self._hub.watch(request.traffic_class)
+    ) -> AsyncIterator[bytes]:
+        """Serialized WatchDecisionsResponse messages (``Hub.watch_message``)."""
+        try:
+            replay, watcher = self._hub.watch(request.traffic_class)
+        except WatchersFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:
             for e in replay:
-                yield _watch_response(e)
-            async for e in watcher.outbox.drain(context):
-                yield _watch_response(e)
+                yield self._hub.watch_message(e)
+            async for data in watcher.outbox.drain(context):
+                yield data
         finally:
             self._hub.unwatch(watcher)
 
@@ -107,7 +110,3 @@ class PolicyService:
                                 "shared state store (state_store)")
         return recommendations_to_proto(self._fleet.recommendations, request.traffic_class,
                                         self._fleet.recommended_at)
-
-
-def _watch_response(e: DecisionEvent) -> policy_pb2.WatchDecisionsResponse:
-    return policy_pb2.WatchDecisionsResponse(event=event_to_proto(e))

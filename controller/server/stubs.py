@@ -94,6 +94,16 @@ def _parsed_stream(behaviour: Any, request: type[Message]) -> Callable[..., Any]
     return handle
 
 
+def _serializer(message_class: Any) -> Callable[[Any], bytes]:
+    """The response serializer: a message, or bytes a servicer serialized already (one
+    message sent to many streams is serialized once)."""
+    serialize = message_class.SerializeToString
+
+    def to_bytes(msg: Any) -> bytes:
+        return msg if isinstance(msg, bytes) else cast(bytes, serialize(msg))
+    return to_bytes
+
+
 def _add_service(servicer: object, service: ServiceDescriptor, server: grpc.aio.Server) -> None:
     """Every method of ``service`` on ``servicer``'s method of its name, the request as bytes:
     unary requests are parsed here; a streaming request's messages by the servicer (``parse``),
@@ -102,7 +112,7 @@ def _add_service(servicer: object, service: ServiceDescriptor, server: grpc.aio.
     for method in service.methods:
         behaviour = getattr(servicer, method.name)
         request = message_factory.GetMessageClass(method.input_type)
-        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        serialize = _serializer(message_factory.GetMessageClass(method.output_type))
         if method.client_streaming and method.server_streaming:
             handler = grpc.stream_stream_rpc_method_handler(behaviour, None, serialize)
         elif method.client_streaming:

@@ -137,9 +137,10 @@ def test_a_stream_cut_mid_message_reconnects_quietly(rig: FaultRig) -> None:
     assert result["reconnect_s"] < RECONNECT_BOUND_SECONDS
     link = result["link"]
     assert link["connects"] == 1 and link["reports_accepted"] > 0 and link["dropped"] == 0
-    # At most the report cut in half is lost, and counted (the plugin does not resend a report
-    # in flight: the controller may have applied it).
-    assert link["unanswered"] + link["outstanding"] <= 1
+    # Lost: the report cut in half, and any message whose answer was on the wire when the
+    # stream broke; each counted (the plugin does not resend a report in flight: the
+    # controller may have applied it), none lost uncounted.
+    assert 1 <= link["unanswered"] <= 3 and link["outstanding"] == 0
     assert result["errors_logged"] == []
 
 

@@ -13,6 +13,7 @@ import aiohttp
 import grpc
 import pytest
 
+from controller.server import http as http_module
 from controller.server.app import RunningServer
 from controller.server.stubs import async_policy_stub
 from controller.server.views import to_json_dict
@@ -84,6 +85,25 @@ async def test_the_log_pages_from_the_newest_with_plain_language_lines(
     assert chat["events"] and all(e["decision"]["traffic_class"] == "chat"
                                   for e in chat["events"])
     assert (await _get(server, "/api/decisions?offset=x"))[0] == 400
+
+
+async def test_a_read_of_the_log_is_one_bounded_page(
+        server: RunningServer, engine: EngineClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The whole log holds up to decision_log_size events and each rendered line costs the
+    # loop milliseconds: one answer is capped, and says so; older events are paged to.
+    _, whole = await _get(server, "/api/decisions")
+    total = whole["total"]
+    assert total > 4 and len(whole["events"]) == total  # the control: under the caps
+    monkeypatch.setattr(http_module, "DECISIONS_PAGE_MAX", 4)
+    monkeypatch.setattr(http_module, "DECISIONS_TEXT_PAGE_MAX", 2)
+    _, page = await _get(server, "/api/decisions")
+    assert page["total"] == total and page["limit"] == 4 and page["events"] == whole["events"][-4:]
+    _, asked = await _get(server, "/api/decisions?limit=1000")
+    assert asked["limit"] == 4 and len(asked["events"]) == 4
+    _, text = await _get(server, "/api/decisions?limit=1000&text=1")
+    assert text["limit"] == 2 and len(text["events"]) == 2
+    _, back = await _get(server, "/api/decisions?offset=4")
+    assert back["events"] == whole["events"][-8:-4]
 
 
 async def _events(server: RunningServer, want: int, after: Any) -> list[tuple[str, Any]]:

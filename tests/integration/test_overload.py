@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.scale import busy_stream, hello_request
 from controller.server.app import RunningServer, start_server
 from controller.server.stubs import async_policy_stub, engine_stub
-from controller.settings import load_settings
+from controller.settings import ServerConfig, load_settings
 from specpilot.v1 import engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS
 
@@ -108,6 +108,10 @@ async def test_reports_beyond_the_budget_are_shed_and_health_stays_prompt() -> N
         assert shed and taken
         assert all(not r.accepted and "overloaded" in r.reason and "again" in r.reason
                    for r in shed)
+        # Each carries its pause, never past a quarter of the silence timeout.
+        cap = ServerConfig().engine_silence_timeout_seconds / 4.0
+        assert all(0 < r.retry_after_seconds <= cap for r in shed)
+        assert all(h.retry_after_seconds == 0 for h in taken)
         assert all(h.accepted for h in heartbeats)  # never shed
         value = server.metrics.registry.get_sample_value("specpilot_reports_shed_total")
         assert value == len(shed)

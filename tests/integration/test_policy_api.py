@@ -8,8 +8,12 @@ from collections.abc import AsyncIterator, Awaitable
 import grpc
 import pytest
 
-from controller.server.app import RunningServer
+from controller.core.types import DecisionEvent
+from controller.server import hub as hub_module
+from controller.server.app import RunningServer, start_server
 from controller.server.stubs import AsyncPolicyStub, async_policy_stub
+from controller.settings import load_settings
+from controller.wire import event_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import DRAFT, EngineClient, acceptance, report
@@ -184,6 +188,66 @@ async def test_watch_replays_then_streams_new_decisions(
     assert event.decision.reason == common_pb2.DECISION_REASON_OVERRIDE
     assert event.previous_k == before[event.decision.batch_bucket] != 3
     call.cancel()
+
+
+async def test_watchers_get_the_same_messages_each_serialized_once(
+    server: RunningServer, policy: AsyncPolicyStub, engine: EngineClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Many watchers of a burst of decisions cost one conversion an event, not one a watcher
+    # (150 watchers kept a core busy for seconds after a burst when each serialized its own).
+    converted: list[DecisionEvent] = []
+
+    def counting(e: DecisionEvent) -> common_pb2.DecisionEvent:
+        converted.append(e)
+        return event_to_proto(e)
+
+    monkeypatch.setattr(hub_module, "event_to_proto", counting)
+    calls = [policy.WatchDecisions(policy_pb2.WatchDecisionsRequest()) for _ in range(4)]
+    streams = [aiter(c) for c in calls]
+    replayed = len(snapshot(server).events(""))
+    got: list[list[bytes]] = [[] for _ in calls]
+    for stream, messages in zip(streams, got, strict=True):
+        for _ in range(replayed):
+            messages.append((await asyncio.wait_for(anext(stream), 5)).SerializeToString())
+    await policy.SetOverride(_pin("chat", 3), metadata=AUTH)
+    for stream, messages in zip(streams, got, strict=True):
+        event = (await asyncio.wait_for(anext(stream), 5)).event
+        assert event.decision.k == 3
+        messages.append(event.SerializeToString())
+    assert got[0] and all(m == got[0] for m in got)  # every watcher, the same messages
+    # Each event converted once (the replay's and the override's), not once a watcher.
+    assert len(converted) == len(set(map(id, converted))) > replayed
+    for c in calls:
+        c.cancel()
+
+
+async def test_watchers_beyond_the_limit_are_refused_until_one_ends() -> None:
+    # Each watcher costs the loop its replay and every event after: a bounded number at once.
+    server = await start_server(load_settings(**{**FAST_SETTINGS, "max_watch_streams": 2}))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            policy = async_policy_stub(channel)
+            calls = [policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
+                     for _ in range(2)]
+            await asyncio.sleep(0.2)
+            assert not any(c.done() for c in calls)  # both served (no log yet to replay)
+            refused = policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
+            code, details = await _code(anext(aiter(refused)))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_watch_streams" in details
+            calls[0].cancel()
+            for _ in range(50):  # once the server has seen the cancel, a slot is free
+                again = policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
+                await asyncio.sleep(0.1)
+                if not again.done():  # open: served (a refused one ends at once)
+                    break
+            else:
+                raise AssertionError("no watcher served after one ended")
+            again.cancel()
+            calls[1].cancel()
+    finally:
+        await server.stop(grace_seconds=0.1)
 
 
 async def test_explain(

@@ -188,18 +188,20 @@ class EngineReport(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., interval_seconds: _Optional[float] = ..., policy_version: _Optional[int] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceCounts, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., records_dropped: _Optional[int] = ..., running_requests: _Optional[int] = ...) -> None: ...
 
 class ReportResult(_message.Message):
-    __slots__ = ("sequence", "accepted", "code", "reason", "folded_classes")
+    __slots__ = ("sequence", "accepted", "code", "reason", "folded_classes", "retry_after_seconds")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FOLDED_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     accepted: bool
     code: int
     reason: str
     folded_classes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sequence: _Optional[int] = ..., accepted: _Optional[bool] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., folded_classes: _Optional[_Iterable[str]] = ...) -> None: ...
+    retry_after_seconds: float
+    def __init__(self, sequence: _Optional[int] = ..., accepted: _Optional[bool] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., folded_classes: _Optional[_Iterable[str]] = ..., retry_after_seconds: _Optional[float] = ...) -> None: ...
 
 class PolicyUpdate(_message.Message):
     __slots__ = ("version", "decisions", "default_decisions", "fail_static_timeout_seconds")
