@@ -728,3 +728,20 @@ def test_without_the_bound_the_columns_grow_with_every_new_name() -> None:
         core.connect_engine(_model_drafts("rogue", [f"r{round_}-{i}" for i in range(3)]),
                             now=2.0 + round_)
     assert len(core._cost.drafts) == 16
+
+
+def test_drafts_carried_by_a_model_draft_refused_for_room_are_refused_too() -> None:
+    # In a batch-wide engine an n-gram draft runs its model drafter's passes: with that model
+    # refused (no cost column left), they would be priced as free drafting.
+    core = _core(max_model_drafts=1)  # e1's "d" holds the only column
+    wide = replace(HELLO, engine_id="e2", batch_wide_k=True, per_request_k=False, drafts=(
+        DraftSpec("other", DraftKind.MODEL, 4, "v1"), DraftSpec("ngram", DraftKind.NGRAM, 4)))
+    outcome = core.connect_engine(wide, now=1.0)
+    assert outcome.accepted_drafts == ()
+    reasons = dict(outcome.rejected_drafts)
+    assert "max_model_drafts" in reasons["other"] and "other" in reasons["ngram"]
+    # The control: with room, both are taken and the n-gram draft is priced by its carrier.
+    roomy = _core(max_model_drafts=2)
+    assert roomy.connect_engine(wide, now=1.0).accepted_drafts == ("other", "ngram")
+    per_request = replace(wide, engine_id="e3", batch_wide_k=False, per_request_k=True)
+    assert core.connect_engine(per_request, now=2.0).accepted_drafts == ("ngram",)

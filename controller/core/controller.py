@@ -255,14 +255,23 @@ class ControllerCore:
                 rejected.append((d.name, "engine max_k is 0: speculation not configured"))
                 continue
             accepted[d.name] = DraftSpec(d.name, d.kind, min(d.max_k, hello.max_k), d.vocab_hash)
-        rejected.extend(self._make_room(hello.engine_id, accepted))
+        no_room = self._make_room(hello.engine_id, accepted)
+        rejected.extend(no_room)
         # vLLM runs one drafter: next to a model draft, an n-gram draft is substituted into its
         # proposals. With one K for the whole step (batch-wide, not per request) the n-gram
         # requests' K sets the drafter's passes too, so it costs that model's passes.
         models = [n for n, d in accepted.items() if d.kind is DraftKind.MODEL]
-        if models and hello.batch_wide_k and not hello.per_request_k:
-            accepted = {n: (replace(d, carrier=models[0]) if d.kind is not DraftKind.MODEL else d)
-                        for n, d in accepted.items()}
+        if hello.batch_wide_k and not hello.per_request_k:
+            if models:
+                accepted = {n: (replace(d, carrier=models[0])
+                                if d.kind is not DraftKind.MODEL else d)
+                            for n, d in accepted.items()}
+            elif no_room:  # their drafter found no cost column: they cannot be priced
+                carrier = no_room[0][0]
+                rejected.extend((n, f"substituted into model draft {carrier}'s proposals "
+                                    "(one K per step), which was refused: its passes cannot "
+                                    "be priced, draft refused") for n in accepted)
+                accepted = {}
         self._drafts = None
         self._cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
         self._seed_costs(hello, accepted, now)
