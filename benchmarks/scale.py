@@ -57,7 +57,7 @@ from controller.core.types import DraftKind, DraftSpec, EngineHello  # noqa: E40
 from controller.server.app import start_server  # noqa: E402
 from controller.server.stubs import engine_stub  # noqa: E402
 from controller.settings import load_settings  # noqa: E402
-from engine_plugin.link import MAX_SHED_BACKOFF, SHED_RECOVERY  # noqa: E402
+from engine_plugin.link import shed_backoff, shed_pause  # noqa: E402
 from specpilot.v1 import engine_pb2  # noqa: E402
 
 OFFERED_RATES = (64, 256, 512, 1024, 1536)  # reports/s over all engines
@@ -117,9 +117,8 @@ class EngineStream:
     Reports go one at a time, each answered before the next (``answer``); ``send`` sends one
     until it is taken, a shed one again after ``pause``: the controller's
     ``ReportResult.retry_after_seconds``, or with ``backoff`` the plugin's pause (the report
-    ``interval`` x a factor that doubles per shed report, at most MAX_SHED_BACKOFF, and falls
-    by SHED_RECOVERY per taken one, to 1; after a shed report at least the controller's hint,
-    at most MAX_SHED_BACKOFF intervals)."""
+    ``interval`` x ``engine_plugin.link.shed_backoff``'s factor, ``shed_pause`` after a shed
+    report)."""
 
     def __init__(self, target: str, hello: engine_pb2.ConnectRequest | bytes, *,
                  backoff: bool = False, interval: float = 1.0) -> None:
@@ -157,18 +156,17 @@ class EngineStream:
         result = engine_pb2.ConnectResponse.FromString(raw).report_result
         if result.accepted:
             self.accepted += 1
-            self.factor = max(1.0, self.factor / SHED_RECOVERY)
         elif result.code == _SHED:
             self.shed += 1
-            self.factor = min(self.factor * 2.0, MAX_SHED_BACKOFF)
         else:
             raise RuntimeError(f"report {result.sequence} refused: {result.reason}")
+        self.factor = shed_backoff(self.factor, shed=not result.accepted)
         if not self._backoff:
             self.pause = result.retry_after_seconds
-        else:  # engine_plugin.link: the longer of its backoff and the hint, at most 16 intervals
+        elif result.accepted:
             self.pause = self._interval * self.factor
-            if not result.accepted and result.retry_after_seconds > self.pause:
-                self.pause = min(result.retry_after_seconds, self._interval * MAX_SHED_BACKOFF)
+        else:
+            self.pause = shed_pause(self._interval, self.factor, result.retry_after_seconds)
         return result
 
     async def send(self, data: bytes) -> None:

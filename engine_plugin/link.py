@@ -111,6 +111,21 @@ def backoff_delay(failures: int, initial: float, maximum: float, rng: random.Ran
     return rng.uniform(0.0, ceiling)
 
 
+def shed_backoff(backoff: float, shed: bool) -> float:
+    """The report interval's stretch after an answer: doubled by a shed report (at most
+    MAX_SHED_BACKOFF), back by SHED_RECOVERY by an accepted one (to 1)."""
+    return min(backoff * 2.0, MAX_SHED_BACKOFF) if shed else max(1.0, backoff / SHED_RECOVERY)
+
+
+def shed_pause(interval: float, backoff: float, retry_after: float) -> float:
+    """Seconds before a shed report is sent again: the stretched interval, or the controller's
+    ``retry_after_seconds`` where that is longer, at most MAX_SHED_BACKOFF intervals."""
+    pause = interval * backoff
+    if math.isfinite(retry_after) and retry_after > pause:
+        pause = min(retry_after, interval * MAX_SHED_BACKOFF)
+    return pause
+
+
 @dataclass
 class _Stream:
     """State of one Connect attempt."""
@@ -417,11 +432,8 @@ class ControllerLink:
         MAX_SHED_BACKOFF intervals), and stretch the interval so this engine's share of the
         load falls."""
         self.reports_shed += 1
-        self._backoff = min(self._backoff * 2.0, MAX_SHED_BACKOFF)
-        pause = self._interval * self._backoff
-        asked = result.retry_after_seconds
-        if math.isfinite(asked) and asked > pause:
-            pause = min(asked, self._interval * MAX_SHED_BACKOFF)
+        self._backoff = shed_backoff(self._backoff, shed=True)
+        pause = shed_pause(self._interval, self._backoff, result.retry_after_seconds)
         with self._cond:
             self._hold_until = time.monotonic() + pause
             if sent is not None:
@@ -519,7 +531,7 @@ class ControllerLink:
                 sent = item if seq == result.sequence else None
         if result.accepted:
             self.reports_accepted += 1
-            self._backoff = max(1.0, self._backoff / SHED_RECOVERY)
+            self._backoff = shed_backoff(self._backoff, shed=False)
         elif result.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
             self._on_shed(result, sent)
         else:

@@ -130,7 +130,7 @@ class Hub:
     def __init__(self, core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
                  fail_static_timeout_seconds: float, queue_limit: int,
                  decide_min_interval_seconds: float = 0.0,
-                 budget: ReportBudget | None = None, max_watchers: int = 32) -> None:
+                 budget: ReportBudget | None = None, *, max_watchers: int) -> None:
         """``budget``: report-prompted rounds spend from it (``overload``). ``max_watchers``:
         decision watchers served at once (``watch`` refuses more)."""
         self._max_watchers = max_watchers

@@ -22,7 +22,15 @@ from controller.core.snapshot import EngineView
 from controller.core.types import DraftKind, DraftSpec, EngineHello
 from controller.server import app
 from engine_plugin.config import PluginConfig
-from engine_plugin.link import KEEPALIVE_OPTIONS, ControllerLink, backoff_delay
+from engine_plugin.link import (
+    KEEPALIVE_OPTIONS,
+    MAX_SHED_BACKOFF,
+    SHED_RECOVERY,
+    ControllerLink,
+    backoff_delay,
+    shed_backoff,
+    shed_pause,
+)
 from engine_plugin.policy_view import Choice, PolicyView
 from engine_plugin.stats import ReportPayload, StatsAggregator
 from specpilot.v1 import engine_pb2
@@ -435,3 +443,19 @@ def test_the_link_presents_its_token_and_a_wrong_one_is_refused(
         assert not bad.connected and good.connected
     finally:
         guarded.stop()
+
+
+def test_a_shed_report_waits_for_the_longer_of_the_backoff_and_the_controllers_hint() -> None:
+    # The controller's retry_after_seconds is honoured where it asks for more than the
+    # plugin's own stretched interval, never past MAX_SHED_BACKOFF intervals, and a hint that
+    # is not a number changes nothing.
+    assert shed_pause(1.0, 2.0, 0.5) == 2.0  # the backoff is longer
+    assert shed_pause(1.0, 2.0, 5.0) == 5.0  # the hint is longer
+    assert shed_pause(1.0, 2.0, 1e9) == MAX_SHED_BACKOFF  # capped
+    assert shed_pause(0.5, 1.0, float("nan")) == 0.5
+    factor = 1.0
+    for _ in range(10):
+        factor = shed_backoff(factor, shed=True)
+    assert factor == MAX_SHED_BACKOFF
+    assert shed_backoff(factor, shed=False) == MAX_SHED_BACKOFF / SHED_RECOVERY
+    assert shed_backoff(1.1, shed=False) == 1.0
