@@ -745,3 +745,22 @@ def test_drafts_carried_by_a_model_draft_refused_for_room_are_refused_too() -> N
     assert roomy.connect_engine(wide, now=1.0).accepted_drafts == ("other", "ngram")
     per_request = replace(wide, engine_id="e3", batch_wide_k=False, per_request_k=True)
     assert core.connect_engine(per_request, now=2.0).accepted_drafts == ("ngram",)
+
+
+def test_an_engine_back_with_a_smaller_max_k_does_not_break_the_joint_search() -> None:
+    # Found by the fuzzer: a class's decision at K=5 stayed while the engine reconnected with
+    # max_k 2, and the joint search, started from that arm, failed every decide round with
+    # ValueError ("(draft, K) is not in list"), so no hello was answered.
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    core.connect_engine(WIDE, now=0.0)
+    for seq, cls in enumerate(("code", "chat", "code", "chat"), start=1):
+        core.ingest("e1", replace(_good(seq, cls), running_requests=16), now=float(seq))
+    core.set_override(Override("code", pin_k=5))
+    core.decide(5.0)
+    assert {d.k for d in core.snapshot(5.0).class_view("code").decisions} == {5}
+    core.clear_override("code")
+    core.connect_engine(replace(WIDE, max_k=2, drafts=(
+        DraftSpec("d", DraftKind.MODEL, 2, "v1"), DraftSpec("ngram", DraftKind.NGRAM, 2))),
+        now=6.0)
+    core.decide(20.0)  # a joint search is due: it must start from arms the engine runs
+    assert all(d.k <= 2 for c in core.snapshot(20.0).classes for d in c.decisions)

@@ -49,6 +49,7 @@ from controller.core.policy import (
     arm_values,
     decide_class,
     offered,
+    runs,
 )
 from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
 from controller.core.snapshot import (
@@ -240,7 +241,9 @@ class ControllerCore:
 
     # --- engines ----------------------------------------------------------------------------
     def connect_engine(self, hello: EngineHello, now: float) -> HelloOutcome:
-        """Register (or re-register) an engine; refuse drafts whose tokenizer differs."""
+        """Register (or re-register) an engine; refuse drafts whose tokenizer differs, model
+        drafts beyond ``max_model_drafts`` (``_make_room``) and drafts substituted into a
+        refused one's proposals."""
         check_hello(hello)
         accepted: dict[str, DraftSpec] = {}
         rejected: list[tuple[str, str]] = []
@@ -573,11 +576,10 @@ class ControllerCore:
         state = self._classes.get(name)
         if share <= 0 or state is None:
             return None
-        known = {d.name for d in drafts}
         d = state.decisions.get(bucket)
-        k, draft = (d.k, d.draft) if d is not None and d.draft in known else (0, "")
+        draft, k = d.arm if d is not None and runs(drafts, *d.arm) else ("", 0)
         target = self._joint.get(bucket, {}).get(name)
-        if target is not None and target[0] in known | {""}:
+        if target is not None and runs(drafts, *target):
             draft, k = target
         e = float(self._mean_curve(name, draft, now, cache)[k]) if k else 1.0
         return other_class(share, (draft, k), e, drafts)
@@ -632,7 +634,9 @@ class ControllerCore:
             joint = []
             for name, share, curves, state, free in classes:
                 d = state.decisions.get(b)
-                arm = d.arm if d is not None and d.draft in curves | {"": None} else ("", 0)
+                # A decision from before an engine left or reconnected with a smaller max K
+                # may name an arm no engine offers: the search starts that class off.
+                arm = d.arm if d is not None and runs(drafts, *d.arm) else ("", 0)
                 joint.append(JointClass(name, share, curves, arm, free))
             self._joint[b] = joint_arms(self._loads.batch_size(b), joint, drafts,
                                        self.config.policy.max_k, self._cost.predict_mixed)

@@ -283,13 +283,17 @@ def probe_plan(ctx: ClassContext, cfg: PolicyConfig, batch_size: int
     return min(rate, 1.0), k, best.name
 
 
+def runs(drafts: Sequence[DraftSpec], draft: str, k: int) -> bool:
+    """Whether the connected engines' ``drafts`` can run ``draft`` at ``k`` (k = 0: off)."""
+    return k == 0 or any(d.name == draft and k <= d.max_k for d in drafts)
+
+
 def offered(drafts: Sequence[DraftSpec], decision: Decision) -> bool:
     """Whether the connected engines' ``drafts`` can run ``decision`` (its arm and its probe):
     after an engine leaves, or reconnects with a smaller max K, a decision held from before may
     name a draft or a K no engine offers any more."""
-    def runs(draft: str, k: int) -> bool:
-        return k == 0 or any(d.name == draft and k <= d.max_k for d in drafts)
-    return runs(decision.draft, decision.k) and runs(decision.probe_draft, decision.probe_k)
+    return (runs(drafts, decision.draft, decision.k)
+            and runs(drafts, decision.probe_draft, decision.probe_k))
 
 
 def uses_model_draft(ctx: ClassContext, decision: Decision) -> bool:
