@@ -240,8 +240,10 @@ def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
                 _run_until(llm, fresh, {
                     "exact": lambda d: d.k >= 1 and _ranked_best(fresh, "exact", bucket, d.k),
                     **hot_short}, rounds=20, sampling={"hot": hot})
-                assert fresh.call(lambda core: core.decision("hot", bucket)).k <= fresh.call(
-                    lambda core: core.decision("exact", bucket)).k
+                hot_now, exact_now = fresh.call(
+                    lambda core: (core.decision("hot", bucket), core.decision("exact", bucket)))
+                assert hot_now is not None and exact_now is not None
+                assert hot_now.k <= exact_now.k
             post = {c: _estimate(fresh, c, tiny_models.exact_eagle.name)
                     for c in ("exact", "hot")}
     finally:
