@@ -130,7 +130,8 @@ class PluginConfig:
     step_profile: bool = True
     """Time a few dummy target steps and drafter passes after the warm-up of an engine on
     specpilot's scheduler (about 1-2 s; each shape the fastest of five) and send them in the
-    hello, so the controller's cost model starts from this hardware (weighted by its
+    hello, so the controller's cost model starts from this hardware (its prior centred on
+    them, ``cost_prior_profile_center_steps``, and each a light observation,
     ``cost_prior_profile_weight_steps``): ``true`` or ``false``."""
 
     def __post_init__(self) -> None:

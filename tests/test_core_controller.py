@@ -366,6 +366,21 @@ CPU_PROFILE = tuple(StepProfile(b, b * (1 + k), "d" if k else "", k, _cpu_second
                     for b in (1, 16, 32) for k in (0, 1, 2, 4))
 
 
+def test_the_start_up_profile_centres_the_prices_of_shapes_it_did_not_time() -> None:
+    """Default settings: the profile's points also centre the cost prior
+    (``cost_prior_profile_center_steps``), so batch sizes and K between and beyond the profiled
+    ones are priced from this hardware; at 0 (the control) only the light points move them."""
+    def errors(**overrides: Any) -> list[float]:
+        core = ControllerCore(core_config(load_settings(**overrides)), np.random.default_rng(0))
+        core.connect_engine(replace(WIDE, step_profile=CPU_PROFILE), now=0.0)
+        return [abs(core.predicted_step_seconds(b, "d", k) / _cpu_seconds(b, k) - 1)
+                for b, k in ((8, 3), (24, 1), (4, 0), (16, 3))]
+
+    centred, light = errors(), errors(cost_prior_profile_center_steps=0.0)
+    assert max(centred) < 0.1, centred
+    assert all(c < 0.5 * o for c, o in zip(centred, light, strict=True)), (centred, light)
+
+
 def test_the_start_up_profile_seeds_the_cost_model_toward_this_hardware() -> None:
     bare = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
     bare.connect_engine(WIDE, now=0.0)

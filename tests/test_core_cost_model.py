@@ -91,6 +91,58 @@ def test_step_curves_never_fall_with_more_drafts() -> None:
         assert np.all(np.diff(curve) >= 0)
 
 
+# The plugin's start-up profile: batch 1/16/32 x K 0/1/2/4 (engine_plugin/profile.py).
+PROFILE = [(StepShape.for_arm(b, k, "d", True), _truth(b, k))
+           for b in (1, 16, 32) for k in (0, 1, 2, 4)]
+# Shapes the profile does not time: between its batch sizes, and longer K.
+UNPROFILED = [(8, 0), (8, 3), (16, 6), (24, 5), (4, 2)]
+
+
+def _relative_errors(model: StepCostModel) -> np.ndarray:
+    return np.array([abs(model.predict(StepShape.for_arm(b, k, "d", True)) / _truth(b, k) - 1)
+                     for b, k in UNPROFILED])
+
+
+def test_a_start_up_profile_centres_the_prior_where_nothing_was_observed() -> None:
+    generic = _model()
+    centred = _model()
+    centred.set_profile(PROFILE)
+    assert centred.observed_steps == 0  # the centre is prior, not evidence
+    assert np.all(_relative_errors(centred) < 0.1), _relative_errors(centred)
+    assert np.all(_relative_errors(centred) < 0.3 * _relative_errors(generic))
+    # Control: at weight 0 the profile leaves the generic prior exactly as it was.
+    off = _model(CostPrior(ridge_tokens=64, profile_center_steps=0.0))
+    off.set_profile(PROFILE)
+    assert np.array_equal(_relative_errors(off), _relative_errors(generic))
+
+
+def test_live_timings_take_over_from_a_centred_prior_as_from_the_generic_one() -> None:
+    shape = StepShape.for_arm(16, 2, "d", True)
+    for profile in ((), PROFILE):
+        model = _model()
+        model.set_profile(profile)
+        for t in range(20):
+            model.observe(shape, 3 * _truth(16, 2), 10, now=float(t))
+        assert model.predict(shape) == pytest.approx(3 * _truth(16, 2), rel=0.05)
+
+
+def test_the_centre_follows_the_draft_columns() -> None:
+    model = _model()
+    model.set_profile(PROFILE)
+    model.ensure_drafts(["other"])  # the prior is rebuilt with a new draft's columns
+    generic = _model()
+    generic.ensure_drafts(["other"])
+    assert np.all(_relative_errors(model) < 0.1)
+    assert np.all(_relative_errors(model) < 0.3 * _relative_errors(generic))
+    # Its draft gone, the profile's speculative points are left out: no passes priced as the
+    # target's. The target-only points still centre the steps without drafts.
+    model.forget_drafts(["d"])
+    plain = abs(model.predict_arm(8, 0, "", False) / _truth(8, 0) - 1)
+    assert plain < 0.1
+    generic.forget_drafts(["d"])
+    assert plain < 0.3 * abs(generic.predict_arm(8, 0, "", False) / _truth(8, 0) - 1)
+
+
 def _fed(rng: np.random.Generator, ks: tuple[int, ...], noise: float = 5e-4) -> StepCostModel:
     model = _model()
     for i in range(200):
