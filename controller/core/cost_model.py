@@ -85,9 +85,9 @@ class CostPrior:
     shapes nothing was observed at are priced from this hardware (the generic prior priced K=8 at
     batch 16 as 43 ms against 73 in the simulator, no speculation at batch 32 as 14.7 against
     11.8), while the profile itself stays a light observation (``profile_weight_steps``) that
-    live timings override where the engine runs. On the real CPU engine the steps priced within
-    10% one step ahead went from 27% to 89% (at 0) and the simulator suite from 0.976 to 0.985
-    of the oracle (at 20: 0.983)."""
+    live timings override where the engine runs. Against 0, on the real CPU engine the steps
+    priced within 10% one step ahead went from 27% to 89%, and the simulator suite from 0.975 to
+    0.985 of the oracle (0.983 at 20 a point)."""
     sample_scale: float = tunable(0.5, ge=0)
     """Scale of the posterior cost draw each decide round prices its sampled goodput with
     (1 = the posterior; 0 = decide on mean costs, no exploration over cost)."""
