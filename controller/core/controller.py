@@ -316,11 +316,10 @@ class ControllerCore:
                 del arms[cls]
 
     def _seed_costs(self, hello: EngineHello, accepted: dict[str, DraftSpec], now: float) -> None:
-        """The engine's start-up profile centres the cost prior on this hardware
-        (``profile_center_steps``) and enters the cost model as observed steps of stated weight
-        (``profile_weight_steps``), so the model starts from this hardware and live timings
-        still take over. Points timing a draft the controller refused are skipped (their passes
-        have no cost column)."""
+        """The engine's start-up profile centres the cost prior (``profile_center_steps``) and
+        enters the cost model as observed steps of stated weight (``profile_weight_steps``), so
+        the model starts from this hardware and live timings still take over. Points timing a
+        draft the controller refused are skipped (their passes have no cost column)."""
         points = [(StepShape(p.batch_size, p.verified_tokens, p.draft, p.draft_passes,
                              p.batch_size * p.draft_passes), p.seconds)
                   for p in hello.step_profile
@@ -330,8 +329,9 @@ class ControllerCore:
             return
         self._cost.set_profile(points)
         weight = self.config.cost_prior.profile_weight_steps
-        for shape, seconds in points if weight > 0 else ():
-            self._cost.observe(shape, seconds, weight, now)
+        if weight > 0:
+            for shape, seconds in points:
+                self._cost.observe(shape, seconds, weight, now)
 
     def _observe_served(self, report: EngineReport, mapping: Mapping[str, str],
                         now: float) -> None:
