@@ -212,8 +212,9 @@ def _ranked_best(controller: ControllerThread, traffic_class: str, bucket: int, 
 
 def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
     """One EAGLE engine, two classes, the controller learning from the engine's reports alone:
-    the head that copies its target's layer is accepted at every position under greedy decoding
-    ("exact": a long K, as for the target drafting for itself) and about one time in six at
+    the head that copies its target's layer is accepted at nearly every position under greedy
+    decoding ("exact": a long K, as for the target drafting for itself; the controller's estimate
+    is what the engine itself counts) and about one time in six at
     T=1.5 with greedy drafting ("hot": too little to pay for the head's passes). The two share
     batches, so the passes "exact" runs anyway cost "hot" only its verified tokens: its K is
     short (off, or at most 2 where the batch-aware prices near-tie), never "exact"'s. An EAGLE
@@ -246,11 +247,25 @@ def test_controller_learns_an_eagle_heads_k_per_class(tiny_models: Any) -> None:
                 assert hot_now.k <= exact_now.k
             post = {c: _estimate(fresh, c, tiny_models.exact_eagle.name)
                     for c in ("exact", "hot")}
+            # The engine's own count on the same batches, with "hot" pinned off so that every
+            # draft it counts is "exact"'s: how often the head's first draft is its target's
+            # greedy token here. Not a constant: near-ties depend on the tiny models, whose
+            # tokenizer is trained on the machine's own text (1.00 here, 0.94 once in CI).
+            set_override(fresh, Override("hot", pin_k=0))
+            wait_for_policy(llm, fresh)
+            before = spec_counters(llm)
+            llm.generate(PROMPTS * 2, [params("exact", MAX_TOKENS)] * len(PROMPTS)
+                         + [hot] * len(PROMPTS), use_tqdm=False)
+            used = spec_counters(llm) - before
     finally:
         fresh.stop()
-    print(f"\nposition-1 acceptance: exact {post['exact'].mean[0]:.3f}, "
-          f"hot {post['hot'].mean[0]:.3f}")
-    assert post["exact"].mean[0] > 0.95
+    assert used.drafts > 0  # "exact" drafted in the counting round
+    engine_rate = used.accepted_per_pos[0] / used.drafts
+    print(f"\nposition-1 acceptance: exact {post['exact'].mean[0]:.3f} "
+          f"(the engine counts {engine_rate:.3f}), hot {post['hot'].mean[0]:.3f}")
+    assert engine_rate > 0.85  # a near-exact head on this traffic: the test's premise
+    # The posterior mean carries its Beta(1, 1) prior over ~100 decayed tries (about 0.01).
+    assert abs(post["exact"].mean[0] - engine_rate) < 0.04
     assert post["hot"].mean[0] < 0.3
 
 
