@@ -103,7 +103,7 @@ def build(name: str, engine: SimEngine) -> Policy:
                                s.baselines.acceptance_threshold, s.baselines.acceptance_window)
     if name == "specpilot":
         return SpecPilotPolicy(info, s.specpilot, engine.seed, s.engine.report_interval_seconds,
-                               start_up_profile(info, engine.cost))
+                               start_up_profile(info, engine.cost, s.engine.profile_scale))
     if name == "oracle":
         return Oracle(info, engine.truth, engine.cost)
     raise ValueError(f"unknown policy {name!r}; see `specpilot simulate --help`")

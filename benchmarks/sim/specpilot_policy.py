@@ -43,10 +43,12 @@ def _probe_u(request_ids: np.ndarray, epoch: int) -> np.ndarray:
     return ((keys * np.uint64(2654435761)) % np.uint64(2**32)).astype(np.float64) / 2**32
 
 
-def start_up_profile(info: EngineInfo, cost: StepCost) -> tuple[StepProfile, ...]:
+def start_up_profile(info: EngineInfo, cost: StepCost,
+                     scale: tuple[float, float] = (1.0, 1.0)) -> tuple[StepProfile, ...]:
     """What the plugin's start-up profile would send for this engine (``engine_plugin.profile``:
     the same batch sizes and K, uniform decode steps, the first model draft running K passes),
-    timed by the scenario's step cost without noise (the plugin keeps the fastest of five)."""
+    timed by the scenario's step cost without noise (the plugin keeps the fastest of five),
+    times ``scale`` (without speculation, with): a real profile's bias."""
     model = next((d for d, m in enumerate(info.draft_is_model) if m), None)
     out = []
     for b in (b for b in PROFILE_BATCH_SIZES if b <= info.max_batch):
@@ -55,8 +57,9 @@ def start_up_profile(info: EngineInfo, cost: StepCost) -> tuple[StepProfile, ...
             draft_tokens = np.zeros(len(info.drafts))
             if k and model is not None:
                 passes[model], draft_tokens[model] = k, k * b
+            seconds = cost.seconds(b, b * (1 + k), passes, draft_tokens) * scale[k > 0]
             out.append(StepProfile(b, b * (1 + k), info.drafts[model] if k and model is not None
-                                   else "", k, cost.seconds(b, b * (1 + k), passes, draft_tokens)))
+                                   else "", k, seconds))
     return tuple(out)
 
 

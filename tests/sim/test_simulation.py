@@ -118,3 +118,22 @@ def test_offline_classes_reach_the_controller_pinned_off() -> None:
     run = engine.run(policy)
     assert run.class_drafted["easy"] == 0
     assert "easy" in policy.core.config.offline_classes  # type: ignore[attr-defined]
+
+
+def test_a_biased_start_up_profile_reaches_the_cost_model_before_any_step() -> None:
+    """``engine.profile_scale`` scales what the simulated plugin's profile sends, plain steps
+    and speculative ones apart: the controller then prices unseen shapes from the bias, as it
+    would on a real engine whose profile times the forward passes only."""
+    def priced(scale: list[float]) -> tuple[float, float]:
+        data = scenario_data(engine={"max_k": 6, "max_batch": 16, "profile_scale": scale})
+        policy = policies.build("specpilot", SimEngine(parse_scenario(data)))
+        assert isinstance(policy, SpecPilotPolicy)
+        return (policy.core.predicted_step_seconds(8, "", 0),
+                policy.core.predicted_step_seconds(8, "small", 4))
+
+    exact, plain_fast, spec_fast = priced([1.0, 1.0]), priced([0.5, 1.0]), priced([1.0, 0.5])
+    print(f"batch 8, off and K=4: exact {exact}, plain x0.5 {plain_fast}, "
+          f"speculative x0.5 {spec_fast}")
+    assert plain_fast[0] < 0.7 * exact[0]
+    assert spec_fast[1] < 0.7 * exact[1]
+    assert abs(spec_fast[0] / exact[0] - 1) < 0.1  # the plain points are not scaled
