@@ -57,7 +57,7 @@ def start_up_profile(info: EngineInfo, cost: StepCost,
             draft_tokens = np.zeros(len(info.drafts))
             if k and model is not None:
                 passes[model], draft_tokens[model] = k, k * b
-            seconds = cost.seconds(b, b * (1 + k), passes, draft_tokens) * scale[k > 0]
+            seconds = cost.seconds(b, b * (1 + k), passes, draft_tokens) * scale[1 if k else 0]
             out.append(StepProfile(b, b * (1 + k), info.drafts[model] if k and model is not None
                                    else "", k, seconds))
     return tuple(out)
