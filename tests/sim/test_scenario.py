@@ -52,7 +52,7 @@ def test_schema_file_is_generated_from_the_model() -> None:
     ({"drift": [{"at_seconds": 1, "class": "nope", "draft": "small", "acceptance": 0.3}]},
      "drift.0.class"),
     ({"engine": {"max_k": 0}}, "engine.max_k"),
-    ({"engine": {"profile_scale": [0, 1]}}, "engine"),
+    ({"engine": {"profile_scale": [0, 1]}}, "engine.profile_scale.0"),
     ({"surprise": 1}, "surprise"),
     ({"drafts": [{"name": "ngram", "kind": "ngram", "per_pass_ms": 1.0}]}, "drafts.0"),
 ])
