@@ -184,7 +184,8 @@ def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
     rows = [
         (c.traffic_class + (" (offline)" if c.offline else ""), labels[d.batch_bucket],
          arm_label(d.draft, d.k), _reason(d.reason), f"{d.expected_speedup:.2f}x",
-         f"{d.probe_rate:.1%} at K={d.probe_k}" if d.k == 0 and d.probe_rate > 0 else "-")
+         f"{d.probe_rate:.1%} of {'steps' if d.probe_steps else 'requests'} at K={d.probe_k}"
+         if d.probe_rate > 0 else "-")
         for c in resp.classes for d in c.decisions
     ]
     out.append(_table(("CLASS", "BATCH", "CHOICE", "REASON", "SPEEDUP", "PROBE"), rows)

@@ -260,7 +260,8 @@ def _decisions(snap: CoreSnapshot) -> Iterator[Metric]:
         labels=["class", "bucket"])
     probe = GaugeMetricFamily(
         "specpilot_decision_probe_ratio",
-        "Share of the class's requests probed at a low K while speculation is off.",
+        "Share of the class's requests (or of steps, where the engine probes whole steps) "
+        "probed with the model draft at a low K while the class runs none.",
         labels=["class", "bucket"])
     enabled = GaugeMetricFamily(
         "specpilot_speculation_enabled",

@@ -176,6 +176,7 @@ def hello_from_proto(msg: engine_pb2.EngineHello) -> EngineHello:
         batch_wide_k=caps.batch_wide_k,
         ngram_substitution=caps.ngram_substitution,
         ngram_counterfactual=caps.ngram_counterfactual,
+        step_probes=caps.step_probes,
         engine_version=msg.engine_version,
         plugin_version=msg.plugin_version,
         max_batch_size=msg.max_batch_size,
@@ -198,6 +199,7 @@ def hello_to_proto(hello: EngineHello) -> engine_pb2.EngineHello:
             batch_wide_k=hello.batch_wide_k,
             ngram_substitution=hello.ngram_substitution,
             ngram_counterfactual=hello.ngram_counterfactual,
+            step_probes=hello.step_probes,
         ),
         engine_version=hello.engine_version,
         plugin_version=hello.plugin_version,
@@ -269,6 +271,7 @@ def decision_to_proto(d: Decision) -> common_pb2.Decision:
         probe_rate=d.probe_rate,
         probe_k=d.probe_k,
         probe_draft=d.probe_draft,
+        probe_steps=d.probe_steps,
     )
 
 
@@ -283,6 +286,7 @@ def decision_from_proto(msg: common_pb2.Decision) -> Decision:
         probe_rate=msg.probe_rate,
         probe_k=msg.probe_k,
         probe_draft=msg.probe_draft,
+        probe_steps=msg.probe_steps,
     )
 
 

@@ -172,6 +172,7 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         batch_wide_k=config.k_mode != "per_request",
         ngram_substitution=substitute,
         ngram_counterfactual=substitute,
+        step_probes=True,  # PolicyLookup probes whole steps where a decision asks it
         engine_version=_vllm_version(), plugin_version=package_version(),
         max_batch_size=e.max_num_seqs,
         step_profile=step_profile(e.drafter if e.drafter_kind is DraftKind.MODEL else ""),

@@ -23,12 +23,19 @@ within an epoch, and its size tracks ``probe_rate``. A fresh subset every epoch 
 probes over many requests for a few steps each rather than over a few requests for their whole
 life: the same cost, and a recovery shows within a few epochs instead of after the first probed
 request of a small share arrives.
+
+Whole-step probes (``Decision.probe_steps``, asked of engines that announce step probes): the
+share is of steps, and in a probed step every request of the class probes. One draw per class
+per ``PolicyLookup`` (the plugin makes one lookup per step and batch size). In a batch-wide
+engine the drafter's pass costs a step the same for one probed request as for all of them, so
+probing whole steps learns as many times more per cost as the class has requests in the batch.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -60,6 +67,7 @@ class _Entry(NamedTuple):
     choice: Choice
     probe_rate: float
     probe_choice: Choice
+    probe_steps: bool  # probe_rate is a share of steps (all of the class's requests in each)
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class PolicyView:
         *,
         max_k: int | None = None,
         bucket_bounds: Iterable[int] = DEFAULT_BUCKET_BOUNDS,
+        step_draw: Callable[[], float] = random.random,
     ) -> None:
         if static_k < 0:
             raise ValueError(f"static_k: must be >= 0, got {static_k}")
@@ -108,6 +117,7 @@ class PolicyView:
         self._policy: _Policy | None = None
         self._heard_at = -math.inf
         self._folded: frozenset[str] = frozenset()
+        self._step_draw = step_draw
 
     # --- writers (sender thread) ---------------------------------------------------------------
     def apply(self, update: engine_pb2.PolicyUpdate) -> None:
@@ -150,7 +160,7 @@ class PolicyView:
         rate = d.probe_rate if probe_k > 0 and d.probe_draft else 0.0
         rate = min(max(rate, 0.0), 1.0) if math.isfinite(rate) else 0.0
         return _Entry(Choice(d.draft if k else "", k, False), rate,
-                      Choice(d.probe_draft, probe_k, True))
+                      Choice(d.probe_draft, probe_k, True), d.probe_steps)
 
     # --- readers (scheduler thread) ------------------------------------------------------------
     @property
@@ -211,30 +221,36 @@ class PolicyView:
             log.debug("bucket lookup failed; static configuration", exc_info=True)
             return PolicyLookup(self._static, None, 0, self._folded)
         return PolicyLookup(self._static, policy, bucket, self._folded,
-                            int(now // PROBE_EPOCH_SECONDS))
+                            int(now // PROBE_EPOCH_SECONDS), self._step_draw)
 
 
 class PolicyLookup:
     """One policy snapshot at one batch bucket: ``choice`` resolves a class's decision on its
     first call and remembers it; the probe draw is per request and probe epoch (``probe_point``
-    of both). Read it on one thread (the scheduler's); it never sees a later policy."""
+    of both), or for whole-step probes one per class and lookup (``step_draw``). Read it on one
+    thread (the scheduler's); it never sees a later policy."""
 
-    __slots__ = ("_bucket", "_entries", "_epoch", "_folded", "_policy", "_static")
+    __slots__ = ("_bucket", "_entries", "_epoch", "_folded", "_policy", "_static", "_step_draw")
 
     def __init__(self, static: Choice, policy: _Policy | None, bucket: int,
-                 folded: frozenset[str], epoch: int = 0) -> None:
+                 folded: frozenset[str], epoch: int = 0,
+                 step_draw: Callable[[], float] = random.random) -> None:
         self._static = static
         self._policy = policy
         self._bucket = bucket
         self._folded = folded
         self._epoch = epoch
-        self._entries: dict[str, _Entry | None] = {}
+        self._step_draw = step_draw
+        # Per class: its decision, and for whole-step probes this step's choice for all.
+        self._entries: dict[str, tuple[_Entry | None, Choice | None]] = {}
 
     def choice(self, traffic_class: str, request_key: str) -> Choice:
         """The (draft, K) for a request of ``traffic_class`` whose probe key is ``request_key``.
         Never raises: on any unexpected input it returns the static configuration."""
         try:
-            entry = self._entry(traffic_class)
+            entry, whole_step = self._entry(traffic_class)
+            if whole_step is not None:
+                return whole_step
             if entry is None:
                 return self._static
             if (entry.probe_rate > 0.0
@@ -247,14 +263,19 @@ class PolicyLookup:
 
     def uniform(self, classes: Iterable[str]) -> Choice | None:
         """The one choice every request of ``classes`` gets, or None where they differ or a
-        class probes (its requests then differ by their keys). Never raises."""
+        class probes requests (its requests then differ by their keys). Never raises."""
         try:
             first: Choice | None = None
             for traffic_class in classes:
-                entry = self._entry(traffic_class)
-                if entry is not None and entry.probe_rate > 0.0:
+                entry, whole_step = self._entry(traffic_class)
+                if whole_step is not None:
+                    choice = whole_step
+                elif entry is None:
+                    choice = self._static
+                elif entry.probe_rate > 0.0:
                     return None
-                choice = self._static if entry is None else entry.choice
+                else:
+                    choice = entry.choice
                 if first is None:
                     first = choice
                 elif choice != first:
@@ -264,12 +285,19 @@ class PolicyLookup:
             log.debug("policy lookup failed", exc_info=True)
             return None
 
-    def _entry(self, traffic_class: str) -> _Entry | None:
+    def _entry(self, traffic_class: str) -> tuple[_Entry | None, Choice | None]:
+        """The class's decision, and with whole-step probes the choice of all its requests
+        in this lookup (drawn once)."""
         try:
             return self._entries[traffic_class]
         except KeyError:
-            entry = self._entries[traffic_class] = self._resolve(traffic_class)
-            return entry
+            entry = self._resolve(traffic_class)
+            whole_step = None
+            if entry is not None and entry.probe_steps and entry.probe_rate > 0.0:
+                probed = self._step_draw() < entry.probe_rate
+                whole_step = entry.probe_choice if probed else entry.choice
+            resolved = self._entries[traffic_class] = (entry, whole_step)
+            return resolved
 
     def _resolve(self, traffic_class: str) -> _Entry | None:
         policy = self._policy

@@ -6,7 +6,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.core.policy import BucketState, ClassContext, PolicyConfig, decide_bucket
+from controller.core.goodput import expected_tokens_curve
+from controller.core.policy import (
+    PROBE_SHARE_MAX,
+    BucketState,
+    ClassContext,
+    PolicyConfig,
+    break_even_rate,
+    decide_bucket,
+)
 from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason
 
 NOW = 1000.0
@@ -156,47 +164,53 @@ def test_dwell_yields_to_a_detected_change() -> None:
     assert (d.k, d.reason) == (0, Reason.CHANGE_DETECTED)
 
 
-PROBE_CFG = PolicyConfig(max_k=6, probe_cost_max=0.04, probe_cost_floor=0.002, probe_k=2)
+PROBE_CFG = PolicyConfig(max_k=6, probe_cost_max=0.02, probe_cost_floor=0.002, probe_k=2)
 UNSURE = {"d": (1.0, 1.0)}  # the prior: speculation may well pay
 HOPELESS = {"d": (100.0, 1900.0)}  # 0.05 over 2,000 tries: it cannot
 
 
-def _probe_cost(ctx: ClassContext, d: Decision, batch: int, mine: float) -> float:
-    """The throughput share a probe plan costs, by the same cost model."""
+def _probe_cost(ctx: ClassContext, d: Decision, batch: int) -> float:
+    """What one probed request-step costs the class, by the same cost model and posterior means
+    and independently of the policy's code: its tokens per second on the probe against off."""
     t = ctx.step_seconds(batch, "d", True, d.probe_k)
-    overhead = t[d.probe_k] / t[0] - 1.0
-    if ctx.drafter_sunk:
-        return d.probe_rate * mine / batch * overhead
-    return (1.0 - (1.0 - d.probe_rate) ** mine) * overhead
+    e_probe = expected_tokens_curve(ctx.mean_rates["d"])[d.probe_k]
+    return float(1.0 - e_probe / t[d.probe_k] * t[0])
 
 
 def test_probing_spends_a_budget_scaled_by_the_chance_of_paying() -> None:
     """From the floor where the posterior says speculation cannot pay, toward the maximum as the
-    chance that position 1 beats K=1's break-even grows (evidence forgotten, or a recovery)."""
+    chance that position 1 beats the break-even grows (evidence forgotten, or a recovery): the
+    share probed times what a probe costs is that budget."""
     off = Decision("c", 0, "", 0, Reason.GOODPUT)
-    costs = []
-    # Chances about 0, 0.33 (mean 0.2, near the break-even of 0.22), 0.83 (the prior), 0.97.
+    spent = []
+    # Chances about 0, 0.3 (mean 0.2, near the break-even), 0.8 (the prior), 0.97.
     for position1 in (HOPELESS, {"d": (10.0, 40.0)}, UNSURE, {"d": (5.0, 5.0)}):
-        ctx, state = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1)
+        ctx, state = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1,
+                          whole_step_probes=True)
         d = decide_bucket(ctx, PROBE_CFG, state)
-        # A batch-wide engine (the drafter runs for the batch when one request is probed):
-        # the cheapest probe, K=1.
-        assert (d.k, d.probe_k, d.probe_draft) == (0, 1, "d")
-        costs.append(_probe_cost(ctx, d, state.batch_size, 1.0))
-    assert abs(costs[0] - 0.002) < 1e-6  # the floor
-    assert costs[0] < costs[1] < costs[2] < costs[3] <= 0.04
+        # A batch-wide engine (the drafter runs for the step once any request probes): the
+        # cheapest probe, K=1, over whole steps.
+        assert (d.k, d.probe_k, d.probe_draft, d.probe_steps) == (0, 1, "d", True)
+        spent.append(d.probe_rate * _probe_cost(ctx, d, state.batch_size))
+    assert abs(spent[0] - 0.002) < 1e-4  # the floor
+    assert spent[0] < spent[1] < spent[2] < spent[3] <= 0.02
 
 
 def test_a_class_on_a_deterministic_draft_probes_the_model_draft() -> None:
     """On n-gram drafts the model draft's acceptance is not measured: it is probed as while off
-    (a recovery must show); on the model draft itself nothing is probed."""
+    (a recovery must show), less the better the n-gram drafts serve (a probe gives their tokens
+    up); on the model draft itself nothing is probed."""
     drafts = (DraftSpec("d", DraftKind.MODEL, 6), DraftSpec("ngram", DraftKind.NGRAM, 6))
-    rates = {"d": np.array([0.05] * 6), "ngram": np.array([0.9] * 6)}
-    ctx, state = _ctx({"d": [0.05] * 6}, None, None, drafts=drafts, sampled_rates=rates,
-                      mean_rates=rates, position1=UNSURE)
-    d = decide_bucket(ctx, PROBE_CFG, state)
-    assert d.draft == "ngram" and d.k > 0
-    assert (d.probe_draft, d.probe_k) == ("d", 1) and d.probe_rate > 0
+    probed = {}
+    for ngram in (0.5, 0.9):
+        rates = {"d": np.array([0.05] * 6), "ngram": np.array([ngram] * 6)}
+        ctx, state = _ctx({"d": [0.05] * 6}, None, None, drafts=drafts, sampled_rates=rates,
+                          mean_rates=rates, position1=HOPELESS)
+        d = decide_bucket(ctx, PROBE_CFG, state)
+        assert d.draft == "ngram" and d.k > 0
+        assert (d.probe_draft, d.probe_k) == ("d", 1) and d.probe_rate > 0
+        probed[ngram] = d.probe_rate
+    assert probed[0.9] < probed[0.5]
     on_model = {"d": np.array([0.95] * 6), "ngram": np.array([0.1] * 6)}
     ctx, state = _ctx({"d": [0.95] * 6}, None, None, drafts=drafts, sampled_rates=on_model,
                       mean_rates=on_model, position1=UNSURE)
@@ -205,26 +219,50 @@ def test_a_class_on_a_deterministic_draft_probes_the_model_draft() -> None:
 
 
 def test_probing_is_sized_by_the_chance_of_paying_and_the_engine_mode() -> None:
+    """Batch 32, one class: where the plugin probes whole steps the share is of steps; an older
+    plugin probing requests one by one gets the request share that probes the same share of
+    steps; where the drafter runs anyway (per-request engines) requests probe at probe_k."""
     off = Decision("c", 0, "", 0, Reason.GOODPUT)
-    batch, mine = 32, 32.0
+    batch = 32
     state = BucketState(0, batch, off, NOW - 1000)
     plans = {}
-    for name, position1, sunk in (("unsure", UNSURE, False), ("hopeless", HOPELESS, False),
-                                  ("unsure, per request", UNSURE, True)):
+    for name, position1, sunk, whole in (
+            ("unsure", UNSURE, False, True), ("hopeless", HOPELESS, False, True),
+            ("unsure, request probes", UNSURE, False, False),
+            ("unsure, per request", UNSURE, True, False)):
         ctx, _ = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1,
-                      drafter_sunk=sunk)
+                      drafter_sunk=sunk, whole_step_probes=whole)
         ctx = ClassContext(**{**ctx.__dict__, "buckets": (state,)})
-        d = decide_bucket(ctx, PROBE_CFG, state)
-        plans[name] = (d, _probe_cost(ctx, d, batch, mine))
-    (unsure, c_unsure), (hopeless, c_hopeless) = plans["unsure"], plans["hopeless"]
-    assert abs(c_hopeless - 0.002) < 1e-6  # nothing to find: the floor only
-    assert c_unsure > 10 * c_hopeless
-    # At batch 32 a batch-wide probe is paid by the whole batch: far fewer requests probed
-    # than where the drafter runs anyway (per request, at probe_k).
-    per_request, c_per_request = plans["unsure, per request"]
-    assert per_request.probe_k == 2 and hopeless.probe_k == 1
-    assert abs(c_per_request - c_unsure) < 1e-6  # the same budget, spent two ways
-    assert per_request.probe_rate > 5 * unsure.probe_rate
+        plans[name] = decide_bucket(ctx, PROBE_CFG, state)
+    unsure, hopeless = plans["unsure"], plans["hopeless"]
+    assert unsure.probe_steps and hopeless.probe_steps
+    assert unsure.probe_rate > 5 * hopeless.probe_rate  # nothing to find: the floor only
+    by_request = plans["unsure, request probes"]
+    assert not by_request.probe_steps
+    steps_probed = 1.0 - (1.0 - by_request.probe_rate) ** batch
+    assert abs(steps_probed - unsure.probe_rate) < 1e-9
+    per_request = plans["unsure, per request"]
+    assert per_request.probe_k == 2 and hopeless.probe_k == 1 and not per_request.probe_steps
+
+
+def test_a_probe_priced_free_stays_a_minority() -> None:
+    """Where the means price the probe as no loss (K=1 pays a little, below min_speedup), the
+    probe is still a probe: at most PROBE_SHARE_MAX of the class's requests."""
+    flat = _step_seconds(0.02, 1e-7, 1e-7)
+    off = Decision("c", 0, "", 0, Reason.GOODPUT)
+    ctx, state = _ctx({"d": [0.01] * 6}, off, NOW - 1000, step_seconds=flat, position1=UNSURE,
+                      whole_step_probes=True)
+    d = decide_bucket(ctx, PolicyConfig(max_k=6, min_speedup=1.05, probe_cost_max=1.0), state)
+    assert d.k == 0 and 0 < d.probe_rate <= PROBE_SHARE_MAX
+
+
+def test_the_break_even_rate_is_where_some_k_first_pays() -> None:
+    seconds = np.array([1.0, 1.2, 1.4, 1.6])
+    a = break_even_rate(seconds, need=1.0)
+    # At K=1 the break-even of a tokens-per-second rate of 1 is 1 + a = 1.2.
+    assert abs(a - 0.2) < 0.01
+    assert break_even_rate(seconds, need=0.5) == 0.0
+    assert break_even_rate(seconds, need=10.0) == 1.0
 
 
 def test_offline_classes_are_pinned_off_or_scored_at_full_load() -> None:

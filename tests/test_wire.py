@@ -34,7 +34,8 @@ HELLO = EngineHello(
     engine_id="e-7", model="m", target_vocab_hash="abc",
     drafts=(DraftSpec("d1", DraftKind.MODEL, 5, "abc"), DraftSpec("ng", DraftKind.NGRAM, 3)),
     max_k=5, per_request_k=False, batch_wide_k=True, ngram_substitution=True,
-    ngram_counterfactual=True, engine_version="0.9", plugin_version="0.1", max_batch_size=256,
+    ngram_counterfactual=True, step_probes=True, engine_version="0.9", plugin_version="0.1",
+    max_batch_size=256,
     step_profile=(StepProfile(16, 16, "", 0, 0.004), StepProfile(16, 48, "d1", 2, 0.009)),
     hardware="NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16",
 )
@@ -73,7 +74,7 @@ def test_report_round_trip() -> None:
 
 @pytest.mark.parametrize("reason", list(Reason))
 def test_decision_round_trip_for_every_reason(reason: Reason) -> None:
-    d = Decision("chat", 3, "d1", 4, reason, 1.7, 0.02, 2, "d1")
+    d = Decision("chat", 3, "d1", 4, reason, 1.7, 0.02, 2, "d1", True)
     msg = wire.decision_to_proto(d)
     assert common_pb2.DecisionReason.Name(msg.reason) == f"DECISION_REASON_{reason.name}"
     assert wire.decision_from_proto(msg) == d

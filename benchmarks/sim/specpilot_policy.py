@@ -79,6 +79,7 @@ class SpecPilotPolicy:
         self.core = ControllerCore(core_config(self.settings),
                                    np.random.default_rng(self.settings.seed))
         self.interval = report_interval_seconds
+        self._step_rng = np.random.default_rng([seed, 5])  # whole-step probe draws
         kinds = [DraftKind.MODEL if m else DraftKind.NGRAM for m in info.draft_is_model]
         self.has_ngram = DraftKind.NGRAM in kinds
         self.wants_counterfactual = self.has_ngram
@@ -88,7 +89,7 @@ class SpecPilotPolicy:
             drafts=tuple(DraftSpec(n, kind, info.max_k, _VOCAB)
                          for n, kind in zip(info.drafts, kinds, strict=True)),
             max_k=info.max_k, per_request_k=True, batch_wide_k=True,
-            ngram_counterfactual=self.has_ngram, engine_version="simulated",
+            ngram_counterfactual=self.has_ngram, step_probes=True, engine_version="simulated",
             plugin_version="simulated", max_batch_size=info.max_batch,
             step_profile=step_profile), now=0.0)
         self.core.decide(0.0)
@@ -96,7 +97,7 @@ class SpecPilotPolicy:
         n_b = self.core.config.n_buckets
         self._tables = {name: np.zeros((n_c, n_b), dtype=dtype) for name, dtype in (
             ("k", np.int64), ("draft", np.int64), ("probe_rate", np.float64),
-            ("probe_k", np.int64), ("probe_draft", np.int64))}
+            ("probe_k", np.int64), ("probe_draft", np.int64), ("probe_steps", np.bool_))}
         self._refresh()
         self._hist = np.zeros((n_c, n_d, k1, k1), dtype=np.int64)
         self._cf = np.zeros((n_c, k1), dtype=np.int64)
@@ -127,6 +128,7 @@ class SpecPilotPolicy:
                 t["probe_rate"][ci, b] = d.probe_rate
                 t["probe_k"][ci, b] = d.probe_k
                 t["probe_draft"][ci, b] = draft_index.get(d.probe_draft, NO_DRAFT)
+                t["probe_steps"][ci, b] = d.probe_steps
         self._version = self.core.version
 
     def assign(self, view: StepView) -> Assignment:
@@ -134,8 +136,12 @@ class SpecPilotPolicy:
         t, cls = self._tables, view.classes
         k, draft = t["k"][cls, b].copy(), t["draft"][cls, b].copy()
         epoch = int(view.now // PROBE_EPOCH_SECONDS)
-        probe = (t["probe_k"][cls, b] > 0) & (
-            _probe_u(view.request_ids, epoch) < t["probe_rate"][cls, b])
+        # Per request and probe epoch, or (probe_steps) one draw per class and step for all
+        # of its requests, as the plugin's PolicyLookup draws them.
+        u = np.where(t["probe_steps"][cls, b],
+                     self._step_rng.random(len(self.info.classes))[cls],
+                     _probe_u(view.request_ids, epoch))
+        probe = (t["probe_k"][cls, b] > 0) & (u < t["probe_rate"][cls, b])
         k[probe], draft[probe] = t["probe_k"][cls, b][probe], t["probe_draft"][cls, b][probe]
         return Assignment(np.where(k > 0, draft, NO_DRAFT), k)
 

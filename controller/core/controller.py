@@ -688,6 +688,8 @@ class ControllerCore:
             drawn_mixed_seconds=None if drawn is None else drawn.predict_mixed,
             position1=position1,
             drafter_sunk=sunk is not None,
+            whole_step_probes=bool(self._engines) and all(
+                e.hello.step_probes for e in self._engines.values()),
         )
 
     def _holds(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...]) -> bool:

@@ -13,11 +13,12 @@ expected speedup, the "losing by means" test and explanations. On top of the arg
     except while a detected acceptance change is being absorbed (the old margin is stale) and
     when switching off speculation that loses by posterior means;
   - dwell: a choice younger than ``dwell_seconds`` stays, unless a change was just detected;
-  - probing: while no model draft runs (off, or deterministic drafts), a share of requests runs
-    it at a low K, sized by what probing costs in the engine's mode (a probe in a batch-wide
-    engine runs the drafter for the whole batch) against the chance that speculation pays (from
-    the position-1 posterior): up to ``probe_cost_max`` of throughput while it may well pay,
-    ``probe_cost_floor`` where the posterior says it cannot, which still notices a recovery;
+  - probing: while no model draft runs (off, or deterministic drafts), a share of requests (in
+    batch-wide engines: of steps, all of the class's requests in each) runs it at a low K, sized
+    by what a probe costs against the arm in force and the chance that the model draft beats
+    that arm (from the position-1 posterior): up to ``probe_cost_max`` of the class's throughput
+    while it may well win, ``probe_cost_floor`` where the posterior says it cannot, which still
+    notices a recovery (``probe_plan``);
   - overrides: operator pins win over everything; offline classes are pinned off (or scored at
     the largest bucket in "goodput" mode).
 """
@@ -70,11 +71,14 @@ class PolicyConfig:
     """Largest loss of mean goodput, against the arm the means favour, an exploring move may
     risk (0.2 = 20%): a draw can price an arm the means call ruinous as the best one."""
     probe_cost_max: float = tunable(0.02, ge=0, le=1)
-    """Share of a bucket's throughput probing the model draft may cost while its class runs none
-    and the posterior gives it every chance to pay (0.02 = 2%); scaled by that chance."""
-    probe_cost_floor: float = tunable(0.005, ge=0, le=1, at_most="probe_cost_max")
-    """Share of throughput probing costs however unlikely a recovery (0.005 = 0.5%): what keeps
-    a recovery of the model draft's acceptance noticed."""
+    """Share of a class's throughput probing the model draft may cost while the class runs none
+    and the posterior gives it every chance to beat the arm in force (0.02 = 2%); scaled by that
+    chance."""
+    probe_cost_floor: float = tunable(0.002, ge=0, le=1, at_most="probe_cost_max")
+    """Share of a class's throughput probing costs however unlikely a recovery (0.002 = 0.2%):
+    what keeps a recovery of the model draft's acceptance noticed. Whole-step probes (batch-wide
+    engines) learn as many tries per probed step as the class has requests in it: at 0.2% the
+    simulator's recovery (0.06 -> 0.7 at batch 8) is flagged within seconds."""
     probe_k: int = tunable(2, ge=1, at_most="max_k")
     """K of probed requests where the drafter runs anyway (per-request engines), tokens;
     batch-wide engines probe at K=1, the cheapest (every probe there costs the whole batch's
@@ -125,6 +129,9 @@ class ClassContext:
     # The engine's model drafter runs whatever K is chosen (per-request engines): a probe then
     # costs only its verified tokens, not the whole batch's drafter passes.
     drafter_sunk: bool = False
+    # The engines probe whole steps (every request of the class in a share of steps) where
+    # asked: in batch-wide engines that is the cheap way to learn (``probe_plan``).
+    whole_step_probes: bool = False
 
     @cached_property
     def sampled_curves(self) -> dict[str, FloatArray]:
@@ -250,37 +257,93 @@ def chance_above(alpha: float, beta: float, threshold: float) -> float:
     return 0.5 * math.erfc((threshold - mean) / (sd * math.sqrt(2.0)))
 
 
-def probe_plan(ctx: ClassContext, cfg: PolicyConfig, batch_size: int
-               ) -> tuple[float, int, str]:
-    """Probe share, K and draft while the class runs no model draft, from what a probe costs
-    and what it may find.
+# Largest share of a class's requests (or steps) that probe: probes measure, they do not serve.
+PROBE_SHARE_MAX = 0.25
+# Uniform acceptance rates on which the break-even of probing is searched (probe_plan).
+_BREAK_EVEN_GRID = np.linspace(0.0, 0.995, 200)
 
-    Budget: a share of throughput between ``probe_cost_floor`` and ``probe_cost_max``, scaled
-    by the chance that the best model draft's position-1 acceptance is above K=1's break-even
-    at this batch size (where speculation would pay; as evidence is forgotten, the chance grows
-    back). A probed step costs t(K)/t(0) - 1 by the cost model. In a
-    batch-wide engine that is the whole step (the drafter runs for the batch once any request
-    is probed), so the budget is a share of steps; in a per-request engine the drafter runs
-    anyway and a probe costs its own verified tokens, so the budget is a share of sequences."""
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """What probing the model draft costs and may find, for one class at one batch size."""
+
+    share: float
+    """Share of the class's request-steps (or of steps, with ``whole_steps``) that probe."""
+    k: int
+    draft: str
+    whole_steps: bool
+    cost: float
+    """Share of the class's throughput one probed request-step (or step) gives up."""
+    chance: float
+    """Posterior chance that the model draft beats the arm in force."""
+
+
+def _seconds_of(ctx: ClassContext, batch_size: int, draft: str, k: int) -> float:
+    """Mean step seconds of a batch of ``batch_size`` all on (draft, K)."""
+    if k == 0:
+        return float(ctx.step_seconds(batch_size, "", False, 0)[0])
+    spec = next(d for d in ctx.drafts if d.name == draft)
+    return float(ctx.step_seconds(batch_size, spec.pass_draft, bool(spec.pass_draft), k)[k])
+
+
+def break_even_rate(seconds: FloatArray, need: float) -> float:
+    """The smallest uniform per-position acceptance at which the best K >= 1 emits ``need``
+    tokens per second per sequence, with ``seconds[K]`` the step time at K (1.0: none does)."""
+    a = _BREAK_EVEN_GRID[:, None]
+    ks = np.arange(1, seconds.size)[None, :]
+    tokens = (1.0 - a ** (ks + 1)) / (1.0 - a)  # E(K) at a uniform rate a
+    best = (tokens / seconds[None, 1:]).max(axis=1)
+    above = np.flatnonzero(best >= need)
+    return float(_BREAK_EVEN_GRID[above[0]]) if above.size else 1.0
+
+
+def probe_plan(ctx: ClassContext, cfg: PolicyConfig, batch_size: int,
+               current: tuple[str, int]) -> ProbePlan | None:
+    """How much to probe the model draft while the class runs ``current`` (off, or a
+    deterministic draft), from the value of what a probe may find against what it costs.
+
+    Value: the chance that the best model draft beats ``current`` (``min_speedup`` over off),
+    from its position-1 posterior against the uniform rate at which some K would (as evidence
+    is forgotten the chance grows back, so a recovery is looked for). Budget: a share of the
+    class's throughput between ``probe_cost_floor`` and ``probe_cost_max`` by that chance.
+    Cost: the class's tokens per second on the probe against ``current``, by posterior means
+    and the cost model, the batch all of the class: the drafter's pass where it would not run
+    otherwise, and the tokens of a better deterministic draft given up. Where the engines can
+    (``ctx.whole_step_probes``) the probe runs for every request of the class in a share of
+    steps: in a batch-wide engine the drafter's pass costs the step the same for one probed
+    request as for all, so a probed step then tells as many tries as the class has requests.
+    None where there is no model draft (deterministic drafts are scored counterfactually)."""
     model_drafts = [d for d in ctx.drafts if d.kind is DraftKind.MODEL]
     if not model_drafts:
-        return 0.0, 0, ""  # deterministic drafts are scored counterfactually: no probing needed
+        return None
     best = max(model_drafts, key=lambda d: float(ctx.mean_rates[d.name][0]))
     k = min(cfg.probe_k, best.max_k) if ctx.drafter_sunk else 1
-    seconds = ctx.step_seconds(batch_size, best.pass_draft, True, max(k, 1))
-    overhead = max(float(seconds[k] / seconds[0]) - 1.0, 1e-6)
-    break_even = cfg.min_speedup * float(seconds[1] / seconds[0]) - 1.0
+    k_max = min(cfg.max_k, best.max_k)
+    seconds = ctx.step_seconds(batch_size, best.pass_draft, True, k_max)
+    draft, k_now = current
+    # Tokens per second per sequence (the batch size cancels in every ratio below).
+    rate_now = float(ctx.mean_curves[draft][k_now]) if k_now else 1.0
+    rate_now /= _seconds_of(ctx, batch_size, draft, k_now)
+    rate_probe = float(ctx.mean_curves[best.name][k]) / float(seconds[k])
+    # Never below the margin inside which the decision rule calls arms equal: a probe that the
+    # means price as free would otherwise run for every request, the decision in all but name.
+    cost = max(1.0 - rate_probe / rate_now, cfg.min_speedup - 1.0, 1e-3)
+    plain = 1.0 / float(seconds[0])
+    need = max(rate_now, cfg.min_speedup * plain)
     alpha, beta = ctx.position1.get(best.name, (1.0, 1.0))
-    chance = chance_above(alpha, beta, break_even)
+    chance = chance_above(alpha, beta, break_even_rate(np.asarray(seconds), need))
     budget = cfg.probe_cost_floor + (cfg.probe_cost_max - cfg.probe_cost_floor) * chance
-    others = ctx.others.get(batch_size)
-    mine = min(max(others.self_count if others is not None else batch_size, 1.0), batch_size)
-    if ctx.drafter_sunk:
-        rate = budget / overhead * batch_size / mine
-    else:
-        steps = min(budget / overhead, 1.0)
-        rate = 1.0 - (1.0 - steps) ** (1.0 / mine)
-    return min(rate, 1.0), k, best.name
+    share = min(budget / cost, PROBE_SHARE_MAX)
+    whole = ctx.whole_step_probes and not ctx.drafter_sunk
+    if not (whole or ctx.drafter_sunk):
+        # A batch-wide engine whose plugin probes requests one by one: the drafter's pass is
+        # paid once any request of the step probes, so the share of steps with a probe, not
+        # of requests, is what costs.
+        others = ctx.others.get(batch_size)
+        mine = min(max(others.self_count if others is not None else batch_size, 1.0),
+                   batch_size)
+        share = 1.0 - (1.0 - share) ** (1.0 / mine)
+    return ProbePlan(share, k, best.name, whole, cost, chance)
 
 
 def runs(drafts: Sequence[DraftSpec], draft: str, k: int) -> bool:
@@ -310,10 +373,11 @@ def _with_probe(
     or on n-gram or suffix drafts, whose acceptance is scored counterfactually anyway)."""
     if uses_model_draft(ctx, decision) or decision.reason in (Reason.OVERRIDE, Reason.OFFLINE):
         return decision
-    rate, k, draft = probe_plan(ctx, cfg, state.batch_size)
-    if not math.isfinite(rate):  # priced by a broken cost: probe nothing rather than NaN
+    plan = probe_plan(ctx, cfg, state.batch_size, decision.arm)
+    if plan is None or not math.isfinite(plan.share):  # a broken cost: probe nothing, not NaN
         return decision
-    return replace(decision, probe_rate=rate, probe_k=k, probe_draft=draft)
+    return replace(decision, probe_rate=plan.share, probe_k=plan.k, probe_draft=plan.draft,
+                   probe_steps=plan.whole_steps)
 
 
 def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:

@@ -81,6 +81,8 @@ class EngineHello:
     max_batch_size: int = 0
     step_profile: tuple[StepProfile, ...] = ()
     hardware: str = ""  # what the engine runs on; "" = unknown (its step costs are not shared)
+    # The plugin can probe whole steps (Decision.probe_steps); older plugins probe requests.
+    step_probes: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,9 @@ class Decision:
     probe_rate: float = 0.0
     probe_k: int = 0
     probe_draft: str = ""
+    # probe_rate is a share of steps, in each of which every request of the class probes
+    # (engines that announced step probes); else a share of the class's requests.
+    probe_steps: bool = False
 
     @property
     def arm(self) -> tuple[str, int]:

@@ -38,12 +38,17 @@ def explanation_text(ex: Explanation) -> str:
                      f"{', '.join(f'{r:.2f}' for r in rates)}.")
     if ex.override is not None:
         lines.append(f"Override in force: {ex.override}.")
-    if decision.k == 0 and decision.probe_rate > 0:
+    if decision.probe_rate > 0:
         lines.append(
-            f"Probing {decision.probe_rate:.1%} of requests at K={decision.probe_k} with "
-            f"{decision.probe_draft!r} so a recovery is noticed."
+            f"Probing {decision.probe_rate:.1%} of {probe_unit(decision.probe_steps)} at "
+            f"K={decision.probe_k} with {decision.probe_draft!r} so a recovery is noticed."
         )
     return " ".join(lines)
+
+
+def probe_unit(whole_steps: bool) -> str:
+    """What a probe share is a share of (``Decision.probe_steps``)."""
+    return "steps (all of the class's requests in each)" if whole_steps else "requests"
 
 
 def decision_text(event: DecisionEvent, ex: Explanation,

@@ -142,7 +142,8 @@ def event_to_json(e: DecisionEvent) -> str:
     def decision(d: Decision) -> dict[str, Any]:
         return {"traffic_class": d.traffic_class, "bucket": d.bucket, "draft": d.draft,
                 "k": d.k, "reason": d.reason.value, "expected_speedup": d.expected_speedup,
-                "probe_rate": d.probe_rate, "probe_k": d.probe_k, "probe_draft": d.probe_draft}
+                "probe_rate": d.probe_rate, "probe_k": d.probe_k, "probe_draft": d.probe_draft,
+                "probe_steps": d.probe_steps}
     return _dump({
         "policy_version": e.policy_version, "at": e.at,
         "decision": decision(e.decision),
@@ -158,7 +159,7 @@ def event_from_json(text: str | bytes) -> DecisionEvent:
                             int(d["k"]), Reason(d["reason"]),
                             _finite(d["expected_speedup"], "expected_speedup"),
                             _finite(d["probe_rate"], "probe_rate"), int(d["probe_k"]),
-                            str(d["probe_draft"]))
+                            str(d["probe_draft"]), bool(d.get("probe_steps", False)))
         previous = raw["previous"]
         return DecisionEvent(int(raw["policy_version"]), _finite(raw["at"], "at"),
                              decision(raw["decision"]),

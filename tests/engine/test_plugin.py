@@ -456,3 +456,64 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
     assert all(0 < p.seconds < 1.0 for p in hello.step_profile)
     # The engine type its step costs are shared under: this CPU, one worker, the tiny dtype.
     assert hello.hardware.startswith("cpu ") and hello.hardware.endswith(" tp1 pp1 float32")
+
+
+def _probing_update(probe_steps: bool) -> Any:
+    """Every class off in every bucket, probing the model draft at K=1 in half of its steps
+    (``probe_steps``) or for half of its requests; kept for ten minutes without a controller."""
+    from controller.core.buckets import DEFAULT_BUCKET_BOUNDS
+    from specpilot.v1 import common_pb2, engine_pb2
+
+    decisions = [common_pb2.Decision(batch_bucket=b, k=0, probe_rate=0.5, probe_k=1,
+                                     probe_draft="draft", probe_steps=probe_steps)
+                 for b in range(len(DEFAULT_BUCKET_BOUNDS) + 1)]
+    return engine_pb2.PolicyUpdate(version=1, default_decisions=decisions,
+                                   fail_static_timeout_seconds=600.0)
+
+
+def test_whole_step_probes_keep_outputs_and_the_distribution(tiny_models: Any,
+                                                             baseline: list[list[int]]) -> None:
+    """Decision.probe_steps in a batch_max engine (the draft model announced as "draft"): in a
+    probed step every request of the class drafts K=1, in the others none does, and about half
+    the steps probe; greedy outputs equal no speculation and T=0.8 samples keep the target's
+    distribution. Control: the same share probed by request splits the class within a step."""
+    from tests.engine.harness import differing_positions, samples_of
+
+    with llm_session(tiny_models.target) as plain:
+        plain_samples = samples_of(plain)
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    with plugin_env(controller="127.0.0.1:9", k_mode="batch_max"), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        pilot = pilot_of(llm)
+        steps: list[list[int]] = []  # per decode step: the drafts each request verified
+        on_output = pilot.on_output
+
+        def spy(scheduler_output: Any, runner_output: Any) -> None:
+            drafts = scheduler_output.scheduled_spec_decode_tokens
+            if len(scheduler_output.num_scheduled_tokens) > 1 and (
+                    scheduler_output.total_num_scheduled_tokens
+                    <= len(scheduler_output.num_scheduled_tokens) * 5):
+                steps.append([len(drafts.get(r, ())) for r in
+                              scheduler_output.num_scheduled_tokens])
+            on_output(scheduler_output, runner_output)
+
+        pilot.on_output = spy
+        for probe_steps in (True, False):
+            pilot.view.apply(_probing_update(probe_steps))
+            steps.clear()
+            out = llm.generate(PROMPTS, params(), use_tqdm=False)
+            assert token_ids(out) == baseline, f"probe_steps={probe_steps}"
+            mixed = sum(len(set(s)) > 1 for s in steps)
+            probed = sum(max(s) > 0 for s in steps)
+            assert all(max(s) <= 1 for s in steps)
+            if probe_steps:
+                assert mixed == 0 and 0.3 < probed / len(steps) < 0.7, (mixed, probed, steps)
+            else:
+                assert mixed > len(steps) / 4, (mixed, steps)  # the control
+        pilot.view.apply(_probing_update(True))
+        before = spec_counters(llm)
+        samples = samples_of(llm, seed0=50_000)
+        used = spec_counters(llm) - before
+    assert used.drafts > 0 and used.draft_tokens == used.drafts
+    failures = differing_positions(plain_samples, samples)
+    assert not failures, f"whole-step probes changed the sampled distribution: {failures}"

@@ -164,7 +164,8 @@ async def test_fleet_overrides_round_trip_and_every_change_is_announced(
 def _event(version: int, k: int) -> DecisionEvent:
     return DecisionEvent(version, 100.0 + version,
                          Decision("code", 1, "d" if k else "", k, Reason.GOODPUT, 1.2),
-                         Decision("code", 1, "", 0, Reason.WARMUP) if version > 1 else None)
+                         Decision("code", 1, "", 0, Reason.WARMUP, 1.0, 0.01, 1, "d", True)
+                         if version > 1 else None)
 
 
 async def test_the_decision_log_keeps_about_its_size_newest_last(

@@ -58,8 +58,8 @@ def test_matching_draft_is_offered_with_ngram_and_suffix_substitution() -> None:
                               DraftSpec(SUFFIX_DRAFT, DraftKind.SUFFIX, 4))
     h = a.hello
     assert (h.engine_id, h.model, h.target_vocab_hash, h.max_k) == ("e1", "m", target_hash, 4)
-    assert (h.per_request_k, h.batch_wide_k, h.ngram_substitution, h.ngram_counterfactual) == (
-        True, False, True, True)
+    assert (h.per_request_k, h.batch_wide_k, h.ngram_substitution, h.ngram_counterfactual,
+            h.step_probes) == (True, False, True, True, True)
     assert h.max_batch_size == 8
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
@@ -141,6 +142,37 @@ def test_a_step_lookup_answers_as_choice_and_keeps_its_policy(view: PolicyView) 
     changed = engine_pb2.PolicyUpdate(version=10, decisions=[decision("chat", 0, "d", 1)])
     view.apply(changed)
     assert lookup.choice("chat", "r") == before != view.choice("chat", 1, "r")
+
+
+def test_whole_step_probes_probe_every_request_of_the_class_in_a_share_of_steps(
+        clock: FakeClock) -> None:
+    """probe_steps: one draw per class and lookup (a step), so in a probed step every request
+    of the class probes and in the others none does; the share of steps tracks probe_rate.
+    Other classes are untouched. Control: the same decision without probe_steps probes requests,
+    which differ within one step."""
+    rng = random.Random(7)
+    view = PolicyView(static_k=4, static_draft="d", fail_static_timeout_seconds=30, clock=clock,
+                      bucket_bounds=BOUNDS, step_draw=rng.random)
+    probing = decision("hard", 2, "", 0, probe_rate=0.2, probe_k=1, probe_draft="d")
+    probing.probe_steps = True
+    view.apply(engine_pb2.PolicyUpdate(version=3, decisions=[probing, decision("chat", 2, "d", 3)]))
+    keys = [f"req-{i}" for i in range(40)]
+    probed_steps = 0
+    for _ in range(5000):
+        lookup = view.lookup(8)
+        choices = {lookup.choice("hard", k) for k in keys}
+        assert len(choices) == 1  # all of the class's requests alike, within the step
+        (choice,) = choices
+        assert choice in (Choice("d", 1, True), Choice("", 0, False))
+        assert lookup.uniform(["hard"]) == choice
+        probed_steps += choice.probe
+        assert lookup.choice("chat", "req-1") == Choice("d", 3, False)
+    assert abs(probed_steps / 5000 - 0.2) < 0.02
+    probing.probe_steps = False  # the control: request probes split the class within a step
+    view.apply(engine_pb2.PolicyUpdate(version=4, decisions=[probing]))
+    lookup = view.lookup(8)
+    assert len({lookup.choice("hard", k) for k in keys}) == 2
+    assert lookup.uniform(["hard"]) is None
 
 
 def test_fail_static_after_timeout_and_recovery(view: PolicyView, clock: FakeClock) -> None:

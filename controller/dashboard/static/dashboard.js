@@ -200,7 +200,7 @@ function renderTable(policy) {
         + (reasonName(d.reason) === "explore" ? " explore" : ""),
         "data-class": c.traffic_class, "data-bucket": String(d.batch_bucket), "data-k": String(k),
         title: `${k ? `draft ${d.draft}, K=${k}` : "speculation off"}; ${reasonName(d.reason)}; expected `
-          + `${Number(d.expected_speedup).toFixed(2)}x` + (d.probe_rate > 0 ? `; probing ${(100 * d.probe_rate).toFixed(1)}% at K=${d.probe_k}` : "")},
+          + `${Number(d.expected_speedup).toFixed(2)}x` + (d.probe_rate > 0 ? `; probing ${(100 * d.probe_rate).toFixed(1)}% of ${d.probe_steps ? "steps" : "requests"} at K=${d.probe_k}` : "")},
         k ? String(k) : "off");
       if (reasonName(d.reason) === "override") cell.append(el("span", {class: "ovr-mark"}, " ●"));
       tr.append(cell);

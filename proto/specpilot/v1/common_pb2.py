@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpilot/v1/common.proto\x12\x0cspecpilot.v1\"\xd3\x01\n\x08\x44\x65\x63ision\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61tch_bucket\x18\x02 \x01(\r\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\r\x12,\n\x06reason\x18\x05 \x01(\x0e\x32\x1c.specpilot.v1.DecisionReason\x12\x18\n\x10\x65xpected_speedup\x18\x06 \x01(\x01\x12\x12\n\nprobe_rate\x18\x07 \x01(\x01\x12\x0f\n\x07probe_k\x18\x08 \x01(\r\x12\x13\n\x0bprobe_draft\x18\t \x01(\t\"\x93\x01\n\rDecisionEvent\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x14\n\x0cunix_seconds\x18\x02 \x01(\x01\x12(\n\x08\x64\x65\x63ision\x18\x03 \x01(\x0b\x32\x16.specpilot.v1.Decision\x12\x16\n\x0eprevious_draft\x18\x04 \x01(\t\x12\x12\n\nprevious_k\x18\x05 \x01(\r*\xe7\x01\n\x0e\x44\x65\x63isionReason\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x44\x45\x43ISION_REASON_WARMUP\x10\x01\x12\x1b\n\x17\x44\x45\x43ISION_REASON_GOODPUT\x10\x02\x12\x1b\n\x17\x44\x45\x43ISION_REASON_EXPLORE\x10\x03\x12#\n\x1f\x44\x45\x43ISION_REASON_CHANGE_DETECTED\x10\x04\x12\x1c\n\x18\x44\x45\x43ISION_REASON_OVERRIDE\x10\x05\x12\x1b\n\x17\x44\x45\x43ISION_REASON_OFFLINE\x10\x06*j\n\tDraftKind\x12\x1a\n\x16\x44RAFT_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44RAFT_KIND_MODEL\x10\x01\x12\x14\n\x10\x44RAFT_KIND_NGRAM\x10\x02\x12\x15\n\x11\x44RAFT_KIND_SUFFIX\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpilot/v1/common.proto\x12\x0cspecpilot.v1\"\xe8\x01\n\x08\x44\x65\x63ision\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61tch_bucket\x18\x02 \x01(\r\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\t\n\x01k\x18\x04 \x01(\r\x12,\n\x06reason\x18\x05 \x01(\x0e\x32\x1c.specpilot.v1.DecisionReason\x12\x18\n\x10\x65xpected_speedup\x18\x06 \x01(\x01\x12\x12\n\nprobe_rate\x18\x07 \x01(\x01\x12\x0f\n\x07probe_k\x18\x08 \x01(\r\x12\x13\n\x0bprobe_draft\x18\t \x01(\t\x12\x13\n\x0bprobe_steps\x18\n \x01(\x08\"\x93\x01\n\rDecisionEvent\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x14\n\x0cunix_seconds\x18\x02 \x01(\x01\x12(\n\x08\x64\x65\x63ision\x18\x03 \x01(\x0b\x32\x16.specpilot.v1.Decision\x12\x16\n\x0eprevious_draft\x18\x04 \x01(\t\x12\x12\n\nprevious_k\x18\x05 \x01(\r*\xe7\x01\n\x0e\x44\x65\x63isionReason\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x44\x45\x43ISION_REASON_WARMUP\x10\x01\x12\x1b\n\x17\x44\x45\x43ISION_REASON_GOODPUT\x10\x02\x12\x1b\n\x17\x44\x45\x43ISION_REASON_EXPLORE\x10\x03\x12#\n\x1f\x44\x45\x43ISION_REASON_CHANGE_DETECTED\x10\x04\x12\x1c\n\x18\x44\x45\x43ISION_REASON_OVERRIDE\x10\x05\x12\x1b\n\x17\x44\x45\x43ISION_REASON_OFFLINE\x10\x06*j\n\tDraftKind\x12\x1a\n\x16\x44RAFT_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44RAFT_KIND_MODEL\x10\x01\x12\x14\n\x10\x44RAFT_KIND_NGRAM\x10\x02\x12\x15\n\x11\x44RAFT_KIND_SUFFIX\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpilot.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISIONREASON']._serialized_start=408
-  _globals['_DECISIONREASON']._serialized_end=639
-  _globals['_DRAFTKIND']._serialized_start=641
-  _globals['_DRAFTKIND']._serialized_end=747
+  _globals['_DECISIONREASON']._serialized_start=429
+  _globals['_DECISIONREASON']._serialized_end=660
+  _globals['_DRAFTKIND']._serialized_start=662
+  _globals['_DRAFTKIND']._serialized_end=768
   _globals['_DECISION']._serialized_start=44
-  _globals['_DECISION']._serialized_end=255
-  _globals['_DECISIONEVENT']._serialized_start=258
-  _globals['_DECISIONEVENT']._serialized_end=405
+  _globals['_DECISION']._serialized_end=276
+  _globals['_DECISIONEVENT']._serialized_start=279
+  _globals['_DECISIONEVENT']._serialized_end=426
 # @@protoc_insertion_point(module_scope)

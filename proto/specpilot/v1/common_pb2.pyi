@@ -35,7 +35,7 @@ DRAFT_KIND_NGRAM: DraftKind
 DRAFT_KIND_SUFFIX: DraftKind
 
 class Decision(_message.Message):
-    __slots__ = ("traffic_class", "batch_bucket", "draft", "k", "reason", "expected_speedup", "probe_rate", "probe_k", "probe_draft")
+    __slots__ = ("traffic_class", "batch_bucket", "draft", "k", "reason", "expected_speedup", "probe_rate", "probe_k", "probe_draft", "probe_steps")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class Decision(_message.Message):
     PROBE_RATE_FIELD_NUMBER: _ClassVar[int]
     PROBE_K_FIELD_NUMBER: _ClassVar[int]
     PROBE_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_STEPS_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
     batch_bucket: int
     draft: str
@@ -54,7 +55,8 @@ class Decision(_message.Message):
     probe_rate: float
     probe_k: int
     probe_draft: str
-    def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., expected_speedup: _Optional[float] = ..., probe_rate: _Optional[float] = ..., probe_k: _Optional[int] = ..., probe_draft: _Optional[str] = ...) -> None: ...
+    probe_steps: bool
+    def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., expected_speedup: _Optional[float] = ..., probe_rate: _Optional[float] = ..., probe_k: _Optional[int] = ..., probe_draft: _Optional[str] = ..., probe_steps: _Optional[bool] = ...) -> None: ...
 
 class DecisionEvent(_message.Message):
     __slots__ = ("policy_version", "unix_seconds", "decision", "previous_draft", "previous_k")

@@ -26,16 +26,18 @@ class ConnectResponse(_message.Message):
     def __init__(self, hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., report_result: _Optional[_Union[ReportResult, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ...) -> None: ...
 
 class EngineCapabilities(_message.Message):
-    __slots__ = ("per_request_k", "batch_wide_k", "ngram_substitution", "ngram_counterfactual")
+    __slots__ = ("per_request_k", "batch_wide_k", "ngram_substitution", "ngram_counterfactual", "step_probes")
     PER_REQUEST_K_FIELD_NUMBER: _ClassVar[int]
     BATCH_WIDE_K_FIELD_NUMBER: _ClassVar[int]
     NGRAM_SUBSTITUTION_FIELD_NUMBER: _ClassVar[int]
     NGRAM_COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_PROBES_FIELD_NUMBER: _ClassVar[int]
     per_request_k: bool
     batch_wide_k: bool
     ngram_substitution: bool
     ngram_counterfactual: bool
-    def __init__(self, per_request_k: _Optional[bool] = ..., batch_wide_k: _Optional[bool] = ..., ngram_substitution: _Optional[bool] = ..., ngram_counterfactual: _Optional[bool] = ...) -> None: ...
+    step_probes: bool
+    def __init__(self, per_request_k: _Optional[bool] = ..., batch_wide_k: _Optional[bool] = ..., ngram_substitution: _Optional[bool] = ..., ngram_counterfactual: _Optional[bool] = ..., step_probes: _Optional[bool] = ...) -> None: ...
 
 class DraftInfo(_message.Message):
     __slots__ = ("name", "kind", "vocab_hash", "max_k")
