@@ -16,6 +16,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from controller.core.acceptance import credible_bounds
+from controller.core.composition import Composition, DraftPricing, StepPricing
 from controller.core.controller import HelloOutcome
 from controller.core.policy import ArmValue
 from controller.core.recommend import Recommendation
@@ -177,6 +178,7 @@ def hello_from_proto(msg: engine_pb2.EngineHello) -> EngineHello:
         ngram_substitution=caps.ngram_substitution,
         ngram_counterfactual=caps.ngram_counterfactual,
         step_probes=caps.step_probes,
+        step_composition=caps.step_composition,
         engine_version=msg.engine_version,
         plugin_version=msg.plugin_version,
         max_batch_size=msg.max_batch_size,
@@ -200,6 +202,7 @@ def hello_to_proto(hello: EngineHello) -> engine_pb2.EngineHello:
             ngram_substitution=hello.ngram_substitution,
             ngram_counterfactual=hello.ngram_counterfactual,
             step_probes=hello.step_probes,
+            step_composition=hello.step_composition,
         ),
         engine_version=hello.engine_version,
         plugin_version=hello.plugin_version,
@@ -358,13 +361,47 @@ def explanation_to_proto(ex: Explanation, text: str) -> policy_pb2.ExplainDecisi
 def policy_update_to_proto(
     snap: CoreSnapshot, fail_static_timeout_seconds: float
 ) -> engine_pb2.PolicyUpdate:
-    """Everything an engine applies: every (class, bucket) decision plus the defaults."""
-    return engine_pb2.PolicyUpdate(
+    """Everything an engine applies: every (class, bucket) decision plus the defaults, and the
+    per-step pricing where engines can use it."""
+    msg = engine_pb2.PolicyUpdate(
         version=snap.version,
         decisions=[decision_to_proto(d) for c in snap.classes for d in c.decisions],
         default_decisions=[decision_to_proto(d) for d in snap.default_decisions],
         fail_static_timeout_seconds=fail_static_timeout_seconds,
     )
+    if snap.composition is not None:
+        msg.composition.CopyFrom(composition_to_proto(snap.composition))
+    return msg
+
+
+def composition_to_proto(c: Composition) -> engine_pb2.Composition:
+    p = c.pricing
+    return engine_pb2.Composition(
+        pricing=engine_pb2.StepPricing(
+            base_seconds=p.base_seconds, seconds_per_sequence=p.seconds_per_sequence,
+            seconds_per_token=p.seconds_per_token, knot_tokens=p.knot_tokens,
+            seconds_per_token_above=p.seconds_per_token_above,
+            drafts=[engine_pb2.DraftPricing(draft=name, fixed_seconds=d.fixed_seconds,
+                                            seconds_per_pass=d.seconds_per_pass,
+                                            seconds_per_token=d.seconds_per_token)
+                    for name, d in p.drafts.items()]),
+        expected_tokens=[engine_pb2.ExpectedTokens(traffic_class=cls, draft=draft, by_k=curve)
+                         for (cls, draft), curve in c.expected_tokens.items()],
+        margin=c.margin,
+    )
+
+
+def composition_from_proto(msg: engine_pb2.Composition) -> Composition:
+    """ValueError (naming what is wrong) for numbers that are not finite or curves and knots
+    that do not line up."""
+    p = msg.pricing
+    pricing = StepPricing(
+        p.base_seconds, p.seconds_per_sequence, p.seconds_per_token, tuple(p.knot_tokens),
+        tuple(p.seconds_per_token_above),
+        {d.draft: DraftPricing(d.fixed_seconds, d.seconds_per_pass, d.seconds_per_token)
+         for d in p.drafts})
+    return Composition(pricing, {(e.traffic_class, e.draft): tuple(e.by_k)
+                                 for e in msg.expected_tokens}, msg.margin)
 
 
 class EstimateValues(NamedTuple):

@@ -173,6 +173,8 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         ngram_substitution=substitute,
         ngram_counterfactual=substitute,
         step_probes=True,  # PolicyLookup probes whole steps where a decision asks it
+        # Per-step re-picks need the drafter's passes to follow the step's largest K.
+        step_composition=config.k_mode == "batch_max",
         engine_version=_vllm_version(), plugin_version=package_version(),
         max_batch_size=e.max_num_seqs,
         step_profile=step_profile(e.drafter if e.drafter_kind is DraftKind.MODEL else ""),
@@ -269,6 +271,8 @@ class Pilot:
         self._drafter_k = engine.max_k
         # This step's policy per batch size: one lookup per (class, bucket) per step.
         self._lookups: dict[int, PolicyLookup] = {}
+        # This step's per-step re-picks by traffic class (batch_max: ``batch_k``).
+        self._composed: dict[str, Choice] = {}
         self._step_started = 0.0
         self._last_report = time.monotonic()
 
@@ -327,6 +331,7 @@ class Pilot:
     def on_schedule_start(self) -> None:
         self._step_started = time.monotonic()
         self._lookups.clear()
+        self._composed = {}
 
     def batch_k(self, running: Iterable[RequestLike]) -> int:
         """The K the drafter drafts this step in the batch modes. ``batch_max``: the largest K
@@ -337,6 +342,14 @@ class Pilot:
         if not ids:
             return self.view.static_k
         lookup = self._lookup(len(ids))
+        if self.config.k_mode == "batch_max":
+            # The arms of settled classes re-picked for the classes and counts of this step.
+            counts: dict[str, int] = {}
+            for req_id in ids:
+                state = self.requests.get(req_id)
+                name = state.traffic_class if state is not None else DEFAULT_CLASS
+                counts[name] = counts.get(name, 0) + 1
+            self._composed = lookup.compose(counts, len(ids))
         choices = [self._choice(req_id, lookup) for req_id in ids]
         if self.config.k_mode == "batch_max":
             deterministic = self.deterministic
@@ -356,8 +369,10 @@ class Pilot:
         state = self.requests.get(req_id)
         if state is not None and state.choice_from is lookup:
             return state.choice
-        choice = lookup.choice(state.traffic_class if state is not None else DEFAULT_CLASS,
-                               req_id)
+        traffic_class = state.traffic_class if state is not None else DEFAULT_CLASS
+        choice = lookup.choice(traffic_class, req_id)
+        if not choice.probe:
+            choice = self._composed.get(traffic_class, choice)
         if choice.k and choice.draft not in self.drafts_allowed:
             choice = Choice(self.engine.drafter, 0, False)
         if state is not None:
@@ -375,7 +390,8 @@ class Pilot:
         distribution exactly the target's."""
         lengthen = self.config.k_mode == "batch_max"
         lookup = self._lookup(batch_size)
-        uniform = lookup.uniform(self._class_counts)
+        # (Re-picked classes differ from their decisions: no shortcut then.)
+        uniform = None if self._composed else lookup.uniform(self._class_counts)
         if (uniform is not None and uniform.draft == self.engine.drafter
                 and uniform.draft in self.drafts_allowed and uniform.k >= self._drafter_k
                 and (batch_k is None or batch_k == uniform.k)):

@@ -29,6 +29,12 @@ share is of steps, and in a probed step every request of the class probes. One d
 per ``PolicyLookup`` (the plugin makes one lookup per step and batch size). In a batch-wide
 engine the drafter's pass costs a step the same for one probed request as for all of them, so
 probing whole steps learns as many times more per cost as the class has requests in the batch.
+
+Per-step composition (``PolicyUpdate.composition``, asked of engines that announce it): the
+decisions are priced for the class mix the controller expects; ``PolicyLookup.compose`` re-picks,
+for the classes and counts of one step, the arms of the classes whose decision is a settled
+goodput choice, where that beats the decisions by the policy's margin
+(``controller.core.composition.step_arms``). Results are cached per policy, bucket and counts.
 """
 
 from __future__ import annotations
@@ -37,14 +43,17 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 from hashlib import blake2b
 from typing import NamedTuple
 
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from controller.core.classes import OTHER_CLASS
+from controller.core.composition import Arm, Composition, adjustable, step_arms
+from controller.core.types import Reason, ReportRejected
+from controller.wire import composition_from_proto, reason_from_proto
 from specpilot.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
@@ -68,6 +77,8 @@ class _Entry(NamedTuple):
     probe_rate: float
     probe_choice: Choice
     probe_steps: bool  # probe_rate is a share of steps (all of the class's requests in each)
+    traffic_class: str  # the decision's own ("" for a default), as the composition names it
+    adjustable: bool  # a settled goodput choice that probes nothing: re-picked per step
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,21 @@ class _Policy:
     version: int
     decisions: dict[tuple[str, int], _Entry]
     defaults: dict[int, _Entry]
+    composition: Composition | None = None
+    # compose()'s answers by (bucket, batch size, counts per decision class).
+    composed: dict[tuple[object, ...], dict[str, Arm]] = field(default_factory=dict)
 
+
+# Step compositions remembered per policy (a step's counts recur: the cache saves the search).
+_COMPOSED_CACHE = 4096
+
+
+def _reason(value: int) -> Reason | None:
+    """A decision's reason (None for a value this plugin does not know)."""
+    try:
+        return reason_from_proto(value, "decision.reason")
+    except ReportRejected:
+        return None
 
 # Probed requests are redrawn this often, seconds (a few dozen verification steps of a request).
 PROBE_EPOCH_SECONDS = 2.0
@@ -118,6 +143,7 @@ class PolicyView:
         self._heard_at = -math.inf
         self._folded: frozenset[str] = frozenset()
         self._step_draw = step_draw
+        self._composition_refused = False  # logged once
 
     # --- writers (sender thread) ---------------------------------------------------------------
     def apply(self, update: engine_pb2.PolicyUpdate) -> None:
@@ -127,8 +153,23 @@ class PolicyView:
         timeout = update.fail_static_timeout_seconds
         if math.isfinite(timeout) and timeout > 0:
             self._timeout = timeout
-        self._policy = _Policy(update.version, decisions, defaults)
+        self._policy = _Policy(update.version, decisions, defaults,
+                               self._composition(update))
         self.heard_from_controller()
+
+    def _composition(self, update: engine_pb2.PolicyUpdate) -> Composition | None:
+        """The update's per-step pricing, or None (not sent, or unusable: logged, and the
+        decisions apply as they are)."""
+        if not update.HasField("composition"):
+            return None
+        try:
+            return composition_from_proto(update.composition)
+        except ValueError as exc:
+            if not self._composition_refused:
+                log.warning("specpilot: the policy's composition is unusable (%s); applying "
+                            "its decisions as they are", exc)
+                self._composition_refused = True
+            return None
 
     def set_bucket_bounds(self, bounds: Iterable[int]) -> None:
         """Bucket bounds from the HelloAck; ValueError (and no change) if bad."""
@@ -160,7 +201,8 @@ class PolicyView:
         rate = d.probe_rate if probe_k > 0 and d.probe_draft else 0.0
         rate = min(max(rate, 0.0), 1.0) if math.isfinite(rate) else 0.0
         return _Entry(Choice(d.draft if k else "", k, False), rate,
-                      Choice(d.probe_draft, probe_k, True), d.probe_steps)
+                      Choice(d.probe_draft, probe_k, True), d.probe_steps, d.traffic_class,
+                      adjustable(_reason(d.reason), rate > 0.0))
 
     # --- readers (scheduler thread) ------------------------------------------------------------
     @property
@@ -284,6 +326,47 @@ class PolicyLookup:
         except Exception:
             log.debug("policy lookup failed", exc_info=True)
             return None
+
+    def compose(self, counts: Mapping[str, int], batch_size: int) -> dict[str, Choice]:
+        """For a step whose decoding sequences number ``counts`` per traffic class: the classes
+        whose arm the policy's composition re-picks for this step, with their choice (empty
+        without a composition, or where the decisions stand). Never raises."""
+        try:
+            policy = self._policy
+            if policy is None or policy.composition is None:
+                return {}
+            entries = {c: self._entry(c)[0] for c in counts}
+            by_decision: dict[str, int] = {}
+            arms: dict[str, Arm] = {}
+            free = set()
+            for c, n in counts.items():
+                entry = entries[c]
+                if entry is None:
+                    continue
+                name = entry.traffic_class
+                by_decision[name] = by_decision.get(name, 0) + n
+                arms[name] = (entry.choice.draft, entry.choice.k)
+                if entry.adjustable:
+                    free.add(name)
+            if not free:
+                return {}
+            key = (self._bucket, batch_size, tuple(sorted(by_decision.items())))
+            chosen = policy.composed.get(key)
+            if chosen is None:
+                if len(policy.composed) >= _COMPOSED_CACHE:
+                    policy.composed.clear()
+                chosen = policy.composed[key] = step_arms(policy.composition, by_decision, arms,
+                                                          free, batch_size)
+            out = {}
+            for c, entry in entries.items():
+                if entry is not None and entry.adjustable:
+                    draft, k = chosen[entry.traffic_class]
+                    if (draft, k) != arms[entry.traffic_class]:
+                        out[c] = Choice(draft if k else "", k, False)
+            return out
+        except Exception:
+            log.debug("composition failed; the decisions apply", exc_info=True)
+            return {}
 
     def _entry(self, traffic_class: str) -> tuple[_Entry | None, Choice | None]:
         """The class's decision, and with whole-step probes the choice of all its requests

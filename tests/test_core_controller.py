@@ -12,6 +12,7 @@ import pytest
 
 from controller.core.controller import ControllerCore
 from controller.core.cost_model import StepShape
+from controller.core.goodput import expected_tokens_curve
 from controller.core.policy import arm_table
 from controller.core.snapshot import CoreSnapshot
 from controller.core.types import (
@@ -779,3 +780,39 @@ def test_an_engine_back_with_a_smaller_max_k_does_not_break_the_joint_search() -
         now=6.0)
     core.decide(20.0)  # a joint search is due: it must start from arms the engine runs
     assert all(d.k <= 2 for c in core.snapshot(20.0).classes for d in c.decisions)
+
+
+def test_the_composition_goes_to_engines_that_repick_and_moves_with_the_evidence() -> None:
+    """An engine announcing step_composition gets, with the policy, the cost model's mean
+    weights and the E(K) curves of the classes per draft they have evidence for; a new version
+    carries a new composition only when one moved by more than the tolerance. Engines that
+    cannot use it (older plugins; a per-request engine, whose drafter runs anyway) get none."""
+    batch_max = replace(HELLO, per_request_k=True, batch_wide_k=True, step_composition=True)
+    core = ControllerCore(core_config(load_settings(dwell_seconds=0.0)),
+                          np.random.default_rng(0))
+    core.connect_engine(batch_max, now=0.0)
+    core.decide(now=1.0)
+    empty = core.snapshot(1.0).composition
+    assert empty is not None and not empty.expected_tokens  # no evidence yet: no curves
+    core.ingest("e1", _good(1), now=2.0)
+    core.decide(now=2.0)
+    comp = core.snapshot(2.0).composition
+    assert comp is not None and set(comp.expected_tokens) == {("code", "d")}
+    posterior = core.estimate("code", "d", 2.0)
+    mean = np.array(posterior.alpha) / (np.array(posterior.alpha) + np.array(posterior.beta))
+    assert np.allclose(comp.expected_tokens[("code", "d")],
+                       expected_tokens_curve(mean)[: 7])
+    assert comp.pricing == core._cost.mean.pricing()  # white-box: the fit it was built from
+    version = core.version
+    core.decide(now=2.5)  # nothing new: the same policy, the same composition
+    assert core.version == version and core.snapshot(2.5).composition is comp
+    core.ingest("e1", replace(_good(2), acceptance=(
+        AcceptanceRecord("code", "d", 3, (4000, 0, 0, 0)),)), now=3.0)
+    core.decide(now=3.0)
+    assert core.version > version and core.snapshot(3.0).composition is not comp
+    for hello in (HELLO, replace(batch_max, batch_wide_k=False)):  # older plugin, per request
+        other = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+        other.connect_engine(hello, now=0.0)
+        other.ingest("e1", _good(1), now=1.0)
+        other.decide(now=1.0)
+        assert other.snapshot(1.0).composition is None

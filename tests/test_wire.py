@@ -34,7 +34,8 @@ HELLO = EngineHello(
     engine_id="e-7", model="m", target_vocab_hash="abc",
     drafts=(DraftSpec("d1", DraftKind.MODEL, 5, "abc"), DraftSpec("ng", DraftKind.NGRAM, 3)),
     max_k=5, per_request_k=False, batch_wide_k=True, ngram_substitution=True,
-    ngram_counterfactual=True, step_probes=True, engine_version="0.9", plugin_version="0.1",
+    ngram_counterfactual=True, step_probes=True, step_composition=True, engine_version="0.9",
+    plugin_version="0.1",
     max_batch_size=256,
     step_profile=(StepProfile(16, 16, "", 0, 0.004), StepProfile(16, 48, "d1", 2, 0.009)),
     hardware="NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16",
@@ -151,3 +152,21 @@ def test_estimate_figures_from_one_pass_are_each_estimates_own() -> None:
     whole = wire.policy_response_to_proto(snap, snap.classes, 0.9)
     assert list(whole.classes) == [wire.class_view_to_proto(c, 0.9) for c in snap.classes]
     assert wire.estimates_values([], 0.9) == []
+
+
+def test_composition_round_trip_and_refusal() -> None:
+    from controller.core.composition import Composition, DraftPricing, StepPricing
+
+    comp = Composition(
+        StepPricing(0.02, 1e-4, 2e-5, (64, 256), (1e-4, 3e-4),
+                    {"d1": DraftPricing(5e-4, 4e-3, 2e-5)}),
+        {("chat", "d1"): (1.0, 1.7, 2.2), ("chat", "ng"): (1.0, 1.1)}, 0.01)
+    msg = engine_pb2.Composition.FromString(wire.composition_to_proto(comp).SerializeToString())
+    assert wire.composition_from_proto(msg) == comp
+    msg.expected_tokens[0].by_k[1] = float("nan")
+    with pytest.raises(ValueError, match=r"E\(K\) of \('chat', 'd1'\)"):
+        wire.composition_from_proto(msg)
+    msg = wire.composition_to_proto(comp)
+    del msg.pricing.seconds_per_token_above[1]
+    with pytest.raises(ValueError, match="one slope per knot"):
+        wire.composition_from_proto(msg)

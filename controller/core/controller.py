@@ -21,6 +21,7 @@ import numpy as np
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, BucketLoads, bucket_of, bucket_upper_size
 from controller.core.classes import fold_class, fold_classes
+from controller.core.composition import Composition, moved
 from controller.core.cost_model import CostPrior, PricedCosts, StepCostModel, StepShape, SunkDraft
 from controller.core.fleet import (
     CostExport,
@@ -86,6 +87,12 @@ MAX_NOTE_CHARS = 1000
 _JOINT_BUCKETS_PER_DECIDE = 2
 # A probe share that moved by less than this factor is not worth a new policy version.
 _PROBE_RATE_MATERIAL_FACTOR = 1.25
+# Classes whose E(K) curves a policy carries for the engines' per-step re-picks (the largest
+# shares of the mix): bounds a policy update at ~30 KiB with 16 drafts of K 8.
+COMPOSITION_MAX_CLASSES = 32
+# Relative move of an E(K) or of a priced step time that makes a new composition worth a policy
+# version (the engines' re-picks follow what the controller learns, not each round's noise).
+_COMPOSITION_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -238,6 +245,8 @@ class ControllerCore:
         self._version = epoch << EPOCH_SHIFT
         self._forgotten = False  # a class was forgotten since the last version
         self._log: deque[DecisionEvent] = deque(maxlen=config.decision_log_size)
+        # The composition the current policy version carries (``composition``).
+        self._composition: Composition | None = None
 
     # --- engines ----------------------------------------------------------------------------
     def connect_engine(self, hello: EngineHello, now: float) -> HelloOutcome:
@@ -775,6 +784,11 @@ class ControllerCore:
                 state.changed_at[new.bucket] = now
                 events.append(DecisionEvent(0, now, new, old))
             state.change_pending = False
+        composition = self._compose(now)
+        if moved(self._composition, composition, self._priced_batch_sizes(),
+                 self.config.policy.max_k, _COMPOSITION_TOLERANCE):
+            self._composition = composition
+            material = True
         if material or self._forgotten:
             self._version += 1
             self._forgotten = False
@@ -972,6 +986,37 @@ class ControllerCore:
         return tuple(layer[c] for c in sorted(layer))
 
     # --- read side --------------------------------------------------------------------------
+    def composition(self) -> Composition | None:
+        """The composition the current policy version carries (``_compose``, renewed by a
+        decide round when it moved by more than ``_COMPOSITION_TOLERANCE``)."""
+        return self._composition
+
+    def _priced_batch_sizes(self) -> list[int]:
+        return sorted({max(1, round(self._loads.batch_size(b)))
+                       for b in range(self.config.n_buckets)})
+
+    def _compose(self, now: float) -> Composition | None:
+        """What engines that re-pick arms per step price a step with (``step_composition``):
+        the cost model's mean weights and the posterior-mean E(K) of the classes with the
+        largest shares, per draft they have evidence for. None when no connected engine can
+        use it, or when a per-request engine's drafter runs whatever K is chosen (a per-step
+        re-pick then saves verification only)."""
+        if (not any(e.hello.step_composition for e in self._engines.values())
+                or self._sunk_draft() is not None):
+            return None
+        shares = self._mix.shares()
+        names = sorted(self._classes, key=lambda c: (-shares.get(c, 0.0), c))
+        curves: dict[tuple[str, str], tuple[float, ...]] = {}
+        cache: dict[tuple[str, str], np.ndarray] = {}
+        for name in names[:COMPOSITION_MAX_CLASSES]:
+            for d in self.drafts():
+                if self._estimator.has_data(name, d.name):
+                    k = min(self.config.policy.max_k, d.max_k)
+                    curve = self._mean_curve(name, d.name, now, cache)[: k + 1]
+                    curves[(name, d.name)] = tuple(float(x) for x in curve)
+        return Composition(self._cost.mean.pricing(), curves,
+                           self.config.policy.composition_margin)
+
     @property
     def version(self) -> int:
         """Version of the policy: moves when a decide round changed what engines must apply."""
@@ -1038,6 +1083,7 @@ class ControllerCore:
             batch_bucket_upper_bounds=self.config.batch_bucket_upper_bounds,
             offline_classes=self.config.offline_classes,
             max_classes=self.config.max_classes,
+            composition=self._composition,
         )
 
     def predicted_step_seconds(self, batch_size: int, draft: str, k: int) -> float:

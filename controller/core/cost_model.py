@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from controller.core.composition import DraftPricing, StepPricing
 from controller.core.tunable import tunable
 
 FloatArray = npt.NDArray[np.float64]
@@ -280,6 +281,16 @@ class PricedCosts:
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
                     sunk_draft: SunkDraft | None = None) -> float:
         return float(self.predict_curve(batch_size, draft, draft_is_model, k, sunk_draft)[k])
+
+    def pricing(self) -> StepPricing:
+        """These weights as plain coefficients (what an engine prices its steps with:
+        ``controller.core.composition``); ``StepPricing.seconds`` equals ``predict_mixed``."""
+        th, m = [float(x) for x in self.theta], self._model
+        return StepPricing(
+            th[0], th[1], th[2], tuple(int(k) for k in m.knots), tuple(th[3 : m.n_base]),
+            {name: DraftPricing(*th[m.n_base + _DRAFT_COLUMNS * i:
+                                    m.n_base + _DRAFT_COLUMNS * (i + 1)])
+             for i, name in enumerate(m.drafts)})
 
     def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool, max_k: int,
                       sunk_draft: SunkDraft | None = None) -> FloatArray:

@@ -83,6 +83,11 @@ class PolicyConfig:
     """K of probed requests where the drafter runs anyway (per-request engines), tokens;
     batch-wide engines probe at K=1, the cheapest (every probe there costs the whole batch's
     drafter passes)."""
+    composition_margin: float = tunable(0.01, ge=0, le=1)
+    """Relative gain in a step's tokens per second an engine's per-step re-pick of the settled
+    classes' arms (for the classes and counts in that step) needs over the decisions
+    (0.01 = 1%; ``controller.core.composition``). Engines that cannot re-pick apply the
+    decisions."""
     offline_mode: Literal["pin_off", "goodput"] = tunable("pin_off")
     """pin_off: offline classes never speculate. goodput: decided by the same goodput math at the
     largest batch bucket (offline work runs at full load)."""

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from controller.core.acceptance import Posterior
+from controller.core.composition import Composition
 from controller.core.goodput import expected_tokens_curve
 from controller.core.policy import ArmValue
 from controller.core.types import Decision, DecisionEvent, DraftSpec, Override
@@ -153,6 +154,8 @@ class CoreSnapshot:
     batch_bucket_upper_bounds: tuple[int, ...]
     offline_classes: frozenset[str]
     max_classes: int
+    # What engines that re-pick arms per step price a step with (None: no engine can).
+    composition: Composition | None = None
 
     @property
     def n_buckets(self) -> int:

@@ -83,6 +83,9 @@ class EngineHello:
     hardware: str = ""  # what the engine runs on; "" = unknown (its step costs are not shared)
     # The plugin can probe whole steps (Decision.probe_steps); older plugins probe requests.
     step_probes: bool = False
+    # The plugin re-picks settled classes' arms per step from the policy's Composition
+    # (controller.core.composition); older plugins and other K modes apply the decisions.
+    step_composition: bool = False
 
 
 @dataclass(frozen=True)

@@ -517,3 +517,85 @@ def test_whole_step_probes_keep_outputs_and_the_distribution(tiny_models: Any,
     assert used.drafts > 0 and used.draft_tokens == used.drafts
     failures = differing_positions(plain_samples, samples)
     assert not failures, f"whole-step probes changed the sampled distribution: {failures}"
+
+
+def _composed_update(drafter: str, by_class: dict[str, tuple[str, int]],
+                     composition: bool, version: int) -> Any:
+    """Settled goodput decisions ``by_class`` (draft, K) in every bucket, kept without a
+    controller, and (``composition``) a per-step pricing under which the model draft's passes
+    cost a second each: every step then re-picks the classes that have an n-gram curve onto
+    n-gram drafts."""
+    from controller.core.buckets import DEFAULT_BUCKET_BOUNDS
+    from controller.core.composition import Composition, DraftPricing, StepPricing
+    from controller.core.types import Decision, Reason
+    from controller.wire import composition_to_proto, decision_to_proto
+    from engine_plugin.ngram import NGRAM_DRAFT
+    from specpilot.v1 import engine_pb2
+
+    update = engine_pb2.PolicyUpdate(version=version, fail_static_timeout_seconds=600.0)
+    for b in range(len(DEFAULT_BUCKET_BOUNDS) + 1):
+        for cls, (draft, k) in by_class.items():
+            update.decisions.append(decision_to_proto(Decision(cls, b, draft, k,
+                                                               Reason.GOODPUT, 1.5)))
+    if composition:
+        pricing = StepPricing(0.02, 0.0, 0.0, (), (), {drafter: DraftPricing(0.0, 1.0, 0.0)})
+        curves: dict[tuple[str, str], tuple[float, ...]] = {}
+        for cls in by_class:
+            curves[(cls, drafter)] = (1.0, 1.8, 2.4, 2.8, 3.0)
+            curves[(cls, NGRAM_DRAFT)] = (1.0, 1.5, 1.8)
+        update.composition.CopyFrom(composition_to_proto(Composition(pricing, curves, 0.01)))
+    return update
+
+
+def test_per_step_composition_keeps_outputs_and_the_distribution(
+        tiny_models: Any, baseline: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """PolicyUpdate.composition in a batch_max engine: class "a" decided on the draft model at
+    K=3 is re-picked per step onto n-gram drafts at K=2 where the composition prices the
+    drafter's passes dear; greedy outputs equal no speculation, the drafter drafts nothing,
+    and T=0.8 samples (n-gram drafts stood in for by the target's modes, so some are accepted)
+    keep the target's distribution. Control: the same decisions without a composition verify
+    the draft model's 3 drafts."""
+    from engine_plugin.ngram import NGRAM_DRAFT
+    from tests.engine.harness import SAMPLE_PROMPT, ModeDrafts, differing_positions, samples_of
+
+    with llm_session(tiny_models.target) as plain:
+        plain_samples = samples_of(plain)
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    with plugin_env(controller="127.0.0.1:9", k_mode="batch_max"), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        pilot = pilot_of(llm)
+        drafter = pilot.engine.drafter
+        verified: list[int] = []  # drafts each decoding request verified, every step
+        on_output = pilot.on_output
+
+        def spy(scheduler_output: Any, runner_output: Any) -> None:
+            verified.extend(len(d) for d in
+                            scheduler_output.scheduled_spec_decode_tokens.values())
+            on_output(scheduler_output, runner_output)
+
+        monkeypatch.setattr(pilot, "on_output", spy)
+        for composition in (False, True):
+            pilot.view.apply(_composed_update(drafter, {"a": (drafter, 3)}, composition,
+                                              version=1 + composition))
+            verified.clear()
+            before = spec_counters(llm)
+            out = llm.generate(PROMPTS, params("a"), use_tqdm=False)
+            used = spec_counters(llm) - before
+            assert token_ids(out) == baseline, f"composition={composition}"
+            if composition:
+                assert 3 not in verified and max(verified, default=0) <= 2
+            else:
+                assert verified and set(verified) == {3}  # the control
+                assert used.draft_tokens == 3 * used.drafts > 0
+        prompt_len = len(llm.get_tokenizer()(SAMPLE_PROMPT)["input_ids"])
+        monkeypatch.setitem(pilot.deterministic, NGRAM_DRAFT,
+                            ModeDrafts(plain_samples, prompt_len))
+        pilot.view.apply(_composed_update(drafter, {"default": (drafter, 3)}, True, version=3))
+        verified.clear()
+        before = spec_counters(llm)
+        samples = samples_of(llm, seed0=60_000)
+        used = spec_counters(llm) - before
+    assert used.draft_tokens > 0 and 3 not in verified
+    assert used.accepted_tokens > 0  # the stand-in drafts are accepted now and then
+    failures = differing_positions(plain_samples, samples)
+    assert not failures, f"per-step composition changed the sampled distribution: {failures}"

@@ -283,3 +283,50 @@ def test_about_the_configured_number_of_requests_is_scored_counterfactually_per_
     pilot.after_output(many, ["q7"], running=1)  # type: ignore[arg-type]
     assert steps == ["q7"]  # a batch of one is scored whole
     pilot.close()
+
+
+def _composed_policy(pilot: Pilot, composition: bool) -> None:
+    """chat settled on the draft model at K=2, docs settled off; with ``composition`` a per-step
+    pricing under which one chat request among many does not pay the drafter's passes (the
+    simulator's `collapse` engine and acceptance)."""
+    from controller.core.composition import Composition, DraftPricing, StepPricing
+    from controller.core.types import Decision, Reason
+    from controller.wire import composition_to_proto, decision_to_proto
+
+    update = engine_pb2.PolicyUpdate(version=7, fail_static_timeout_seconds=1e6)
+    for bucket in range(len(pilot.view.bucket_bounds) + 1):
+        update.decisions.append(decision_to_proto(
+            Decision("chat", bucket, "draft", 2, Reason.GOODPUT, 1.3)))
+        update.decisions.append(decision_to_proto(Decision("docs", bucket, "", 0,
+                                                           Reason.GOODPUT)))
+    if composition:
+        pricing = StepPricing(0.022, 1e-4, 2e-5, (64,), (1.6e-4,),
+                              {"draft": DraftPricing(0.0, 0.0039, 2e-5)})
+        update.composition.CopyFrom(composition_to_proto(Composition(pricing, {
+            ("chat", "draft"): (1.0, 1.75, 2.31, 2.75), ("chat", NGRAM_DRAFT): (1.0, 1.15, 1.17),
+            ("docs", NGRAM_DRAFT): (1.0, 1.05, 1.06)}, 0.01)))
+    pilot.view.apply(update)
+
+
+def test_batch_max_repicks_settled_classes_for_the_step_and_drafts_accordingly() -> None:
+    """One chat request among seven documents: with the composition it leaves the draft model
+    for n-gram drafts and the drafter drafts nothing; seven chat requests keep the drafter.
+    Control: without the composition the lone chat request runs K=2 of the draft model."""
+    config = PluginConfig(k_mode="batch_max")
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    lone = _batch(pilot, ["chat"] + ["docs"] * 7)
+    for r in lone.values():
+        r.all_token_ids = [1, 2, 3, 1, 2, 3, 1, 2]
+    _composed_policy(pilot, composition=False)
+    assert _drafted(pilot, lone, 8)["r0"] == [5, 6]  # the control: its decision
+    _composed_policy(pilot, composition=True)
+    drafted = _drafted(pilot, lone, 8)
+    assert pilot._drafter_k == 0  # no model draft in the step
+    assert drafted["r0"] == [3, 1]  # n-gram drafts, K=2, substituted
+    pilot.close()
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    crowd = _batch(pilot, ["chat"] * 7 + ["docs"])
+    _composed_policy(pilot, composition=True)
+    _drafted(pilot, crowd, 8)
+    assert pilot._drafter_k >= 2
+    pilot.close()

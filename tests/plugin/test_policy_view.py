@@ -249,3 +249,59 @@ def test_readers_never_see_a_torn_policy(clock: FakeClock) -> None:
 def test_static_configuration_is_readable(clock: FakeClock) -> None:
     v = PolicyView(3, "d", 30, clock=clock)
     assert (v.static_k, v.static_draft, v.static_choice) == (3, "d", Choice("d", 3, False))
+
+
+def _composed(clock: FakeClock, nan: bool = False) -> PolicyView:
+    """chat settled on "d" K=2, docs settled off, hot exploring on "d" K=4, cold off probing:
+    with a composition in which one chat sequence among many does not pay the drafter."""
+    from controller.core.composition import Composition, DraftPricing, StepPricing
+    from controller.core.types import Decision, Reason
+    from controller.wire import composition_to_proto, decision_to_proto
+
+    view = PolicyView(static_k=4, static_draft="d", fail_static_timeout_seconds=30, clock=clock,
+                      bucket_bounds=BOUNDS)
+    update = engine_pb2.PolicyUpdate(version=5)
+    for b in range(len(BOUNDS) + 1):
+        for d in (Decision("chat", b, "d", 2, Reason.GOODPUT, 1.3),
+                  Decision("docs", b, "", 0, Reason.GOODPUT),
+                  Decision("other", b, "", 0, Reason.GOODPUT),
+                  Decision("hot", b, "d", 4, Reason.EXPLORE, 1.4),
+                  Decision("cold", b, "", 0, Reason.GOODPUT, 1.0, 0.05, 1, "d")):
+            update.decisions.append(decision_to_proto(d))
+    pricing = StepPricing(0.022, 1e-4, 2e-5, (64,), (1.6e-4,), {"d": DraftPricing(0, 0.0039, 0)})
+    curves: dict[tuple[str, str], tuple[float, ...]] = {
+        (c, "ngram"): (1.0, 1.05, 1.06) for c in ("docs", "other", "hot", "cold")}
+    curves |= {("chat", "d"): (1.0, 1.75, 2.31, 2.75), ("chat", "ngram"): (1.0, 1.15, 1.17),
+               ("hot", "d"): (1.0, 1.5, 1.9, 2.2, 2.4)}
+    update.composition.CopyFrom(composition_to_proto(Composition(pricing, curves, 0.01)))
+    if nan:
+        update.composition.pricing.base_seconds = float("nan")
+    view.apply(update)
+    return view
+
+
+def test_compose_repicks_settled_classes_for_the_steps_counts(clock: FakeClock) -> None:
+    view = _composed(clock)
+    lookup = view.lookup(8)
+    assert lookup.compose({"chat": 1, "docs": 7}, 8)["chat"].draft == "ngram"
+    assert view.lookup(8).compose({"chat": 7, "docs": 1}, 8).get(
+        "chat", Choice("d", 2, False)).draft == "d"  # seven share the passes: the model stays
+    # An exploration and a probing class run as decided, whatever the counts; their sequences
+    # still count (the exploring one pays the drafter for everyone).
+    got = view.lookup(8).compose({"chat": 1, "hot": 1, "cold": 2, "docs": 4}, 8)
+    assert "hot" not in got and "cold" not in got
+    assert got.get("chat", Choice("d", 2, False)).draft == "d"  # the pass is paid: keep it
+    # Classes folded into "other" follow its decision and count as it.
+    view.set_folded_classes(["x", "y"])
+    assert view.lookup(8).compose({"chat": 1, "x": 4, "y": 3}, 8)["chat"].draft == "ngram"
+
+
+def test_an_unusable_composition_leaves_the_decisions_and_is_logged_once(
+        clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    view = _composed(clock, nan=True)
+    assert view.lookup(8).compose({"chat": 1, "docs": 7}, 8) == {}
+    assert view.choice("chat", 8, "r") == Choice("d", 2, False)
+    view.apply(view_update := engine_pb2.PolicyUpdate(version=6))
+    view_update.composition.margin = float("inf")
+    view.apply(view_update)
+    assert sum("composition is unusable" in r.message for r in caplog.records) == 1

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specpilot.v1 import common_pb2 as specpilot_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpilot/v1/engine.proto\x12\x0cspecpilot.v1\x1a\x19specpilot/v1/common.proto\"u\n\x0e\x43onnectRequest\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.specpilot.v1.EngineHelloH\x00\x12,\n\x06report\x18\x02 \x01(\x0b\x32\x1a.specpilot.v1.EngineReportH\x00\x42\t\n\x07message\"\xac\x01\n\x0f\x43onnectResponse\x12+\n\thello_ack\x18\x01 \x01(\x0b\x32\x16.specpilot.v1.HelloAckH\x00\x12\x33\n\rreport_result\x18\x02 \x01(\x0b\x32\x1a.specpilot.v1.ReportResultH\x00\x12,\n\x06policy\x18\x03 \x01(\x0b\x32\x1a.specpilot.v1.PolicyUpdateH\x00\x42\t\n\x07message\"\x90\x01\n\x12\x45ngineCapabilities\x12\x15\n\rper_request_k\x18\x01 \x01(\x08\x12\x14\n\x0c\x62\x61tch_wide_k\x18\x02 \x01(\x08\x12\x1a\n\x12ngram_substitution\x18\x03 \x01(\x08\x12\x1c\n\x14ngram_counterfactual\x18\x04 \x01(\x08\x12\x13\n\x0bstep_probes\x18\x05 \x01(\x08\"c\n\tDraftInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.specpilot.v1.DraftKind\x12\x12\n\nvocab_hash\x18\x03 \x01(\t\x12\r\n\x05max_k\x18\x04 \x01(\r\"\xc5\x02\n\x0b\x45ngineHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11target_vocab_hash\x18\x03 \x01(\t\x12\'\n\x06\x64rafts\x18\x04 \x03(\x0b\x32\x17.specpilot.v1.DraftInfo\x12\r\n\x05max_k\x18\x05 \x01(\r\x12\x36\n\x0c\x63\x61pabilities\x18\x06 \x01(\x0b\x32 .specpilot.v1.EngineCapabilities\x12\x16\n\x0e\x65ngine_version\x18\x07 \x01(\t\x12\x16\n\x0eplugin_version\x18\x08 \x01(\t\x12\x16\n\x0emax_batch_size\x18\t \x01(\r\x12/\n\x0cstep_profile\x18\n \x03(\x0b\x32\x19.specpilot.v1.StepProfile\x12\x10\n\x08hardware\x18\x0b \x01(\t\"p\n\x0bStepProfile\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x17\n\x0fverified_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\x14\n\x0c\x64raft_passes\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"\xe4\x01\n\x08HelloAck\x12\x1a\n\x12\x63ontroller_version\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x02 \x03(\t\x12\x34\n\x0frejected_drafts\x18\x03 \x03(\x0b\x32\x1b.specpilot.v1.RejectedDraft\x12\x1f\n\x17report_interval_seconds\x18\x04 \x01(\x01\x12!\n\x19\x62\x61tch_bucket_upper_bounds\x18\x05 \x03(\r\x12\x13\n\x0bmax_classes\x18\x06 \x01(\r\x12\x14\n\x0cpolicy_epoch\x18\x07 \x01(\x04\"-\n\rRejectedDraft\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"v\n\x10\x41\x63\x63\x65ptanceCounts\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\r\x12\x19\n\x11steps_by_accepted\x18\x04 \x03(\x03\x12\x16\n\x0e\x63ounterfactual\x18\x05 \x01(\x08\"\xae\x01\n\x0eRequestSummary\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x15\n\routput_tokens\x18\x04 \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x03\x12\x17\n\x0flatency_seconds\x18\x07 \x01(\x01\"\xb4\x01\n\nStepTiming\x12\x14\n\x0c\x62\x61tch_bucket\x18\x01 \x01(\r\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\r\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x16\n\x0esum_batch_size\x18\x05 \x01(\x03\x12\x1b\n\x13sum_verified_tokens\x18\x06 \x01(\x03\x12\x18\n\x10sum_draft_tokens\x18\x07 \x01(\x03\x12\x18\n\x10sum_step_seconds\x18\x08 \x01(\x01\"\x99\x02\n\x0c\x45ngineReport\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x18\n\x10interval_seconds\x18\x02 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x32\n\nacceptance\x18\x04 \x03(\x0b\x32\x1e.specpilot.v1.AcceptanceCounts\x12.\n\x08\x66inished\x18\x05 \x03(\x0b\x32\x1c.specpilot.v1.RequestSummary\x12.\n\x0cstep_timings\x18\x06 \x03(\x0b\x32\x18.specpilot.v1.StepTiming\x12\x17\n\x0frecords_dropped\x18\x07 \x01(\x04\x12\x18\n\x10running_requests\x18\x08 \x01(\r\"\x85\x01\n\x0cReportResult\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x16\n\x0e\x66olded_classes\x18\x05 \x03(\t\x12\x1b\n\x13retry_after_seconds\x18\x06 \x01(\x01\"\xa2\x01\n\x0cPolicyUpdate\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12)\n\tdecisions\x18\x02 \x03(\x0b\x32\x16.specpilot.v1.Decision\x12\x31\n\x11\x64\x65\x66\x61ult_decisions\x18\x03 \x03(\x0b\x32\x16.specpilot.v1.Decision\x12#\n\x1b\x66\x61il_static_timeout_seconds\x18\x04 \x01(\x01\x32[\n\rEngineService\x12J\n\x07\x43onnect\x12\x1c.specpilot.v1.ConnectRequest\x1a\x1d.specpilot.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpilot/v1/engine.proto\x12\x0cspecpilot.v1\x1a\x19specpilot/v1/common.proto\"u\n\x0e\x43onnectRequest\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.specpilot.v1.EngineHelloH\x00\x12,\n\x06report\x18\x02 \x01(\x0b\x32\x1a.specpilot.v1.EngineReportH\x00\x42\t\n\x07message\"\xac\x01\n\x0f\x43onnectResponse\x12+\n\thello_ack\x18\x01 \x01(\x0b\x32\x16.specpilot.v1.HelloAckH\x00\x12\x33\n\rreport_result\x18\x02 \x01(\x0b\x32\x1a.specpilot.v1.ReportResultH\x00\x12,\n\x06policy\x18\x03 \x01(\x0b\x32\x1a.specpilot.v1.PolicyUpdateH\x00\x42\t\n\x07message\"\xaa\x01\n\x12\x45ngineCapabilities\x12\x15\n\rper_request_k\x18\x01 \x01(\x08\x12\x14\n\x0c\x62\x61tch_wide_k\x18\x02 \x01(\x08\x12\x1a\n\x12ngram_substitution\x18\x03 \x01(\x08\x12\x1c\n\x14ngram_counterfactual\x18\x04 \x01(\x08\x12\x13\n\x0bstep_probes\x18\x05 \x01(\x08\x12\x18\n\x10step_composition\x18\x06 \x01(\x08\"c\n\tDraftInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.specpilot.v1.DraftKind\x12\x12\n\nvocab_hash\x18\x03 \x01(\t\x12\r\n\x05max_k\x18\x04 \x01(\r\"\xc5\x02\n\x0b\x45ngineHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11target_vocab_hash\x18\x03 \x01(\t\x12\'\n\x06\x64rafts\x18\x04 \x03(\x0b\x32\x17.specpilot.v1.DraftInfo\x12\r\n\x05max_k\x18\x05 \x01(\r\x12\x36\n\x0c\x63\x61pabilities\x18\x06 \x01(\x0b\x32 .specpilot.v1.EngineCapabilities\x12\x16\n\x0e\x65ngine_version\x18\x07 \x01(\t\x12\x16\n\x0eplugin_version\x18\x08 \x01(\t\x12\x16\n\x0emax_batch_size\x18\t \x01(\r\x12/\n\x0cstep_profile\x18\n \x03(\x0b\x32\x19.specpilot.v1.StepProfile\x12\x10\n\x08hardware\x18\x0b \x01(\t\"p\n\x0bStepProfile\x12\x12\n\nbatch_size\x18\x01 \x01(\r\x12\x17\n\x0fverified_tokens\x18\x02 \x01(\r\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\x14\n\x0c\x64raft_passes\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"\xe4\x01\n\x08HelloAck\x12\x1a\n\x12\x63ontroller_version\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x02 \x03(\t\x12\x34\n\x0frejected_drafts\x18\x03 \x03(\x0b\x32\x1b.specpilot.v1.RejectedDraft\x12\x1f\n\x17report_interval_seconds\x18\x04 \x01(\x01\x12!\n\x19\x62\x61tch_bucket_upper_bounds\x18\x05 \x03(\r\x12\x13\n\x0bmax_classes\x18\x06 \x01(\r\x12\x14\n\x0cpolicy_epoch\x18\x07 \x01(\x04\"-\n\rRejectedDraft\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"v\n\x10\x41\x63\x63\x65ptanceCounts\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\r\x12\x19\n\x11steps_by_accepted\x18\x04 \x03(\x03\x12\x16\n\x0e\x63ounterfactual\x18\x05 \x01(\x08\"\xae\x01\n\x0eRequestSummary\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x15\n\routput_tokens\x18\x04 \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x03\x12\x17\n\x0flatency_seconds\x18\x07 \x01(\x01\"\xb4\x01\n\nStepTiming\x12\x14\n\x0c\x62\x61tch_bucket\x18\x01 \x01(\r\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\r\x12\r\n\x05steps\x18\x04 \x01(\x03\x12\x16\n\x0esum_batch_size\x18\x05 \x01(\x03\x12\x1b\n\x13sum_verified_tokens\x18\x06 \x01(\x03\x12\x18\n\x10sum_draft_tokens\x18\x07 \x01(\x03\x12\x18\n\x10sum_step_seconds\x18\x08 \x01(\x01\"\x99\x02\n\x0c\x45ngineReport\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x18\n\x10interval_seconds\x18\x02 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x32\n\nacceptance\x18\x04 \x03(\x0b\x32\x1e.specpilot.v1.AcceptanceCounts\x12.\n\x08\x66inished\x18\x05 \x03(\x0b\x32\x1c.specpilot.v1.RequestSummary\x12.\n\x0cstep_timings\x18\x06 \x03(\x0b\x32\x18.specpilot.v1.StepTiming\x12\x17\n\x0frecords_dropped\x18\x07 \x01(\x04\x12\x18\n\x10running_requests\x18\x08 \x01(\r\"\x85\x01\n\x0cReportResult\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x16\n\x0e\x66olded_classes\x18\x05 \x03(\t\x12\x1b\n\x13retry_after_seconds\x18\x06 \x01(\x01\"\xd2\x01\n\x0cPolicyUpdate\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12)\n\tdecisions\x18\x02 \x03(\x0b\x32\x16.specpilot.v1.Decision\x12\x31\n\x11\x64\x65\x66\x61ult_decisions\x18\x03 \x03(\x0b\x32\x16.specpilot.v1.Decision\x12#\n\x1b\x66\x61il_static_timeout_seconds\x18\x04 \x01(\x01\x12.\n\x0b\x63omposition\x18\x05 \x01(\x0b\x32\x19.specpilot.v1.Composition\"\x80\x01\n\x0b\x43omposition\x12*\n\x07pricing\x18\x01 \x01(\x0b\x32\x19.specpilot.v1.StepPricing\x12\x35\n\x0f\x65xpected_tokens\x18\x02 \x03(\x0b\x32\x1c.specpilot.v1.ExpectedTokens\x12\x0e\n\x06margin\x18\x03 \x01(\x01\"\xbe\x01\n\x0bStepPricing\x12\x14\n\x0c\x62\x61se_seconds\x18\x01 \x01(\x01\x12\x1c\n\x14seconds_per_sequence\x18\x02 \x01(\x01\x12\x19\n\x11seconds_per_token\x18\x03 \x01(\x01\x12\x13\n\x0bknot_tokens\x18\x04 \x03(\r\x12\x1f\n\x17seconds_per_token_above\x18\x05 \x03(\x01\x12*\n\x06\x64rafts\x18\x06 \x03(\x0b\x32\x1a.specpilot.v1.DraftPricing\"i\n\x0c\x44raftPricing\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\x15\n\rfixed_seconds\x18\x02 \x01(\x01\x12\x18\n\x10seconds_per_pass\x18\x03 \x01(\x01\x12\x19\n\x11seconds_per_token\x18\x04 \x01(\x01\"D\n\x0e\x45xpectedTokens\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x0c\n\x04\x62y_k\x18\x03 \x03(\x01\x32[\n\rEngineService\x12J\n\x07\x43onnect\x12\x1c.specpilot.v1.ConnectRequest\x1a\x1d.specpilot.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTRESPONSE']._serialized_start=190
   _globals['_CONNECTRESPONSE']._serialized_end=362
   _globals['_ENGINECAPABILITIES']._serialized_start=365
-  _globals['_ENGINECAPABILITIES']._serialized_end=509
-  _globals['_DRAFTINFO']._serialized_start=511
-  _globals['_DRAFTINFO']._serialized_end=610
-  _globals['_ENGINEHELLO']._serialized_start=613
-  _globals['_ENGINEHELLO']._serialized_end=938
-  _globals['_STEPPROFILE']._serialized_start=940
-  _globals['_STEPPROFILE']._serialized_end=1052
-  _globals['_HELLOACK']._serialized_start=1055
-  _globals['_HELLOACK']._serialized_end=1283
-  _globals['_REJECTEDDRAFT']._serialized_start=1285
-  _globals['_REJECTEDDRAFT']._serialized_end=1330
-  _globals['_ACCEPTANCECOUNTS']._serialized_start=1332
-  _globals['_ACCEPTANCECOUNTS']._serialized_end=1450
-  _globals['_REQUESTSUMMARY']._serialized_start=1453
-  _globals['_REQUESTSUMMARY']._serialized_end=1627
-  _globals['_STEPTIMING']._serialized_start=1630
-  _globals['_STEPTIMING']._serialized_end=1810
-  _globals['_ENGINEREPORT']._serialized_start=1813
-  _globals['_ENGINEREPORT']._serialized_end=2094
-  _globals['_REPORTRESULT']._serialized_start=2097
-  _globals['_REPORTRESULT']._serialized_end=2230
-  _globals['_POLICYUPDATE']._serialized_start=2233
-  _globals['_POLICYUPDATE']._serialized_end=2395
-  _globals['_ENGINESERVICE']._serialized_start=2397
-  _globals['_ENGINESERVICE']._serialized_end=2488
+  _globals['_ENGINECAPABILITIES']._serialized_end=535
+  _globals['_DRAFTINFO']._serialized_start=537
+  _globals['_DRAFTINFO']._serialized_end=636
+  _globals['_ENGINEHELLO']._serialized_start=639
+  _globals['_ENGINEHELLO']._serialized_end=964
+  _globals['_STEPPROFILE']._serialized_start=966
+  _globals['_STEPPROFILE']._serialized_end=1078
+  _globals['_HELLOACK']._serialized_start=1081
+  _globals['_HELLOACK']._serialized_end=1309
+  _globals['_REJECTEDDRAFT']._serialized_start=1311
+  _globals['_REJECTEDDRAFT']._serialized_end=1356
+  _globals['_ACCEPTANCECOUNTS']._serialized_start=1358
+  _globals['_ACCEPTANCECOUNTS']._serialized_end=1476
+  _globals['_REQUESTSUMMARY']._serialized_start=1479
+  _globals['_REQUESTSUMMARY']._serialized_end=1653
+  _globals['_STEPTIMING']._serialized_start=1656
+  _globals['_STEPTIMING']._serialized_end=1836
+  _globals['_ENGINEREPORT']._serialized_start=1839
+  _globals['_ENGINEREPORT']._serialized_end=2120
+  _globals['_REPORTRESULT']._serialized_start=2123
+  _globals['_REPORTRESULT']._serialized_end=2256
+  _globals['_POLICYUPDATE']._serialized_start=2259
+  _globals['_POLICYUPDATE']._serialized_end=2469
+  _globals['_COMPOSITION']._serialized_start=2472
+  _globals['_COMPOSITION']._serialized_end=2600
+  _globals['_STEPPRICING']._serialized_start=2603
+  _globals['_STEPPRICING']._serialized_end=2793
+  _globals['_DRAFTPRICING']._serialized_start=2795
+  _globals['_DRAFTPRICING']._serialized_end=2900
+  _globals['_EXPECTEDTOKENS']._serialized_start=2902
+  _globals['_EXPECTEDTOKENS']._serialized_end=2970
+  _globals['_ENGINESERVICE']._serialized_start=2972
+  _globals['_ENGINESERVICE']._serialized_end=3063
 # @@protoc_insertion_point(module_scope)

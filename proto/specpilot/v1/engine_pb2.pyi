@@ -26,18 +26,20 @@ class ConnectResponse(_message.Message):
     def __init__(self, hello_ack: _Optional[_Union[HelloAck, _Mapping]] = ..., report_result: _Optional[_Union[ReportResult, _Mapping]] = ..., policy: _Optional[_Union[PolicyUpdate, _Mapping]] = ...) -> None: ...
 
 class EngineCapabilities(_message.Message):
-    __slots__ = ("per_request_k", "batch_wide_k", "ngram_substitution", "ngram_counterfactual", "step_probes")
+    __slots__ = ("per_request_k", "batch_wide_k", "ngram_substitution", "ngram_counterfactual", "step_probes", "step_composition")
     PER_REQUEST_K_FIELD_NUMBER: _ClassVar[int]
     BATCH_WIDE_K_FIELD_NUMBER: _ClassVar[int]
     NGRAM_SUBSTITUTION_FIELD_NUMBER: _ClassVar[int]
     NGRAM_COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
     STEP_PROBES_FIELD_NUMBER: _ClassVar[int]
+    STEP_COMPOSITION_FIELD_NUMBER: _ClassVar[int]
     per_request_k: bool
     batch_wide_k: bool
     ngram_substitution: bool
     ngram_counterfactual: bool
     step_probes: bool
-    def __init__(self, per_request_k: _Optional[bool] = ..., batch_wide_k: _Optional[bool] = ..., ngram_substitution: _Optional[bool] = ..., ngram_counterfactual: _Optional[bool] = ..., step_probes: _Optional[bool] = ...) -> None: ...
+    step_composition: bool
+    def __init__(self, per_request_k: _Optional[bool] = ..., batch_wide_k: _Optional[bool] = ..., ngram_substitution: _Optional[bool] = ..., ngram_counterfactual: _Optional[bool] = ..., step_probes: _Optional[bool] = ..., step_composition: _Optional[bool] = ...) -> None: ...
 
 class DraftInfo(_message.Message):
     __slots__ = ("name", "kind", "vocab_hash", "max_k")
@@ -206,13 +208,63 @@ class ReportResult(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., accepted: _Optional[bool] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., folded_classes: _Optional[_Iterable[str]] = ..., retry_after_seconds: _Optional[float] = ...) -> None: ...
 
 class PolicyUpdate(_message.Message):
-    __slots__ = ("version", "decisions", "default_decisions", "fail_static_timeout_seconds")
+    __slots__ = ("version", "decisions", "default_decisions", "fail_static_timeout_seconds", "composition")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     FAIL_STATIC_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPOSITION_FIELD_NUMBER: _ClassVar[int]
     version: int
     decisions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Decision]
     default_decisions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Decision]
     fail_static_timeout_seconds: float
-    def __init__(self, version: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., default_decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., fail_static_timeout_seconds: _Optional[float] = ...) -> None: ...
+    composition: Composition
+    def __init__(self, version: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., default_decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., fail_static_timeout_seconds: _Optional[float] = ..., composition: _Optional[_Union[Composition, _Mapping]] = ...) -> None: ...
+
+class Composition(_message.Message):
+    __slots__ = ("pricing", "expected_tokens", "margin")
+    PRICING_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_FIELD_NUMBER: _ClassVar[int]
+    pricing: StepPricing
+    expected_tokens: _containers.RepeatedCompositeFieldContainer[ExpectedTokens]
+    margin: float
+    def __init__(self, pricing: _Optional[_Union[StepPricing, _Mapping]] = ..., expected_tokens: _Optional[_Iterable[_Union[ExpectedTokens, _Mapping]]] = ..., margin: _Optional[float] = ...) -> None: ...
+
+class StepPricing(_message.Message):
+    __slots__ = ("base_seconds", "seconds_per_sequence", "seconds_per_token", "knot_tokens", "seconds_per_token_above", "drafts")
+    BASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KNOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_TOKEN_ABOVE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    base_seconds: float
+    seconds_per_sequence: float
+    seconds_per_token: float
+    knot_tokens: _containers.RepeatedScalarFieldContainer[int]
+    seconds_per_token_above: _containers.RepeatedScalarFieldContainer[float]
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftPricing]
+    def __init__(self, base_seconds: _Optional[float] = ..., seconds_per_sequence: _Optional[float] = ..., seconds_per_token: _Optional[float] = ..., knot_tokens: _Optional[_Iterable[int]] = ..., seconds_per_token_above: _Optional[_Iterable[float]] = ..., drafts: _Optional[_Iterable[_Union[DraftPricing, _Mapping]]] = ...) -> None: ...
+
+class DraftPricing(_message.Message):
+    __slots__ = ("draft", "fixed_seconds", "seconds_per_pass", "seconds_per_token")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    FIXED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_PASS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    draft: str
+    fixed_seconds: float
+    seconds_per_pass: float
+    seconds_per_token: float
+    def __init__(self, draft: _Optional[str] = ..., fixed_seconds: _Optional[float] = ..., seconds_per_pass: _Optional[float] = ..., seconds_per_token: _Optional[float] = ...) -> None: ...
+
+class ExpectedTokens(_message.Message):
+    __slots__ = ("traffic_class", "draft", "by_k")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    BY_K_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    draft: str
+    by_k: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., by_k: _Optional[_Iterable[float]] = ...) -> None: ...
