@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -471,19 +472,34 @@ def _probing_update(probe_steps: bool) -> Any:
                                    fail_static_timeout_seconds=600.0)
 
 
-def test_whole_step_probes_keep_outputs_and_the_distribution(tiny_models: Any,
-                                                             baseline: list[list[int]]) -> None:
+@pytest.fixture(scope="module")
+def plain_samples(tiny_models: Any) -> list[list[int]]:
+    """The distribution check's samples without speculation."""
+    from tests.engine.harness import samples_of
+
+    with llm_session(tiny_models.target) as plain:
+        return samples_of(plain)
+
+
+@contextmanager
+def _uncontrolled_batch_max(tiny_models: Any) -> Iterator[Any]:
+    """A batch_max engine on the tiny draft model with no controller: tests put policies in
+    its view themselves."""
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
+    with plugin_env(controller="127.0.0.1:9", k_mode="batch_max"), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        yield llm
+
+
+def test_whole_step_probes_keep_outputs_and_the_distribution(
+        tiny_models: Any, baseline: list[list[int]], plain_samples: list[list[int]]) -> None:
     """Decision.probe_steps in a batch_max engine (the draft model announced as "draft"): in a
     probed step every request of the class drafts K=1, in the others none does, and about half
     the steps probe; greedy outputs equal no speculation and T=0.8 samples keep the target's
     distribution. Control: the same share probed by request splits the class within a step."""
     from tests.engine.harness import differing_positions, samples_of
 
-    with llm_session(tiny_models.target) as plain:
-        plain_samples = samples_of(plain)
-    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
-    with plugin_env(controller="127.0.0.1:9", k_mode="batch_max"), llm_session(
-            tiny_models.target, spec, SCHEDULER) as llm:
+    with _uncontrolled_batch_max(tiny_models) as llm:
         pilot = pilot_of(llm)
         steps: list[list[int]] = []  # per decode step: the drafts each request verified
         on_output = pilot.on_output
@@ -548,7 +564,8 @@ def _composed_update(drafter: str, by_class: dict[str, tuple[str, int]],
 
 
 def test_per_step_composition_keeps_outputs_and_the_distribution(
-        tiny_models: Any, baseline: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_models: Any, baseline: list[list[int]], plain_samples: list[list[int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """PolicyUpdate.composition in a batch_max engine: class "a" decided on the draft model at
     K=3 is re-picked per step onto n-gram drafts at K=2 where the composition prices the
     drafter's passes dear; greedy outputs equal no speculation, the drafter drafts nothing,
@@ -558,11 +575,7 @@ def test_per_step_composition_keeps_outputs_and_the_distribution(
     from engine_plugin.ngram import NGRAM_DRAFT
     from tests.engine.harness import SAMPLE_PROMPT, ModeDrafts, differing_positions, samples_of
 
-    with llm_session(tiny_models.target) as plain:
-        plain_samples = samples_of(plain)
-    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
-    with plugin_env(controller="127.0.0.1:9", k_mode="batch_max"), llm_session(
-            tiny_models.target, spec, SCHEDULER) as llm:
+    with _uncontrolled_batch_max(tiny_models) as llm:
         pilot = pilot_of(llm)
         drafter = pilot.engine.drafter
         verified: list[int] = []  # drafts each decoding request verified, every step
