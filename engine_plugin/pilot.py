@@ -174,7 +174,7 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         ngram_counterfactual=substitute,
         step_probes=True,  # PolicyLookup probes whole steps where a decision asks it
         # Per-step re-picks need the drafter's passes to follow the step's largest K.
-        step_composition=config.k_mode == "batch_max",
+        step_composition=config.step_composition and config.k_mode == "batch_max",
         engine_version=_vllm_version(), plugin_version=package_version(),
         max_batch_size=e.max_num_seqs,
         step_profile=step_profile(e.drafter if e.drafter_kind is DraftKind.MODEL else ""),

@@ -227,8 +227,10 @@ def test_helpers() -> None:
     assert spec is not None and spec["num_speculative_tokens_per_batch_size"][0] == [1, 2, 4]
     assert spec["draft_sample_method"] == "probabilistic"
     assert BENCH_WORKLOAD.max_concurrency == 32
-    assert [c.name for c in optional_configs()] == ["eagle:4p"]
-    eagle = optional_configs()[0]
+    assert [c.name for c in optional_configs()] == ["eagle:4p", "specpilot-decisions"]
+    eagle, decisions = optional_configs()
+    assert decisions.specpilot and decisions.plugin_env["STEP_COMPOSITION"] == "false"
+    assert decisions.plugin_env["K_MODE"] == "batch_max"
     spec = eagle.speculative_config(draft_dir=Path("/d"), eagle_dir=Path("/e"))
     assert spec == {"method": "eagle", "model": "/e", "num_speculative_tokens": 4,
                     "draft_sample_method": "probabilistic"}

@@ -5,7 +5,8 @@ Configurations (``benchmarks.demo.configs.bench_configs``): no speculation, stat
 K=4 with probabilistic drafting, static n-gram K=4, vLLM's static batch-size table, the EAGLE
 head at static K=2 (``benchmarks.demo.eagle``: trained once, beside the models, about 2
 minutes), and specpilot on the draft model and on the EAGLE head; by name only (``--config``),
-the EAGLE head at static K=4 (``configs.optional_configs``). Each repetition runs every
+the EAGLE head at static K=4 and specpilot without per-step re-picks (``specpilot-decisions``;
+``configs.optional_configs``). Each repetition runs every
 configuration once, in an order rotated by one per repetition, so slow drifts of a noisy machine
 spread over all of them. Each specpilot configuration has its own controller, serving all of its
 runs, as a sidecar lives across traffic beside its engine; its first run starts cold (reported

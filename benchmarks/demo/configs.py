@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +86,18 @@ def bench_configs(max_k: int = 4) -> list[EngineConfig]:
     ]
 
 
+SPECPILOT_DECISIONS = "specpilot-decisions"
+
+
 def optional_configs() -> list[EngineConfig]:
     """Configurations run only when named (``--config``): the EAGLE head at static K=4,
-    probabilistic drafting."""
-    return [EngineConfig("eagle:4p", "eagle", 4, draft_sampling=PROBABILISTIC)]
+    probabilistic drafting; specpilot on the draft model with its decisions applied as they
+    are (no per-step re-picks: ``SPECPILOT_PLUGIN_STEP_COMPOSITION=false``), to measure what
+    the re-picks gain side by side."""
+    ours = specpilot_config()
+    return [EngineConfig("eagle:4p", "eagle", 4, draft_sampling=PROBABILISTIC),
+            replace(ours, name=SPECPILOT_DECISIONS,
+                    plugin_env={**ours.plugin_env, "STEP_COMPOSITION": "false"})]
 
 
 def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:

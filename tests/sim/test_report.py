@@ -34,7 +34,11 @@ def test_scenario_and_suite_outputs(tmp_path: Path) -> None:
     suite = json.loads((tmp_path / "suite.json").read_text())
     assert suite["geomean_ratio_to_oracle"]["oracle"] == 1.0
     text = suite_markdown(results)
-    assert "geomean" in text and "of off >= 0.98" in text  # the no_gain target applies to b
+    assert "geomean" in text and "of off >= 0.99" in text  # the no_gain target applies to b
+    assert "of the oracle on the geometric mean >= 0.99" in text
+    assert "(kind stationary): first non-oracle policy" in text
+    assert "(kind no_gain): first non-oracle policy" in text
+    assert set(suite["geomean_ratio_to_oracle_by_kind"]) == {"stationary", "no_gain"}
     assert (tmp_path / "suite.png").read_bytes()[:8] == PNG
 
 
