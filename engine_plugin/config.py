@@ -108,11 +108,13 @@ class PluginConfig:
     ``suffix_decoding_max_cached_requests``.)"""
     counterfactual_per_step: float = 2.0
     """Requests whose deterministic drafts (n-gram, suffix) are scored counterfactually per step,
-    on average, >= 0 (0: none). A request is scored while its fixed random point (a hash of its
-    id) is below this number over the running batch size: a small batch is scored whole, and the
-    cost per step stays bounded as the batch grows (an n-gram proposal costs 1-5 us: the matcher
-    on the request's own buffer of its last 2,048 tokens). A subset drawn by hash keeps the
-    estimate unbiased."""
+    on average, >= 0 (0: none), plus the first of each class that has none of those. A request
+    is scored while its fixed random point (a hash of its id) is below this number over the
+    running batch size: a small batch is scored whole, and the cost per step stays bounded as
+    the batch grows (an n-gram proposal costs 1-5 us: the matcher on the request's own buffer
+    of its last 2,048 tokens). A subset drawn by hash keeps the estimate unbiased. Each class
+    present also scores its running request of the lowest point, so its evidence starts at
+    once (at most one request per class a step)."""
 
     step_composition: bool = True
     """In ``batch_max`` mode, re-pick per step the arms of classes whose decision is a settled

@@ -44,6 +44,9 @@ TokenizerLoader = Callable[[str], TokenizerLike]
 
 
 _NO_CHOICE = Choice("", 0, False)
+# Requests of a class looked at, lowest hash point first, for the one it scores
+# counterfactually each step (``Pilot._score_counterfactual``).
+_CLASS_SCAN = 8
 
 
 @dataclass(slots=True)
@@ -258,8 +261,10 @@ class Pilot:
         self.counterfactual = {name: Counterfactual(d.propose, engine.max_k)
                                for name, d in self.deterministic.items()}
         self.requests: dict[str, _Request] = {}
-        # (score_point, id) of every request in ``requests``, in order: a step scores a prefix.
+        # (score_point, id) of every request in ``requests``, in order: a step scores a prefix;
+        # and the same per traffic class: each class present scores at least its first.
         self._by_score_point: list[tuple[float, str]] = []
+        self._class_points: dict[str, list[tuple[float, str]]] = {}
         # Requests per traffic class among ``requests``: the classes a step can hold.
         self._class_counts: dict[str, int] = {}
         # Requests whose drafts are deterministic tokens the plugin put there, until a step
@@ -306,7 +311,9 @@ class Pilot:
         )
         self._count_class(traffic_class, 1)
         if state.score_point < 1.0:
-            bisect.insort(self._by_score_point, (state.score_point, request.request_id))
+            entry = (state.score_point, request.request_id)
+            bisect.insort(self._by_score_point, entry)
+            bisect.insort(self._class_points.setdefault(traffic_class, []), entry)
 
     def _forget(self, req_id: str) -> _Request | None:
         """Drop a request's state and its place in the per-request indexes."""
@@ -315,10 +322,15 @@ class Pilot:
         if state is None:
             return None
         self._count_class(state.traffic_class, -1)
-        points = self._by_score_point
-        i = bisect.bisect_left(points, (state.score_point, req_id))
-        if i < len(points) and points[i][1] == req_id:
-            del points[i]
+        entry = (state.score_point, req_id)
+        for points in (self._by_score_point, self._class_points.get(state.traffic_class)):
+            if points is None:
+                continue
+            i = bisect.bisect_left(points, entry)
+            if i < len(points) and points[i][1] == req_id:
+                del points[i]
+        if not self._class_points.get(state.traffic_class, True):
+            del self._class_points[state.traffic_class]
         return state
 
     def _count_class(self, traffic_class: str, change: int) -> None:
@@ -523,19 +535,41 @@ class Pilot:
 
     def _score_counterfactual(self, requests: Mapping[str, RequestLike],
                               req_ids: Collection[str], running: int) -> None:
+        """Score the deterministic drafts on the requests whose hash point is below
+        counterfactual_per_step over the batch size (about that many a step, whatever the
+        batch size), and on the first request by point of every class that has none of those
+        (so each class's evidence starts within a step or two, not when one of its requests
+        happens to draw a low point; at most _CLASS_SCAN entries looked at per class)."""
         if not self.counterfactual:
             return
-        # About counterfactual_per_step requests per step, whatever the batch size.
         threshold = self.config.counterfactual_per_step / max(running, 1)
-        states, record = self.requests, self.stats.record_verification
+        states = self.requests
+
+        def eligible(req_id: str) -> RequestLike | None:
+            request = requests.get(req_id)
+            if (request is None or req_id not in states or req_id not in req_ids
+                    or request.is_prefill_chunk):
+                return None
+            return request
+
+        chosen: list[tuple[str, RequestLike]] = []
+        covered: set[str] = set()
         for point, req_id in self._by_score_point:
             if point >= threshold:
                 break
-            state = states.get(req_id)
-            request = requests.get(req_id)
-            if (state is None or request is None or req_id not in req_ids
-                    or request.is_prefill_chunk):
+            if (request := eligible(req_id)) is not None:
+                chosen.append((req_id, request))
+                covered.add(states[req_id].traffic_class)
+        for traffic_class, points in self._class_points.items():
+            if traffic_class in covered:
                 continue
+            for _, req_id in points[:_CLASS_SCAN]:
+                if (request := eligible(req_id)) is not None:
+                    chosen.append((req_id, request))
+                    break
+        record = self.stats.record_verification
+        for req_id, request in chosen:
+            state = states[req_id]
             for name, counterfactual in self.counterfactual.items():
                 # A request served by this draft is measured for real, not counterfactually.
                 if state.draft == name:

@@ -182,7 +182,7 @@ def test_probing_spends_a_budget_scaled_by_the_chance_of_paying() -> None:
     chance that position 1 beats the break-even grows (evidence forgotten, or a recovery): the
     share probed times what a probe costs is that budget."""
     off = Decision("c", 0, "", 0, Reason.GOODPUT)
-    spent = []
+    spent, shares = [], []
     # Chances about 0, 0.3 (mean 0.2, near the break-even), 0.8 (the prior), 0.97.
     for position1 in (HOPELESS, {"d": (10.0, 40.0)}, UNSURE, {"d": (5.0, 5.0)}):
         ctx, state = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1,
@@ -192,8 +192,13 @@ def test_probing_spends_a_budget_scaled_by_the_chance_of_paying() -> None:
         # cheapest probe, K=1, over whole steps.
         assert (d.k, d.probe_k, d.probe_draft, d.probe_steps) == (0, 1, "d", True)
         spent.append(d.probe_rate * _probe_cost(ctx, d, state.batch_size))
+        shares.append(d.probe_rate)
     assert abs(spent[0] - 0.002) < 1e-4  # the floor
-    assert spent[0] < spent[1] < spent[2] < spent[3] <= 0.02
+    assert spent[0] < spent[1] < spent[2] <= 0.02
+    # A probe here costs the class about 13% of its tokens: the budget of a likely recovery
+    # (0.02 / 0.13) would probe 16% of the steps, more than the share probes may ever take.
+    assert shares[2] == shares[3] == PROBE_SHARE_MAX
+    assert spent[3] < 0.02
 
 
 def test_a_class_on_a_deterministic_draft_probes_the_model_draft() -> None:

@@ -442,11 +442,19 @@ class SimEngine:
     def _counterfactual(self, gen: np.random.Generator, now: float, plan: _Plan, draft: IntArray,
                         ngram: int) -> IntArray:
         """What the n-gram draft would have had accepted at max K, for the requests picked for
-        scoring that did not use it; -1 for the others."""
+        scoring (as the plugin picks them: a point below COUNTERFACTUAL_PER_STEP over the batch
+        size, and each class's lowest point) that did not use it; -1 for the others."""
         cf = np.full(len(plan.decoding), -1, dtype=np.int64)
         threshold = COUNTERFACTUAL_PER_STEP / max(plan.view.batch_size, 1)
-        pick = (np.array([r.counterfactual_point for r in plan.decoding]) < threshold) & (
-            draft != ngram)
+        points = np.array([r.counterfactual_point for r in plan.decoding])
+        pick = points < threshold
+        # Every class without one: its request with the lowest point (the plugin's rule).
+        cls = plan.view.classes
+        for c in np.unique(cls[~pick]):
+            if not pick[cls == c].any():
+                mine = np.flatnonzero(cls == c)
+                pick[mine[np.argmin(points[mine])]] = True
+        pick &= draft != ngram
         idx = np.flatnonzero(pick)
         if idx.size:
             cf[idx] = self._accepted(gen, now, plan, idx, np.full(idx.size, ngram), None)

@@ -451,14 +451,6 @@ class AcceptanceEstimator:
         if fleet is not None:
             f = _decay(cfg.half_life_seconds, now - self._fleet_at)
             alpha, beta = alpha + fleet[0] * f, beta + fleet[1] * f
-        import os
-        chain = float(os.environ.get('CHAIN', 0))
-        if chain > 0:
-            ea, eb = alpha - a0, beta - b0
-            for i in range(1, alpha.size):
-                m = alpha[i - 1] / (alpha[i - 1] + beta[i - 1])
-                alpha[i] = chain * m + ea[i]
-                beta[i] = chain * (1 - m) + eb[i]
         return Posterior(alpha, beta, a0, b0)
 
     def forget_class(self, traffic_class: str) -> None:

@@ -263,7 +263,7 @@ def chance_above(alpha: float, beta: float, threshold: float) -> float:
 
 
 # Largest share of a class's requests (or steps) that probe: probes measure, they do not serve.
-PROBE_SHARE_MAX = 0.25
+PROBE_SHARE_MAX = 0.1
 # Uniform acceptance rates on which the break-even of probing is searched (probe_plan).
 _BREAK_EVEN_GRID = np.linspace(0.0, 0.995, 200)
 
@@ -456,11 +456,13 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
     scores = sampled.scores(cfg.min_speedup)
     best_i = int(np.argmax(scores))
     mean_i = mean.best(cfg.min_speedup)
-    if best_i != mean_i and current is not None and not ctx.change_detected:
-        # Exploring: only as far as explore_max_step from the K in force, and only where the
-        # means expect at most explore_max_loss less than their own best (which is always in).
+    if best_i != mean_i and not ctx.change_detected:
+        # Exploring: only as far as explore_max_step from the K in force (before a class's
+        # first decision: the warm-up K its requests run by default), and only where the means
+        # expect at most explore_max_loss less than their own best (which is always in).
+        in_force = current.k if current is not None else min(cfg.warmup_k, ctx.drafts[0].max_k)
         mean_scores = mean.scores(cfg.min_speedup)
-        near = np.array([abs(k - current.k) <= cfg.explore_max_step
+        near = np.array([abs(k - in_force) <= cfg.explore_max_step
                          for _, k in sampled.keys])
         near &= mean_scores >= (1.0 - cfg.explore_max_loss) * mean_scores[mean_i]
         near[mean_i] = True

@@ -285,6 +285,31 @@ def test_about_the_configured_number_of_requests_is_scored_counterfactually_per_
     pilot.close()
 
 
+def test_every_class_present_scores_its_first_request_counterfactually() -> None:
+    """A class of 4 requests among 400: none of its hash points is below 2/400, so the global
+    rule alone would score it never; its lowest-point running request is scored every step,
+    the same one while it runs, and none while none of its requests runs."""
+    config = PluginConfig(k_mode="batch_max", counterfactual_per_step=2.0, suffix_drafts=False)
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    steps: list[str] = []
+    pilot.counterfactual[NGRAM_DRAFT].step = (  # type: ignore[method-assign]
+        lambda req_id, *_: steps.append(req_id))
+    batch = _batch(pilot, ["a"] * 396 + ["rare"] * 4)
+    rare = [i for i, r in batch.items() if r.sampling_params.extra_args["traffic_class"] == "rare"]
+    points = {i: pilot.requests[i].score_point for i in rare}
+    assert min(points.values()) >= 2.0 / 400  # the control: the global rule misses them
+    first = min(rare, key=lambda i: points[i])
+    for _ in range(3):
+        steps.clear()
+        pilot.after_output(batch, list(batch), running=400)  # type: ignore[arg-type]
+        assert [i for i in steps if i in rare] == [first]
+    steps.clear()
+    running = [i for i in batch if i not in rare]
+    pilot.after_output(batch, running, running=len(running))  # type: ignore[arg-type]
+    assert not set(steps) & set(rare) and steps
+    pilot.close()
+
+
 def _composed_policy(pilot: Pilot, composition: bool) -> None:
     """chat settled on the draft model at K=2, docs settled off; with ``composition`` a per-step
     pricing under which one chat request among many does not pay the drafter's passes (the
