@@ -295,7 +295,7 @@ def test_every_class_present_scores_its_first_request_counterfactually() -> None
     pilot.counterfactual[NGRAM_DRAFT].step = (  # type: ignore[method-assign]
         lambda req_id, *_: steps.append(req_id))
     batch = _batch(pilot, ["a"] * 396 + ["rare"] * 4)
-    rare = [i for i, r in batch.items() if r.sampling_params.extra_args["traffic_class"] == "rare"]
+    rare = [i for i in batch if pilot.requests[i].traffic_class == "rare"]
     points = {i: pilot.requests[i].score_point for i in rare}
     assert min(points.values()) >= 2.0 / 400  # the control: the global rule misses them
     first = min(rare, key=lambda i: points[i])
