@@ -114,7 +114,7 @@ class PluginConfig:
     the batch grows (an n-gram proposal costs 1-5 us: the matcher on the request's own buffer
     of its last 2,048 tokens). A subset drawn by hash keeps the estimate unbiased. Each class
     present also scores its running request of the lowest point, so its evidence starts at
-    once (at most one request per class a step)."""
+    once (one request per class, at most 8 classes a step, in turn)."""
 
     step_composition: bool = True
     """In ``batch_max`` mode, re-pick per step the arms of classes whose decision is a settled

@@ -47,6 +47,9 @@ _NO_CHOICE = Choice("", 0, False)
 # Requests of a class looked at, lowest hash point first, for the one it scores
 # counterfactually each step (``Pilot._score_counterfactual``).
 _CLASS_SCAN = 8
+# Classes scored that way in one step at most, taken in turn: the per-step cost stays bounded
+# however many classes share the batch (with 64, each is scored every 8th step).
+COUNTERFACTUAL_CLASS_PICKS = 8
 
 
 @dataclass(slots=True)
@@ -265,6 +268,7 @@ class Pilot:
         # and the same per traffic class: each class present scores at least its first.
         self._by_score_point: list[tuple[float, str]] = []
         self._class_points: dict[str, list[tuple[float, str]]] = {}
+        self._class_turn = 0  # where the next step's per-class picks start among the classes
         # Requests per traffic class among ``requests``: the classes a step can hold.
         self._class_counts: dict[str, int] = {}
         # Requests whose drafts are deterministic tokens the plugin put there, until a step
@@ -539,7 +543,8 @@ class Pilot:
         counterfactual_per_step over the batch size (about that many a step, whatever the
         batch size), and on the first request by point of every class that has none of those
         (so each class's evidence starts within a step or two, not when one of its requests
-        happens to draw a low point; at most _CLASS_SCAN entries looked at per class)."""
+        happens to draw a low point; at most _CLASS_SCAN entries looked at per class and
+        COUNTERFACTUAL_CLASS_PICKS classes a step, in turn)."""
         if not self.counterfactual:
             return
         threshold = self.config.counterfactual_per_step / max(running, 1)
@@ -560,13 +565,20 @@ class Pilot:
             if (request := eligible(req_id)) is not None:
                 chosen.append((req_id, request))
                 covered.add(states[req_id].traffic_class)
-        for traffic_class, points in self._class_points.items():
+        classes = list(self._class_points)
+        start, picks, looked = self._class_turn % max(len(classes), 1), 0, 0
+        for traffic_class in classes[start:] + classes[:start]:
+            if picks == COUNTERFACTUAL_CLASS_PICKS:
+                break
+            looked += 1
             if traffic_class in covered:
                 continue
-            for _, req_id in points[:_CLASS_SCAN]:
+            for _, req_id in self._class_points[traffic_class][:_CLASS_SCAN]:
                 if (request := eligible(req_id)) is not None:
                     chosen.append((req_id, request))
+                    picks += 1
                     break
+        self._class_turn = start + looked
         record = self.stats.record_verification
         for req_id, request in chosen:
             state = states[req_id]

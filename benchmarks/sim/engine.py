@@ -38,6 +38,7 @@ from benchmarks.sim.step import (
 )
 from benchmarks.sim.truth import AcceptanceTruth, StepCost
 from engine_plugin.config import PluginConfig
+from engine_plugin.pilot import COUNTERFACTUAL_CLASS_PICKS
 
 # Requests scored counterfactually with the n-gram draft per step, on average (the plugin's
 # default): a request is scored while its point is below this over the batch size.
@@ -351,11 +352,13 @@ class SimEngine:
         self.truth = AcceptanceTruth(scenario)
         self.cost = StepCost.from_scenario(scenario)
         self.ngram = next((i for i, m in enumerate(self.info.draft_is_model) if not m), None)
+        self._class_turn = 0  # where a step's per-class counterfactual picks start
 
     def run(self, policy: Policy, progress: ProgressFn | None = None) -> RunResult:
         """Run ``policy`` for the scenario's duration; ``progress`` gets the simulated time about
         once per simulated second and at the end."""
         started = wallclock.perf_counter()
+        self._class_turn = 0
         rng = np.random.default_rng([self.seed, 3])
         # Counterfactual draws have their own stream: scoring them must not shift the others.
         cf_rng = np.random.default_rng([self.seed, 4])
@@ -448,12 +451,21 @@ class SimEngine:
         threshold = COUNTERFACTUAL_PER_STEP / max(plan.view.batch_size, 1)
         points = np.array([r.counterfactual_point for r in plan.decoding])
         pick = points < threshold
-        # Every class without one: its request with the lowest point (the plugin's rule).
+        # Every class without one: its request with the lowest point, at most
+        # COUNTERFACTUAL_CLASS_PICKS classes a step, in turn (the plugin's rule).
         cls = plan.view.classes
-        for c in np.unique(cls[~pick]):
+        present = [int(c) for c in np.unique(cls)]
+        start = self._class_turn % max(len(present), 1)
+        picks = looked = 0
+        for c in present[start:] + present[:start]:
+            if picks == COUNTERFACTUAL_CLASS_PICKS:
+                break
+            looked += 1
             if not pick[cls == c].any():
                 mine = np.flatnonzero(cls == c)
                 pick[mine[np.argmin(points[mine])]] = True
+                picks += 1
+        self._class_turn = start + looked
         pick &= draft != ngram
         idx = np.flatnonzero(pick)
         if idx.size:

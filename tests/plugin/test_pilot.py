@@ -310,6 +310,33 @@ def test_every_class_present_scores_its_first_request_counterfactually() -> None
     pilot.close()
 
 
+def test_per_class_counterfactual_picks_are_bounded_per_step_and_taken_in_turn() -> None:
+    """With tens of classes in one batch, one step scores the first requests of at most
+    COUNTERFACTUAL_CLASS_PICKS classes beside the global picks, and every class is scored within
+    a few steps."""
+    from engine_plugin.pilot import COUNTERFACTUAL_CLASS_PICKS
+
+    config = PluginConfig(k_mode="batch_max", counterfactual_per_step=2.0, suffix_drafts=False)
+    pilot = Pilot(engine(), config, Classifier(max_classes=64),
+                  announce(engine(), config, load))
+    steps: list[str] = []
+    pilot.counterfactual[NGRAM_DRAFT].step = (  # type: ignore[method-assign]
+        lambda req_id, *_: steps.append(req_id))
+    batch = _batch(pilot, [f"c{i % 40}" for i in range(400)])
+    global_picks = {i for i in batch if pilot.requests[i].score_point < 2.0 / 400}
+    scored: set[str] = set()
+    for _ in range(40 // COUNTERFACTUAL_CLASS_PICKS + 1):
+        steps.clear()
+        pilot.after_output(batch, list(batch), running=400)  # type: ignore[arg-type]
+        assert 0 < len(set(steps) - global_picks) <= COUNTERFACTUAL_CLASS_PICKS
+        scored |= {pilot.requests[i].traffic_class for i in steps}
+    present = {state.traffic_class for state in pilot.requests.values()}
+    # The control: more classes than two steps pick.
+    assert len(present) > 2 * COUNTERFACTUAL_CLASS_PICKS
+    assert scored == present
+    pilot.close()
+
+
 def _composed_policy(pilot: Pilot, composition: bool) -> None:
     """chat settled on the draft model at K=2, docs settled off; with ``composition`` a per-step
     pricing under which one chat request among many does not pay the drafter's passes (the
