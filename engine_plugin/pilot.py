@@ -12,9 +12,10 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from controller import package_version
 from controller.core.classes import DEFAULT_CLASS
@@ -50,6 +51,22 @@ _CLASS_SCAN = 8
 # Classes scored that way in one step at most, taken in turn: the per-step cost stays bounded
 # however many classes share the batch (with 64, each is scored every 8th step).
 COUNTERFACTUAL_CLASS_PICKS = 8
+T = TypeVar("T")
+
+
+def take_in_turn(items: Sequence[T], take: Callable[[T], bool], turn: int, most: int) -> int:
+    """Offer ``items`` to ``take`` from position ``turn`` (modulo their number) on, wrapping
+    around, until it has taken ``most`` (it answers whether it took one); the ``turn`` to start
+    from next time, past the last item offered. The plugin's and the simulator's per-class
+    counterfactual picks."""
+    start = turn % max(len(items), 1)
+    taken = offered = 0
+    for item in (*items[start:], *items[:start]):
+        if taken == most:
+            break
+        offered += 1
+        taken += take(item)
+    return start + offered
 
 
 @dataclass(slots=True)
@@ -327,14 +344,13 @@ class Pilot:
             return None
         self._count_class(state.traffic_class, -1)
         entry = (state.score_point, req_id)
-        for points in (self._by_score_point, self._class_points.get(state.traffic_class)):
-            if points is None:
-                continue
+        mine = self._class_points.get(state.traffic_class, [])
+        for points in (self._by_score_point, mine):
             i = bisect.bisect_left(points, entry)
             if i < len(points) and points[i][1] == req_id:
                 del points[i]
-        if not self._class_points.get(state.traffic_class, True):
-            del self._class_points[state.traffic_class]
+        if not mine:  # the class's last request: it no longer takes a turn
+            self._class_points.pop(state.traffic_class, None)
         return state
 
     def _count_class(self, traffic_class: str, change: int) -> None:
@@ -565,20 +581,18 @@ class Pilot:
             if (request := eligible(req_id)) is not None:
                 chosen.append((req_id, request))
                 covered.add(states[req_id].traffic_class)
-        classes = list(self._class_points)
-        start, picks, looked = self._class_turn % max(len(classes), 1), 0, 0
-        for traffic_class in classes[start:] + classes[:start]:
-            if picks == COUNTERFACTUAL_CLASS_PICKS:
-                break
-            looked += 1
+
+        def first_of(traffic_class: str) -> bool:
             if traffic_class in covered:
-                continue
+                return False
             for _, req_id in self._class_points[traffic_class][:_CLASS_SCAN]:
                 if (request := eligible(req_id)) is not None:
                     chosen.append((req_id, request))
-                    picks += 1
-                    break
-        self._class_turn = start + looked
+                    return True
+            return False
+
+        self._class_turn = take_in_turn(list(self._class_points), first_of, self._class_turn,
+                                        COUNTERFACTUAL_CLASS_PICKS)
         record = self.stats.record_verification
         for req_id, request in chosen:
             state = states[req_id]

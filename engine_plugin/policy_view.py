@@ -34,7 +34,7 @@ Per-step composition (``PolicyUpdate.composition``, asked of engines that announ
 decisions are priced for the class mix the controller expects; ``PolicyLookup.compose`` re-picks,
 for the classes and counts of one step, the arms of the classes whose decision is a settled
 goodput choice, where that beats the decisions by the policy's margin
-(``controller.core.composition.step_arms``). Results are cached per policy, bucket and counts.
+(``controller.core.composition.StepComposer``, its answers remembered per policy and step).
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from hashlib import blake2b
 from typing import NamedTuple
 
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from controller.core.classes import OTHER_CLASS
-from controller.core.composition import Arm, Composition, adjustable, step_arms
+from controller.core.composition import Composition, StepComposer, adjustable
 from controller.core.types import Reason, ReportRejected
 from controller.wire import composition_from_proto, reason_from_proto
 from specpilot.v1 import common_pb2, engine_pb2
@@ -86,13 +86,8 @@ class _Policy:
     version: int
     decisions: dict[tuple[str, int], _Entry]
     defaults: dict[int, _Entry]
-    composition: Composition | None = None
-    # compose()'s answers by (bucket, batch size, counts per decision class).
-    composed: dict[tuple[object, ...], dict[str, Arm]] = field(default_factory=dict)
-
-
-# Step compositions remembered per policy (a step's counts recur: the cache saves the search).
-_COMPOSED_CACHE = 4096
+    # The policy's per-step pricing with the re-picks it answered (None: not sent, or unusable).
+    composer: StepComposer | None = None
 
 
 def _reason(value: int) -> Reason | None:
@@ -153,8 +148,9 @@ class PolicyView:
         timeout = update.fail_static_timeout_seconds
         if math.isfinite(timeout) and timeout > 0:
             self._timeout = timeout
+        composition = self._composition(update)
         self._policy = _Policy(update.version, decisions, defaults,
-                               self._composition(update))
+                               StepComposer(composition) if composition is not None else None)
         self.heard_from_controller()
 
     def _composition(self, update: engine_pb2.PolicyUpdate) -> Composition | None:
@@ -333,36 +329,17 @@ class PolicyLookup:
         without a composition, or where the decisions stand). Never raises."""
         try:
             policy = self._policy
-            if policy is None or policy.composition is None:
+            if policy is None or policy.composer is None:
                 return {}
-            entries = {c: self._entry(c)[0] for c in counts}
-            by_decision: dict[str, int] = {}
-            arms: dict[str, Arm] = {}
-            free = set()
-            for c, n in counts.items():
-                entry = entries[c]
-                if entry is None:
-                    continue
-                name = entry.traffic_class
-                by_decision[name] = by_decision.get(name, 0) + n
-                arms[name] = (entry.choice.draft, entry.choice.k)
-                if entry.adjustable:
-                    free.add(name)
-            if not free:
-                return {}
-            key = (self._bucket, batch_size, tuple(sorted(by_decision.items())))
-            chosen = policy.composed.get(key)
-            if chosen is None:
-                if len(policy.composed) >= _COMPOSED_CACHE:
-                    policy.composed.clear()
-                chosen = policy.composed[key] = step_arms(policy.composition, by_decision, arms,
-                                                          free, batch_size)
+            entries = {c: e for c in counts if (e := self._entry(c)[0]) is not None}
+            changed = policy.composer.repick(
+                ((e.traffic_class, (e.choice.draft, e.choice.k), e.adjustable, counts[c])
+                 for c, e in entries.items()), batch_size)
             out = {}
-            for c, entry in entries.items():
-                if entry is not None and entry.adjustable:
-                    draft, k = chosen[entry.traffic_class]
-                    if (draft, k) != arms[entry.traffic_class]:
-                        out[c] = Choice(draft if k else "", k, False)
+            for c, e in entries.items():
+                if (arm := changed.get(e.traffic_class)) is not None:
+                    draft, k = arm
+                    out[c] = Choice(draft if k else "", k, False)
             return out
         except Exception:
             log.debug("composition failed; the decisions apply", exc_info=True)

@@ -14,6 +14,7 @@ from controller.core.composition import (
     Arm,
     Composition,
     DraftPricing,
+    StepComposer,
     StepPricing,
     adjustable,
     moved,
@@ -147,6 +148,36 @@ def test_two_free_classes_reach_the_best_joint_arms_on_the_collapse_engine() -> 
                    for pair in itertools.product(options["chat"], options["docs"]))
         got = step_arms(COMP, counts, arms, {"chat", "docs"}, 8)
         assert rate(COMP, counts, got, 8) >= 0.995 * best
+
+
+def test_the_composer_sums_classes_by_decision_and_searches_each_step_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two classes on one decision (folded, or on the default) count as that decision's; the
+    answer is what step_arms re-picks, nothing where the decisions stand or none is free; a
+    step seen before is answered from memory until the memory is full."""
+    import controller.core.composition as composition
+
+    calls: list[dict[str, int]] = []
+
+    def counted(comp: Composition, counts: dict[str, int], *rest: object) -> dict[str, Arm]:
+        calls.append(dict(counts))
+        return step_arms(comp, counts, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(composition, "step_arms", counted)
+    composer = StepComposer(COMP, cache_size=2)
+    arms = {"chat": ("m", 2), "docs": OFF}
+    lone = [("chat", arms["chat"], True, 1), ("docs", OFF, True, 3), ("docs", OFF, True, 4)]
+    want = step_arms(COMP, {"chat": 1, "docs": 7}, arms, {"chat", "docs"}, 8)
+    got = composer.repick(lone, 8)
+    assert got == {c: a for c, a in want.items() if a != arms[c]} and got["chat"][0] == "ngram"
+    assert calls == [{"chat": 1, "docs": 7}]
+    assert composer.repick(lone, 8) == got and len(calls) == 1  # from memory
+    crowd = [("chat", arms["chat"], True, 6), ("docs", OFF, True, 2)]
+    assert composer.repick(crowd, 8).get("chat", arms["chat"])[0] == "m"  # six share passes
+    assert composer.repick([("chat", arms["chat"], False, 1), ("docs", OFF, False, 7)], 8) == {}
+    assert len(calls) == 2  # nothing free: no search
+    composer.repick([("chat", arms["chat"], True, 2), ("docs", OFF, True, 6)], 8)
+    assert composer.repick(lone, 8) == got and len(calls) == 4  # memory full: forgotten
 
 
 def test_step_pricing_is_the_cost_models_mean() -> None:

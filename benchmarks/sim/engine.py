@@ -38,7 +38,7 @@ from benchmarks.sim.step import (
 )
 from benchmarks.sim.truth import AcceptanceTruth, StepCost
 from engine_plugin.config import PluginConfig
-from engine_plugin.pilot import COUNTERFACTUAL_CLASS_PICKS
+from engine_plugin.pilot import COUNTERFACTUAL_CLASS_PICKS, take_in_turn
 
 # Requests scored counterfactually with the n-gram draft per step, on average (the plugin's
 # default): a request is scored while its point is below this over the batch size.
@@ -454,18 +454,16 @@ class SimEngine:
         # Every class without one: its request with the lowest point, at most
         # COUNTERFACTUAL_CLASS_PICKS classes a step, in turn (the plugin's rule).
         cls = plan.view.classes
-        present = [int(c) for c in np.unique(cls)]
-        start = self._class_turn % max(len(present), 1)
-        picks = looked = 0
-        for c in present[start:] + present[:start]:
-            if picks == COUNTERFACTUAL_CLASS_PICKS:
-                break
-            looked += 1
-            if not pick[cls == c].any():
-                mine = np.flatnonzero(cls == c)
-                pick[mine[np.argmin(points[mine])]] = True
-                picks += 1
-        self._class_turn = start + looked
+
+        def first_of(c: int) -> bool:
+            if pick[cls == c].any():
+                return False
+            mine = np.flatnonzero(cls == c)
+            pick[mine[np.argmin(points[mine])]] = True
+            return True
+
+        self._class_turn = take_in_turn([int(c) for c in np.unique(cls)], first_of,
+                                        self._class_turn, COUNTERFACTUAL_CLASS_PICKS)
         pick &= draft != ngram
         idx = np.flatnonzero(pick)
         if idx.size:

@@ -17,7 +17,7 @@ import numpy as np
 
 from benchmarks.sim.step import NO_DRAFT, Assignment, EngineInfo, IntArray, StepOutcome, StepView
 from benchmarks.sim.truth import StepCost
-from controller.core.composition import Arm, adjustable, step_arms
+from controller.core.composition import StepComposer, adjustable
 from controller.core.controller import ControllerCore
 from controller.core.types import (
     AcceptanceRecord,
@@ -95,7 +95,7 @@ class SpecPilotPolicy:
             plugin_version="simulated", max_batch_size=info.max_batch,
             step_profile=step_profile), now=0.0)
         self.core.decide(0.0)
-        self._now = 0.0
+        self._draft_index = {n: i for i, n in enumerate(info.drafts)}
         n_c, n_d, k1 = len(info.classes), len(info.drafts), info.max_k + 1
         n_b = self.core.config.n_buckets
         self._tables = {name: np.zeros((n_c, n_b), dtype=dtype) for name, dtype in (
@@ -122,21 +122,20 @@ class SpecPilotPolicy:
         """Dense (class, bucket) tables of the decisions in force, like the plugin's view, and
         the composition sent with them."""
         defaults = {d.bucket: d for d in self.core.default_decisions()}
-        draft_index = {n: i for i, n in enumerate(self.info.drafts)}
         t = self._tables
         # Per (class, bucket): the decision's class and whether it is re-picked per step.
         self._decided: dict[tuple[int, int], tuple[str, bool]] = {}
-        self._composition = self.core.composition()
-        self._composed: dict[tuple[object, ...], dict[str, Arm]] = {}
+        composition = self.core.composition()
+        self._composer = StepComposer(composition) if composition is not None else None
         for ci, name in enumerate(self.info.classes):
             for b in range(self.core.config.n_buckets):
                 d = self.core.decision(name, b) or defaults[b]
                 self._decided[ci, b] = (d.traffic_class, adjustable(d.reason, d.probe_rate > 0))
                 t["k"][ci, b] = d.k
-                t["draft"][ci, b] = draft_index.get(d.draft, NO_DRAFT)
+                t["draft"][ci, b] = self._draft_index.get(d.draft, NO_DRAFT)
                 t["probe_rate"][ci, b] = d.probe_rate
                 t["probe_k"][ci, b] = d.probe_k
-                t["probe_draft"][ci, b] = draft_index.get(d.probe_draft, NO_DRAFT)
+                t["probe_draft"][ci, b] = self._draft_index.get(d.probe_draft, NO_DRAFT)
                 t["probe_steps"][ci, b] = d.probe_steps
         self._version = self.core.version
 
@@ -152,40 +151,27 @@ class SpecPilotPolicy:
                      _probe_u(view.request_ids, epoch))
         probe = (t["probe_k"][cls, b] > 0) & (u < t["probe_rate"][cls, b])
         k[probe], draft[probe] = t["probe_k"][cls, b][probe], t["probe_draft"][cls, b][probe]
-        if self._composition is not None:
-            self._compose(view, b, k, draft)
+        if self._composer is not None:
+            self._compose(self._composer, view, b, k, draft)
         return Assignment(np.where(k > 0, draft, NO_DRAFT), k)
 
-    def _compose(self, view: StepView, b: int, k: IntArray, draft: IntArray) -> None:
+    def _compose(self, composer: StepComposer, view: StepView, b: int, k: IntArray,
+                 draft: IntArray) -> None:
         """The plugin's per-step re-pick (``PolicyLookup.compose``): the settled classes' arms
         for the classes and counts of this step, in place."""
-        assert self._composition is not None
         counts = np.bincount(view.classes, minlength=len(self.info.classes))
-        by_decision: dict[str, int] = {}
-        arms: dict[str, Arm] = {}
-        free = set()
-        t = self._tables
-        for ci in np.flatnonzero(counts):
+        present = np.flatnonzero(counts)
+        t, drafts = self._tables, self.info.drafts
+        step = []
+        for ci in present:
             name, movable = self._decided[ci, b]
-            by_decision[name] = by_decision.get(name, 0) + int(counts[ci])
-            arms[name] = (self.info.drafts[t["draft"][ci, b]] if t["k"][ci, b] else "",
-                          int(t["k"][ci, b]))
-            if movable:
-                free.add(name)
-        if not free:
-            return
-        key = (b, view.batch_size, tuple(sorted(by_decision.items())))
-        chosen = self._composed.get(key)
-        if chosen is None:
-            chosen = self._composed[key] = step_arms(self._composition, by_decision, arms,
-                                                     free, view.batch_size)
-        index = {n: i for i, n in enumerate(self.info.drafts)}
-        for ci in np.flatnonzero(counts):
-            name, movable = self._decided[ci, b]
-            if movable and chosen[name] != arms[name]:
+            arm = (drafts[t["draft"][ci, b]] if t["k"][ci, b] else "", int(t["k"][ci, b]))
+            step.append((name, arm, movable, int(counts[ci])))
+        changed = composer.repick(step, view.batch_size)
+        for ci in present:
+            if (new := changed.get(self._decided[ci, b][0])) is not None:
                 mine = view.classes == ci
-                d, kk = chosen[name]
-                k[mine], draft[mine] = kk, index[d] if kk else NO_DRAFT
+                k[mine], draft[mine] = new[1], self._draft_index[new[0]] if new[1] else NO_DRAFT
 
     # --- the plugin's aggregation and the report lap -----------------------------------------
     def observe(self, o: StepOutcome) -> None:
@@ -204,7 +190,7 @@ class SpecPilotPolicy:
             self._finished.append(RequestSummaryRecord(
                 info.classes[f.traffic_class], "", f.prompt_tokens, f.output_tokens,
                 f.drafted_tokens, f.accepted_tokens, f.latency_seconds))
-        now = self._now = o.view.now + o.seconds
+        now = o.view.now + o.seconds
         if now - self._last_report >= self.interval:
             self._report(now, running=o.view.batch_size)
 

@@ -19,7 +19,7 @@ Pure (numpy, dataclasses): the plugin, the simulator and the tests call the same
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -78,20 +78,22 @@ class StepPricing:
         """Step seconds, one per entry of ``verified_tokens``; ``passes`` and ``draft_tokens``
         per model draft (entries aligned with ``verified_tokens``; a draft with 0 passes does
         not draft). Drafts without pricing cost nothing."""
+        vectors = self._vectors
         v = np.asarray(verified_tokens, dtype=np.float64)
-        t = self.base_seconds + self.seconds_per_sequence * batch_size + self.seconds_per_token * v
-        for knot, slope in zip(self.knot_tokens, self.seconds_per_token_above, strict=True):
-            t = t + slope * np.maximum(0.0, v - knot)
+        by_pass, by_token = np.zeros((v.size, vectors.n)), np.zeros((v.size, vectors.n))
         for name, p in passes.items():
-            d = self.drafts.get(name)
-            if d is not None:
-                t = t + (d.fixed_seconds * (p > 0) + d.seconds_per_pass * p
-                         + d.seconds_per_token * draft_tokens[name])
-        return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
+            if (i := vectors.index.get(name)) is not None:
+                by_pass[:, i], by_token[:, i] = p, draft_tokens[name]
+        return vectors.seconds(batch_size, v, by_pass, by_token)
+
+    @cached_property
+    def _vectors(self) -> _Pricing:
+        return _Pricing(self)
 
 
 class _Pricing:
-    """``StepPricing`` as arrays over its model drafts (column ``index[name]``)."""
+    """``StepPricing`` as arrays over its model drafts (column ``index[name]``): the one place
+    the formula is written."""
 
     def __init__(self, p: StepPricing) -> None:
         self.p = p
@@ -122,7 +124,7 @@ class _Options:
         self.arms = arms
         self.values = np.array([comp.expected(traffic_class, a) for a in arms])
         self.ks = np.array([float(k) for _, k in arms])
-        index = comp._vectors.index
+        index = comp.pricing._vectors.index
         self.passes = np.zeros((len(arms), len(index)))
         for i, (draft, k) in enumerate(arms):
             if k and draft in index:
@@ -148,10 +150,6 @@ class Composition:
             if len(curve) < 1 or not all(math.isfinite(x) and x >= 0 for x in curve):
                 raise ValueError(f"composition: E(K) of ({cls!r}, {draft!r}) must be finite "
                                  "numbers >= 0, K = 0 first")
-
-    @cached_property
-    def _vectors(self) -> _Pricing:
-        return _Pricing(self.pricing)
 
     @cached_property
     def _options(self) -> dict[str, _Options]:
@@ -217,7 +215,7 @@ def step_arms(comp: Composition, counts: Mapping[str, int], arms: Mapping[str, A
                       and arms[c] in options[c].arms), key=lambda c: (-counts[c], c))
     if not movable:
         return dict(arms)
-    p = comp._vectors
+    p = comp.pricing._vectors
     # Per live class: its row (the option it runs) in its own options, or its fixed figures.
     at = {c: options[c].arms.index(arms[c]) for c in movable}
     fixed = [c for c in live if c not in at]
@@ -278,3 +276,46 @@ def step_arms(comp: Composition, counts: Mapping[str, int], arms: Mapping[str, A
     if best_rate < base * (1.0 + comp.margin):
         return dict(arms)
     return {**arms, **{c: options[c].arms[i] for c, i in best.items()}}
+
+
+# A step as the engine sees it, per traffic class present: its decision's class (classes folded
+# into "other" or on the default decision share one), the decision's arm, whether that arm may
+# be re-picked (``adjustable``), and the class's decoding sequences.
+StepClass = tuple[str, Arm, bool, int]
+
+
+class StepComposer:
+    """``step_arms`` for one composition, with its answers remembered: a step's classes and
+    counts recur from step to step, so the search runs once per distinct step (at most
+    ``cache_size`` remembered, then all forgotten at once). The engine plugin holds one per
+    policy and the simulator's adapter one per policy it applies."""
+
+    def __init__(self, composition: Composition, cache_size: int = 4096) -> None:
+        self.composition = composition
+        self._cache_size = cache_size
+        self._cache: dict[tuple[object, ...], dict[str, Arm]] = {}
+
+    def repick(self, step: Iterable[StepClass], batch_size: int) -> dict[str, Arm]:
+        """The decision classes whose arm this step re-picks, with that arm (empty where the
+        decisions stand); ``batch_size``: the step's sequences."""
+        key = (batch_size, tuple(sorted(step)))
+        changed = self._cache.get(key)
+        if changed is None:
+            if len(self._cache) >= self._cache_size:
+                self._cache.clear()
+            changed = self._cache[key] = self._search(key[1], batch_size)
+        return changed
+
+    def _search(self, step: Iterable[StepClass], batch_size: int) -> dict[str, Arm]:
+        counts: dict[str, int] = {}
+        arms: dict[str, Arm] = {}
+        free: set[str] = set()
+        for name, arm, movable, n in step:
+            counts[name] = counts.get(name, 0) + n
+            arms[name] = arm
+            if movable:
+                free.add(name)
+        if not free:
+            return {}
+        chosen = step_arms(self.composition, counts, arms, free, batch_size)
+        return {c: a for c, a in chosen.items() if a != arms[c]}
