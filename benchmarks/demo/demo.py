@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -38,13 +39,22 @@ Printer = Callable[[str], None]
 DRAFTER_LABELS = {"draft": "draft model", "eagle": "EAGLE head"}
 
 
+REAL, TINY = "real", "tiny"
+
+
 @dataclass(frozen=True)
 class DemoOptions:
+    # "real": SmolLM2-135M-Instruct on ShareGPT (benchmarks.real); "tiny": the tiny models
+    # trained on local text, in cache_dir / profile.
+    models: str = REAL
     cache_dir: Path = DEFAULT_CACHE
-    # Model profile (benchmarks.demo.models.PROFILES): "demo" trains; "untrained" is for tests.
+    # Tiny model profile (benchmarks.demo.models.PROFILES): "demo" trains; "untrained" is for
+    # tests.
     profile: str = "demo"
-    workload: Workload = DEFAULT_WORKLOAD
-    # Where the summary JSON is written; None: <cache_dir>/<profile>/demo-summary.json.
+    # The traffic; None: the models' own (real: ShareGPT classes; tiny: DEFAULT_WORKLOAD).
+    workload: Workload | None = None
+    # Where the summary JSON is written; None: <cache_dir>/<profile>/demo-summary.json (tiny) or
+    # beside the real model.
     out: Path | None = None
     grpc_port: int = 0
     http_port: int = 0
@@ -52,9 +62,9 @@ class DemoOptions:
     tick_seconds: float = 2.0
     # The largest K the controller may choose (the engine's num_speculative_tokens).
     max_k: int = 4
-    # The engine's model drafter: "draft" (the draft model) or "eagle" (the EAGLE head, trained
-    # once beside the models: benchmarks.demo.eagle).
-    drafter: str = "draft"
+    # The engine's model drafter: "draft" (the draft model) or "eagle" (the EAGLE head); None:
+    # the head on the real model, the draft model on the tiny ones.
+    drafter: str | None = None
     # Controller settings on top of the demo's (report interval, offline classes, seed).
     controller_settings: dict[str, Any] = field(default_factory=dict)
     # Where to save a screenshot of the dashboard once the traffic has run (None: none).
@@ -179,23 +189,102 @@ def summary_table(result: DemoResult, buckets: list[str]) -> str:
     return "\n".join(lines)
 
 
+def default_workload(models: str) -> Workload:
+    """The traffic the demo runs on ``models`` ("real" or "tiny") unless told otherwise."""
+    if models == REAL:
+        from benchmarks.real.demo_plan import real_workload
+
+        return real_workload()
+    if models == TINY:
+        return DEFAULT_WORKLOAD
+    raise ValueError(f"unknown models {models!r}: {REAL} or {TINY}")
+
+
+@dataclass(frozen=True)
+class DemoSetup:
+    """What the engine serves and the requests it gets."""
+
+    target: Path
+    draft: Path
+    eagle: Path | None
+    plan: RequestPlan
+    engine: dict[str, Any]  # LLM arguments on top of the fast engine settings
+    out: Path  # default summary path
+    questions: dict[str, str]  # request id -> the question it asks (real traffic)
+
+
+def prepare_setup(options: DemoOptions, drafter: str, workload: Workload) -> DemoSetup:
+    if options.models == REAL:
+        from benchmarks.real.demo_plan import real_request_plan
+        from benchmarks.real.models import prepare_real_models
+        from benchmarks.real.smollm2 import SERVE_DTYPE
+
+        real = prepare_real_models()
+        plan = real_request_plan(real.traffic, real.target, workload)
+        return DemoSetup(real.target, real.draft, real.eagle, plan,
+                         {"dtype": SERVE_DTYPE, "max_model_len": 2048},
+                         real.target.parent / "demo-summary.json", questions(real, plan))
+    from benchmarks.demo.eagle import prepare_eagle_head
+    from benchmarks.demo.models import prepare_models
+
+    models = prepare_models(options.cache_dir, options.profile)
+    eagle = prepare_eagle_head(models) if drafter == "eagle" else None
+    return DemoSetup(models.target, models.draft, eagle, make_plan(workload, models.target), {},
+                     options.cache_dir / options.profile / "demo-summary.json", {})
+
+
+def questions(real: Any, plan: RequestPlan) -> dict[str, str]:
+    """The last user message of each request of ``plan`` (real traffic)."""
+    from benchmarks.real.sharegpt import HELDOUT
+
+    asked = {r.id: r.messages[-1]["content"] for c in real.traffic.classes
+             for r in real.traffic.requests(c.name, HELDOUT)}
+    return {r.request_id: asked.get(r.request_id.split("-", 1)[1], "") for r in plan.requests}
+
+
+ANSWERS_SHOWN = 3
+
+
+def answer_lines(run: RunResult, setup: DemoSetup, width: int = 100) -> list[str]:
+    """A few real answers, one per class, cut at the model's end of turn."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(setup.target)
+    eos = tokenizer.eos_token_id
+    shown: dict[str, str] = {}
+    for r in run.requests:
+        question = setup.questions.get(r.request_id, "")
+        if r.traffic_class in shown or not question or len(shown) >= ANSWERS_SHOWN:
+            continue
+        ids = list(r.token_ids)
+        ids = ids[: ids.index(eos)] if eos in ids else ids
+        answer = " ".join(str(tokenizer.decode(ids, skip_special_tokens=True)).split())
+        shown[r.traffic_class] = (f"  [{r.traffic_class}] Q: {' '.join(question.split())[:width]}"
+                                  f"\n  {' ' * len(r.traffic_class)}   A: {answer[:2 * width]}")
+    return list(shown.values())
+
+
 def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> DemoResult:
     """Run the demo end to end; print live lines and the summary with ``echo``."""
-    from benchmarks.demo.eagle import prepare_eagle_head
     from benchmarks.demo.engine import apply_engine_env, config_session
-    from benchmarks.demo.models import prepare_models
     from benchmarks.demo.sidecar import Sidecar
 
-    config = specpilot_config(options.max_k, options.drafter)  # an unknown drafter fails here
+    drafter = options.drafter or ("eagle" if options.models == REAL else "draft")
+    workload = options.workload or default_workload(options.models)
+    config = specpilot_config(options.max_k, drafter)  # an unknown drafter fails here
+    if options.models == REAL:  # long ShareGPT prompts at concurrency 32 need a larger cache
+        from benchmarks.real.server import KV_CACHE_GIB
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     apply_engine_env()  # before vLLM is imported
     started = time.monotonic()
-    echo("==> models (trained once, then cached)")
-    models = prepare_models(options.cache_dir, options.profile)
-    eagle = prepare_eagle_head(models) if config.drafter == "eagle" else None
-    echo(f"    target {models.target}\n    {config.drafter:<6} {eagle or models.draft}")
-    plan = make_plan(options.workload, models.target)
+    echo(f"==> models ({options.models}: built once, then cached)")
+    setup = prepare_setup(options, drafter, workload)
+    plan = setup.plan
+    eagle = setup.eagle
+    echo(f"    target {setup.target}\n    {config.drafter:<6} {eagle or setup.draft}")
     echo("==> controller: specpilot serve, as a sidecar process")
-    controller = Sidecar(demo_controller_settings(options.workload, options.controller_settings),
+    controller = Sidecar(demo_controller_settings(workload, options.controller_settings),
                          options.grpc_port, options.http_port)
     try:
         http = controller.http_url
@@ -206,8 +295,9 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
              f"    CLI       specpilot policy get --target {controller.target}")
         drafter = DRAFTER_LABELS[config.drafter]
         echo(f"==> engine: vLLM-CPU, {drafter} K<={options.max_k} + n-gram, specpilot plugin")
-        with config_session(config, models.target, models.draft, controller.target,
-                            eagle=eagle, max_num_seqs=options.workload.max_concurrency) as llm:
+        with config_session(config, setup.target, setup.draft, controller.target,
+                            eagle=eagle, max_num_seqs=workload.max_concurrency,
+                            **setup.engine) as llm:
             version = wait_for_policy(llm, controller)
             drafts = tuple(sorted(_pilot(llm).drafts_allowed))
             echo(f"    engine connected, drafts {', '.join(drafts)}; it runs the controller's "
@@ -236,7 +326,7 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
         version = int(policy.get("version", 0))
         decisions = decision_table(policy)
         # Buckets the traffic reached (up to the largest concurrency), not all of them.
-        top = max(p.concurrency for p in options.workload.phases)
+        top = max(p.concurrency for p in workload.phases)
         bounds = tuple(int(b) for b in policy.get("batch_bucket_upper_bounds", []))
         buckets = [f"batch<={b}" for b in bounds[: bucket_of(bounds, top) + 1]]
         result = DemoResult(run, class_figures(run.requests), reports, version, engine_version,
@@ -244,11 +334,16 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
     finally:
         controller.stop()
     echo("")
+    if setup.questions:
+        echo("==> a few of the model's answers, one per class")
+        for line in answer_lines(run, setup):
+            echo(line)
+        echo("")
     echo(summary_table(result, buckets))
     echo(f"\ncontroller: {result.reports_received} engine reports received, policy version "
          f"{result.controller_version} pushed, the engine ran version {result.engine_version}; "
          f"whole demo {time.monotonic() - started:.0f} s")
-    out = options.out or options.cache_dir / options.profile / "demo-summary.json"
+    out = options.out or setup.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(demo_json(result), indent=2) + "\n")
     echo(f"summary written to {out}")

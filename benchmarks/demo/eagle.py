@@ -34,11 +34,10 @@ from typing import Any, Protocol
 from benchmarks.demo.cache import build_once, read_marker
 from benchmarks.demo.models import (
     PROFILES,
-    ModelProfile,
     ModelSet,
     Progress,
     TrainingData,
-    lr_schedule,
+    warmup_cosine,
 )
 
 VERSION = "specpilot-eagle-head-1"
@@ -93,11 +92,19 @@ class EagleHead:
         """Features ``out`` for (x[t+1], h[t]) pairs: ``tokens`` (B, T), ``hidden`` (B, T, H)."""
         import torch
 
-        f = self.fc(torch.cat((self.embed(tokens), hidden), dim=-1))
+        # A bfloat16 target serves its embeddings and hidden states in bfloat16: the head
+        # trains in float32.
+        f = self.fc(torch.cat((self.embed(tokens).float(), hidden.float()), dim=-1))
         positions = torch.arange(tokens.shape[1])[None, :].expand(tokens.shape[0], -1)
         out: Any = self.layer(f, position_embeddings=self.rotary(f, positions),
                               position_ids=positions)
         return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, out: Any, vocab: Any = None) -> Any:
+        """The target's (frozen) LM head over ``out``, in the head's dtype (bfloat16 matmuls
+        are several times faster on CPUs with AMX), returned as float32; only the rows of
+        ``vocab`` (token ids) when given."""
+        return head_logits(self.lm_head.weight, out, vocab)
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's tensors, named as vLLM loads them."""
@@ -105,6 +112,14 @@ class EagleHead:
                    if not k.startswith("input_layernorm")}
         weights["fc.weight"] = self.fc.weight
         return {k: v.detach().contiguous() for k, v in weights.items()}
+
+
+def head_logits(weight: Any, hidden: Any, vocab: Any = None) -> Any:
+    """``hidden @ weight.T`` in ``weight``'s dtype, as float32; only the rows of ``vocab``."""
+    import torch.nn.functional as F
+
+    rows = weight if vocab is None else weight[vocab]
+    return F.linear(hidden.to(rows.dtype), rows).float()
 
 
 class Batches(Protocol):
@@ -133,9 +148,15 @@ class OwnSamples:
         return self.rows[torch.randint(0, self.rows.shape[0], (size,), generator=self.gen)]
 
 
-def train_head(head: EagleHead, target: Any, data: Batches, settings: EagleSettings,
-               profile: ModelProfile, progress: bool) -> dict[str, Any]:
-    """Train ``head`` on ``target``'s hidden states over windows of ``data``."""
+def train_head(head: EagleHead, target: Any, data: Batches, settings: EagleSettings, *,
+               batch_size: int, warmup_steps: int, progress: bool, vocab: Any = None,
+               unroll: int = 1) -> dict[str, Any]:
+    """Train ``head`` on ``target``'s hidden states over ``batch_size`` windows of ``data`` a
+    step (learning rate: ``warmup_steps`` of warm-up, then cosine). ``vocab``: the token ids
+    the KL runs over (all when None); a large vocabulary's softmax dominates the step, and the
+    traffic's frequent tokens carry nearly all of its mass. ``unroll``: draft steps trained per
+    window; step d > 0 reads the head's own features of step d - 1 in place of the target's,
+    as drafting does past the first position (the loss averages the steps)."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -143,22 +164,33 @@ def train_head(head: EagleHead, target: Any, data: Batches, settings: EagleSetti
     started = time.perf_counter()
     params = head.parameters()
     opt = torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(profile, settings.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup_steps, settings.steps))
     recent: list[tuple[float, float, float]] = []
     bar = tqdm(total=settings.steps, desc="eagle head", file=sys.stderr, disable=not progress,
                leave=True, dynamic_ncols=True)
     try:
         for _ in range(settings.steps):
-            batch = data.batch(profile.batch_size)[:, :-1]
+            batch = data.batch(batch_size)[:, :-1]
             with torch.inference_mode():
                 hidden = target.model(input_ids=batch).last_hidden_state  # after the last norm
-                teacher = F.log_softmax(target.lm_head(hidden[:, 1:]), dim=-1)
-            hidden, teacher = hidden.clone(), teacher.clone()
-            out = head.forward(batch[:, 1:], hidden[:, :-1])  # (x[t+1], h[t]) -> h[t+1]
-            feature = F.smooth_l1_loss(out, hidden[:, 1:])
-            logits = F.log_softmax(head.lm_head(out), dim=-1)
-            kl = F.kl_div(logits.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
-                          reduction="batchmean")
+                teacher = F.log_softmax(
+                    head_logits(target.lm_head.weight, hidden[:, 1:], vocab), dim=-1)
+            hidden, teacher = hidden.float().clone(), teacher.clone()
+            features, kls = [], []
+            given = hidden[:, :-1]  # step 0 reads the target's h[t]
+            for d in range(unroll):
+                # (x[t+1+d], h[t+d]) -> h[t+1+d]; h[t+d] is the head's own for d > 0.
+                out = head.forward(batch[:, 1 + d:], given)
+                features.append(F.smooth_l1_loss(out, hidden[:, 1 + d:]))
+                step_logits = F.log_softmax(head.logits(out, vocab), dim=-1)
+                kls.append(F.kl_div(step_logits.flatten(0, 1),
+                                    teacher[:, d:].flatten(0, 1), log_target=True,
+                                    reduction="batchmean"))
+                if d == 0:
+                    logits = step_logits
+                given = out.detach()[:, :-1]
+            feature: Any = sum(features) / unroll
+            kl: Any = sum(kls) / unroll
             loss: Any = feature + settings.kl_weight * kl
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -216,8 +248,9 @@ def _build(tmp: Path, models: ModelSet, settings: EagleSettings, progress: bool
     if settings.steps:
         profile = PROFILES[models.profile]
         raw = Tokenizer.from_file(str(models.trained_target / "tokenizer.json"))
-        summary = train_head(head, target, TrainingData(raw, profile), settings, profile,
-                             progress)
+        summary = train_head(head, target, TrainingData(raw, profile), settings,
+                             batch_size=profile.batch_size, warmup_steps=profile.warmup_steps,
+                             progress=progress)
     save_eagle_head(head, models.trained_target, tmp)
     return {"version": VERSION, "settings": asdict(settings),
             "target_build_seconds": models.build_seconds,

@@ -59,6 +59,7 @@ __all__ = [
     "heldout_texts",
     "lr_schedule",
     "prepare_models",
+    "warmup_cosine",
 ]
 
 VERSION = "specpilot-demo-models-1"
@@ -227,10 +228,15 @@ class TrainingData:
 
 
 def lr_schedule(profile: ModelProfile, steps: int) -> Any:
+    return warmup_cosine(profile.warmup_steps, steps)
+
+
+def warmup_cosine(warmup_steps: int, steps: int) -> Any:
+    """The learning-rate factor per step: linear warm-up, then cosine down to a tenth."""
     def factor(step: int) -> float:
-        if step < profile.warmup_steps:
-            return (step + 1) / profile.warmup_steps
-        frac = (step - profile.warmup_steps) / max(steps - profile.warmup_steps, 1)
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        frac = (step - warmup_steps) / max(steps - warmup_steps, 1)
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
 
     return factor

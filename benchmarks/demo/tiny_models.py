@@ -198,7 +198,8 @@ def build_tiny_models(root: Path) -> TinyModels:
         _save(target, tokenizer, tmp / "target", TARGET_LM_HEAD_SCALE)
         head = EagleHead(target, EAGLE_SEED)
         train_head(head, target, OwnSamples(target, vocab_size, EAGLE_SEED),
-                   EagleSettings(steps=EAGLE_STEPS), PROFILES["untrained"], progress=False)
+                   EagleSettings(steps=EAGLE_STEPS), batch_size=PROFILES["untrained"].batch_size,
+                   warmup_steps=PROFILES["untrained"].warmup_steps, progress=False)
         save_eagle_head(head, tmp / "target", tmp / "eagle")
         exact = _llama(vocab_size, layers=1, seed=EXACT_TARGET_SEED, special=special)
         _unit_rms_embeddings(exact)

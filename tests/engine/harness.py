@@ -1,4 +1,5 @@
-"""Engine test helpers: vLLM's spec-decode counters, a log of the engine's steps, a stand-in
+"""Engine test helpers: vLLM's spec-decode counters (from :mod:`benchmarks.demo.engine`), a log
+of the engine's steps, a stand-in
 n-gram matcher, and the sampled-distribution check. Engine start and stop live in
 :mod:`benchmarks.demo.engine`, which the tests import directly."""
 
@@ -8,61 +9,18 @@ import collections
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.controller_thread import ControllerThread
+from benchmarks.demo.engine import SpecCounters as SpecCounters
+from benchmarks.demo.engine import spec_counters as spec_counters
 from controller.core.controller import ControllerCore
 from controller.core.types import Override
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.worker_patch import is_decode_only
 
 if TYPE_CHECKING:
-    from vllm import LLM
-
-
-@dataclass(frozen=True)
-class SpecCounters:
-    """vLLM's cumulative speculative-decoding counters (``vllm:spec_decode_*``)."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_pos: tuple[int, ...] = field(default_factory=tuple)
-
-    def __sub__(self, other: SpecCounters) -> SpecCounters:
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        mine = self.accepted_per_pos + (0,) * (n - len(self.accepted_per_pos))
-        theirs = other.accepted_per_pos + (0,) * (n - len(other.accepted_per_pos))
-        return SpecCounters(
-            drafts=self.drafts - other.drafts,
-            draft_tokens=self.draft_tokens - other.draft_tokens,
-            accepted_tokens=self.accepted_tokens - other.accepted_tokens,
-            accepted_per_pos=tuple(a - b for a, b in zip(mine, theirs, strict=True)),
-        )
-
-    @property
-    def acceptance(self) -> float:
-        """Accepted / drafted tokens (NaN when nothing was drafted)."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else float("nan")
-
-
-def spec_counters(llm: LLM) -> SpecCounters:
-    """Snapshot of the spec-decode counters, summed over label sets; diff two snapshots."""
-    totals = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
-    per_pos: list[int] = []
-    for metric in llm.get_metrics():
-        name = metric.name.removeprefix("vllm:spec_decode_num_")
-        if name == metric.name:
-            continue
-        if name in totals:
-            totals[name] += int(getattr(metric, "value", 0))
-        elif name == "accepted_tokens_per_pos":
-            values = list(getattr(metric, "values", []) or [])
-            per_pos += [0] * (len(values) - len(per_pos))
-            for i, v in enumerate(values):
-                per_pos[i] += int(v)
-    return SpecCounters(accepted_per_pos=tuple(per_pos), **totals)
+    pass
 
 
 def runner_of(llm: Any) -> Any:
@@ -138,6 +96,29 @@ def samples_of(llm: Any, seed0: int = 0) -> list[list[int]]:
     """The distribution check's samples from ``llm`` at T=0.8."""
     return token_ids(llm.generate([SAMPLE_PROMPT] * N_SAMPLES,
                                   sampling(0.8, N_SAMPLES, SAMPLE_TOKENS, seed0), use_tqdm=False))
+
+
+def assert_sampled_arm(llm: Any, arm: str, reference: list[list[int]], *, one_hot: bool,
+                       seed0: int, monkeypatch: Any, rows: str = "n-gram") -> None:
+    """Samples from ``llm`` under the policy in force are distributed as ``reference`` (the
+    target's); with ``one_hot`` off (the control: deterministic ``rows`` verified against the
+    drafter's probabilities) they must not be, or the check could not fail."""
+    from engine_plugin.worker_patch import mark_step
+
+    pilot = pilot_of(llm)
+    if not one_hot:
+        monkeypatch.setattr(pilot, "mark_step", lambda output: mark_step(
+            output, skip_drafter=False, deterministic=()))
+    before = spec_counters(llm)
+    samples = samples_of(llm, seed0=seed0)
+    used = spec_counters(llm) - before
+    print(f"\n[{arm}] {used} acceptance={used.acceptance:.3f}")
+    assert used.draft_tokens > 0
+    failures = differing_positions(reference, samples)
+    if one_hot:
+        assert not failures, f"{arm}: sampled distribution differs from the target's: {failures}"
+    else:
+        assert failures, f"{arm}: the control should show the bias of unmarked {rows} rows"
 
 
 def differing_positions(reference: list[list[int]], other: list[list[int]]) -> list[str]:

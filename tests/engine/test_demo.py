@@ -22,7 +22,7 @@ def test_demo_pipeline_reports_and_applied_policy(tmp_path: Path,
                                           Phase("light-again", 1, 4)), seed=3)
     lines: list[str] = []
     out = tmp_path / "summary.json"
-    result = run_demo(DemoOptions(cache_dir=demo_models_root, profile="untrained",
+    result = run_demo(DemoOptions(models="tiny", cache_dir=demo_models_root, profile="untrained",
                                   workload=workload, out=out, tick_seconds=0.5),
                       echo=lines.append)
     assert {"draft", "ngram"} <= set(result.drafts) and "eagle" not in result.drafts
@@ -57,7 +57,7 @@ def test_demo_runs_on_the_eagle_head(tmp_path: Path, demo_models_root: Path) -> 
     # this checks the wiring, not a gain.
     workload = Workload(DEFAULT_CLASSES, (Phase("light", 1, 3), Phase("burst", 4, 6)), seed=3)
     lines: list[str] = []
-    result = run_demo(DemoOptions(cache_dir=demo_models_root, profile="untrained",
+    result = run_demo(DemoOptions(models="tiny", cache_dir=demo_models_root, profile="untrained",
                                   workload=workload, out=tmp_path / "summary.json",
                                   tick_seconds=0.5, drafter="eagle"),
                       echo=lines.append)

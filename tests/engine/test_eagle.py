@@ -17,15 +17,13 @@ from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, p
 from controller.core.types import DraftKind
 from controller.wire import draft_kind_from_proto
 from engine_plugin.ngram import NGRAM_DRAFT
-from engine_plugin.worker_patch import mark_step
 from tests.engine.harness import (
     SAMPLE_PROMPT,
     ModeDrafts,
-    differing_positions,
+    assert_sampled_arm,
     pilot_of,
     samples_of,
     sampling,
-    spec_counters,
     step_log,
     token_ids,
 )
@@ -129,19 +127,8 @@ def test_sampled_outputs_keep_the_targets_distribution(
         # its probabilities are there for rejection sampling to (wrongly) use in the control.
         monkeypatch.setattr(pilot, "config", dataclasses.replace(pilot.config,
                                                                  k_mode="per_request"))
-    if not one_hot:
-        monkeypatch.setattr(pilot, "mark_step", lambda output: mark_step(
-            output, skip_drafter=False, deterministic=()))
-    before = spec_counters(eagle_engine)
-    samples = samples_of(eagle_engine, seed0=10_000 * (1 + list(ARMS).index(arm)))
-    used = spec_counters(eagle_engine) - before
-    print(f"\n[{arm}] {used} acceptance={used.acceptance:.3f}")
-    assert used.draft_tokens > 0
-    failures = differing_positions(plain_samples, samples)
-    if one_hot:
-        assert not failures, f"{arm}: sampled distribution differs from the target's: {failures}"
-    else:
-        assert failures, f"{arm}: the control should show the bias of unmarked n-gram rows"
+    assert_sampled_arm(eagle_engine, arm, plain_samples, one_hot=one_hot,
+                       seed0=10_000 * (1 + list(ARMS).index(arm)), monkeypatch=monkeypatch)
 
 
 def _prompt_len(llm: Any) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import ENGINE_ENV, SCHEDULER
+from benchmarks.real.server import free_port
 from controller.core.controller import ControllerCore
 from controller.core.types import EngineReport, Override
 from tests.engine.harness import set_override
@@ -28,12 +28,6 @@ from tests.engine.harness import set_override
 pytestmark = pytest.mark.engine
 START_SECONDS = 240.0
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _record_reports(controller: ControllerThread) -> list[EngineReport]:
@@ -55,7 +49,7 @@ def _record_reports(controller: ControllerThread) -> list[EngineReport]:
 
 @pytest.fixture
 def server(tiny_models: Any, controller: ControllerThread) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **ENGINE_ENV, "SPECPILOT_PLUGIN_CONTROLLER": controller.target,
            "SPECPILOT_PLUGIN_ENGINE_ID": "openai-server"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server's own default: an engine process

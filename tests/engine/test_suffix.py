@@ -23,9 +23,9 @@ from controller.core.types import DraftKind, Override
 from controller.wire import draft_kind_from_proto
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.suffix import SUFFIX_DRAFT
-from engine_plugin.worker_patch import mark_step
 from tests.engine.harness import (
     FAST_CONTROLLER,
+    assert_sampled_arm,
     differing_positions,
     observed_acceptance,
     params,
@@ -144,19 +144,9 @@ def test_substituted_suffix_drafts_keep_the_targets_distribution(
     pilot = pilot_of(substituting_engine)
     k, one_hot = ARMS[arm]
     put_policy(pilot.view, {"default": (SUFFIX_DRAFT, k)}, version=20 + list(ARMS).index(arm))
-    if not one_hot:
-        monkeypatch.setattr(pilot, "mark_step", lambda output: mark_step(
-            output, skip_drafter=False, deterministic=()))
-    before = spec_counters(substituting_engine)
-    samples = samples_of(substituting_engine, seed0=60_000 + 10_000 * list(ARMS).index(arm))
-    used = spec_counters(substituting_engine) - before
-    print(f"\n[{arm}] {used} acceptance={used.acceptance:.3f}")
-    assert used.draft_tokens > 0
-    failures = differing_positions(references[1], samples)
-    if one_hot:
-        assert not failures, f"{arm}: sampled distribution differs from the target's: {failures}"
-    else:
-        assert failures, f"{arm}: the control should show the bias of unmarked suffix rows"
+    assert_sampled_arm(substituting_engine, arm, references[1], one_hot=one_hot,
+                       seed0=60_000 + 10_000 * list(ARMS).index(arm), monkeypatch=monkeypatch,
+                       rows="suffix")
 
 
 def test_suffix_drafts_are_scored_counterfactually_and_chosen_where_they_win(

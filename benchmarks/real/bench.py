@@ -1,0 +1,505 @@
+"""``specpilot bench real``: SmolLM2-135M-Instruct on held-out ShareGPT traffic, served by vLLM's
+OpenAI server with the plugin, driven by vLLM's own serving benchmark, under every static
+configuration a user could pick and under specpilot; alternating, repeated; medians, spread,
+ratios, the ceiling, and the exactness checks in every run.
+
+Each repetition runs every configuration once, in an order rotated by one per repetition. Each
+specpilot configuration has its own controller (a ``specpilot serve`` sidecar) that lives across
+its runs, as a sidecar lives beside its engine. Exactness: the greedy classes' texts equal no
+speculation's, request by request, in every run; the sampled class's first
+``PROBE_TOKENS`` tokens on a fixed prompt are distributed as no speculation's (chi-square and
+total variation per position, :mod:`benchmarks.demo.distribution`).
+
+The ceiling: every phase served by the static configuration best in that phase (its median
+tokens/s), the tokens of the whole run over the sum of those phases' times.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.demo.bench import rotated
+from benchmarks.demo.configs import (
+    DEFAULT_BATCH_TABLE,
+    OFF,
+    PROBABILISTIC,
+    EngineConfig,
+    specpilot_config,
+)
+from benchmarks.demo.distribution import Comparison, compare_positions
+from benchmarks.real.client import run_phase
+from benchmarks.real.plan import MAX_TOKENS, PHASES, LoadPhase, build_plan
+from benchmarks.real.probe import PROBE_SAMPLES, sample_probe
+from benchmarks.real.server import OpenAIServer, free_port, server_command
+from benchmarks.real.sharegpt import CLASSES, HELDOUT, TrafficRequest
+from benchmarks.real.smollm2 import SERVED_NAME
+
+if TYPE_CHECKING:
+    from benchmarks.demo.sidecar import Sidecar
+    from benchmarks.real.models import RealModels
+
+Printer = Callable[[str], None]
+GOAL_OVERALL = 1.10
+GOAL_PER_PHASE = 0.97
+GOAL_CEILING_SHARE = 0.95
+HEADLINE = ("Real model (SmolLM2-135M-Instruct, ShareGPT held-out): specpilot / best static = "
+            "{ratio:.2f}x end to end")
+
+
+def real_configs(max_k: int = 4) -> list[EngineConfig]:
+    """No speculation; the EAGLE head and the draft model at static K=2 and K=4 (probabilistic
+    drafting: what a user serving sampled traffic picks); n-gram and suffix K=4; vLLM's
+    batch-size table on the head; specpilot on the head and on the draft model (n-gram and
+    suffix drafts offered)."""
+    p = PROBABILISTIC
+    return [
+        EngineConfig(OFF),
+        EngineConfig("eagle:2p", "eagle", 2, draft_sampling=p),
+        EngineConfig("eagle:4p", "eagle", 4, draft_sampling=p),
+        EngineConfig("draft:2p", "draft", 2, draft_sampling=p),
+        EngineConfig("draft:4p", "draft", 4, draft_sampling=p),
+        EngineConfig("ngram:4", "ngram", 4),
+        EngineConfig("suffix:4", "suffix", 4),
+        EngineConfig("eagle-table-p", "eagle", max(k for _, _, k in DEFAULT_BATCH_TABLE),
+                     batch_table=DEFAULT_BATCH_TABLE, draft_sampling=p),
+        specpilot_config(max_k, "eagle"),
+        specpilot_config(max_k),
+    ]
+
+
+@dataclass(frozen=True)
+class RealBenchOptions:
+    reps: int = 3
+    out: Path = Path("benchmarks/results/real")
+    configs: tuple[str, ...] = ()  # names to run (default: all)
+    phases: tuple[LoadPhase, ...] = PHASES
+    max_tokens: int = MAX_TOKENS
+    probe_samples: int = PROBE_SAMPLES
+    cache: Path | None = None
+    plots: bool = True
+
+
+@dataclass
+class Run:
+    """One configuration's run: vLLM's result per phase, in the plan's order."""
+
+    config: str
+    rep: int
+    phases: list[dict[str, Any]]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(int(p["total_output_tokens"]) for p in self.phases)
+
+    @property
+    def seconds(self) -> float:
+        return sum(float(p["duration"]) for p in self.phases)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def phase_rate(self, i: int) -> float:
+        return float(self.phases[i]["output_throughput"])
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    ordered = sorted(xs)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def request_rows(run: Run, plan: Sequence[Sequence[TrafficRequest]]) -> list[dict[str, Any]]:
+    """Per request: class, phase, output tokens, TTFT and TPOT (s), text."""
+    rows = []
+    for i, (phase, requests) in enumerate(zip(run.phases, plan, strict=True)):
+        for j, r in enumerate(requests):
+            n = int(phase["output_lens"][j])
+            ttft = float(phase["ttfts"][j])
+            latency = float(phase["latencies"][j])
+            rows.append({"class": r.class_name, "phase": i, "tokens": n, "ttft": ttft,
+                         "tpot": (latency - ttft) / (n - 1) if n > 1 else math.nan,
+                         "text": phase["generated_texts"][j]})
+    return rows
+
+
+@dataclass(frozen=True)
+class Latency:
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+
+
+def latency(rows: Sequence[Mapping[str, Any]]) -> Latency:
+    ttft = [float(r["ttft"]) for r in rows]
+    tpot = [float(r["tpot"]) for r in rows if not math.isnan(float(r["tpot"]))]
+    return Latency(_percentile(ttft, 50), _percentile(ttft, 99), _percentile(tpot, 50),
+                   _percentile(tpot, 99))
+
+
+@dataclass(frozen=True)
+class ConfigFigures:
+    name: str
+    rates: tuple[float, ...]  # end-to-end tokens/s per repetition
+    phase_rates: tuple[float, ...]  # median per phase
+    latency: Latency  # over every request of every repetition
+    class_latency: dict[str, Latency]
+    class_tokens_per_second: dict[str, float]  # the class's output tokens / run time, median
+    acceptance: dict[str, float]  # per phase name: vLLM's acceptance rate (pooled over reps)
+    mismatched: int  # greedy requests whose text differs from no speculation's
+    distribution: tuple[Comparison, ...] = ()
+    # vLLM's own figures per phase, as its serving benchmark computed them (medians over the
+    # repetitions): VLLM_FIELDS.
+    vllm: tuple[dict[str, float], ...] = ()
+
+    @property
+    def tokens_per_second(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def exact(self) -> bool:
+        return self.mismatched == 0 and all(c.same for c in self.distribution)
+
+
+VLLM_FIELDS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+               "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms")
+
+
+def _acceptance(runs: Sequence[Run], phases: Sequence[LoadPhase]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for i, p in enumerate(phases):
+        drafted = sum(int(r.phases[i].get("spec_decode_draft_tokens", 0)) for r in runs)
+        accepted = sum(int(r.phases[i].get("spec_decode_accepted_tokens", 0)) for r in runs)
+        out[p.name] = accepted / drafted if drafted else math.nan
+    return out
+
+
+def figures(name: str, runs: Sequence[Run], plan: Sequence[Sequence[TrafficRequest]],
+            reference: Run, phases: Sequence[LoadPhase], greedy: frozenset[str],
+            probe: Sequence[Sequence[int]] | None, reference_probe: Sequence[Sequence[int]] | None
+            ) -> ConfigFigures:
+    rows = [request_rows(r, plan) for r in runs]
+    pooled = [row for rs in rows for row in rs]
+    ref_rows = request_rows(reference, plan)
+    mismatched = sum(1 for rs in rows for mine, ref in zip(rs, ref_rows, strict=True)
+                     if mine["class"] in greedy and mine["text"] != ref["text"])
+    classes = sorted({r["class"] for r in pooled})
+    return ConfigFigures(
+        name=name, rates=tuple(r.tokens_per_second for r in runs),
+        phase_rates=tuple(statistics.median(r.phase_rate(i) for r in runs)
+                          for i in range(len(phases))),
+        latency=latency(pooled),
+        class_latency={c: latency([r for r in pooled if r["class"] == c]) for c in classes},
+        class_tokens_per_second={c: statistics.median(
+            sum(r["tokens"] for r in rs if r["class"] == c) / run.seconds
+            for rs, run in zip(rows, runs, strict=True)) for c in classes},
+        acceptance=_acceptance(runs, phases), mismatched=mismatched,
+        vllm=tuple({k: statistics.median(float(r.phases[i].get(k, math.nan)) for r in runs)
+                    for k in VLLM_FIELDS} for i in range(len(phases))),
+        distribution=(tuple(compare_positions(reference_probe, probe))
+                      if probe is not None and reference_probe is not None and name != OFF
+                      else ()))
+
+
+@dataclass(frozen=True)
+class Versus:
+    name: str
+    best_static: str
+    ratio_best_static: float
+    ratio_per_phase: tuple[float, ...]
+    best_per_phase: tuple[str, ...]
+    ceiling_tokens_per_second: float
+    ceiling_share: float
+    tpot_p99_ratio: float  # ours / the best static's (<= 1: no worse)
+    spread: tuple[float, ...]  # ours / best static, per repetition (same rotation index)
+
+
+def _phase_rate(i: int) -> Callable[[ConfigFigures], float]:
+    return lambda f: f.phase_rates[i]
+
+
+def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures],
+           reference: Run) -> Versus:
+    best = max(statics, key=lambda f: f.tokens_per_second)
+    n_phases = len(ours.phase_rates)
+    tops = [max(statics, key=_phase_rate(i)) for i in range(n_phases)]
+    tokens = [int(p["total_output_tokens"]) for p in reference.phases]
+    ceiling = sum(tokens) / sum(t / top.phase_rates[i] for i, (t, top) in
+                                enumerate(zip(tokens, tops, strict=True)))
+    return Versus(
+        ours.name, best.name, ours.tokens_per_second / best.tokens_per_second,
+        tuple(ours.phase_rates[i] / tops[i].phase_rates[i] for i in range(n_phases)),
+        tuple(t.name for t in tops), ceiling, ours.tokens_per_second / ceiling,
+        ours.latency.tpot_p99 / best.latency.tpot_p99,
+        tuple(a / b for a, b in zip(ours.rates, best.rates, strict=False)))
+
+
+@dataclass
+class RealReport:
+    configs: list[ConfigFigures]
+    versus: list[Versus]
+    phases: tuple[LoadPhase, ...]
+    seconds: float
+    drafters: dict[str, Any] = field(default_factory=dict)
+    # The drafters' acceptance table and the engine's step costs (markdown), when measured.
+    drafter_tables: list[str] = field(default_factory=list)
+
+    @property
+    def greedy_noise(self) -> int:
+        """Greedy requests whose text differed between no speculation's own repetitions: the
+        dtype's batch-shape noise (0 in float32)."""
+        off = next((c for c in self.configs if c.name == OFF), None)
+        return off.mismatched if off is not None else 0
+
+    @property
+    def exact(self) -> bool:
+        """Every sampled distribution the target's, and no greedy mismatch unless no
+        speculation itself shows the same noise between its repetitions."""
+        return self.distributions_same and (
+            self.greedy_noise > 0 or all(c.mismatched == 0 for c in self.configs))
+
+    @property
+    def distributions_same(self) -> bool:
+        return all(all(x.same for x in c.distribution) for c in self.configs)
+
+    def headline(self) -> str:
+        v = next((v for v in self.versus if v.name == "specpilot-eagle"),
+                 self.versus[0] if self.versus else None)
+        return "" if v is None else HEADLINE.format(ratio=v.ratio_best_static)
+
+
+def _fmt(x: float, digits: int = 1) -> str:
+    return "-" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def markdown(report: RealReport) -> str:
+    phases = [f"{p.name} (c={p.concurrency})" for p in report.phases]
+    rows = [[c.name, _fmt(c.tokens_per_second),
+             " / ".join(_fmt(x) for x in c.rates),
+             *(_fmt(x) for x in c.phase_rates),
+             _fmt(c.latency.ttft_p50 * 1e3, 0), _fmt(c.latency.ttft_p99 * 1e3, 0),
+             _fmt(c.latency.tpot_p50 * 1e3, 1), _fmt(c.latency.tpot_p99 * 1e3, 1),
+             str(c.mismatched),
+             "reference" if c.name == OFF else ("same" if all(x.same for x in c.distribution)
+                                                 else "DIFFERS")]
+            for c in report.configs]
+    lines = [report.headline(), "",
+             "End to end (output tokens/s, median of the repetitions; vLLM's serving "
+             "benchmark):", "",
+             *_table(["configuration", "tokens/s", "per repetition", *phases, "TTFT p50 ms",
+                      "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "greedy ≠ off",
+                      "sampled distribution"], rows), ""]
+    classes = sorted({k for c in report.configs for k in c.class_latency})
+    lines += ["Per class (output tokens/s of the class over the run; TPOT p50 / p99 ms):", "",
+              *_table(["configuration", *classes],
+                      [[c.name, *(f"{_fmt(c.class_tokens_per_second.get(k, math.nan))} "
+                                  f"({_fmt(c.class_latency[k].tpot_p50 * 1e3)} / "
+                                  f"{_fmt(c.class_latency[k].tpot_p99 * 1e3)})"
+                                  if k in c.class_latency else "-" for k in classes)]
+                       for c in report.configs]), ""]
+    lines += ["vLLM's own figures (its serving benchmark's result JSON, `vllm-results.json`; "
+              "per phase: output tokens/s; TTFT, TPOT and end-to-end latency p50-p99 ms; "
+              "medians of the repetitions; - where vLLM did not compute one):", "",
+              *_table(["configuration", *phases],
+                      [[c.name, *(f"{_fmt(v['output_throughput'])} tok/s; TTFT "
+                                  f"{_fmt(v['median_ttft_ms'], 0)}-{_fmt(v['p99_ttft_ms'], 0)}; "
+                                  f"TPOT {_fmt(v['median_tpot_ms'])}-{_fmt(v['p99_tpot_ms'])}; "
+                                  f"E2E {_fmt(v['median_e2el_ms'], 0)}-"
+                                  f"{_fmt(v['p99_e2el_ms'], 0)}"
+                                  for v in c.vllm)] for c in report.configs]), ""]
+    lines += ["Acceptance (vLLM's spec-decode counters, accepted / drafted tokens, per phase):",
+              "", *_table(["configuration", *phases],
+                          [[c.name, *(_fmt(c.acceptance.get(p.name, math.nan), 2)
+                                      for p in report.phases)]
+                           for c in report.configs if c.name != OFF]), ""]
+    for v in report.versus:
+        lines += [
+            f"**{v.name}** / best static ({v.best_static}): **{v.ratio_best_static:.3f}x** "
+            f"end to end (goal >= {GOAL_OVERALL}); per repetition "
+            + ", ".join(f"{x:.3f}" for x in v.spread),
+            "- per phase against that phase's best static: " + ", ".join(
+                f"{p} {r:.3f} ({b})" for p, r, b in zip(phases, v.ratio_per_phase,
+                                                      v.best_per_phase, strict=True))
+            + f" (goal >= {GOAL_PER_PHASE})",
+            f"- share of the ceiling (each phase on its best static, "
+            f"{_fmt(v.ceiling_tokens_per_second)} tokens/s): **{v.ceiling_share:.3f}** "
+            f"(goal >= {GOAL_CEILING_SHARE})",
+            f"- TPOT p99 / the best static's: {v.tpot_p99_ratio:.3f} (goal <= 1)", ""]
+    lines += [*report.drafter_tables]
+    requests = sum(p.requests for p in report.phases)
+    lines += [f"- sampled distribution the target's in every configuration: "
+              f"{'yes' if report.distributions_same else 'NO'}"
+              f"; greedy requests whose text differs from no speculation's first run: per "
+              f"configuration above, and {report.greedy_noise} between no speculation's own "
+              f"repetitions (of {requests} requests a run, all classes), the dtype's noise",
+              f"- whole benchmark {report.seconds / 60:.1f} min"]
+    return "\n".join(lines)
+
+
+def report_json(report: RealReport) -> dict[str, Any]:
+    def clean(x: float) -> float | None:
+        return None if math.isnan(x) else round(x, 5)
+
+    return {
+        "headline": report.headline(),
+        "phases": [vars(p) for p in report.phases],
+        "configs": [{"name": c.name, "tokens_per_second": clean(c.tokens_per_second),
+                     "rates": [clean(x) for x in c.rates],
+                     "phase_rates": [clean(x) for x in c.phase_rates],
+                     "latency": {k: clean(v) for k, v in vars(c.latency).items()},
+                     "class_latency": {k: {n: clean(x) for n, x in vars(v).items()}
+                                       for k, v in c.class_latency.items()},
+                     "class_tokens_per_second": {k: clean(v) for k, v in
+                                                 c.class_tokens_per_second.items()},
+                     "acceptance": {k: clean(v) for k, v in c.acceptance.items()},
+                     "mismatched": c.mismatched,
+                     "distribution": [{"p_value": x.p_value, "total_variation":
+                                       round(x.total_variation, 4), "same": x.same}
+                                      for x in c.distribution]}
+                    for c in report.configs],
+        "versus": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(x).items()}
+                   for x in report.versus],
+        "exact": report.exact, "seconds": round(report.seconds, 1),
+        "drafters": report.drafters,
+    }
+
+
+def plot(report: RealReport, path: Path) -> None:
+    import numpy as np
+
+    from benchmarks.plots import pyplot, save_figure
+
+    plt = pyplot()
+    groups = [f"{p.name}\n(c={p.concurrency})" for p in report.phases] + ["all"]
+    x = np.arange(len(groups))
+    width = 0.8 / max(len(report.configs), 1)
+    fig, ax = plt.subplots(figsize=(14, 4.8))
+    ours = {v.name for v in report.versus}
+    for i, c in enumerate(report.configs):
+        ax.bar(x + (i - (len(report.configs) - 1) / 2) * width,
+               [*c.phase_rates, c.tokens_per_second], width, label=c.name,
+               edgecolor="black" if c.name in ours else None)
+    ax.set_xticks(x, groups)
+    ax.set_ylabel("output tokens/s (median)")
+    ax.legend(ncol=3, fontsize=8)
+    ax.set_title(report.headline())
+    save_figure(fig, path)
+
+
+def drafter_tables(models: RealModels) -> list[str]:
+    """The drafters' acceptance per class and position and the engine's step costs (measured
+    once per drafter build), as markdown."""
+    from benchmarks.real import acceptance, step_costs
+
+    return ["Each drafter's acceptance (held-out prompts, static K=4):", "",
+            acceptance.markdown(acceptance.record(models)), "",
+            "Engine step costs (ms per step):", "",
+            step_costs.markdown(step_costs.record(models)), ""]
+
+
+def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
+                   echo: Printer = print) -> RealReport:
+    from benchmarks.demo.engine import apply_engine_env
+    from benchmarks.demo.sidecar import Sidecar
+    from benchmarks.real.models import prepare_real_models
+
+    apply_engine_env()
+    started = time.monotonic()
+    configs = real_configs()
+    if options.configs:
+        unknown = set(options.configs) - {c.name for c in configs}
+        if unknown:
+            raise ValueError(f"unknown configurations {sorted(unknown)}; known: "
+                             f"{[c.name for c in configs]}")
+        configs = [c for c in configs if c.name in options.configs]
+    drafters = any(c.drafter in ("eagle", "draft") for c in configs)
+    models = prepare_real_models(options.cache, drafters=drafters)
+    tables = drafter_tables(models) if drafters else []
+    heldout = {c.name: models.traffic.requests(c.name, HELDOUT) for c in CLASSES}
+    plan = build_plan(heldout, options.phases)
+    greedy = frozenset(c.name for c in CLASSES if c.temperature == 0)
+    offline = [c.name for c in CLASSES if c.offline]
+    sampled = next(r for phase in plan for r in phase if r.temperature > 0)
+    from vllm.tokenizers import get_tokenizer
+
+    tokenizer = get_tokenizer(str(models.target))
+    runs: dict[str, list[Run]] = {c.name: [] for c in configs}
+    probes: dict[str, list[list[int]]] = {}
+    total = options.reps * len(configs)
+    logs = options.out / "logs"
+    with ExitStack() as stack:
+        controllers: dict[str, Sidecar] = {}
+        for c in configs:
+            if c.specpilot:
+                controllers[c.name] = Sidecar({"report_interval_seconds": 0.5, "seed": 0,
+                                               "offline_classes": offline})
+                stack.callback(controllers[c.name].stop)
+        for rep in range(options.reps):
+            for config in rotated(configs, rep):
+                port = free_port()
+                command = server_command(
+                    models.target, SERVED_NAME, port, specpilot=config.specpilot,
+                    speculative_config=config.speculative_config(models.draft, models.eagle),
+                    max_num_seqs=max(p.concurrency for p in options.phases))
+                env = ({"SPECPILOT_PLUGIN_CONTROLLER": controllers[config.name].target,
+                        "SPECPILOT_PLUGIN_ENGINE_ID": f"{config.name}-{rep}",
+                        **{f"SPECPILOT_PLUGIN_{k}": v for k, v in config.plugin_env.items()}}
+                       if config.specpilot else {})
+                with OpenAIServer(command, env, logs / f"{config.name}-{rep}.log", port) as url:
+                    results = []
+                    for phase, requests in zip(options.phases, plan, strict=True):
+                        results.append(run_phase(url, SERVED_NAME, requests,
+                                                 phase.concurrency, options.max_tokens,
+                                                 tokenizer))
+                    if config.name not in probes and options.probe_samples:
+                        probes[config.name] = sample_probe(url, SERVED_NAME, sampled,
+                                                           options.probe_samples)
+                run = Run(config.name, rep, results)
+                runs[config.name].append(run)
+                echo(f"[{sum(len(v) for v in runs.values())}/{total}] rep {rep + 1} "
+                     f"{config.name:<16} {run.tokens_per_second:7.1f} tok/s  phases "
+                     + " ".join(f"{run.phase_rate(i):.1f}" for i in range(len(results)))
+                     + f"  ({(time.monotonic() - started) / 60:.1f} min)")
+        decisions = {name: c.get("/api/decisions") for name, c in controllers.items()}
+    reference = (runs.get(OFF) or next(iter(runs.values())))[0]
+    figs = [figures(c.name, runs[c.name], plan, reference, options.phases, greedy,
+                    probes.get(c.name), probes.get(OFF)) for c in configs]
+    statics = [f for f, c in zip(figs, configs, strict=True) if not c.specpilot]
+    report = RealReport(
+        figs, [versus(f, statics, reference) for f, c in zip(figs, configs, strict=True)
+               if c.specpilot and statics],
+        options.phases, time.monotonic() - started, models.drafter_summary, tables)
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "real.json").write_text(json.dumps(report_json(report), indent=2) + "\n")
+    # vLLM's own result JSON of every phase of every run, as its serving benchmark wrote it.
+    (out / "vllm-results.json").write_text(json.dumps(
+        {name: [{"rep": r.rep, "phases": r.phases} for r in rs] for name, rs in runs.items()})
+        + "\n")
+    (out / "probes.json").write_text(json.dumps(probes) + "\n")
+    for name, body in decisions.items():
+        (out / f"decisions-{name}.json").write_bytes(body)
+    (out / "real.md").write_text(markdown(report) + "\n")
+    if options.plots:
+        plot(report, out / "real.png")
+    echo(markdown(report))
+    echo(f"written to {out}/real.{{json,md{',png' if options.plots else ''}}}, "
+         "vllm-results.json, probes.json")
+    return report
