@@ -43,7 +43,8 @@ from benchmarks.demo.models import (
 VERSION = "specpilot-eagle-head-1"
 MARKER = "eagle-head.json"
 DIRECTORY = "eagle"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -226,9 +227,15 @@ def save_eagle_head(head: EagleHead, target_dir: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_file(head.state_dict(), str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(head.config.to_dict(), indent=2) + "\n")
+    copy_tokenizer(target_dir, out)
+
+
+def copy_tokenizer(src: Path, out: Path) -> None:
+    """The tokenizer files (those present) of the model in ``src`` into ``out``: a draft
+    carries its target's tokenizer, which the tokenizer guard reads from its directory."""
     for name in _TOKENIZER_FILES:
-        if (target_dir / name).exists():
-            shutil.copy(target_dir / name, out / name)
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
 
 
 def _build(tmp: Path, models: ModelSet, settings: EagleSettings, progress: bool

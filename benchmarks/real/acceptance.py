@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.demo.configs import PROBABILISTIC, EngineConfig
-from benchmarks.real.sharegpt import CLASSES, HELDOUT
+from benchmarks.real.sharegpt import CLASSES, HELDOUT, chat_ids
 from benchmarks.real.smollm2 import SERVE_DTYPE
 
 if TYPE_CHECKING:
@@ -65,9 +65,7 @@ def measure(models: RealModels, echo: Callable[[str], None] = print) -> list[Row
         if c.offline:
             continue
         chosen = models.traffic.requests(c.name, HELDOUT)[:PROMPTS_PER_CLASS]
-        encoded: list[Any] = [tokenizer.apply_chat_template(
-            r.messages, add_generation_prompt=True, tokenize=True) for r in chosen]
-        prompts[c.name] = [list(e["input_ids"]) for e in encoded]
+        prompts[c.name] = [chat_ids(tokenizer, r.messages) for r in chosen]
     rows = []
     for config in DRAFTERS:
         echo(f"==> acceptance of {config.name} ({len(prompts)} classes x {PROMPTS_PER_CLASS} "

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from benchmarks.demo.workload import ClassSpec, DemoRequest, Phase, RequestPlan, Workload
 from benchmarks.real.plan import PHASES, LoadPhase, build_plan
-from benchmarks.real.sharegpt import CLASSES, HELDOUT, TrafficSet
+from benchmarks.real.sharegpt import CLASSES, HELDOUT, TrafficSet, chat_ids
 
 # Output tokens per request in the demo (each class's own cap may be lower).
 DEMO_MAX_TOKENS = 96
@@ -38,11 +37,9 @@ def real_request_plan(traffic: TrafficSet, tokenizer_dir: Path,
     for index, requests in enumerate(chosen):
         rows = []
         for r in requests:
-            encoded: Any = tokenizer.apply_chat_template(r.messages, add_generation_prompt=True,
-                                                         tokenize=True)
             spec = specs[r.class_name]
             rows.append(DemoRequest(f"{index}-{r.id}", index, r.class_name,
-                                    tuple(int(t) for t in encoded["input_ids"]),
+                                    tuple(chat_ids(tokenizer, r.messages)),
                                     spec.max_tokens, spec.temperature))
         by_phase.append(tuple(rows))
     return RequestPlan(workload, tuple(r for p in by_phase for r in p), tuple(by_phase))

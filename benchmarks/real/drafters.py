@@ -26,6 +26,7 @@ from benchmarks.demo.cache import build_once, read_marker
 from benchmarks.demo.eagle import (
     EagleHead,
     EagleSettings,
+    copy_tokenizer,
     head_logits,
     save_eagle_head,
     train_head,
@@ -35,8 +36,6 @@ from benchmarks.real.smollm2 import MARKER as TARGET_MARKER
 
 VERSION = "specpilot-smollm2-drafters-1"
 MARKER = "drafter.json"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                    "special_tokens_map.json")
 
 
 @dataclass(frozen=True)
@@ -131,12 +130,6 @@ def load_target(target_dir: Path) -> Any:
     return target
 
 
-def _copy_tokenizer(src: Path, out: Path) -> None:
-    for name in _TOKENIZER_FILES:
-        if (src / name).exists():
-            (out / name).write_bytes((src / name).read_bytes())
-
-
 def train_eagle(target_dir: Path, data: ConversationWindows, out: Path,
                 settings: DrafterSettings, progress: bool) -> dict[str, Any]:
     target = load_target(target_dir)
@@ -148,7 +141,6 @@ def train_eagle(target_dir: Path, data: ConversationWindows, out: Path,
                          progress=progress, vocab=data.frequent(settings.vocab_rows),
                          unroll=settings.head_unroll)
     save_eagle_head(head, target_dir, out)
-    _copy_tokenizer(target_dir, out)
     return summary
 
 
@@ -229,7 +221,7 @@ def train_draft(target_dir: Path, data: ConversationWindows, out: Path,
     draft = truncated_target(target, settings.draft_layers)
     summary = distill_draft(target, draft, data, settings, progress)
     draft.to(torch.bfloat16).save_pretrained(out)
-    _copy_tokenizer(target_dir, out)
+    copy_tokenizer(target_dir, out)
     return summary
 
 

@@ -14,7 +14,14 @@ from typing import Any
 
 from benchmarks.real.drafters import MARKER as DRAFTER_MARKER
 from benchmarks.real.drafters import QUICK_SETTINGS, TrainingText, prepare_drafters
-from benchmarks.real.sharegpt import CLASSES, TUNING, TrafficRequest, TrafficSet, prepare_traffic
+from benchmarks.real.sharegpt import (
+    CLASSES,
+    TUNING,
+    TrafficRequest,
+    TrafficSet,
+    chat_ids,
+    prepare_traffic,
+)
 from benchmarks.real.smollm2 import prepare_target
 
 # Tuning conversations the drafters train on (a fixed sample, by the classes' shares), and how
@@ -85,19 +92,15 @@ def training_text(traffic: TrafficSet, tokenizer_dir: Path, *,
     random.Random(TRAINING_SEED).shuffle(chosen)
     answered, written = chosen[:own], chosen[own:]
 
-    def ids(messages: list[dict[str, str]], prompt: bool) -> list[int]:
-        encoded: Any = tokenizer.apply_chat_template(messages, tokenize=True,
-                                                     add_generation_prompt=prompt)
-        return [int(t) for t in encoded["input_ids"]]
-
     if progress and answered:
         print(f"[specpilot models] the target answers {len(answered)} tuning prompts itself "
               "(drafter training data)", file=sys.stderr, flush=True)
-    mine = own_answers(tokenizer_dir, [ids(r.messages, True) for r in answered],
+    mine = own_answers(tokenizer_dir, [chat_ids(tokenizer, r.messages) for r in answered],
                        [r.temperature for r in answered], OWN_ANSWER_TOKENS,
                        progress) if answered else []
     return TrainingText(own=mine, written=[
-        ids([*r.messages, {"role": "assistant", "content": r.reference}], False)
+        chat_ids(tokenizer, [*r.messages, {"role": "assistant", "content": r.reference}],
+                 generation_prompt=False)
         for r in written])
 
 

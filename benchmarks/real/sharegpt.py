@@ -285,6 +285,16 @@ class TokenCounter(Protocol):
         ...
 
 
+def chat_ids(tokenizer: Any, messages: Sequence[Message], *,
+             generation_prompt: bool = True) -> list[int]:
+    """``messages`` rendered with ``tokenizer``'s chat template, as token ids (with the
+    assistant's generation prompt unless ``generation_prompt`` is off)."""
+    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
+                                        tokenize=True)
+    ids = out["input_ids"] if isinstance(out, Mapping) else out  # transformers 5: a dict
+    return [int(t) for t in ids]
+
+
 class ChatTemplateCounter:
     """A :class:`TokenCounter` over a ``transformers`` tokenizer with a chat template."""
 
@@ -292,10 +302,7 @@ class ChatTemplateCounter:
         self._tok = tokenizer
 
     def prompt_tokens(self, messages: Sequence[Message]) -> int:
-        out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True,
-                                            tokenize=True)
-        ids = out["input_ids"] if isinstance(out, Mapping) else out  # transformers 5: a dict
-        return len(ids)
+        return len(chat_ids(self._tok, messages))
 
     def text_tokens(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False))

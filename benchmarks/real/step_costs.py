@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks.demo.configs import OFF, EngineConfig
 from benchmarks.real.acceptance import DRAFTERS, measured_once
-from benchmarks.real.sharegpt import HELDOUT
+from benchmarks.real.sharegpt import HELDOUT, chat_ids
 from benchmarks.real.smollm2 import SERVE_DTYPE
 
 if TYPE_CHECKING:
@@ -40,11 +40,9 @@ def measure(models: RealModels, echo: Callable[[str], None] = print
     chats = models.traffic.requests("chat", HELDOUT)
     prompts: list[Any] = []
     for r in chats:
-        encoded: Any = tokenizer.apply_chat_template(r.messages, add_generation_prompt=True,
-                                                     tokenize=True)
-        if len(encoded["input_ids"]) >= PROMPT_TOKENS:
-            prompts.append(TokensPrompt(prompt_token_ids=list(
-                encoded["input_ids"][-PROMPT_TOKENS:])))
+        ids = chat_ids(tokenizer, r.messages)
+        if len(ids) >= PROMPT_TOKENS:
+            prompts.append(TokensPrompt(prompt_token_ids=ids[-PROMPT_TOKENS:]))
         if len(prompts) == max(BATCHES):
             break
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

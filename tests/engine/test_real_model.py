@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
 from benchmarks.real.models import RealModels, prepare_real_models
+from benchmarks.real.sharegpt import chat_ids
 from benchmarks.real.smollm2 import MARKER, SMOLLM2
 from engine_plugin.ngram import NGRAM_DRAFT
 from tests.engine.conftest import require_engine_deps
@@ -52,12 +53,8 @@ def prompts(real: RealModels) -> list[Any]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real.target)
-    out = []
-    for q in QUESTIONS:
-        encoded: Any = tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                                     add_generation_prompt=True, tokenize=True)
-        out.append({"prompt_token_ids": list(encoded["input_ids"])})
-    return out
+    return [{"prompt_token_ids": chat_ids(tokenizer, [{"role": "user", "content": q}])}
+            for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
