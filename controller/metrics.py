@@ -2,8 +2,10 @@
 
 Conventions: prefix ``specpilot_``, base units (ratios in 0..1, seconds), ``_total`` on counters,
 labels only from bounded sets: ``class`` (at most ``max_classes`` + "other" + "default"), ``draft``
-(drafts the engines offered), ``bucket`` (batch-bucket index, as in the policy API), ``reason``
-and ``outcome`` (the fixed sets below).
+(drafts the engines offered), ``batch`` (a batch range, named as everywhere else: "1", "3-4",
+"129+"), ``reason`` and ``outcome`` (the fixed sets below). The per-class series carry
+``model_name``, the label vLLM's own ``vllm:*`` series carry, so the two join. No ``_created``
+series: they double the exposition and no dashboard or alert reads them.
 
 Event counters are incremented by the server as things happen. Gauges that describe the core's
 state are read from the core at scrape time by a collector, so they can never go stale and a class
@@ -16,14 +18,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from controller.core.buckets import batch_range
 from controller.core.controller import ControllerCore
 from controller.core.recommend import Recommendation
 from controller.core.snapshot import CoreSnapshot
 from controller.core.types import DecisionEvent, Reason, StepPrediction
+
+disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide
 
 RejectReason = Literal["validation", "implausible", "oversized", "before_hello"]
 HelloOutcome = Literal["accepted", "rejected", "unauthenticated", "permission_denied"]
@@ -33,8 +45,12 @@ WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied", 
 class Metrics:
     """The counters of one server instance, plus the collector that reads its core."""
 
-    def __init__(self, core: ControllerCore, clock: Callable[[], float]) -> None:
+    def __init__(self, core: ControllerCore, clock: Callable[[], float],
+                 model_name: str = "") -> None:
+        """``model_name``: the served model's name as vLLM labels its series (the fleet's
+        ``fleet_model``); "" = the one the engines announce."""
         self.registry = CollectorRegistry()
+        self._bounds = core.config.batch_bucket_upper_bounds
         r = self.registry
         # prometheus_client appends "_total" to counter names.
         self._reports_received = Counter(
@@ -76,11 +92,11 @@ class Metrics:
             registry=r)
         # The cost model's calibration, one step ahead: for each step-timing record, the steps,
         # their measured seconds and the seconds the model predicted for them just before
-        # learning them. rate(predicted) / rate(measured) per bucket and K is its bias.
-        cost_labels = ["bucket", "k"]
+        # learning them. rate(predicted) / rate(measured) per batch range and K is its bias.
+        cost_labels = ["batch", "k"]
         self._timed_steps = Counter(
             "specpilot_cost_model_steps",
-            "Engine steps in accepted step-timing records, by batch bucket and K.",
+            "Engine steps in accepted step-timing records, by batch range and K.",
             cost_labels, registry=r)
         self._measured_seconds = Counter(
             "specpilot_cost_model_measured_seconds",
@@ -101,7 +117,7 @@ class Metrics:
         self._store_up: Gauge | None = None
         self._recommended: Gauge | None = None
         self._option_goodput: Gauge | None = None  # created by the first fleet round
-        r.register(_CoreCollector(core, clock))
+        r.register(_CoreCollector(core, clock, model_name))
 
     def render(self) -> bytes:
         """The text exposition of this server's registry."""
@@ -129,7 +145,7 @@ class Metrics:
         self._records_dropped.inc(records_dropped)
         self._classes_folded.inc(folded_classes)
         for p in predictions:
-            labels = (str(p.batch_bucket), str(p.k))
+            labels = (batch_range(self._bounds, p.batch_bucket), str(p.k))
             self._timed_steps.labels(*labels).inc(p.steps)
             self._measured_seconds.labels(*labels).inc(p.steps * p.measured_seconds)
             self._predicted_seconds.labels(*labels).inc(p.steps * p.predicted_seconds)
@@ -190,12 +206,19 @@ class Metrics:
 class _CoreCollector(Collector):
     """Gauges (and one counter) read from the core's snapshot at scrape time."""
 
-    def __init__(self, core: ControllerCore, clock: Callable[[], float]) -> None:
+    def __init__(self, core: ControllerCore, clock: Callable[[], float],
+                 model_name: str) -> None:
         self._core = core
         self._clock = clock
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         snap = self._core.snapshot(self._clock())
+        # The model the engines serve, kept once seen: series keep their labels while the
+        # engine reconnects.
+        self._model_name = self._model_name or next(
+            (e.model for e in snap.engines if e.model), "")
+        model = self._model_name
         yield GaugeMetricFamily("specpilot_engines_connected", "Engines with an open stream.",
                                 value=len(snap.engines))
         yield GaugeMetricFamily("specpilot_policy_version",
@@ -206,8 +229,8 @@ class _CoreCollector(Collector):
         yield GaugeMetricFamily("specpilot_overrides_active", "Operator overrides in force.",
                                 value=len(snap.overrides))
         yield from _engines(snap)
-        yield from _acceptance(snap)
-        yield from _decisions(snap)
+        yield from _acceptance(snap, model)
+        yield from _decisions(snap, model)
 
 
 def _engines(snap: CoreSnapshot) -> Iterator[Metric]:
@@ -227,8 +250,8 @@ def _engines(snap: CoreSnapshot) -> Iterator[Metric]:
         value=max((e.versions_behind for e in engines), default=0))
 
 
-def _acceptance(snap: CoreSnapshot) -> Iterator[Metric]:
-    labels = ["class", "draft"]
+def _acceptance(snap: CoreSnapshot, model: str) -> Iterator[Metric]:
+    labels = ["model_name", "class", "draft"]
     first = GaugeMetricFamily(
         "specpilot_acceptance_first_position_ratio",
         "Posterior mean acceptance rate of draft position 1.", labels=labels)
@@ -243,36 +266,47 @@ def _acceptance(snap: CoreSnapshot) -> Iterator[Metric]:
     with_evidence = sorted((e for c in snap.classes for e in c.estimates if e.has_evidence),
                            key=lambda e: (e.traffic_class, e.draft))
     for e in with_evidence:
-        first.add_metric([e.traffic_class, e.draft], float(e.posterior.mean[0]))
-        pooled.add_metric([e.traffic_class, e.draft], e.per_token_rate)
-        changes.add_metric([e.traffic_class, e.draft], e.changes_detected)
+        values = [model, e.traffic_class, e.draft]
+        first.add_metric(values, float(e.posterior.mean[0]))
+        pooled.add_metric(values, e.per_token_rate)
+        changes.add_metric(values, e.changes_detected)
     yield from (first, pooled, changes)
 
 
-def _decisions(snap: CoreSnapshot) -> Iterator[Metric]:
+def _decisions(snap: CoreSnapshot, model: str) -> Iterator[Metric]:
+    per_batch = ["model_name", "class", "batch"]
     k = GaugeMetricFamily(
         "specpilot_decision_speculative_tokens",
-        "K chosen: draft tokens per step, per class and batch bucket (0 = speculation off).",
-        labels=["class", "bucket"])
+        "K chosen: draft tokens per step, per class and batch range (0 = speculation off).",
+        labels=per_batch)
     speedup = GaugeMetricFamily(
         "specpilot_decision_expected_speedup_ratio",
-        "Expected speedup of the chosen arm over no speculation (1 = no gain).",
-        labels=["class", "bucket"])
+        "Expected speedup of the chosen arm over no speculation, by the controller's estimates "
+        "(1 = no gain).", labels=per_batch)
     probe = GaugeMetricFamily(
         "specpilot_decision_probe_ratio",
         "Share of the class's requests (or of steps, where the engine probes whole steps) "
-        "probed with the model draft at a low K while the class runs none.",
-        labels=["class", "bucket"])
+        "probed with the model draft at a low K while the class runs none.", labels=per_batch)
+    measured = GaugeMetricFamily(
+        "specpilot_class_measured_speedup_ratio",
+        "Speedup the class's served speculative steps achieved over no speculation: the tokens "
+        "they emitted per step (measured acceptance) over their time relative to a plain step "
+        "(the cost model's), decayed; absent before its first speculative step.",
+        labels=["model_name", "class"])
     enabled = GaugeMetricFamily(
         "specpilot_speculation_enabled",
-        "1 when the class speculates in at least one batch bucket, else 0.", labels=["class"])
+        "1 when the class speculates in at least one batch range, else 0.",
+        labels=["model_name", "class"])
+    bounds = snap.batch_bucket_upper_bounds
     for c in snap.classes:
         if not c.decisions:
             continue
         for d in c.decisions:
-            labels = [c.name, str(d.bucket)]
+            labels = [model, c.name, batch_range(bounds, d.bucket)]
             k.add_metric(labels, d.k)
             speedup.add_metric(labels, d.expected_speedup)
             probe.add_metric(labels, d.probe_rate)
-        enabled.add_metric([c.name], float(c.speculating))
-    yield from (k, speedup, probe, enabled)
+        enabled.add_metric([model, c.name], float(c.speculating))
+        if c.measured_speedup is not None:
+            measured.add_metric([model, c.name], c.measured_speedup)
+    yield from (k, speedup, probe, measured, enabled)

@@ -9,12 +9,19 @@ from them with flat names: the field's name with the concern's prefix (``cost_pr
 Sources, later ones win: defaults < YAML file (``--config`` or ``SPECPILOT_CONFIG``) <
 environment (``SPECPILOT_<NAME>``, e.g. ``SPECPILOT_HALF_LIFE_SECONDS=120``) < command-line flags.
 Lists in the environment are JSON (``SPECPILOT_OFFLINE_CLASSES='["batch"]'``).
-A bad value stops start-up with one line naming the setting (see ``load_settings``).
+Bad settings stop start-up with one line per problem, every problem at once: the setting, what
+is wrong, where it was given (file and line, variable or flag) and, for a name that is not a
+setting, the closest ones (see ``load_settings``). ``unknown_environment`` names SPECPILOT_*
+variables that nothing reads (a misspelt one would otherwise be ignored silently).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -33,7 +40,7 @@ from typing import (
 import yaml
 from pydantic import AfterValidator, SecretStr, ValidationError, create_model, model_validator
 from pydantic import Field as PydanticField
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from controller.core.acceptance import EstimatorConfig
 from controller.core.controller import CoreConfig
@@ -47,9 +54,18 @@ if TYPE_CHECKING:
 
 T = TypeVar("T", bound="DataclassInstance")
 
+ENV_PREFIX = "SPECPILOT_"
+# The engine plugin's variables (engine_plugin.config): the plugin checks those itself.
+PLUGIN_ENV_PREFIX = "SPECPILOT_PLUGIN_"
+
 
 class SettingsError(ValueError):
-    """A setting has a bad value; the message names it."""
+    """Settings that cannot be used: ``lines``, one per problem (every problem found at once),
+    each naming the setting; the message is the lines joined by newlines."""
+
+    def __init__(self, *lines: str) -> None:
+        super().__init__("\n".join(lines))
+        self.lines: tuple[str, ...] = lines
 
 
 @dataclass(frozen=True)
@@ -260,22 +276,38 @@ def _pydantic_field(s: _Setting) -> tuple[Any, Any]:
 
 
 class _SettingsModel(BaseSettings):
-    """The base of ``Settings``: sources, strictness and the checks between settings."""
+    """The base of ``Settings``: strictness and the checks between settings. Its only source is
+    its arguments: ``load_settings`` reads the file and the environment itself, so that it can
+    say where each bad value came from and report every one at once."""
 
-    model_config = SettingsConfigDict(env_prefix="SPECPILOT_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
     if TYPE_CHECKING:
         # The fields are generated from CONCERNS, so the type checker cannot see them.
         def __getattr__(self, name: str) -> Any: ...
 
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
     @model_validator(mode="after")
     def _check_relations(self) -> _SettingsModel:
+        # One line per broken relation, each starting with its setting (load_settings splits).
+        broken: list[str] = []
         for s in SETTINGS.values():
             value = getattr(self, s.name)
             if (other := s.constraints.at_most) and value > getattr(self, other):
-                raise ValueError(f"{s.name}: must not exceed {other}")
+                broken.append(f"{s.name}: must not exceed {other} ({getattr(self, other)}), "
+                              f"got {value!r}")
             if (other := s.constraints.one_of) and value not in getattr(self, other):
-                raise ValueError(f"{s.name}: must be one of {other}")
+                broken.append(f"{s.name}: must be one of {other} {getattr(self, other)}, "
+                              f"got {value!r}")
+        if broken:
+            raise ValueError("\n".join(broken))
         return self
 
 
@@ -288,32 +320,220 @@ else:
         **{s.name: _pydantic_field(s) for s in SETTINGS.values()})
 
 
+def env_name(setting: str) -> str:
+    """The environment variable of a setting: SPECPILOT_<NAME>."""
+    return ENV_PREFIX + setting.upper()
+
+
+def close_settings(key: str, names: Iterable[str] | None = None) -> list[str]:
+    """The name a mistyped ``key`` probably meant (``names``: the settings by default), as a
+    list of one or none; a key that is a setting's name in another spelling (``max-k``, ``MAX_K``,
+    ``SPECPILOT_MAX_K``) gives that setting alone."""
+    known = list(SETTINGS if names is None else names)
+    folded = key.strip().lower().replace("-", "_")
+    for candidate in (folded, folded.removeprefix(ENV_PREFIX.lower())):
+        if exact := [n for n in known if n.lower() == candidate]:
+            return exact
+    near = difflib.get_close_matches(folded, [n.lower() for n in known], n=1, cutoff=0.6)
+    return [n for n in known if n.lower() in near]
+
+
+def _did_you_mean(names: Sequence[str]) -> str:
+    if not names:
+        return ""
+    return f"; did you mean {' or '.join(names)}?"
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """Where a value was given: the settings file (``line``), the environment or a flag."""
+
+    label: str  # "FILE:LINE", "SPECPILOT_<NAME>", a flag such as "--grpc-port", or ""
+    rank: int  # the file 0, the environment 1, arguments 2: the order problems are listed in
+    line: int = 0
+    in_file: bool = False
+
+    def say(self, key: str, what: str) -> str:
+        if self.in_file:
+            return f"{self.label}: bad setting {key}: {what}"
+        return f"bad setting {key}: {what}" + (f" (from {self.label})" if self.label else "")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    origin: _Origin
+    key: str
+    what: str
+
+    def __str__(self) -> str:
+        return self.origin.say(self.key, self.what)
+
+
+def _not_a_setting(key: str, origin: _Origin) -> _Problem:
+    near = close_settings(key)
+    hint = _did_you_mean(near) or " (specpilot settings --markdown lists every setting)"
+    return _Problem(origin, key, "not a setting" + hint)
+
+
+def _file_values(config_file: str | Path) -> tuple[dict[str, tuple[Any, _Origin]],
+                                                  list[_Problem]]:
+    """The settings file's values by key with the line of each key, and its keys' problems
+    (not a setting, set twice). SettingsError for a file that cannot be read or is not a
+    mapping."""
+    try:
+        text = Path(config_file).read_text()
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        loaded = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise SettingsError(f"config file {config_file}: {exc}") from exc
+    if loaded is None:
+        return {}, []
+    if not isinstance(loaded, dict) or not isinstance(node, yaml.MappingNode):
+        raise SettingsError(f"config file {config_file}: expected a mapping of settings "
+                            "(NAME: VALUE, one a line)")
+    lines: dict[str, list[int]] = {}
+    for key_node, _ in node.value:
+        if isinstance(key_node, yaml.ScalarNode):
+            lines.setdefault(key_node.value, []).append(key_node.start_mark.line + 1)
+    values: dict[str, tuple[Any, _Origin]] = {}
+    problems: list[_Problem] = []
+    for key, value in loaded.items():
+        at = lines.get(str(key), [0])
+        origin = _Origin(f"{config_file}:{at[-1]}" if at[-1] else str(config_file), 0,
+                         at[-1], in_file=True)
+        if not isinstance(key, str) or key not in SETTINGS:
+            problems.append(_not_a_setting(str(key), origin))
+            continue
+        if len(at) > 1:
+            problems.append(_Problem(origin, key, f"set twice (also on line "
+                                                  f"{', '.join(map(str, at[:-1]))}): keep one"))
+        values[key] = (value, origin)
+    return values, problems
+
+
+def _is_list(s: _Setting) -> bool:
+    return get_origin(s.hint) in (tuple, frozenset, list, set)
+
+
+def _environment_values(environ: Mapping[str, str]
+                        ) -> tuple[dict[str, tuple[Any, _Origin]], list[_Problem]]:
+    """Each setting's SPECPILOT_<NAME> variable (any case, as pydantic-settings reads them); a
+    list setting's value is JSON there."""
+    given = {k.upper(): v for k, v in environ.items() if k.upper().startswith(ENV_PREFIX)}
+    values: dict[str, tuple[Any, _Origin]] = {}
+    problems: list[_Problem] = []
+    for s in SETTINGS.values():
+        var = env_name(s.name)
+        if var not in given:
+            continue
+        origin = _Origin(var, 1)
+        raw: Any = given[var]
+        if _is_list(s):
+            try:
+                raw = json.loads(raw)
+            except ValueError:
+                example = json.dumps(_as_setting(s.default) or ["name"])
+                problems.append(_Problem(origin, s.name, f"not JSON, got {raw!r}: a list in the "
+                                                         f"environment is JSON, e.g. "
+                                                         f"{var}='{example}'"))
+                continue
+        values[s.name] = (raw, origin)
+    return values, problems
+
+
+def _what_is_wrong(name: str, err: Mapping[str, Any]) -> str:
+    """Pydantic's complaint about one value, with the value (never a secret's)."""
+    what = str(err["msg"]).removeprefix("Value error, ").removeprefix("Input ")
+    # Inside a list: its item, counted from 1.
+    item = [str(p + 1) if isinstance(p, int) else str(p) for p in err["loc"][1:]]
+    if item:
+        what = f"item {'.'.join(item)}: {what}"
+    secret = name in ("policy_token", "engine_token")
+    if err.get("type") != "missing" and not secret:
+        what += f", got {err['input']!r}"
+    return what
+
+
+def unknown_environment(environ: Mapping[str, str], also_known: Iterable[str] = ()
+                        ) -> list[str]:
+    """A warning for each SPECPILOT_* variable in ``environ`` that is neither a setting's nor
+    one of ``also_known`` (the tools' own, such as SPECPILOT_TARGET) nor the engine plugin's
+    (SPECPILOT_PLUGIN_*, which the plugin checks itself), with the closest names. Warnings,
+    not errors: another program may share the prefix."""
+    known = {env_name(n) for n in SETTINGS} | {v.upper() for v in also_known}
+    warnings = []
+    for var in sorted(environ):
+        name = var.upper()
+        if not name.startswith(ENV_PREFIX) or name.startswith(PLUGIN_ENV_PREFIX) \
+                or name in known:
+            continue
+        # Matched without the prefix, which every candidate shares.
+        near = [ENV_PREFIX + n for n in close_settings(
+            name.removeprefix(ENV_PREFIX), sorted(k.removeprefix(ENV_PREFIX) for k in known))]
+        hint = _did_you_mean(near) or " (specpilot settings --markdown lists the variables)"
+        warnings.append(f"{var} is not a specpilot setting or variable, so it is ignored{hint}")
+    return warnings
+
+
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
     """Build settings from file < environment < ``overrides`` (None values are ignored).
 
-    Raises SettingsError with one line naming the first bad setting.
+    Raises SettingsError with one line per problem, every problem at once, each naming the
+    setting (``settings_from`` says where each bad value came from).
     """
-    file_values: dict[str, Any] = {}
+    return settings_from(config_file, overrides)
+
+
+def settings_from(config_file: str | Path | None, overrides: Mapping[str, Any],
+                  origins: Mapping[str, str] | None = None,
+                  environ: Mapping[str, str] | None = None) -> Settings:
+    """``load_settings`` for the command line: ``origins`` names the flag each override came
+    from (``--grpc-port``), ``environ`` is ``os.environ`` by default.
+
+    Raises SettingsError with one line per problem: every key that is not a setting (with the
+    closest names), every bad value (what is wrong and the value given) and every broken
+    relation between settings (checked once every value is good), file problems first in line
+    order, each with where it was given: ``FILE:LINE: bad setting NAME: ...`` or ``bad setting
+    NAME: ... (from SPECPILOT_<NAME>)``.
+    """
+    problems: list[_Problem] = []
+    given: dict[str, tuple[Any, _Origin]] = {}
     if config_file is not None:
-        try:
-            loaded = yaml.safe_load(Path(config_file).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise SettingsError(f"config file {config_file}: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise SettingsError(f"config file {config_file}: expected a mapping of settings")
-        file_values = loaded or {}
-    explicit = {k: v for k, v in overrides.items() if v is not None}
+        file_values, file_problems = _file_values(config_file)
+        given.update(file_values)
+        problems += file_problems
+    env_values, env_problems = _environment_values(os.environ if environ is None else environ)
+    given.update(env_values)
+    problems += env_problems
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        origin = _Origin((origins or {}).get(key, ""), 2)
+        if key not in SETTINGS:
+            problems.append(_not_a_setting(key, origin))
+        else:
+            given[key] = (value, origin)
     try:
-        env_only = Settings()
-        # File values apply only where the environment did not set the field.
-        merged = {k: v for k, v in file_values.items() if k not in env_only.model_fields_set}
-        return Settings(**{**merged, **explicit})
+        settings = Settings(**{k: v for k, (v, _) in given.items()})
     except ValidationError as exc:
-        err = exc.errors()[0]
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        name = ".".join(str(p) for p in err["loc"])
-        # Cross-field checks name their setting at the start of the message.
-        raise SettingsError(f"bad setting {name}: {msg}" if name else f"bad setting {msg}") from exc
+        by_name: dict[str, list[str]] = {}
+        for err in exc.errors():
+            if err["loc"]:
+                name = str(err["loc"][0])
+                by_name.setdefault(name, []).append(_what_is_wrong(name, err))
+                continue
+            # Relations between settings: a line per broken one, starting with its setting.
+            for line in str(err["msg"]).removeprefix("Value error, ").splitlines():
+                name, _, what = line.partition(": ")
+                by_name.setdefault(name, []).append(what)
+        for name, whats in by_name.items():
+            origin = given[name][1] if name in given else _Origin("", 2)
+            problems.append(_Problem(origin, name, "; ".join(whats)))
+    else:
+        if not problems:
+            return settings
+    problems.sort(key=lambda p: (p.origin.rank, p.origin.line))
+    raise SettingsError(*map(str, problems))
 
 
 def core_config(settings: Settings) -> CoreConfig:
@@ -348,6 +568,19 @@ def _shown(default: Any) -> str:
     return "`unset`" if value is None else f"`{json.dumps(value)}`"
 
 
+# What most deployments set (the reference opens with these): where it listens, its tokens, the
+# fleet's store and identity, and which classes exist or are offline.
+COMMON_SETTINGS = ("grpc_port", "http_port", "policy_token_file", "engine_token", "state_store",
+                   "sidecar_id", "fleet_model", "offline_classes", "declared_classes", "max_k",
+                   "half_life_seconds")
+
+
+def _first_sentence(doc: str) -> str:
+    """The first sentence of a setting's meaning (the full text stays in its row)."""
+    head = re.split(r"(?<=[a-z0-9)\]`]\.)\s+(?=[A-Z])", doc, maxsplit=1)[0]
+    return head if head.endswith(".") else head + "."
+
+
 def settings_reference() -> str:
     """Markdown reference of every setting, one table per concern: name, environment variable,
     default, meaning with unit. docs/configuration.md is this text; a test keeps them equal."""
@@ -358,13 +591,22 @@ def settings_reference() -> str:
         "Each setting is documented once, under its field in the dataclass of its concern; the",
         "setting's name is the field's (with the concern's prefix, if any).",
         "Sources, later ones win: defaults < YAML file (`--config`) < environment "
-        "(`SPECPILOT_<NAME>`) < command-line flags.",
+        "(`SPECPILOT_<NAME>`) < command-line flags. In the environment, lists are JSON: "
+        "`SPECPILOT_OFFLINE_CLASSES='[\"batch\"]'`.",
     ]
+    common = [(f"[`{name}`](#{name.replace('_', '-')})", f"`SPECPILOT_{name.upper()}`",
+               _shown(SETTINGS[name].default), _first_sentence(SETTINGS[name].doc))
+              for name in COMMON_SETTINGS]
+    rows += ["", "## The settings people change", "",
+             "Most deployments set only these; every other setting has a default that suits "
+             "them. Each links to its full entry below.", "",
+             *markdown_table(("setting", "environment", "default", "what"), common)]
     for concern in CONCERNS:
         cls = concern.config
         summary = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
         prefix = f" Setting names: `{concern.prefix}` + field name." if concern.prefix else ""
-        table = [(f"`{s.name}`", f"`SPECPILOT_{s.name.upper()}`", _shown(s.default), s.doc)
+        table = [(f'<a id="{s.name.replace("_", "-")}"></a>`{s.name}`',
+                  f"`SPECPILOT_{s.name.upper()}`", _shown(s.default), s.doc)
                  for s in SETTINGS.values() if s.concern is cls]
         rows += ["", f"## `{cls.__name__}` (`{cls.__module__}`)", "", summary + prefix, "",
                  *markdown_table(("setting", "environment", "default", "meaning"), table)]

@@ -24,9 +24,11 @@ def register() -> None:
     """vLLM general-plugin entry point. Never raises: a problem here must not stop vLLM."""
     try:
         from engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
+        from engine_plugin.logs import follow_vllm_logging
         from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
         from engine_plugin.worker_patch import install_worker_patches
 
+        follow_vllm_logging()  # the plugin's lines in vLLM's output, with its format and level
         version = vllm_version()
         if not is_supported(version):
             log.error("specpilot: vLLM %s is not supported (need %s); serving without specpilot",

@@ -40,7 +40,21 @@ PROFILE_BATCH_SIZES = (1, 16, 32)
 PROFILE_KS = (0, 1, 2, 4)
 _REPEATS = 5
 _WARM_UPS = 2  # first calls allocate, and the first shapes also wake the thread pool
-_BUDGET_SECONDS = 2.0
+# A shape whose timed calls add up to this many seconds stops repeating after two: on a CPU the
+# largest verification steps take a quarter of a second each, and the budget must reach them.
+_SLOW_SHAPE_SECONDS = 0.3
+_BUDGET_SECONDS = 8.0
+
+
+def profile_shapes(max_seqs: int, max_k: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(batch size, K) in the order the profile times them, breadth first: no speculation at
+    every batch size, then the largest K at every batch size, then the Ks between. A budget
+    spent early still leaves both ends of the batch range and of K measured: the largest
+    verification steps are the ones the prior prices worst."""
+    batches = [b for b in PROFILE_BATCH_SIZES if b <= max_seqs]
+    ks = [k for k in PROFILE_KS if k <= max_k]
+    by_priority = ks[:1] + ks[-1:] + ks[1:-1] if len(ks) > 1 else ks
+    return [(b, k) for k in by_priority for b in batches if b * (1 + k) <= max_tokens]
 
 
 @dataclass(frozen=True)
@@ -58,10 +72,12 @@ _measured: RawProfile | None = None
 
 
 def _min_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
+    """The fastest of ``repeats`` timed calls (contention only ever adds time), after the
+    warm-ups; two suffice for a slow shape (``_SLOW_SHAPE_SECONDS``)."""
     for _ in range(_WARM_UPS):
         fn()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats and not (len(times) >= 2 and sum(times) > _SLOW_SHAPE_SECONDS):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -69,8 +85,9 @@ def _min_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
 
 
 def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawProfile:
-    """Time dummy decode steps on ``runner`` (a vLLM GPU/CPU model runner). Stops early when the
-    budget is spent; shapes beyond the engine's limits are skipped."""
+    """Time dummy decode steps on ``runner`` (a vLLM GPU/CPU model runner) in the order of
+    ``profile_shapes``. Stops when the budget is spent; shapes beyond the engine's limits are
+    skipped."""
     import torch
 
     spec = runner.speculative_config
@@ -86,20 +103,16 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
     rng = torch.get_rng_state()
     try:
         with torch.inference_mode():
-            for b in (b for b in PROFILE_BATCH_SIZES if b <= max_seqs):
-                for k in (k for k in PROFILE_KS if k <= passes):
-                    tokens = b * (1 + k)
-                    if tokens > runner.max_num_tokens:
-                        continue
-                    if time.perf_counter() - started > budget_seconds:
-                        return RawProfile(passes if model_drafter else 0, tuple(steps),
-                                          tuple(sorted(pass_seconds.items())))
-                    runner.uniform_decode_query_len = 1 + k
-                    steps.append((b, k, _min_seconds(partial(
-                        runner._dummy_run, tokens, uniform_decode=True, force_attention=True))))
-                    if model_drafter and passes:
-                        pass_seconds[tokens] = _min_seconds(partial(
-                            drafter.dummy_run, tokens, use_cudagraphs=False)) / passes
+            for b, k in profile_shapes(max_seqs, passes, int(runner.max_num_tokens)):
+                if time.perf_counter() - started > budget_seconds:
+                    break
+                tokens = b * (1 + k)
+                runner.uniform_decode_query_len = 1 + k
+                steps.append((b, k, _min_seconds(partial(
+                    runner._dummy_run, tokens, uniform_decode=True, force_attention=True))))
+                if model_drafter and passes:
+                    pass_seconds[tokens] = _min_seconds(partial(
+                        drafter.dummy_run, tokens, use_cudagraphs=False)) / passes
     finally:
         runner.uniform_decode_query_len = saved_q
         torch.set_rng_state(rng)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.demo.bench import BENCH_WORKLOAD, markdown, report_json, rotated, summarize
-from benchmarks.demo.calibration import bucket_ranges, calibration_rows, share_within
+from benchmarks.demo.calibration import calibration_rows, share_within
 from benchmarks.demo.configs import (
     OFF,
     SPECPILOT,
@@ -30,6 +30,7 @@ from benchmarks.demo.workload import (
     Workload,
     build_plan,
 )
+from controller.core.buckets import batch_range, parse_batch
 
 TEXTS = {"code": [" ".join(f"def f{i}(x): return x + {i}" for i in range(400))],
          "prose": [" ".join(f"word{i % 97}" for i in range(3000))]}
@@ -259,6 +260,12 @@ def test_the_eagle_configurations_of_the_line_up() -> None:
         ours.speculative_config(Path("/d"))
     with pytest.raises(ValueError, match="model drafter"):
         specpilot_config(drafter="ngram")
+    # On suffix decoding: K cut per request, its rivals the drafts it can run (no model draft).
+    on_suffix = specpilot_config(drafter="suffix")
+    assert on_suffix.plugin_env == {"K_MODE": "per_request"}
+    assert on_suffix.speculative_config(Path("/d")) == {"method": "suffix",
+                                                        "num_speculative_tokens": 4}
+    assert [c.name for c in static_rivals(on_suffix, bench_configs())] == ["off", "ngram:4"]
     # Rivals: the static configurations on the drafts each can choose.
     line_up = bench_configs() + optional_configs()
     assert [c.name for c in static_rivals(theirs, line_up)] == [
@@ -268,7 +275,13 @@ def test_the_eagle_configurations_of_the_line_up() -> None:
 
 
 def test_calibration_rows_are_per_step_means_with_their_bucket_ranges() -> None:
-    assert bucket_ranges([1, 2, 4, 16]) == ["1", "2", "3-4", "5-16", "17+"]
+    bounds = (1, 2, 4, 16)
+    assert [batch_range(bounds, b) for b in range(5)] == ["1", "2", "3-4", "5-16", "17+"]
+    # Either a batch size or a range names a bucket; anything else is refused with the ranges.
+    assert [parse_batch(bounds, t) for t in ("1", "3", "3-4", "16", "17", "17+", "500")] == [
+        0, 2, 2, 3, 4, 4, 4]
+    with pytest.raises(ValueError, match="1, 2, 3-4, 5-16, 17"):
+        parse_batch(bounds, "5-8")
     steps = {(0, 2): 100.0, (3, 1): 50.0, (4, 0): 0.0}
     measured = {(0, 2): 1.2, (3, 1): 1.0, (4, 0): 0.0}
     predicted = {(0, 2): 1.26, (3, 1): 1.5}

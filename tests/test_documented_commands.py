@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 PLACEHOLDER = re.compile(r"\||\.\.\.|\[")
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+COMMAND_SUBSTITUTION = re.compile(r"^\s*[A-Z_][A-Z0-9_]*=\$\((.*)\)\s*$")
 MAKE_TARGET = re.compile(r"^[a-z][\w-]*$")
 # An indented line is a code block's (not a list item's continuation) if it starts a command.
 COMMAND_START = re.compile(r"^(?:\S+=\S*\s+)*(?:\.venv/bin/)?(?:specpilot|python3?|make|pytest)\s")
@@ -75,7 +76,11 @@ def snippets(path: Path) -> Iterator[Snippet]:
 def commands(snippet: Snippet) -> Iterator[Command]:
     """The snippet's command and the equivalents its ``# =`` comments name."""
     for part in snippet.text.split("# ="):
-        words = re.split(r"\s+#", part, maxsplit=1)[0].split()
+        code = re.split(r"\s+#", part, maxsplit=1)[0]
+        code = COMMAND_SUBSTITUTION.sub(r"\1", code)  # VAR=$(COMMAND): the command
+        words = code.split()
+        if words and words[-1] == "&":  # run in the background: the command is the same
+            words.pop()
         while words and ENV_ASSIGNMENT.match(words[0]):
             words.pop(0)
         if not words:

@@ -56,6 +56,7 @@ from benchmarks.demo.workload import (
     RequestPlan,
     Workload,
 )
+from controller.core.buckets import parse_batch
 
 Printer = Callable[[str], None]
 
@@ -492,13 +493,14 @@ def sample_probes(llm: Any, prompts: Mapping[str, tuple[int, ...]], samples: int
 
 def _calibration(controller: Sidecar) -> tuple[CalibrationRow, ...]:
     """The sidecar's one-step-ahead cost-model counters, per (bucket, K)."""
-    def counter(name: str) -> dict[tuple[int, int], float]:
-        return {(int(b), int(k)): v for (b, k), v in controller.labelled(
-            f"specpilot_cost_model_{name}_total", "bucket", "k").items()}
+    bounds = tuple(int(b) for b in controller.policy().get("batch_bucket_upper_bounds", []))
 
-    bounds = controller.policy().get("batch_bucket_upper_bounds", [])
+    def counter(name: str) -> dict[tuple[int, int], float]:
+        return {(parse_batch(bounds, b), int(k)): v for (b, k), v in controller.labelled(
+            f"specpilot_cost_model_{name}_total", "batch", "k").items()}
+
     return calibration_rows(counter("steps"), counter("predicted_seconds"),
-                            counter("measured_seconds"), [int(b) for b in bounds])
+                            counter("measured_seconds"), bounds)
 
 
 def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> BenchReport:

@@ -9,9 +9,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from controller.core.buckets import batch_range
+
 # (bucket, K) -> summed value of one counter.
 Counters = Mapping[tuple[int, int], float]
-# A cell within this relative error counts as calibrated (issue 11's goal).
+# A cell within this relative error counts as calibrated (the goal: the cost model predicts the
+# engine's step times within 10%).
 GOAL_ERROR = 0.10
 
 
@@ -30,25 +33,15 @@ class CalibrationRow:
         return self.predicted_seconds / self.measured_seconds - 1.0
 
 
-def bucket_ranges(upper_bounds: Sequence[int]) -> list[str]:
-    """Batch sizes per bucket index, as people read them: "1", "3-4", ..., "129+"."""
-    out, low = [], 1
-    for hi in upper_bounds:
-        out.append(str(hi) if hi == low else f"{low}-{hi}")
-        low = hi + 1
-    out.append(f"{low}+")
-    return out
-
-
 def calibration_rows(steps: Counters, predicted: Counters, measured: Counters,
                      upper_bounds: Sequence[int]) -> tuple[CalibrationRow, ...]:
-    ranges = bucket_ranges(upper_bounds)
+    bounds = tuple(upper_bounds)
     rows = []
     for (bucket, k), n in sorted(steps.items()):
         m = measured.get((bucket, k), 0.0)
         if n <= 0 or m <= 0:
             continue
-        label = ranges[bucket] if 0 <= bucket < len(ranges) else str(bucket)
+        label = batch_range(bounds, bucket) if 0 <= bucket <= len(bounds) else str(bucket)
         rows.append(CalibrationRow(bucket, label, k, n, predicted.get((bucket, k), 0.0) / n,
                                    m / n))
     return tuple(rows)

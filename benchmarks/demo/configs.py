@@ -7,14 +7,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-# Where the demo's models are built and cached, relative to the working directory.
-DEFAULT_CACHE = Path(".cache/demo-models")
+from benchmarks.real.fetch import cache_root
+
+# Where the tiny models are built and cached: the user's cache folder, so a demo run from any
+# folder finds them.
+DEFAULT_CACHE = cache_root() / "demo-models"
 
 SPECPILOT = "specpilot"
 SPECPILOT_EAGLE = "specpilot-eagle"
+SPECPILOT_SUFFIX = "specpilot-suffix"
 OFF = "off"
 # The model drafters specpilot runs on, with the name of its configuration on each.
 SPECPILOT_NAMES: dict[str, str] = {"draft": SPECPILOT, "eagle": SPECPILOT_EAGLE}
+# Every engine specpilot steers: the model drafters, and vLLM's suffix decoding (no model drafter
+# whose passes the engine pays for while speculation is off; K cut per request).
+SPECPILOT_ENGINES: dict[str, str] = {**SPECPILOT_NAMES, "suffix": SPECPILOT_SUFFIX}
 
 # vLLM's own static schedule by batch size, (first batch size, last batch size, K): long drafts
 # while the batch is small, shorter ones as it grows, none in a large batch.
@@ -103,11 +110,16 @@ def optional_configs() -> list[EngineConfig]:
 
 
 def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:
-    """specpilot on ``drafter`` ("draft" or "eagle") up to ``max_k``, with n-gram and suffix
-    drafts (suffix drafts are off by default in the plugin; the benchmark offers them)."""
-    if drafter not in SPECPILOT_NAMES:
-        raise ValueError(f"specpilot runs on a model drafter {sorted(SPECPILOT_NAMES)}, "
-                         f"not {drafter!r}")
+    """specpilot on ``drafter`` up to ``max_k``. On a model drafter ("draft", "eagle") with
+    n-gram and suffix drafts substituted where they win (suffix drafts are off by default in the
+    plugin; the benchmark offers them); on vLLM's suffix decoding ("suffix") with K cut per
+    request (the only K mode that engine runs)."""
+    if drafter not in SPECPILOT_ENGINES:
+        raise ValueError(f"specpilot runs on a model drafter {sorted(SPECPILOT_NAMES)} or on "
+                         f"suffix decoding, not {drafter!r}")
+    if drafter == "suffix":
+        return EngineConfig(SPECPILOT_SUFFIX, drafter, max_k, specpilot=True,
+                            plugin_env={"K_MODE": "per_request"})
     # batch_max: the drafter drafts only the largest K the batch's requests want, so a shorter
     # K (or off) saves draft passes too, not only verification; each request keeps its own K.
     return EngineConfig(SPECPILOT_NAMES[drafter], drafter, max_k, specpilot=True,

@@ -170,8 +170,15 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
     return tok
 
 
+# A plain chat template, so the OpenAI server's /v1/chat/completions serves the tiny models too
+# (without one it answers 400).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
 def wrap_tokenizer(tok: Any, model_max_length: int = 512) -> Any:
-    """``tok`` as a ``transformers.PreTrainedTokenizerFast`` with the special tokens set."""
+    """``tok`` as a ``transformers.PreTrainedTokenizerFast`` with the special tokens and a chat
+    template set."""
     from transformers import PreTrainedTokenizerFast
 
     fast: Any = PreTrainedTokenizerFast  # untyped constructor
@@ -182,4 +189,5 @@ def wrap_tokenizer(tok: Any, model_max_length: int = 512) -> Any:
         unk_token="<unk>",
         pad_token="<pad>",
         model_max_length=model_max_length,
+        chat_template=CHAT_TEMPLATE,
     )

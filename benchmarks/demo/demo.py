@@ -69,6 +69,8 @@ class DemoOptions:
     controller_settings: dict[str, Any] = field(default_factory=dict)
     # Where to save a screenshot of the dashboard once the traffic has run (None: none).
     screenshot: Path | None = None
+    # vLLM's own log at INFO (False: WARNING, so the demo's lines are not drowned).
+    verbose: bool = False
 
 
 @dataclass(frozen=True)
@@ -276,6 +278,8 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
         from benchmarks.real.server import KV_CACHE_GIB
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    if not options.verbose:  # read when vLLM is first imported
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     apply_engine_env()  # before vLLM is imported
     started = time.monotonic()
     echo(f"==> models ({options.models}: built once, then cached)")
@@ -292,7 +296,9 @@ def run_demo(options: DemoOptions = DemoOptions(), echo: Printer = print) -> Dem
         echo(f"    dashboard {http}/\n"
              f"    metrics   {http}/metrics\n    policy    {http}/api/policy\n"
              f"    decisions {http}/api/decisions\n"
-             f"    CLI       specpilot policy get --target {controller.target}")
+             f"    CLI       specpilot policy get --target {controller.target}\n"
+             f"    token     {controller.token} (policy writes: export "
+             f"SPECPILOT_POLICY_TOKEN={controller.token})")
         drafter = DRAFTER_LABELS[config.drafter]
         echo(f"==> engine: vLLM-CPU, {drafter} K<={options.max_k} + n-gram, specpilot plugin")
         with config_session(config, setup.target, setup.draft, controller.target,

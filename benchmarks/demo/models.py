@@ -62,7 +62,7 @@ __all__ = [
     "warmup_cosine",
 ]
 
-VERSION = "specpilot-demo-models-1"
+VERSION = "specpilot-demo-models-2"  # 2: a chat template
 MARKER = "demo-models.json"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -31,17 +32,20 @@ class SidecarError(RuntimeError):
 
 
 class Sidecar:
-    """``specpilot serve`` in a child process on free loopback ports (or the ones given)."""
+    """``specpilot serve`` in a child process on free loopback ports (or the ones given), with
+    the policy token ``token`` (``SPECPILOT_POLICY_TOKEN`` where set, else a new one)."""
 
     def __init__(self, settings: Mapping[str, Any], grpc_port: int = 0,
                  http_port: int = 0) -> None:
+        self.token = os.environ.get("SPECPILOT_POLICY_TOKEN") or secrets.token_urlsafe(24)
         command = [sys.executable, "-c", "import sys; from controller.cli import main; "
                    "sys.exit(main())", "serve", "--grpc-port", str(grpc_port),
                    "--http-port", str(http_port), "--log-level", "warning"]
         for name, value in settings.items():
             command += ["--set", f"{name}={json.dumps(value)}"]
         # One BLAS thread: the controller's numpy work is small, and the engine needs the cores.
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               "SPECPILOT_POLICY_TOKEN": self.token}
         self._process = subprocess.Popen(command, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True, env=env)
         self.target, self.http_url = self._wait_for_addresses()
@@ -68,7 +72,8 @@ class Sidecar:
         return found["grpc"], found["http"]
 
     def _forward_output(self) -> None:
-        # Keep the pipe drained; warnings and errors of the controller reach the user.
+        # Keep the pipe drained; warnings and errors of the controller reach the user (the
+        # owner of this object prints the token itself, where it wants).
         assert self._process.stdout is not None
         for line in self._process.stdout:
             if "policy token" not in line:

@@ -55,7 +55,7 @@ from benchmarks.demo.eagle import (
 )
 from benchmarks.demo.models import PROFILES, LlamaShape, build_llama
 
-VERSION = "specpilot-tiny-models-5"
+VERSION = "specpilot-tiny-models-6"  # 6: a chat template
 MARKER = "tiny-models.json"
 VOCAB_SIZE = 2000
 TARGET_SEED = 1234

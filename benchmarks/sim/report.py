@@ -1,10 +1,10 @@
 """Results of simulations as numbers (JSON), tables (markdown) and plots (PNG).
 
-Targets are checked here. Per scenario, by kind (issue 4): specpilot >= 0.97 of the oracle on
+Targets are checked here. Per scenario, by kind: specpilot >= 0.97 of the oracle on
 stationary scenarios, >= 0.93 where load or acceptance shifts, >= 0.99 of ``off`` where
-speculation does not pay (issue 13; 0.98 before); >= the best static K everywhere. Over the
-suite: first of the non-oracle policies on the geometric mean, at >= 0.99 of the oracle (issue
-13), and first on the geometric mean of every scenario kind.
+speculation does not pay; >= the best static K everywhere. Over the suite: first of the
+non-oracle policies on the geometric mean, at >= 0.99 of the oracle, and first on the geometric
+mean of every scenario kind.
 """
 
 from __future__ import annotations

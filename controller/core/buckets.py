@@ -36,6 +36,29 @@ def bucket_upper_size(bounds: tuple[int, ...], bucket: int) -> int:
     return bounds[bucket] if bucket < len(bounds) else 2 * bounds[-1]
 
 
+def batch_range(bounds: tuple[int, ...], bucket: int) -> str:
+    """A bucket as people read and type it, its batch sizes: "1", "3-4", "129+" (the open one).
+    The one name of a batch range in the CLI, the metrics, the dashboard and the logs."""
+    lower = bounds[bucket - 1] + 1 if bucket > 0 else 1
+    if bucket >= len(bounds):
+        return f"{lower}+"
+    upper = bounds[bucket]
+    return str(upper) if upper == lower else f"{lower}-{upper}"
+
+
+def parse_batch(bounds: tuple[int, ...], text: str) -> int:
+    """The bucket of a batch size ("24") or of a batch range as ``batch_range`` names it
+    ("17-32", "129+"); ValueError naming the ranges otherwise."""
+    ranges = [batch_range(bounds, b) for b in range(len(bounds) + 1)]
+    value = text.strip()
+    if value in ranges:
+        return ranges.index(value)
+    if value.isdigit() and int(value) >= 1:
+        return bucket_of(bounds, int(value))
+    raise ValueError(f"batch {text!r}: give a batch size (e.g. 24) or one of the batch ranges "
+                     f"{', '.join(ranges)}")
+
+
 class BucketLoads:
     """The batch size each bucket really runs at: decayed, steps-weighted means of the decode
     steps the engines timed in it.

@@ -78,7 +78,12 @@ from controller.core.types import (
     ReportRejected,
     StepPrediction,
 )
-from controller.core.validation import check_class_name, check_hello, check_report
+from controller.core.validation import (
+    check_class_name,
+    check_hello,
+    check_report,
+    valid_class_name,
+)
 
 # An override's note is a sentence for the audit log, not a document.
 MAX_NOTE_CHARS = 1000
@@ -136,6 +141,10 @@ class CoreConfig:
     """Classes known before any traffic: each holds a slot from the start and never gives it
     back, and operators may override them before an engine reports them (an override must name
     a declared class or one an engine has reported)."""
+    declared_drafts: frozenset[str] = tunable(frozenset())
+    """Drafts operators may force (an override's force_draft) beside those the connected engines
+    offer, e.g. before any engine has connected; a forced draft the engines do not offer runs
+    the class without speculation. Any other draft name is refused."""
     class_idle_seconds: float = tunable(900.0, gt=0)
     """A class no engine has reported for this long, neither declared nor under an override of
     its own, gives its slot back and its estimates are forgotten, seconds. A class whose every
@@ -931,19 +940,24 @@ class ControllerCore:
     def check_operator_override(self, override: Override) -> None:
         """What an operator's override must also satisfy (the policy API's bounds; overrides
         the core is given directly, as in tests, skip them): K at most the policy's max K, a
-        forced draft one of the connected engines offers (any, before an engine connects: it
-        cannot be known), a note of at most MAX_NOTE_CHARS, and a class that is declared or
-        that an engine has reported (else any client could take the class slots with
-        overrides). ValueError naming the field."""
+        forced draft one of the connected engines offers or a declared one (declared_drafts;
+        the same rule with or without engines), a note of at most MAX_NOTE_CHARS, and a class
+        that is declared or that an engine has reported (else any client could take the class
+        slots with overrides). ValueError naming the field and how to declare what it lacks."""
         self.check_override(override)
         if override.pin_k is not None and not 0 <= override.pin_k <= self.config.policy.max_k:
             raise ValueError(f"override.pin_k: {override.pin_k} outside 0..max_k "
                              f"{self.config.policy.max_k}")
         offered = [d.name for d in self.drafts()]
-        if override.force_draft is not None and self._engines \
-                and override.force_draft not in offered:
-            raise ValueError(f"override.force_draft: {override.force_draft[:80]!r} is not a "
-                             f"draft the engines offer ({', '.join(offered) or 'none'})")
+        known = offered + sorted(self.config.declared_drafts.difference(offered))
+        if (draft := override.force_draft) is not None and draft not in known:
+            named = draft if valid_class_name(draft) else "NAME"
+            raise ValueError(
+                f"override.force_draft: {draft[:80]!r} is neither a draft a connected engine "
+                f"offers nor a declared one (known: {', '.join(known) or 'none'}); declare it "
+                f"in the controller's settings and restart it (declared_drafts: [\"{named}\"] "
+                f"in the settings file, or SPECPILOT_DECLARED_DRAFTS='[\"{named}\"]'), or "
+                "connect an engine that offers it")
         if len(override.note) > MAX_NOTE_CHARS:
             raise ValueError(f"override.note: {len(override.note)} characters, at most "
                              f"{MAX_NOTE_CHARS}")
@@ -951,7 +965,10 @@ class ControllerCore:
         if name != ALL_CLASSES and name not in self._classes:
             raise ValueError(
                 f"override.traffic_class: {name[:80]!r} is neither a class an engine has "
-                "reported nor a declared one (declared_classes)")
+                "reported nor a declared one; declare it in the controller's settings and "
+                f"restart it (declared_classes: [\"{name}\"] in the settings file, or "
+                f"SPECPILOT_DECLARED_CLASSES='[\"{name}\"]'), or send a request of that class "
+                "first")
 
     def _track_override_class(self, override: Override) -> None:
         self.check_override(override)

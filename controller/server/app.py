@@ -290,7 +290,7 @@ async def start_server(settings: Settings) -> RunningServer:
     # The start time as the policy epoch: versions never go backwards across a restart.
     core = ControllerCore(core_config(settings), np.random.default_rng(server.seed),
                           epoch=epoch_at(clock()))
-    metrics = Metrics(core, clock)
+    metrics = Metrics(core, clock, fleet_config(settings).fleet_model)
     budget = ReportBudget(server.report_budget_share,
                           max_retry_after=server.engine_silence_timeout_seconds / 4.0)
     lag = LoopLag()

@@ -103,6 +103,12 @@ def test_labelled_openai_requests_reach_the_controller_and_follow_its_policy(
         model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.0, stream=True,
         extra_body={"vllm_xargs": {"traffic_class": "code"}}))
     assert len(chunks) > 1 and "".join(c.choices[0].text for c in chunks)
+    # The chat endpoint serves the tiny models too (their tokenizer carries a chat template).
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+        temperature=0.0, extra_body={"vllm_xargs": {"traffic_class": "chat"}})
+    assert chat.choices[0].message.role == "assistant" and chat.usage is not None
+    assert chat.usage.completion_tokens > 0
 
     def seen_all(core: ControllerCore) -> bool:
         names = {c.name for c in core.snapshot(time.time()).classes}

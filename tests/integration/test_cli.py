@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from controller import cli
-from controller.server.app import RunningServer
-from controller.settings import settings_reference
-from tests.integration.conftest import TOKEN, snapshot
+from controller.server.app import RunningServer, start_server
+from controller.settings import load_settings, settings_reference
+from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import DRAFT, EngineClient, report
 
 pytestmark = pytest.mark.integration
@@ -157,7 +157,9 @@ async def test_policy_commands(
     code, out, _ = await _cli(capsys, server, "get")
     assert code == 0
     assert "engines: engine-1" in out
-    assert "CLASS" in out and "chat" in out and "<=1" in out and ">128" in out
+    # Batch ranges by their sizes, as everywhere else: 1, 2, 3-4, ..., 129+.
+    batches = {line.split()[1] for line in out.splitlines() if line.startswith("chat ")}
+    assert {"1", "3-4", "17-32", "129+"} <= batches
     # The estimates table: position 1 of (10, 20, 70) was tried 100 times.
     (row,) = [cells for line in out.splitlines()
               if (cells := line.split())[:3] == ["chat", DRAFT, "100"]]
@@ -169,7 +171,7 @@ async def test_policy_commands(
     assert [c["traffic_class"] for c in body["classes"]] == ["chat"]
 
     code, _, err = await _cli(capsys, server, "set", "--class", "chat", "--pin-k", "1")
-    assert code == 1 and "UNAUTHENTICATED" in err
+    assert code == 1 and "pass --token TOKEN or set SPECPILOT_POLICY_TOKEN" in err
     code, out, _ = await _cli(capsys, server, "--token", TOKEN, "set", "--class", "chat",
                               "--pin-k", "1", "--note", "canary")
     assert code == 0 and out.startswith("override on chat: pin K=1 (canary); policy version")
@@ -181,11 +183,20 @@ async def test_policy_commands(
     chosen = [line for line in out.splitlines() if line.startswith("*")]
     assert chosen == [next(line for line in out.splitlines() if f"{DRAFT} K=1 " in line)]
 
+    # --batch takes a batch size or a range; both name the same bucket, anything else is refused.
+    code, by_size, _ = await _cli(capsys, server, "explain", "--class", "chat", "--batch", "24")
+    code2, by_range, _ = await _cli(capsys, server, "explain", "--class", "chat",
+                                    "--batch", "17-32")
+    assert code == code2 == 0 and "at batch size" in by_size
+    assert by_size.split("\n\n")[1:] == by_range.split("\n\n")[1:]
+    code, _, err = await _cli(capsys, server, "explain", "--class", "chat", "--batch", "5-9")
+    assert code == 2 and "17-32" in err and "129+" in err
+
     code, out, _ = await _cli(capsys, server, "--token", TOKEN, "clear", "--class", "chat")
     assert code == 0 and "cleared" in out and snapshot(server).overrides == ()
 
     code, _, err = await _cli(capsys, server, "explain", "--class", "nope")
-    assert code == 1 and "NOT_FOUND" in err
+    assert code == 1 and "unknown class 'nope'" in err and "specpilot policy get" in err
     await engine.close()
 
 
@@ -270,3 +281,162 @@ def test_tokens_are_refused_on_the_command_line() -> None:
     got = subprocess.run([SPECPILOT, "serve", "--policy-token", "s3cret"], env=_env(),
                          capture_output=True, text=True, timeout=60)
     assert got.returncode != 0  # no such flag any more
+
+
+# --- failures say what to do next, in the command line's terms -----------------------------------
+async def test_a_write_without_the_token_or_with_a_wrong_one_says_how_to_pass_it(
+    server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = await _cli(capsys, server, "set", "--class", "default", "--force-off")
+    assert (code, out) == (1, "")
+    assert err == ("specpilot: this command changes policy and needs the controller's policy "
+                   "token: pass --token TOKEN or set SPECPILOT_POLICY_TOKEN (specpilot serve "
+                   "prints it at start-up)\n")
+    code, out, err = await _cli(capsys, server, "--token", "not-the-token", "clear",
+                                "--class", "default")
+    assert (code, out) == (1, "")
+    assert err.startswith(f"specpilot: the controller at {server.grpc_target} refused this "
+                          "policy token (--token or SPECPILOT_POLICY_TOKEN): pass its own")
+    assert "Traceback" not in err and "not-the-token" not in err
+    assert snapshot(server).overrides == ()
+
+
+async def test_the_http_port_as_target_is_called_out(
+    server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    http = server.http_url.removeprefix("http://")
+    code = await asyncio.to_thread(cli.main, ["policy", "--target", http, "get"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (1, "")
+    assert err == (f"specpilot: {http} answered, but not with gRPC: is it the controller's "
+                   "HTTP port? The gRPC port is printed by specpilot serve (default "
+                   "127.0.0.1:50051); pass --target HOST:GRPC_PORT\n")
+
+
+def test_no_controller_at_the_target_says_how_to_start_or_find_one(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as free:  # a port nothing listens on once closed
+        free.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{free.getsockname()[1]}"
+    for argv in (["policy", "--target", target, "get"],
+                 ["policy", "--target", target, "--token", TOKEN, "set", "--class", "c",
+                  "--force-off"]):
+        assert cli.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err == (f"specpilot: no controller at {target}: start one with specpilot serve, "
+                       "or pass --target HOST:PORT (or set SPECPILOT_TARGET)\n")
+    assert cli.main(["check", "--target", target, "--timeout", "0"]) == 1
+    assert f"not ready after 0 s: no controller at {target}" in capsys.readouterr().err
+
+
+async def test_a_forced_draft_must_be_offered_or_declared_with_or_without_engines(
+    channel: grpc.aio.Channel, server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def force(srv: RunningServer, draft: str) -> tuple[int, str, str]:
+        return await _cli(capsys, srv, "--token", TOKEN, "set", "--class", "default",
+                          "--force-draft", draft)
+
+    code, out, err = await force(server, "nonexistent")  # no engine yet: refused all the same
+    assert (code, out) == (1, "")
+    assert err == (
+        f"specpilot: the controller at {server.grpc_target} refused --force-draft: "
+        "'nonexistent' is neither a draft a connected engine offers nor a declared one (known: "
+        "none); declare it in the controller's settings and restart it (declared_drafts: "
+        "[\"nonexistent\"] in the settings file, or SPECPILOT_DECLARED_DRAFTS="
+        "'[\"nonexistent\"]'), or connect an engine that offers it\n")
+    engine = EngineClient(channel)
+    await engine.connect()
+    code, _, err = await force(server, "nonexistent")
+    assert code == 1 and f"(known: {DRAFT}, ngram)" in err
+    code, out, _ = await force(server, DRAFT)
+    assert code == 0 and out.startswith(f"override on default: force draft {DRAFT}")
+    await engine.close()
+
+    declared = await start_server(load_settings(**{**FAST_SETTINGS,
+                                                   "declared_drafts": ["ngram"]}))
+    try:
+        code, _, err = await force(declared, "nonexistent")
+        assert code == 1 and "(known: ngram)" in err
+        code, out, _ = await force(declared, "ngram")
+        assert code == 0 and out.startswith("override on default: force draft ngram")
+    finally:
+        await declared.stop(grace_seconds=0.1)
+
+
+async def test_an_override_of_an_unknown_class_says_how_to_declare_it(
+    server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = await _cli(capsys, server, "--token", TOKEN, "set", "--class", "batch",
+                                "--force-off")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"specpilot: the controller at {server.grpc_target} refused --class: 'batch' is neither "
+        "a class an engine has reported nor a declared one; declare it in the controller's "
+        "settings and restart it (declared_classes: [\"batch\"] in the settings file, or "
+        "SPECPILOT_DECLARED_CLASSES='[\"batch\"]'), or send a request of that class first\n")
+
+
+async def test_policy_watch_says_it_is_connected_and_then_keeps_quiet(
+    server: RunningServer,
+) -> None:
+    proc = subprocess.Popen([SPECPILOT, "policy", "--target", server.grpc_target, "watch"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        first = await asyncio.to_thread(proc.stderr.readline)
+        assert first == (f"specpilot: watching decisions at {server.grpc_target} (Ctrl-C to "
+                         "stop); none yet\n")
+        await asyncio.sleep(1.0)  # idle: nothing more
+        proc.send_signal(signal.SIGINT)
+        out, err = await asyncio.to_thread(proc.communicate, timeout=10)
+        assert (proc.returncode, out, err) == (0, "", "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_settings_file_with_three_mistakes_reports_each_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [k for k in os.environ if k.startswith("SPECPILOT_")]:
+        monkeypatch.delenv(name)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpc_port: 0\nhttp_port: 0\nhalf_life_secnds: 120\ndwell_seconds: soon\n"
+                   "max_k: 0\n")
+    assert cli.main(["serve", "--config", str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"specpilot: {bad}:3: bad setting half_life_secnds: not a setting; did you mean "
+        "half_life_seconds?",
+        f"specpilot: {bad}:4: bad setting dwell_seconds: should be a valid number, unable to "
+        "parse string as a number, got 'soon'",
+        f"specpilot: {bad}:5: bad setting max_k: should be greater than or equal to 1, got 0",
+        "specpilot: 3 problems in the settings; nothing started",
+    ]
+
+
+def test_a_misspelt_variable_is_named_at_start_up(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warning = ("specpilot: warning: SPECPILOT_HALF_LIFE_SECOND is not a specpilot setting or "
+               "variable, so it is ignored; did you mean SPECPILOT_HALF_LIFE_SECONDS?")
+    # serve: the warning, then the bad flag that stops it before it listens.
+    got = subprocess.run([SPECPILOT, "serve", "--grpc-port", "70000"],
+                         env=_env(SPECPILOT_HALF_LIFE_SECOND="120", SPECPILOT_TARGET="h:1",
+                                  SPECPILOT_PLUGIN_K_MODE="batch"),
+                         capture_output=True, text=True, timeout=60)
+    assert got.returncode == 2
+    assert got.stderr.splitlines() == [
+        warning, "specpilot: bad setting grpc_port: should be less than or equal to 65535, "
+        "got '70000' (from --grpc-port)"]
+    # settings: warned too, and shown all the same.
+    for name in [k for k in os.environ if k.startswith("SPECPILOT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SPECPILOT_HALF_LIFE_SECOND", "120")
+    assert cli.main(["settings"]) == 0
+    out, err = capsys.readouterr()
+    assert err == warning + "\n" and "\nhalf_life_seconds: 300.0\n" in out

@@ -21,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from controller.core.buckets import batch_range
 from controller.core.cost_model import StepShape
 from controller.core.types import Override
 from controller.server.app import RunningServer
@@ -112,7 +113,7 @@ async def test_hello_gets_ack_then_policy(server: RunningServer, channel: grpc.a
     assert (result.accepted, result.code, result.sequence) == (True, 0, 1)
     assert _metric(server, "specpilot_reports_received_total") == 1
     assert _metric(server, "specpilot_engine_records_dropped_total") == 5
-    cell = {"bucket": "2", "k": "2"}
+    cell = {"batch": "3-4", "k": "2"}  # bucket 2: batch sizes 3-4
     assert _metric(server, "specpilot_cost_model_steps_total", **cell) == 40
     assert _metric(server, "specpilot_cost_model_measured_seconds_total", **cell) == (
         pytest.approx(1.0))
@@ -387,8 +388,17 @@ async def test_http_endpoints(server: RunningServer, channel: grpc.aio.Channel) 
     versions = server.core.version - (server.core.epoch << 16) + 1
     assert behind is not None and float(behind.group(1)) == versions > 1
     assert re.search(r"^specpilot_engine_report_age_seconds \d", text, re.M)
-    assert f'specpilot_acceptance_first_position_ratio{{class="chat",draft="{DRAFT}"}}' in text
-    assert 'specpilot_decision_speculative_tokens{bucket="0",class="chat"}' in text
+    # Per-class series carry the model as vLLM labels its own (model_name, the engine's hello),
+    # and batch ranges by their sizes (labels print sorted); no _created series.
+    model = 'model_name="tiny-target"'
+    assert (f'specpilot_acceptance_first_position_ratio{{class="chat",draft="{DRAFT}",{model}}}'
+            in text)
+    assert f'specpilot_decision_speculative_tokens{{batch="1",class="chat",{model}}}' in text
+    assert f'specpilot_decision_speculative_tokens{{batch="129+",class="chat",{model}}}' in text
+    # The class's served speculative steps give a measured speedup beside the expected one.
+    assert re.search(rf'^specpilot_class_measured_speedup_ratio{{class="chat",{model}}} '
+                     r'[0-9.]+$', text, re.M)
+    assert "_created" not in text
     await engine.close()
 
 
@@ -426,20 +436,25 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
     engine = EngineClient(channel)
     await engine.connect()
     assert (await engine.send(report(1))).accepted
-    chat = snapshot(server).class_view("chat")
+    snap = snapshot(server)
+    chat, model = snap.class_view("chat"), {"model_name": "tiny-target"}
     for d in chat.decisions:
-        labels = {"class": "chat", "bucket": str(d.bucket)}
+        labels = {**model, "class": "chat",
+                  "batch": batch_range(snap.batch_bucket_upper_bounds, d.bucket)}
         assert _metric(server, "specpilot_decision_speculative_tokens", **labels) == d.k
         assert _metric(server, "specpilot_decision_expected_speedup_ratio",
                        **labels) == d.expected_speedup
     on = any(d.k for d in chat.decisions)
-    assert _metric(server, "specpilot_speculation_enabled", **{"class": "chat"}) == float(on)
+    assert _metric(server, "specpilot_speculation_enabled",
+                   **{**model, "class": "chat"}) == float(on)
     post = server.core.estimate("chat", DRAFT, time.time())
     assert _metric(server, "specpilot_acceptance_first_position_ratio",
-                   **{"class": "chat", "draft": DRAFT}) == pytest.approx(post.mean[0], rel=1e-6)
+                   **{**model, "class": "chat", "draft": DRAFT}) == pytest.approx(post.mean[0],
+                                                                                 rel=1e-6)
     # Pooled over positions: (90 + 70 accepted + 1) / (100 + 90 tries + 2).
     assert _metric(server, "specpilot_acceptance_per_token_ratio",
-                   **{"class": "chat", "draft": DRAFT}) == pytest.approx(161 / 192, rel=1e-6)
+                   **{**model, "class": "chat", "draft": DRAFT}) == pytest.approx(161 / 192,
+                                                                                 rel=1e-6)
     decisions = sum(_metric(server, "specpilot_decisions_total", reason=r)
                     for r in ("warmup", "goodput", "explore", "change_detected", "override",
                               "offline"))

@@ -7,7 +7,13 @@ from collections.abc import Iterator
 import pytest
 
 from engine_plugin import profile
-from engine_plugin.profile import RawProfile, step_profile
+from engine_plugin.profile import (
+    PROFILE_BATCH_SIZES,
+    PROFILE_KS,
+    RawProfile,
+    profile_shapes,
+    step_profile,
+)
 
 
 @pytest.fixture
@@ -37,3 +43,15 @@ def test_without_a_model_drafter_every_point_is_the_target_alone(measured: None)
     profile._measured = RawProfile(0, ((16, 0, 0.004), (16, 2, 0.006)), ())
     assert [(p.verified_tokens, p.draft, p.draft_passes) for p in step_profile("")] == [
         (16, "", 0), (48, "", 0)]
+
+
+def test_shapes_go_breadth_first_so_a_short_budget_still_reaches_both_ends() -> None:
+    shapes = profile_shapes(max_seqs=32, max_k=4, max_tokens=8192)
+    # No speculation at every batch size, then the largest K, then the Ks between.
+    assert shapes[:6] == [(1, 0), (16, 0), (32, 0), (1, 4), (16, 4), (32, 4)]
+    assert sorted(shapes) == sorted((b, k) for b in PROFILE_BATCH_SIZES for k in PROFILE_KS)
+    # The engine's limits: batch sizes above max_num_seqs, K above the configured K and steps
+    # above max_num_batched_tokens are never timed.
+    assert profile_shapes(max_seqs=16, max_k=2, max_tokens=40) == [
+        (1, 0), (16, 0), (1, 2), (1, 1), (16, 1)]
+    assert profile_shapes(max_seqs=8, max_k=0, max_tokens=8192) == [(1, 0)]
