@@ -43,7 +43,7 @@ from google.protobuf.message import Message
 from controller.core.buckets import batch_range, parse_batch
 from controller.core.types import Override, arm_key
 from controller.server.app import ServeError, start_server
-from controller.server.explain import arm_label
+from controller.server.explain import arm_label, decision_detail
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
 from controller.settings import (
@@ -54,7 +54,7 @@ from controller.settings import (
     unknown_environment,
 )
 from controller.tls import TLSError, open_channel
-from controller.wire import override_to_proto
+from controller.wire import event_from_proto, override_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -248,12 +248,15 @@ def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
     return "\n".join(out)
 
 
-def render_event(e: common_pb2.DecisionEvent) -> str:
+def render_event(e: common_pb2.DecisionEvent, bounds: Sequence[int]) -> str:
+    """One decision as ``policy watch`` prints it; ``bounds``: the controller's batch bucket
+    upper bounds, to name the batch range."""
     d = e.decision
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.unix_seconds))
-    return (f"{when}  v{e.policy_version}  {d.traffic_class}  bucket {d.batch_bucket}  "
+    return (f"{when}  v{e.policy_version}  {d.traffic_class}  "
+            f"batch {batch_range(tuple(bounds), d.batch_bucket)}  "
             f"{arm_label(e.previous_draft, e.previous_k)} -> {arm_label(d.draft, d.k)}  "
-            f"({_reason(d.reason)}, {d.expected_speedup:.2f}x)")
+            f"{decision_detail(event_from_proto(e))}")
 
 
 def render_explanation(resp: policy_pb2.ExplainDecisionResponse) -> str:
@@ -317,7 +320,7 @@ def policy_watch(stub: PolicyStub, args: argparse.Namespace) -> int:
             if args.json:
                 _print_json(resp.event, indent=None)
             else:
-                print(render_event(resp.event), flush=True)
+                print(render_event(resp.event, policy.batch_bucket_upper_bounds), flush=True)
     except grpc.RpcError as exc:
         if not (isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.CANCELLED):
             raise

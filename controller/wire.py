@@ -23,8 +23,10 @@ from controller.core.recommend import Recommendation
 from controller.core.snapshot import AcceptanceEstimate, ClassView, CoreSnapshot, Explanation
 from controller.core.types import (
     AcceptanceRecord,
+    ArmFigures,
     Decision,
     DecisionEvent,
+    DecisionFigures,
     DraftKind,
     DraftSpec,
     EngineHello,
@@ -300,8 +302,49 @@ def event_to_proto(e: DecisionEvent) -> common_pb2.DecisionEvent:
         unix_seconds=e.at,
         decision=decision_to_proto(e.decision),
         previous_draft=previous.draft if previous is not None and previous.k else "",
-        previous_k=previous.k if previous is not None else 0,
+        previous_k=previous.k if previous is not None else None,
+        figures=None if e.figures is None else figures_to_proto(e.figures),
     )
+
+
+def event_from_proto(msg: common_pb2.DecisionEvent) -> DecisionEvent:
+    """Only the previous arm travels: the previous decision comes back with the new one's
+    class, bucket and reason and no estimate of its own (what a decision line names of it)."""
+    d = decision_from_proto(msg.decision)
+    previous = (Decision(d.traffic_class, d.bucket, msg.previous_draft, msg.previous_k,
+                         d.reason) if msg.HasField("previous_k") else None)
+    return DecisionEvent(msg.policy_version, msg.unix_seconds, d, previous,
+                         figures_from_proto(msg.figures) if msg.HasField("figures") else None)
+
+
+def arm_figures_to_proto(f: ArmFigures) -> common_pb2.ArmFigures:
+    mean, half_width = f.acceptance if f.acceptance is not None else (None, None)
+    return common_pb2.ArmFigures(
+        draft=f.draft, k=f.k, expected_tokens=f.expected_tokens,
+        goodput_tokens_per_second=f.goodput, speedup=f.speedup,
+        acceptance_mean=mean, acceptance_half_width=half_width)
+
+
+def arm_figures_from_proto(msg: common_pb2.ArmFigures) -> ArmFigures:
+    acceptance = ((msg.acceptance_mean, msg.acceptance_half_width)
+                  if msg.HasField("acceptance_mean") else None)
+    return ArmFigures(msg.draft, msg.k, msg.expected_tokens, msg.goodput_tokens_per_second,
+                      msg.speedup, acceptance)
+
+
+def figures_to_proto(f: DecisionFigures) -> common_pb2.DecisionFigures:
+    def arm(a: ArmFigures | None) -> common_pb2.ArmFigures | None:
+        return None if a is None else arm_figures_to_proto(a)
+    return common_pb2.DecisionFigures(batch_size=f.batch_size, chosen=arm(f.chosen),
+                                      previous=arm(f.previous), best=arm(f.best),
+                                      pinned_by=f.pinned_by)
+
+
+def figures_from_proto(msg: common_pb2.DecisionFigures) -> DecisionFigures:
+    def arm(name: str) -> ArmFigures | None:
+        return arm_figures_from_proto(getattr(msg, name)) if msg.HasField(name) else None
+    return DecisionFigures(msg.batch_size, arm("chosen"), arm("previous"), arm("best"),
+                           msg.pinned_by)
 
 
 # --- policy API ----------------------------------------------------------------------------

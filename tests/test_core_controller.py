@@ -532,33 +532,6 @@ def test_the_measured_speedup_prices_served_steps_by_the_cost_model() -> None:
     assert view.measured_speedup == pytest.approx(3.0 * t0 / t2)
 
 
-def test_a_decision_line_says_what_changed_and_why_in_numbers() -> None:
-    from controller.core.policy import ArmValue
-    from controller.core.snapshot import Explanation
-    from controller.core.types import Decision, DecisionEvent, Reason
-    from controller.server.explain import decision_text
-
-    old = Decision("code", 3, "d", 4, Reason.GOODPUT, 1.3)
-    new = Decision("code", 3, "d", 2, Reason.GOODPUT, 1.42)
-    arms = (ArmValue("", 0, 1.0, 0.01, 100.0, 1.0), ArmValue("d", 2, 2.0, 0.014, 142.0, 1.42),
-            ArmValue("d", 4, 2.4, 0.0185, 129.0, 1.29))
-    ex = Explanation("code", new, 24, arms, (("d", (0.52, 0.4)),), None)
-    line = decision_text(DecisionEvent(7, 1.0, new, old), ex, (0.52, 0.03))
-    assert line == ("code: K 4 -> 2 at batch 24 (goodput); acceptance 0.52 +/- 0.03; "
-                    "d K=4 goodput 9% below d K=2; expected 1.42x")
-    # Switched off although the means (now) favour the old arm: the line says so, and there
-    # is no speedup to expect; a first decision names the arm alone.
-    off = Decision("code", 3, "", 0, Reason.GOODPUT)
-    assert decision_text(DecisionEvent(8, 2.0, off, new), ex, None) == (
-        "code: K 2 -> 0 at batch 24 (goodput); d K=2 goodput 42% above off")
-    assert decision_text(DecisionEvent(1, 0.0, new, None), ex, None) == (
-        "code: d K=2 at batch 24 (goodput); expected 1.42x")
-    # Another draft at the same K says so.
-    other = Decision("code", 3, "ngram", 2, Reason.EXPLORE, 1.1)
-    assert decision_text(DecisionEvent(9, 3.0, other, new), ex, None).startswith(
-        "code: draft d -> ngram at K=2 at batch 24 (explore)")
-
-
 def test_policy_versions_carry_the_epoch_and_engines_count_versions_of_this_epoch() -> None:
     from controller.core.controller import EPOCH_SHIFT, epoch_at
 

@@ -13,8 +13,10 @@ from controller.core.controller import ControllerCore
 from controller.core.snapshot import CoreSnapshot
 from controller.core.types import (
     AcceptanceRecord,
+    ArmFigures,
     Decision,
     DecisionEvent,
+    DecisionFigures,
     DraftKind,
     DraftSpec,
     EngineHello,
@@ -104,8 +106,25 @@ def test_event_carries_the_previous_choice() -> None:
     assert (msg.policy_version, msg.unix_seconds, msg.decision.k) == (5, 123.5, 3)
     # "off" has no draft, whatever the stale field says.
     assert (msg.previous_draft, msg.previous_k) == ("", 0)
+    assert msg.HasField("previous_k")
     first = wire.event_to_proto(DecisionEvent(1, 1.0, new, None))
     assert (first.previous_draft, first.previous_k) == ("", 0)
+    assert not first.HasField("previous_k") and wire.event_from_proto(first).previous is None
+    assert wire.event_from_proto(msg).previous == dataclasses.replace(off_before, draft="")
+
+
+def test_event_carries_the_figures_it_was_decided_on() -> None:
+    figures = DecisionFigures(
+        32, ArmFigures("d1", 3, 2.2, 1840.0, 1.84, (0.71, 0.03)),
+        ArmFigures("", 0, 1.0, 1000.0, 1.0), ArmFigures("d1", 4, 2.5, -20.0, 0.0, (0.71, 0.03)),
+        "pin K=3")
+    event = DecisionEvent(5, 123.5, Decision("chat", 5, "d1", 3, Reason.OVERRIDE, 1.84),
+                          Decision("chat", 5, "", 0, Reason.OVERRIDE), figures)
+    assert wire.event_from_proto(wire.event_to_proto(event)) == event
+    bare = wire.event_to_proto(dataclasses.replace(event, figures=None))
+    assert not bare.HasField("figures") and wire.event_from_proto(bare).figures is None
+    off = wire.event_to_proto(event).figures.previous
+    assert not off.HasField("acceptance_mean")  # speculation off has no acceptance
 
 
 @pytest.mark.parametrize("override", [

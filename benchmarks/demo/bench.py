@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from benchmarks.demo.sidecar import Sidecar
 
-from benchmarks.demo.calibration import GOAL_ERROR, CalibrationRow, calibration_rows, share_within
+from benchmarks.demo.calibration import CalibrationRow, calibration_markdown
 from benchmarks.demo.ceiling import Ceiling, ceiling
 from benchmarks.demo.configs import (
     DEFAULT_CACHE,
@@ -56,7 +56,6 @@ from benchmarks.demo.workload import (
     RequestPlan,
     Workload,
 )
-from controller.core.buckets import parse_batch
 
 Printer = Callable[[str], None]
 
@@ -303,19 +302,7 @@ def _versus_lines(v: Versus, phases: Sequence[str]) -> list[str]:
                   *_table(("phase", "best per class", "ceiling tokens/s", "modeled"),
                           ceiling_rows), ""]
     if v.calibration:
-        within = share_within(v.calibration)
-        lines += [f"{v.name}'s controller: predicted step times against the measured ones "
-                  "(each of the engine's step-timing records priced by the cost model just "
-                  "before it learnt it, over all of its runs; `specpilot_cost_model_*` "
-                  "metrics):",
-                  "", *_table(("batch bucket", "K", "steps", "predicted ms", "measured ms",
-                               "error"),
-                              [[r.batch_sizes, str(r.k), f"{r.steps:.0f}",
-                                _fmt(r.predicted_seconds * 1e3, 2),
-                                _fmt(r.measured_seconds * 1e3, 2), f"{r.error:+.1%}"]
-                               for r in v.calibration]), "",
-                  f"- steps in cells predicted within {GOAL_ERROR:.0%}: **{_fmt(within, 3)}**",
-                  ""]
+        lines += calibration_markdown(v.name, v.calibration)
     met_phases = all(r >= GOAL_PER_PHASE for r in v.ratio_per_phase)
     lines += [
         f"- {v.name} / best single static rival ({v.best_static or '-'}): "
@@ -491,18 +478,6 @@ def sample_probes(llm: Any, prompts: Mapping[str, tuple[int, ...]], samples: int
     return out
 
 
-def _calibration(controller: Sidecar) -> tuple[CalibrationRow, ...]:
-    """The sidecar's one-step-ahead cost-model counters, per (bucket, K)."""
-    bounds = tuple(int(b) for b in controller.policy().get("batch_bucket_upper_bounds", []))
-
-    def counter(name: str) -> dict[tuple[int, int], float]:
-        return {(parse_batch(bounds, b), int(k)): v for (b, k), v in controller.labelled(
-            f"specpilot_cost_model_{name}_total", "batch", "k").items()}
-
-    return calibration_rows(counter("steps"), counter("predicted_seconds"),
-                            counter("measured_seconds"), bounds)
-
-
 def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> BenchReport:
     from benchmarks.demo.demo import demo_controller_settings, make_plan
     from benchmarks.demo.eagle import prepare_eagle_head
@@ -559,7 +534,7 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
                      f"{run.tokens_per_second:7.1f} tok/s  phases " + " ".join(
                          f"{p.tokens_per_second:.1f}" for p in run.phases)
                      + f"  ({(time.monotonic() - started) / 60:.1f} min)")
-        calibration = {name: _calibration(c) for name, c in controllers.items()}
+        calibration = {name: c.cost_calibration() for name, c in controllers.items()}
         # Each controller's decision log (the newest decision_log_size changes), for reading
         # what specpilot chose when: each event's time, class, bucket, arm and reason; and what
         # it believed at the end: per class the estimates and the K table.

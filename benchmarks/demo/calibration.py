@@ -53,3 +53,18 @@ def share_within(rows: Sequence[CalibrationRow], tolerance: float = GOAL_ERROR) 
     if total <= 0:
         return math.nan
     return sum(r.steps for r in rows if abs(r.error) <= tolerance) / total
+
+
+def calibration_markdown(name: str, rows: Sequence[CalibrationRow]) -> list[str]:
+    """The lines of the calibration table of configuration ``name``, with its share within
+    ``GOAL_ERROR``."""
+    within = share_within(rows)
+    return [f"{name}'s controller: predicted step times against the measured ones (each of the "
+            "engine's step-timing records priced by the cost model just before it learnt it, "
+            "over all of its runs; `specpilot_cost_model_*` metrics):", "",
+            "| batch | K | steps | predicted ms | measured ms | error |",
+            "|---|---|---|---|---|---|",
+            *(f"| {r.batch_sizes} | {r.k} | {r.steps:.0f} | {r.predicted_seconds * 1e3:.2f} | "
+              f"{r.measured_seconds * 1e3:.2f} | {r.error:+.1%} |" for r in rows), "",
+            f"- steps in cells predicted within {GOAL_ERROR:.0%}: "
+            f"**{'-' if math.isnan(within) else f'{within:.3f}'}**", ""]

@@ -23,6 +23,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.demo.calibration import CalibrationRow, calibration_rows
+from controller.core.buckets import parse_batch
+
 _LISTEN = re.compile(r"specpilot: (grpc|http) listening on (\S+)")
 START_TIMEOUT_SECONDS = 30.0
 
@@ -105,6 +108,18 @@ class Sidecar:
                     key = tuple(s.labels.get(label, "") for label in labels)
                     out[key] = out.get(key, 0.0) + s.value
         return out
+
+    def cost_calibration(self) -> tuple[CalibrationRow, ...]:
+        """The cost model's one-step-ahead counters (``specpilot_cost_model_*``), per batch
+        range and K."""
+        bounds = tuple(int(b) for b in self.policy().get("batch_bucket_upper_bounds", []))
+
+        def counter(name: str) -> dict[tuple[int, int], float]:
+            return {(parse_batch(bounds, b), int(k)): v for (b, k), v in self.labelled(
+                f"specpilot_cost_model_{name}_total", "batch", "k").items()}
+
+        return calibration_rows(counter("steps"), counter("predicted_seconds"),
+                                counter("measured_seconds"), bounds)
 
     def stop(self) -> None:
         if self._process.poll() is None:

@@ -28,6 +28,8 @@ from controller.core.tunable import tunable
 
 FloatArray = npt.NDArray[np.float64]
 RECOVERY_HALF_LIVES = 4.0
+# Width of the credible intervals every view reports, and decision records keep, per position.
+CREDIBLE_LEVEL = 0.9
 
 
 def position_counts(steps_by_accepted: npt.ArrayLike) -> tuple[FloatArray, FloatArray]:

@@ -49,6 +49,7 @@ from controller.core.policy import (
     PolicyConfig,
     arm_values,
     decide_class,
+    decision_figures,
     offered,
     runs,
 )
@@ -679,6 +680,7 @@ class ControllerCore:
             sampled[d.name] = post.sample(self._rng)
             mean[d.name] = post.mean
             position1[d.name] = (float(post.alpha[0]), float(post.beta[0]))
+        evidence = frozenset(d.name for d in drafts if self._estimator.has_data(name, d.name))
         buckets = tuple(
             BucketState(b, self._loads.batch_size(b), state.decisions.get(b),
                         state.changed_at.get(b),
@@ -691,7 +693,7 @@ class ControllerCore:
             drafts=drafts,
             sampled_rates=sampled,
             mean_rates=mean,
-            has_data=any(self._estimator.has_data(name, d.name) for d in drafts),
+            has_data=bool(evidence),
             change_detected=state.change_pending,
             recovering=any(self._estimator.recovering(name, d.name, now) for d in drafts),
             offline=name in self.config.offline_classes,
@@ -708,6 +710,7 @@ class ControllerCore:
             drafter_sunk=sunk is not None,
             whole_step_probes=bool(self._engines) and all(
                 e.hello.step_probes for e in self._engines.values()),
+            evidence=evidence,
         )
 
     def _holds(self, name: str, state: _ClassState, drafts: tuple[DraftSpec, ...]) -> bool:
@@ -791,7 +794,8 @@ class ControllerCore:
                 if new.same_choice(old):
                     continue
                 state.changed_at[new.bucket] = now
-                events.append(DecisionEvent(0, now, new, old))
+                events.append(DecisionEvent(
+                    0, now, new, old, decision_figures(ctx, self.config.policy, bucket, new, old)))
             state.change_pending = False
         composition = self._compose(now)
         if moved(self._composition, composition, self._priced_batch_sizes(),
@@ -801,7 +805,7 @@ class ControllerCore:
         if material or self._forgotten:
             self._version += 1
             self._forgotten = False
-        stamped = [DecisionEvent(self._version, e.at, e.decision, e.previous) for e in events]
+        stamped = [replace(e, policy_version=self._version) for e in events]
         self._log.extend(stamped)
         return stamped
 

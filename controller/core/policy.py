@@ -34,10 +34,21 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from controller.core.acceptance import CREDIBLE_LEVEL, credible_bounds
 from controller.core.goodput import expected_tokens_curve, goodput, speedup
 from controller.core.mix import BatchOthers, MixedSecondsFn, arm_rates
 from controller.core.tunable import tunable
-from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason, arm_key
+from controller.core.types import (
+    OFFLINE_PIN,
+    ArmFigures,
+    Decision,
+    DecisionFigures,
+    DraftKind,
+    DraftSpec,
+    Override,
+    Reason,
+    arm_key,
+)
 
 FloatArray = npt.NDArray[np.float64]
 # (batch_size, draft, draft_is_model, max_k) -> predicted step seconds for K = 0..max_k
@@ -137,6 +148,8 @@ class ClassContext:
     # The engines probe whole steps (every request of the class in a share of steps) where
     # asked: in batch-wide engines that is the cheap way to learn (``probe_plan``).
     whole_step_probes: bool = False
+    # The drafts with acceptance evidence for the class (the others' rates are the prior).
+    evidence: frozenset[str] = frozenset()
 
     @cached_property
     def sampled_curves(self) -> dict[str, FloatArray]:
@@ -433,7 +446,7 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         return Decision(name, state.bucket, "", 0, Reason.GOODPUT)
     if ctx.offline and cfg.offline_mode == "pin_off":
         return Decision(name, state.bucket, "", 0, Reason.OFFLINE)
-    batch = max(b.batch_size for b in ctx.buckets) if ctx.offline else state.batch_size
+    batch = priced_batch(ctx, state)
     if not ctx.has_data:
         first = ctx.drafts[0]
         k = min(cfg.warmup_k, first.max_k)
@@ -498,6 +511,56 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         if (young and offered(ctx.drafts, current)) or within:
             return _with_probe(ctx, cfg, state, current)
     return _with_probe(ctx, cfg, state, candidate)
+
+
+def priced_batch(ctx: ClassContext, state: BucketState) -> int:
+    """The batch size a bucket's arms are priced at: offline work runs at full load."""
+    return max(b.batch_size for b in ctx.buckets) if ctx.offline else state.batch_size
+
+
+def decision_figures(ctx: ClassContext, cfg: PolicyConfig, state: BucketState,
+                     decision: Decision, previous: Decision | None) -> DecisionFigures:
+    """The figures ``decision`` (replacing ``previous``) was taken on, for the decision log to
+    keep: the arms by posterior means and mean step costs, as ``decide_bucket`` compares them.
+    An arm the engines no longer offer, or one a broken cost prices, has no estimate; one whose
+    draft has no acceptance evidence yet is priced on the prior (its acceptance is None)."""
+    batch = priced_batch(ctx, state)
+    table = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
+
+    def figures(arm: tuple[str, int]) -> ArmFigures | None:
+        i = table.index(arm)
+        if i is None:
+            return None
+        draft, k = arm
+        gain, ratio = float(table.goodput[i]), float(table.speedup[i])
+        if not (math.isfinite(gain) and math.isfinite(ratio)):
+            return None
+        evidence = k > 0 and draft in ctx.evidence
+        return ArmFigures(draft, k, float(table.expected_tokens[i]), gain, ratio,
+                          position1_acceptance(ctx, draft) if evidence else None)
+
+    best = table.keys[table.best(cfg.min_speedup)]
+    if ctx.override is not None:
+        pinned_by = ctx.override.action
+    elif ctx.offline and cfg.offline_mode == "pin_off":
+        pinned_by = OFFLINE_PIN
+    else:
+        pinned_by = ""
+    return DecisionFigures(
+        batch_size=batch,
+        chosen=figures(decision.arm),
+        previous=None if previous is None else figures(previous.arm),
+        best=None if best == decision.arm else figures(best),
+        pinned_by=pinned_by,
+    )
+
+
+def position1_acceptance(ctx: ClassContext, draft: str) -> tuple[float, float]:
+    """(posterior mean, half-width of the credible interval) of ``draft``'s acceptance at
+    position 1, from the posterior the decision was taken on."""
+    alpha, beta = ctx.position1.get(draft, (1.0, 1.0))
+    lower, upper = credible_bounds([alpha], [beta], CREDIBLE_LEVEL)
+    return alpha / (alpha + beta), float(upper[0] - lower[0]) / 2
 
 
 def decide_class(ctx: ClassContext, cfg: PolicyConfig) -> list[Decision]:

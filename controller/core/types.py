@@ -164,11 +164,59 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class ArmFigures:
+    """One arm as a decision priced it: by posterior means and the cost model's mean step times,
+    at the batch size the decision was taken for."""
+
+    draft: str  # "" with speculation off
+    k: int
+    expected_tokens: float  # per verification step of a sequence (1 with speculation off)
+    # The class's tokens per second. In a batch shared with other classes it is attributed (the
+    # class's own rate without speculation plus what the arm adds to the batch's), so it falls
+    # below zero where the arm slows the rest of the batch more than it gains.
+    goodput: float
+    speedup: float  # ratio to no speculation, never below 0
+    # Position 1 of the draft: (posterior mean, half-width of the credible interval at
+    # controller.core.acceptance.CREDIBLE_LEVEL); None with speculation off, and while the
+    # draft has no acceptance evidence (the arm is priced on the prior).
+    acceptance: tuple[float, float] | None = None
+
+    @property
+    def arm(self) -> tuple[str, int]:
+        return arm_key(self.draft, self.k)
+
+
+@dataclass(frozen=True)
+class DecisionFigures:
+    """The figures a decision was taken on, kept with it: a decision log read later shows what
+    the controller knew then, not what it knows when the line is read (estimates move, and a
+    line recomputed from them could call the arm just left the better one)."""
+
+    batch_size: int  # the batch size the arms were priced at (full load for offline classes)
+    # None: no estimate (the connected engines no longer offer the arm, or a broken cost priced
+    # it).
+    chosen: ArmFigures | None
+    previous: ArmFigures | None
+    # The best arm by posterior means, where it is not the chosen one (None: it is, or it has
+    # no estimate).
+    best: ArmFigures | None = None
+    # What set the choice when no goodput comparison did: an operator override's action ("pin
+    # K=2", "force draft d", "force off") or "offline" (offline classes pinned off by
+    # configuration); "" otherwise.
+    pinned_by: str = ""
+
+
+OFFLINE_PIN = "offline"  # DecisionFigures.pinned_by of offline classes pinned off
+
+
+@dataclass(frozen=True)
 class DecisionEvent:
     policy_version: int
     at: float
     decision: Decision
     previous: Decision | None
+    # None: not recorded (events stored before decisions kept their figures).
+    figures: DecisionFigures | None = None
 
 
 class OverrideScope(enum.Enum):
@@ -200,6 +248,13 @@ class Override:
             raise ValueError("override: set exactly one of pin_k, force_draft, force_off")
         if self.pin_k is not None and self.pin_k < 0:
             raise ValueError("override: pin_k must be >= 0")
+
+    @property
+    def action(self) -> str:
+        """The action in words: "pin K=2", "force draft d" or "force off"."""
+        if self.pin_k is not None:
+            return f"pin K={self.pin_k}"
+        return f"force draft {self.force_draft}" if self.force_draft is not None else "force off"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ live events, and the write controls.
                                   "tick" (every HEARTBEAT_SECONDS, with the policy version)
     GET  /api/history?class=      the class's acceptance estimates over the last hour (a sample
                                   every HISTORY_INTERVAL_SECONDS: dashboard.history)
-    GET  /api/fleet/decisions     the fleet's decision log (newest ``limit``), with a shared store
+    GET  /api/fleet/decisions     the fleet's decision log (newest ``limit``), each with its
+                                  plain-language line, with a shared store
     POST /api/overrides           body: SetOverrideRequest in the protobuf JSON mapping
     POST /api/overrides/clear     body: ClearOverrideRequest in the protobuf JSON mapping
 
@@ -40,7 +41,6 @@ from aiohttp import web
 from google.protobuf import json_format
 
 from controller.core.controller import ControllerCore
-from controller.core.snapshot import CoreSnapshot
 from controller.core.types import DecisionEvent
 from controller.dashboard.history import EstimateHistory
 from controller.server.explain import decision_text
@@ -88,23 +88,6 @@ def _strict_json(text: str) -> Any:
     return json.loads(text, parse_float=_finite_number, parse_constant=_no_constant)
 
 
-def _acceptance(snap: CoreSnapshot, e: DecisionEvent) -> tuple[float, float] | None:
-    """Position-1 acceptance (mean, credible half-width) of the draft the decision is about."""
-    new, old = e.decision, e.previous
-    draft = new.draft if new.k else (old.draft if old is not None and old.k else "")
-    if not draft:
-        return None
-    try:
-        view = snap.class_view(new.traffic_class)
-    except KeyError:
-        return None
-    est = next((x for x in view.estimates if x.draft == draft and x.has_evidence), None)
-    if est is None:
-        return None
-    lower, upper = est.credible_interval(CREDIBLE_LEVEL)
-    return float(est.mean[0]), float(upper[0] - lower[0]) / 2
-
-
 class Dashboard:
     def __init__(self, core: ControllerCore, hub: Hub, writer: PolicyWriter,
                  clock: Callable[[], float], fleet: FleetSync | None) -> None:
@@ -117,15 +100,11 @@ class Dashboard:
         self.history = EstimateHistory(HISTORY_SAMPLES, CREDIBLE_LEVEL)
 
     # --- reads ----------------------------------------------------------------------------------
-    def event_json(self, e: DecisionEvent, snap: CoreSnapshot) -> dict[str, Any]:
-        """An event in the protobuf JSON mapping plus its plain-language ``text``."""
-        out = to_json_dict(event_to_proto(e))
-        try:
-            ex = self._core.explain(e.decision.traffic_class, e.decision.bucket, snap.at)
-            out["text"] = decision_text(e, ex, _acceptance(snap, e))
-        except KeyError:  # the class was forgotten since
-            out["text"] = ""
-        return out
+    @staticmethod
+    def event_json(e: DecisionEvent) -> dict[str, Any]:
+        """An event in the protobuf JSON mapping plus its plain-language ``text`` (from the
+        figures kept with it)."""
+        return {**to_json_dict(event_to_proto(e)), "text": decision_text(e)}
 
     def state(self) -> dict[str, Any]:
         now = self._clock()
@@ -206,9 +185,8 @@ class Dashboard:
                 if name == "close":
                     break
                 if name == "decisions":
-                    snap = self._core.snapshot(self._clock())
                     for e in payload:
-                        await send("decision", self.event_json(e, snap))
+                        await send("decision", self.event_json(e))
                 else:
                     await send(name, payload)
         except ConnectionError:
@@ -266,7 +244,7 @@ class Dashboard:
         except StoreUnavailable as exc:
             return json_response({"error": f"state store: {exc}"}, status=503)
         return json_response({"events": [
-            {"sidecar": s, **to_json_dict(event_to_proto(e))} for s, e in entries]})
+            {"sidecar": s, **self.event_json(e)} for s, e in entries]})
 
     # --- the page -------------------------------------------------------------------------------
     async def page(self, _: web.Request) -> web.FileResponse:

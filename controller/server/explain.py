@@ -1,11 +1,12 @@
-"""The English of an explanation: the core explains a decision in numbers
-(``controller.core.snapshot.Explanation``); this renders them as the few sentences that
-ExplainDecision returns as ``text``."""
+"""The English of the core's numbers: an explanation (``controller.core.snapshot.Explanation``)
+as the few sentences that ExplainDecision returns as ``text``, and a decision event, with the
+figures it was taken on, as the decision log's line (the dashboard, /api/decisions and
+``specpilot policy watch``)."""
 
 from __future__ import annotations
 
 from controller.core.snapshot import Explanation
-from controller.core.types import DecisionEvent
+from controller.core.types import OFFLINE_PIN, ArmFigures, DecisionEvent, Reason
 
 
 def arm_label(draft: str, k: int) -> str:
@@ -51,31 +52,135 @@ def probe_unit(whole_steps: bool) -> str:
     return "steps (all of the class's requests in each)" if whole_steps else "requests"
 
 
-def decision_text(event: DecisionEvent, ex: Explanation,
-                  acceptance: tuple[float, float] | None) -> str:
-    """One decision-log line, e.g. "code: K 4 -> 2 at batch 24 (goodput); acceptance 0.52 +/-
-    0.03; K=4 goodput 9% below K=2". ``ex`` explains the (class, bucket) now and ``acceptance``
-    is (mean, half-width of the credible interval) at position 1 of the draft in question, so
-    the figures are as of when the line is rendered, not of the decision."""
+def decision_text(event: DecisionEvent) -> str:
+    """One decision-log line from the figures the decision was taken on, kept in the event, so
+    that it reads the same whenever it is rendered, e.g. "code: K 4 -> 2 at batch 24 (goodput);
+    d K=2 expects 1.10x the goodput of d K=4 (142 vs 129 tokens/s); expected 1.42x no
+    speculation; d acceptance 0.52 +/- 0.03 at position 1".
+
+    Arms are compared by ratios, never by percentages, and only in the direction the reason
+    allows. A choice the posterior means favour says how much more the chosen arm expects than
+    the one it replaced (or, switching speculation off, how little the old arm gained). A choice
+    they do not favour (an exploring draw, a detected change) says so beside the arm they do
+    favour; one that no goodput comparison made (an operator's override, an offline pin,
+    warm-up) says what made it, with the chosen arm's own figures. A missing figure reads "no
+    estimate yet"."""
+    return f"{_change(event)} {decision_detail(event)}"
+
+
+def decision_detail(event: DecisionEvent) -> str:
+    """A decision line after what changed: "at batch 24 (goodput); ..." (``decision_text``)."""
+    new, old, fig = event.decision, event.previous, event.figures
+    if fig is None:
+        return f"({new.reason.value}); figures not recorded"
+    parts = [f"at batch {fig.batch_size} ({new.reason.value})"]
+    chosen = arm_label(new.draft, new.k)
+    if fig.pinned_by == OFFLINE_PIN:
+        return "; ".join([*parts, "offline class: speculation pinned off by configuration"])
+    if new.reason is Reason.WARMUP:
+        return "; ".join([*parts, "warm-up: no acceptance data for the class yet, so no "
+                                  "estimate yet"])
+    lead = {Reason.OVERRIDE: f"set by an operator ({fig.pinned_by or 'override'})",
+            Reason.EXPLORE: f"exploring, to learn what {chosen} gains",
+            Reason.CHANGE_DETECTED: "acceptance changed: decided afresh on the reset estimates",
+            Reason.OFFLINE: "offline class, priced at full load"}.get(new.reason)
+    parts += [lead] if lead else []
+    if new.reason is Reason.OVERRIDE:
+        if fig.chosen is None or new.k:
+            parts.append(_expected(chosen, fig.chosen))
+        if fig.best is not None:
+            parts.append(f"by posterior means {arm_label(fig.best.draft, fig.best.k)} would be "
+                         f"the best, at {_speedup(fig.best)}" if fig.best.k else
+                         "by posterior means no draft gains enough to pay for drafting")
+    elif fig.chosen is None:
+        parts.append(_expected(chosen, fig.chosen))
+    else:
+        if fig.best is not None:
+            parts.append(_against_best(chosen, fig.chosen, fig.best))
+        elif old is not None:
+            parts.append(_gain(chosen, fig.chosen, arm_label(old.draft, old.k), fig.previous))
+        if new.k and (old is None or old.k):  # against off, the ratio above is the speedup
+            parts.append(_expected(chosen, fig.chosen))
+    return "; ".join(parts + _acceptance(event))
+
+
+def _change(event: DecisionEvent) -> str:
+    """The class and what changed: "code: K 4 -> 2", "code: draft d -> ngram at K=2"."""
     new, old = event.decision, event.previous
     head = f"{new.traffic_class}: "
     if old is None:
-        head += arm_label(new.draft, new.k)
-    elif old.k == new.k and old.draft != new.draft:
-        head += f"draft {old.draft or 'none'} -> {new.draft or 'none'} at K={new.k}"
-    else:
-        head += f"K {old.k} -> {new.k}"
-        if new.k and old.k and old.draft != new.draft:
-            head += f" ({old.draft} -> {new.draft})"
-    parts = [f"{head} at batch {ex.batch_size} ({new.reason.value})"]
-    if acceptance is not None:
-        parts.append(f"acceptance {acceptance[0]:.2f} +/- {acceptance[1]:.2f}")
-    goodput = {a.arm: a.goodput for a in ex.arms}
-    compared = old is not None and old.arm != new.arm and old.arm in goodput
-    if old is not None and compared and goodput.get(new.arm, 0.0) > 0:
-        ratio = goodput[old.arm] / goodput[new.arm] - 1.0
-        parts.append(f"{arm_label(old.draft, old.k)} goodput {abs(ratio):.0%} "
-                     f"{'below' if ratio < 0 else 'above'} {arm_label(new.draft, new.k)}")
-    if new.k:
-        parts.append(f"expected {new.expected_speedup:.2f}x")
-    return "; ".join(parts)
+        return head + arm_label(new.draft, new.k)
+    if old.k == new.k and old.draft != new.draft:
+        return head + f"draft {old.draft or 'none'} -> {new.draft or 'none'} at K={new.k}"
+    head += f"K {old.k} -> {new.k}"
+    if new.k and old.k and old.draft != new.draft:
+        head += f" ({old.draft} -> {new.draft})"
+    return head
+
+
+def _times(ratio: float) -> str:
+    """A ratio as "1.84x"; below what two decimals show, "below 0.01x" (never "0.00x")."""
+    return f"{ratio:.2f}x" if ratio >= 0.005 else "below 0.01x"
+
+
+def _speedup(f: ArmFigures) -> str:
+    return f"{_times(f.speedup)} no speculation"
+
+
+def _expected(label: str, f: ArmFigures | None) -> str:
+    """The chosen arm's own expectation."""
+    if f is None:
+        return f"{label}: no estimate yet"
+    if f.goodput <= 0:
+        return "expected to slow the rest of the batch more than it gains"
+    return f"expected {_speedup(f)}"
+
+
+def _rate(tokens_per_second: float) -> str:
+    return (f"{tokens_per_second:,.0f}" if tokens_per_second >= 10
+            else f"{tokens_per_second:.1f}")
+
+
+def _gain(new: str, chosen: ArmFigures, old: str, previous: ArmFigures | None) -> str:
+    """A choice the posterior means favour against the arm it replaces: the chosen arm expects
+    at least the old arm's goodput, except when speculation goes off because drafting gains
+    less than it must (``PolicyConfig.min_speedup``)."""
+    if previous is None:  # no engine offers it any more
+        return f"{old}: no estimate to compare with"
+    if previous.goodput <= 0 < chosen.goodput:
+        return f"{old} would slow the rest of the batch more than it gains"
+    if chosen.goodput >= previous.goodput > 0:
+        return (f"{new} expects {_times(chosen.goodput / previous.goodput)} the goodput of {old} "
+                f"({_rate(chosen.goodput)} vs {_rate(previous.goodput)} tokens/s)")
+    if chosen.k == 0:
+        return f"{old} expects only {_speedup(previous)}, too little to pay for drafting"
+    # Not what the posterior means favour: the figures alone, no claim.
+    return f"{new} expects {_rate(chosen.goodput)} tokens/s, {old} {_rate(previous.goodput)}"
+
+
+def _against_best(new: str, chosen: ArmFigures, best: ArmFigures) -> str:
+    """A choice the posterior means do not favour, against the arm they do."""
+    name = arm_label(best.draft, best.k)
+    if chosen.goodput <= 0:
+        return f"{new} would slow the rest of the batch; by posterior means {name} is the best"
+    if chosen.goodput >= best.goodput:  # above off, by less than drafting must gain
+        return (f"{new} expects only {_speedup(chosen)}, too little to pay for drafting by "
+                "posterior means")
+    return (f"{new} expects {_times(chosen.goodput / best.goodput)} the goodput of {name}, the "
+            "best by posterior means")
+
+
+def _acceptance(event: DecisionEvent) -> list[str]:
+    """Position-1 acceptance of the draft the decision is about (the chosen one, or the one
+    speculation was switched off from), or that it has none yet: its arms were priced on the
+    prior."""
+    new, old, fig = event.decision, event.previous, event.figures
+    if fig is None:
+        return []
+    arm = fig.chosen if new.k else fig.previous if old is not None and old.k else None
+    if arm is None or not arm.k:
+        return []
+    if arm.acceptance is None:
+        return [f"no acceptance data for {arm.draft} yet: priced on the prior"]
+    mean, half_width = arm.acceptance
+    return [f"{arm.draft} acceptance {mean:.2f} +/- {half_width:.2f} at position 1"]

@@ -62,7 +62,7 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
         end = len(events) - offset
         kept = events[max(end - limit, 0):max(end, 0)] if limit > 0 else ()
         if text:
-            rendered = [dashboard.event_json(e, snap) for e in kept]
+            rendered = [dashboard.event_json(e) for e in kept]
         else:
             rendered = [to_json_dict(event_to_proto(e)) for e in kept]
         return json_response({"events": rendered, "total": len(events),

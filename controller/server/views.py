@@ -17,6 +17,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from controller.core.acceptance import CREDIBLE_LEVEL as CREDIBLE_LEVEL
 from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot
 from controller.wire import (
     EstimateValues,
@@ -24,9 +25,6 @@ from controller.wire import (
     policy_response_to_proto,
 )
 from specpilot.v1 import policy_pb2
-
-# Width of the credible interval reported per position.
-CREDIBLE_LEVEL = 0.9
 
 
 def policy_response(snap: CoreSnapshot, traffic_class: str = "") -> policy_pb2.GetPolicyResponse:

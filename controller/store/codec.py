@@ -21,7 +21,15 @@ from controller.core.recommend import (
     Option,
     Recommendation,
 )
-from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
+from controller.core.types import (
+    ArmFigures,
+    Decision,
+    DecisionEvent,
+    DecisionFigures,
+    Override,
+    OverrideScope,
+    Reason,
+)
 
 # Bumped when the stored shape changes; a record of another version is skipped, not misread.
 FORMAT = 1
@@ -148,10 +156,33 @@ def event_to_json(e: DecisionEvent) -> str:
         "policy_version": e.policy_version, "at": e.at,
         "decision": decision(e.decision),
         "previous": None if e.previous is None else decision(e.previous),
+        "figures": None if e.figures is None else _figures_json(e.figures),
     })
 
 
+def _figures_json(f: DecisionFigures) -> dict[str, Any]:
+    def arm(a: ArmFigures | None) -> list[Any] | None:
+        return None if a is None else [a.draft, a.k, a.expected_tokens, a.goodput, a.speedup,
+                                       None if a.acceptance is None else list(a.acceptance)]
+    return {"batch_size": f.batch_size, "chosen": arm(f.chosen), "previous": arm(f.previous),
+            "best": arm(f.best), "pinned_by": f.pinned_by}
+
+
+def _figures_from_json(raw: dict[str, Any]) -> DecisionFigures:
+    def arm(a: list[Any] | None) -> ArmFigures | None:
+        if a is None:
+            return None
+        draft, k, tokens, gain, ratio, acceptance = a
+        return ArmFigures(str(draft), int(k), _finite(tokens, "expected_tokens"),
+                          _finite(gain, "goodput"), _finite(ratio, "speedup"),
+                          None if acceptance is None else (_finite(acceptance[0], "acceptance"),
+                                                           _finite(acceptance[1], "acceptance")))
+    return DecisionFigures(int(raw["batch_size"]), arm(raw["chosen"]), arm(raw["previous"]),
+                           arm(raw["best"]), str(raw["pinned_by"]))
+
+
 def event_from_json(text: str | bytes) -> DecisionEvent:
+    """Records from before decisions kept their figures read with ``figures`` None."""
     def build(raw: dict[str, Any]) -> DecisionEvent:
 
         def decision(d: dict[str, Any]) -> Decision:
@@ -161,9 +192,11 @@ def event_from_json(text: str | bytes) -> DecisionEvent:
                             _finite(d["probe_rate"], "probe_rate"), int(d["probe_k"]),
                             str(d["probe_draft"]), bool(d.get("probe_steps", False)))
         previous = raw["previous"]
+        figures = raw.get("figures")
         return DecisionEvent(int(raw["policy_version"]), _finite(raw["at"], "at"),
                              decision(raw["decision"]),
-                             None if previous is None else decision(previous))
+                             None if previous is None else decision(previous),
+                             None if figures is None else _figures_from_json(figures))
     return _parse(text, "decision", build)
 
 

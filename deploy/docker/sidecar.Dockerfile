@@ -1,6 +1,7 @@
-# The specpilot controller (sidecar) image. Build from the repository root:
+# The specpilot controller (sidecar) image. Build from the repository root (BuildKit, the default
+# builder, reads sidecar.Dockerfile.dockerignore beside this file):
 #   docker build -f deploy/docker/sidecar.Dockerfile -t specpilot:0.1.0 .
-# Not built in this project's CI (no container engine there): linted with hadolint.
+# The benchmarks and the simulator are not copied, so the wheel cannot contain them.
 
 # --- build: a wheel and the controller's dependencies, with the build tools --------------------
 FROM python:3.11.11-slim-bookworm AS build
@@ -8,10 +9,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY controller ./controller
 COPY engine_plugin ./engine_plugin
-COPY benchmarks ./benchmarks
 COPY proto ./proto
-RUN pip install --no-cache-dir --prefix=/install . \
-    && rm -rf /install/lib/python3.11/site-packages/benchmarks
+RUN pip install --no-cache-dir --prefix=/install .
 
 # --- final: the interpreter, the installed packages, a non-root user; no compilers, no pip cache
 FROM python:3.11.11-slim-bookworm

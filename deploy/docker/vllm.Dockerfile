@@ -1,15 +1,17 @@
-# vLLM with the specpilot engine plugin. Build from the repository root:
+# vLLM with the specpilot engine plugin. Build from the repository root (BuildKit, the default
+# builder, reads vllm.Dockerfile.dockerignore beside this file):
 #   docker build -f deploy/docker/vllm.Dockerfile -t vllm-specpilot:0.1.0 .
 # The base is vLLM's own OpenAI-server image (GPU); the plugin is pure Python and registers
-# through the vllm.general_plugins entry point. Not built in this project's CI (no container
-# engine there): linted with hadolint.
+# through the vllm.general_plugins entry point. The image receives the plugin and the contract it
+# imports (the controller package, where the records and validation live, and the generated
+# protobuf code), never the benchmarks or the simulator: they are not copied, so the wheel
+# cannot contain them.
 
 FROM vllm/vllm-openai:v0.33.0 AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY controller ./controller
 COPY engine_plugin ./engine_plugin
-COPY benchmarks ./benchmarks
 COPY proto ./proto
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

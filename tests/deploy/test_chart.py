@@ -1,18 +1,19 @@
 """The Helm chart, validated offline: rendered by Helm's own Go SDK (helm-python-sdk) over a
 matrix of values, every manifest checked with kubernetes-validate --strict for Kubernetes 1.29
-and 1.33, the alerts checked and unit-tested with promtool, the Grafana dashboard checked
-against the metrics the controller really exports, and broken values refused with a message
-naming the value."""
+and 1.33, only the engine deciding the pod's readiness, the alerts checked and unit-tested with
+promtool, the Grafana dashboard checked against the metrics the controller and the installed vLLM
+really export, and broken values refused with a message naming the value."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,22 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
     spec: dict[str, Any] = one(docs, "Deployment")["spec"]["template"]["spec"]
     return spec
+
+
+def engine_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    engine: dict[str, Any] = next(c for c in pod_spec(docs)["containers"] if c["name"] == "vllm")
+    return engine
+
+
+def readiness_gates(spec: Mapping[str, Any]) -> list[str]:
+    """The probes of containers other than the engine that decide the pod's readiness: a
+    readiness or startup probe of a sidecar (an init container with restartPolicy Always, whose
+    readiness counts toward the pod's) or of an ordinary container. The controller must have
+    none: without it the engine serves on, and the Service keeps sending it traffic."""
+    sidecars = [c for c in spec.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+    others = [c for c in spec["containers"] if c["name"] != "vllm"]
+    return [f"{c['name']}.{probe}" for c in sidecars + others
+            for probe in ("readinessProbe", "startupProbe") if probe in c]
 
 
 def controller_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,7 +166,9 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
         for d in docs:
             if d["kind"] == kind:
                 endpoints = d["spec"].get("endpoints") or d["spec"]["podMetricsEndpoints"]
-                assert endpoints[0]["port"] == "http-metrics"
+                # The controller's /metrics, and vLLM's own on the engine port (plain HTTP).
+                assert [e["port"] for e in endpoints] == ["http-metrics", "http"]
+                assert endpoints[1]["path"] == "/metrics" and "scheme" not in endpoints[1]
                 assert d["spec"]["selector"]["matchLabels"] == one(
                     docs, "Deployment")["spec"]["selector"]["matchLabels"]
     engine = next(c for c in spec["containers"] if c["name"] == "vllm")
@@ -171,11 +190,12 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
     # it may listen beyond loopback (start_server refuses open engine streams there).
     taken = load_settings(**settings, engine_token="from-the-secret")
     assert taken.grpc_host == "0.0.0.0" and taken.engine_token is not None
-    probes = [ctl[p] for p in ("startupProbe", "livenessProbe", "readinessProbe")]
+    # A stuck controller is restarted (its readiness: test_only_the_engine_decides_readiness).
+    assert "livenessProbe" in ctl
     if "tls" in values:
         check_tls(docs, values["tls"], settings)
     else:
-        assert all(p["grpc"] == {"port": 50051} for p in probes)
+        assert ctl["livenessProbe"]["grpc"] == {"port": 50051}
         assert not any(e["name"].startswith("SPECPILOT_PLUGIN_TLS") for e in engine["env"])
         assert "tls_cert_file" not in settings
 
@@ -195,10 +215,9 @@ def check_tls(docs: list[dict[str, Any]], tls: dict[str, Any], settings: dict[st
     mounts = {m["name"]: m["mountPath"] for m in ctl["volumeMounts"]}
     assert settings["tls_cert_file"] == mounts["specpilot-tls"] + "/tls.crt"
     assert settings["tls_key_file"] == mounts["specpilot-tls"] + "/tls.key"
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert ctl[probe]["httpGet"] == {"path": "/healthz", "port": "http-metrics",
-                                         "scheme": "HTTPS"}
-        assert "grpc" not in ctl[probe]
+    assert ctl["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http-metrics",
+                                               "scheme": "HTTPS"}
+    assert "grpc" not in ctl["livenessProbe"]
     env = {e["name"]: e.get("value") for e in engine["env"]}
     engine_mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
     assert env["SPECPILOT_PLUGIN_TLS_CA_FILE"] == engine_mounts["specpilot-engine-tls"] + "/ca.crt"
@@ -272,6 +291,288 @@ def test_the_charts_tls_settings_start_a_controller(tmp_path: Path, mtls: bool) 
         assert asyncio.run(start_and_stop())
 
 
+def merged(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """The layers merged key by key, as Helm merges values (later layers win, null deletes)."""
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if value is None:
+                out.pop(key, None)
+            elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+                out[key] = merged(out[key], value)
+            else:
+                out[key] = value
+    return out
+
+
+# Where the weights come from: a Hugging Face id (public; gated, with a token Secret and a cache
+# claim), or a volume (a claim, a node directory, any volume source).
+MODEL_SOURCES: dict[str, dict[str, Any]] = {
+    "hf": {},
+    "hf-token": {"engine": {"model": "meta-llama/Llama-3.1-8B-Instruct", "speculativeConfig": {
+        "model": "meta-llama/Llama-3.2-1B-Instruct", "num_speculative_tokens": 4}},
+                 "model": {"huggingface": {"tokenSecret": "hf-token", "tokenSecretKey": "hf",
+                                           "cache": {"existingClaim": "hf-cache"}}}},
+    "pvc": {"engine": {"model": "/models/llama-8b", "speculativeConfig": {
+        "model": "/models/llama-1b", "num_speculative_tokens": 3}},
+            "model": {"source": "volume", "volume": {"existingClaim": "weights",
+                                                     "subPath": "llama"}}},
+    "hostpath": {"engine": {"model": "/models/target"},
+                 "model": {"source": "volume", "volume": {"hostPath": "/mnt/models"}}},
+    "volume-spec": {"engine": {"model": "/weights/target", "speculativeConfig": ""},
+                    "model": {"source": "volume", "volume": {
+                        "mountPath": "/weights",
+                        "spec": {"nfs": {"server": "nfs.example", "path": "/models"}}}}},
+}
+# The pod around it: the defaults (one GPU, a 4 GiB /dev/shm), a CPU engine, and what a
+# production cluster passes through.
+POD_VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "cpu": {"engine": {"gpu": {"count": 0}, "shm": {"enabled": False}}},
+    "production": {
+        "imagePullSecrets": [{"name": "registry"}, {"name": "mirror"}],
+        "serviceAccount": {"create": True, "name": "llm-engine",
+                           "annotations": {"iam.gke.io/gcp-service-account": "llm@p.iam"}},
+        "podSecurityContext": {"fsGroup": 2000, "runAsUser": 10001,
+                               "seccompProfile": {"type": "RuntimeDefault"}},
+        "engine": {"gpu": {"resource": "nvidia.com/gpu", "count": 2},
+                   "shm": {"sizeLimit": "16Gi"},
+                   "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                                       "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}},
+                   "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+                   "volumeMounts": [{"name": "chat-templates", "mountPath": "/templates",
+                                     "readOnly": True}],
+                   "extraArgs": ["--tensor-parallel-size", "2"]},
+        "controller": {"securityContext": {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
+                                           "allowPrivilegeEscalation": False,
+                                           "seccompProfile": {"type": "RuntimeDefault"}},
+                       "env": [{"name": "SPECPILOT_HALF_LIFE_SECONDS", "value": "120"}],
+                       "volumeMounts": [{"name": "chat-templates", "mountPath": "/templates"}]},
+        "volumes": [{"name": "chat-templates", "configMap": {"name": "templates"}}],
+        "runtimeClassName": "nvidia",
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                         "effect": "NoSchedule"}],
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "topology.kubernetes.io/zone", "operator": "In",
+                 "values": ["us-east1-b"]}]}]}}},
+        "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+        "podLabels": {"team": "inference"},
+        "strategy": {"type": "Recreate"},
+        "metrics": {"podMonitor": {"enabled": True}},
+    },
+}
+SERVING = [(m, p, native) for m, p, native in product(MODEL_SOURCES, POD_VARIANTS, (True, False))]
+
+
+def serving_values(source: str, pod: str, native: bool) -> dict[str, Any]:
+    return merged(MODEL_SOURCES[source], POD_VARIANTS[pod], {"sidecar": {"native": native}})
+
+
+@pytest.mark.parametrize(("source", "pod", "native"), SERVING,
+                         ids=[f"{m}-{p}-{'native' if n else 'plain'}" for m, p, n in SERVING])
+def test_serving_values_render_valid_kubernetes(source: str, pod: str, native: bool) -> None:
+    values = serving_values(source, pod, native)
+    docs = render(values)
+    for doc in docs:
+        if doc["kind"] not in OPERATOR_KINDS:
+            for version in KUBERNETES:
+                kubernetes_validate.validate(doc, version, strict=True)
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    full = merged(defaults, values)
+    spec, engine, ctl = pod_spec(docs), engine_of(docs), controller_of(docs)
+    check_model(full, spec, engine)
+    check_engine_resources(full["engine"], engine, spec)
+    # The pass-through values land where Kubernetes reads them.
+    test_pod = next(d for d in docs if d["kind"] == "Pod")
+    assert spec.get("imagePullSecrets") == (full["imagePullSecrets"] or None)
+    assert test_pod["spec"].get("imagePullSecrets") == (full["imagePullSecrets"] or None)
+    account = one(docs, "ServiceAccount")
+    assert spec["serviceAccountName"] == account["metadata"]["name"]
+    assert account["metadata"].get("annotations") == (full["serviceAccount"]["annotations"]
+                                                      or None)
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"] == full["podSecurityContext"]
+    assert engine["securityContext"] == full["engine"]["securityContext"]
+    assert ctl["securityContext"] == full["controller"]["securityContext"]
+    assert spec.get("runtimeClassName") == (full["runtimeClassName"] or None)
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        assert spec.get(key) == (full[key] or None), key
+    template = one(docs, "Deployment")["spec"]["template"]["metadata"]
+    assert full["podLabels"].items() <= template["labels"].items()
+    assert full["podAnnotations"].items() <= template["annotations"].items()
+    assert one(docs, "Deployment")["spec"].get("strategy") == (full["strategy"] or None)
+    volumes = {v["name"] for v in spec["volumes"]}
+    assert {v["name"] for v in full["volumes"]} <= volumes
+    for container, side in ((engine, full["engine"]), (ctl, full["controller"])):
+        assert all(e in container["env"] for e in side["env"])
+        assert all(m in container["volumeMounts"] for m in side["volumeMounts"])
+        assert {m["name"] for m in container["volumeMounts"]} <= volumes
+    # The engine serves the model named, with the scheduler subclass and any extra arguments.
+    assert engine["args"][0] == f"--model={full['engine']['model']}"
+    assert speculative_config(engine) == draft_of(full)
+    extra = full["engine"]["extraArgs"]
+    assert engine["args"][len(engine["args"]) - len(extra):] == extra
+    for monitor in (d for d in docs if d["kind"] == "PodMonitor"):
+        ports = [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]]
+        assert ports == ["http-metrics", "http"]  # the controller's and vLLM's own /metrics
+
+
+def speculative_config(engine: dict[str, Any]) -> dict[str, Any] | None:
+    """The engine's --speculative-config, parsed (None without the flag)."""
+    flags = [a.split("=", 1)[1] for a in engine["args"] if a.startswith("--speculative-config=")]
+    assert len(flags) <= 1
+    return json.loads(flags[0]) if flags else None
+
+
+def draft_of(values: dict[str, Any]) -> dict[str, Any] | None:
+    """engine.speculativeConfig as vLLM should receive it: JSON text or a map; none if empty."""
+    given = values["engine"].get("speculativeConfig")
+    if isinstance(given, str):
+        return json.loads(given) if given else None
+    return given or None
+
+
+@pytest.mark.parametrize("draft", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+    '{"method": "suffix", "num_speculative_tokens": 8}', "", None,
+], ids=["ngram-map", "suffix-text", "empty", "null"])
+def test_a_draft_set_replaces_the_default_whole(draft: dict[str, Any] | str | None) -> None:
+    """The default draft is JSON text, so a map set over it replaces it rather than merging into
+    it (a merged map would keep the default's draft model beside an n-gram method)."""
+    engine = engine_of(render({"engine": {"speculativeConfig": draft}}))
+    assert speculative_config(engine) == (json.loads(draft) if isinstance(draft, str) and draft
+                                          else draft or None)
+
+
+def check_model(values: dict[str, Any], spec: dict[str, Any], engine: dict[str, Any]) -> None:
+    """The weights are where vLLM reads them: a read-only volume at model.volume.mountPath, or
+    a Hugging Face cache at HF_HOME (with HF_TOKEN from the Secret when one is named)."""
+    model = values["model"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m for m in engine["volumeMounts"]}
+    env = {e["name"]: e for e in engine["env"]}
+    if model["source"] == "volume":
+        source = model["volume"]
+        assert mounts["model"]["mountPath"] == source["mountPath"]
+        assert mounts["model"]["readOnly"] is True
+        assert mounts["model"].get("subPath") == (source["subPath"] or None)
+        volume = {k: v for k, v in volumes["model"].items() if k != "name"}
+        if source["existingClaim"]:
+            assert volume == {"persistentVolumeClaim": {"claimName": source["existingClaim"],
+                                                        "readOnly": True}}
+        elif source["hostPath"]:
+            assert volume == {"hostPath": {"path": source["hostPath"], "type": "Directory"}}
+        else:
+            assert volume == source["spec"]
+        assert "hf-cache" not in volumes and "HF_HOME" not in env and "HF_TOKEN" not in env
+        return
+    hf = model["huggingface"]
+    assert env["HF_HOME"]["value"] == mounts["hf-cache"]["mountPath"] == hf["cache"]["mountPath"]
+    cache = volumes["hf-cache"]
+    if hf["cache"]["existingClaim"]:
+        assert cache["persistentVolumeClaim"] == {"claimName": hf["cache"]["existingClaim"]}
+    else:
+        assert cache["emptyDir"] == {"sizeLimit": hf["cache"]["sizeLimit"]}
+    if hf["tokenSecret"]:
+        assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {
+            "name": hf["tokenSecret"], "key": hf["tokenSecretKey"]}}
+    else:
+        assert "HF_TOKEN" not in env
+    assert "model" not in volumes
+
+
+def check_engine_resources(values: dict[str, Any], engine: dict[str, Any],
+                           spec: dict[str, Any]) -> None:
+    """engine.gpu's count in requests and limits (none for a CPU engine) beside
+    engine.resources, and a memory-backed /dev/shm of engine.shm.sizeLimit."""
+    gpu, resources = values["gpu"], engine["resources"]
+    for kind in ("requests", "limits"):
+        expected = dict(values["resources"].get(kind, {}))
+        if gpu["count"]:
+            expected[gpu["resource"]] = gpu["count"]
+        assert resources.get(kind, {}) == expected, kind
+    shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+    if values["shm"]["enabled"]:
+        assert shm[0]["emptyDir"] == {"medium": "Memory", "sizeLimit": values["shm"]["sizeLimit"]}
+        assert mounts["/dev/shm"] == "dshm"
+    else:
+        assert not shm and "/dev/shm" not in mounts
+
+
+def test_only_the_engine_decides_readiness() -> None:
+    """Across both values matrices, no container but the engine has a readiness or startup
+    probe, and the controller has a liveness probe: fail-static includes the Service."""
+    gating: dict[str, list[str]] = {}
+    for i, values in enumerate(MATRIX + [serving_values(*case) for case in SERVING]):
+        spec = pod_spec(render(values))
+        if gates := readiness_gates(spec):
+            gating[f"case {i}: {json.dumps(values)[:120]}"] = gates
+        ctl = next(c for c in spec.get("initContainers", []) + spec["containers"]
+                   if c["name"] == "specpilot")
+        assert "livenessProbe" in ctl
+        engine = next(c for c in spec["containers"] if c["name"] == "vllm")
+        assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert not gating, gating
+
+
+def test_the_readiness_check_catches_a_gating_controller() -> None:
+    """The control of readiness_gates: a readiness or startup probe on the controller, as a
+    native sidecar or as an ordinary container, is caught."""
+    for native in (True, False):
+        for probe in ("readinessProbe", "startupProbe"):
+            docs = render({"sidecar": {"native": native}})
+            ctl = controller_of(docs)
+            ctl[probe] = {"grpc": {"port": 50051}, "periodSeconds": 5}
+            assert readiness_gates(pod_spec(docs)) == [f"specpilot.{probe}"]
+
+
+# Kubernetes' types in values.schema.json: their fields listed, so that a misspelt field fails
+# `helm install` naming it.
+SCHEMA_TYPES = {
+    "#/definitions/securityContext": "securitycontext-v1",
+    "#/definitions/podSecurityContext": "podsecuritycontext-v1",
+    "#/definitions/resources": "resourcerequirements-v1",
+    "#/definitions/env/items": "envvar-v1",
+    "#/definitions/volumeMounts/items": "volumemount-v1",
+    "#/properties/tolerations/items": "toleration-v1",
+    "#/properties/affinity": "affinity-v1",
+    "#/properties/imagePullSecrets/items": "localobjectreference-v1",
+}
+
+
+@pytest.mark.parametrize(("pointer", "kubernetes_type"), SCHEMA_TYPES.items())
+def test_the_schemas_kubernetes_types_have_kubernetes_fields(pointer: str,
+                                                             kubernetes_type: str) -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    node = schema
+    for part in pointer.removeprefix("#/").split("/"):
+        node = node[part]
+    assert node["additionalProperties"] is False
+    newest = KUBERNETES[-1]
+    theirs = kubernetes_validate.utils.schema_contents(
+        f"kubernetes-json-schema/v{newest}.0-local-strict/{kubernetes_type}.json", newest)
+    assert set(node["properties"]) == set(theirs["properties"])
+
+
+@pytest.mark.parametrize("monitor", ["serviceMonitor", "podMonitor"])
+def test_the_monitor_leaves_vllm_to_another_scrape_when_told(monitor: str) -> None:
+    docs = render({"metrics": {"scrapeEngine": False, monitor: {"enabled": True}}})
+    kind = monitor[0].upper() + monitor[1:]
+    spec = one(docs, kind)["spec"]
+    endpoints = spec.get("endpoints") or spec["podMetricsEndpoints"]
+    assert [e["port"] for e in endpoints] == ["http-metrics"]
+
+
+def test_helm_lint_strict_finds_nothing_above_info() -> None:
+    """`helm lint --strict` on the defaults (its only finding is that the chart has no icon)."""
+    report = helm.lint(str(CHART), strict=True, kube_version=f"v{KUBERNETES[-1]}.0")
+    assert not report["errors"]
+    assert [m for m in report["messages"] if m["severity"] > 1] == []
+
+
 def test_strict_validation_is_a_real_check() -> None:
     """The control: a field Kubernetes does not know fails the strict validation."""
     deployment = one(render({}), "Deployment")
@@ -294,6 +595,27 @@ def test_strict_validation_is_a_real_check() -> None:
     ({"tls": {"enabled": True, "secretName": "s", "engineClientAuth": True,
               "engineGrpcPort": 50051}}, "tls.engineGrpcPort must differ"),
     ({"tls": {"enabld": True}}, "enabld"),
+    ({"model": {"source": "volume"}}, "model.source=volume needs exactly one of"),
+    ({"model": {"source": "volume", "volume": {"existingClaim": "w", "hostPath": "/m"}}},
+     "model.source=volume needs exactly one of"),
+    ({"model": {"source": "s3"}}, "source"),
+    ({"model": {"volume": {"hostPath": "models"}}}, "hostPath"),
+    ({"engine": {"gpu": {"count": -1}}}, "count"),
+    ({"engine": {"resources": {"limit": {"memory": "1Gi"}}}}, "limit"),
+    ({"engine": {"securityContext": {"runAsNonroot": True}}}, "runAsNonroot"),
+    ({"controller": {"securityContext": {"readOnlyRootFileSystem": True}}},
+     "readOnlyRootFileSystem"),
+    ({"podSecurityContext": {"fsgroup": 10001}}, "fsgroup"),
+    ({"imagePullSecrets": ["registry"]}, "imagePullSecrets"),
+    ({"serviceAccount": {"craete": True}}, "craete"),
+    ({"engine": {"env": [{"name": "N", "value": 1}]}}, "value"),
+    ({"engine": {"volumeMounts": [{"name": "v"}]}}, "mountPath"),
+    ({"tolerations": [{"key": "nvidia.com/gpu", "efect": "NoSchedule"}]}, "efect"),
+    ({"engine": {"shm": {"size": "8Gi"}}}, "size"),
+    ({"engine": {"volumes": []}}, "volumes"),
+    ({"engine": {"speculativeConfig": "{model: draft}"}},
+     "engine.speculativeConfig is not a JSON object"),
+    ({"engine": {"speculativeConfig": ["model"]}}, "speculativeConfig"),
 ])
 def test_broken_values_are_refused_naming_the_value(values: dict[str, Any], message: str
                                                     ) -> None:
@@ -367,7 +689,8 @@ def test_the_alert_tests_can_fail(rules_file: Path) -> None:
 
 @pytest.fixture(scope="module")
 def exported_metrics() -> set[str]:
-    """Every metric family name a controller with an engine, reports and decisions exports."""
+    """Every series name a controller with an engine, reports and decisions exports, and
+    every vllm: series of the installed vLLM."""
     core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
     now = time.time()
     core.connect_engine(EngineHello("e", "m", "v", (DraftSpec("d", DraftKind.MODEL, 4, "v"),),
@@ -386,14 +709,37 @@ def exported_metrics() -> set[str]:
                 names.add(name + "_total")
             if kind == "histogram":
                 names.update(name + s for s in ("_bucket", "_sum", "_count"))
-    return names
+    return names | vllm_metrics()
+
+
+def series(name: str, kind: str) -> set[str]:
+    """The series Prometheus scrapes of a prometheus_client metric of this kind and name."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    return {name + s for s in suffixes.get(kind, ("",))}
+
+
+def vllm_metrics() -> set[str]:
+    """Every vllm: series the installed vLLM's Prometheus logger exports, read from its source
+    (importing vLLM would load torch): the name of each Gauge, Counter and Histogram it makes,
+    and the counters of its speculative-decoding metrics."""
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("vllm not found: the dashboard's vLLM panels are checked against its source")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    loggers = (root / "v1" / "metrics" / "loggers.py").read_text()
+    spec_decode = (root / "v1" / "spec_decode" / "metrics.py").read_text()
+    made = re.findall(r'_(gauge|counter|histogram)_cls\(\s*name="(vllm:\w+)"', loggers)
+    made += [("counter", n) for n in re.findall(r'\(\s*"(vllm:spec_decode_\w+)",', spec_decode)]
+    made += re.findall(r'_(counter)_cls\(\s*name="(vllm:\w+)"', spec_decode)
+    assert len(made) > 30, "vLLM's metric definitions moved: update vllm_metrics()"
+    return {s for kind, name in made for s in series(name, kind)}
 
 
 def unknown_metrics(expr: str, exported: set[str]) -> set[str]:
-    """The specpilot metric names ``expr`` queries that the controller does not export (all of
-    them when it queries none: a panel must show something of specpilot's)."""
-    names = set(re.findall(r"\bspecpilot_[a-z0-9_]+", expr))
-    return names - exported if names else {"<no specpilot metric>"}
+    """The specpilot and vLLM metric names ``expr`` queries that the controller and vLLM do not
+    export (all of them when it queries none: a panel must show something of theirs)."""
+    names = set(re.findall(r"\b(?:specpilot_[a-z0-9_]+|vllm:[a-z0-9_:]+)", expr))
+    return names - exported if names else {"<no specpilot or vLLM metric>"}
 
 
 def _panels() -> Iterator[dict[str, Any]]:
@@ -401,7 +747,7 @@ def _panels() -> Iterator[dict[str, Any]]:
     yield from dash["panels"]
 
 
-def test_the_grafana_dashboard_queries_only_what_the_controller_exports(
+def test_the_grafana_dashboard_queries_only_what_the_controller_and_vllm_export(
         exported_metrics: set[str]) -> None:
     dash = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
     assert dash["uid"] == "specpilot-overview"  # stable: links and provisioning keep working
@@ -422,9 +768,15 @@ def test_the_grafana_dashboard_queries_only_what_the_controller_exports(
 
 def test_a_dashboard_naming_a_metric_that_does_not_exist_is_caught(
         exported_metrics: set[str]) -> None:
-    """The control of the check above: a misspelt name and a query of no specpilot metric."""
+    """The control of the check above: a misspelt name, a name vLLM does not export (its
+    older time_per_output_token histogram) and a query of no specpilot or vLLM metric."""
     good = "max(specpilot_acceptance_first_position_ratio)"
     assert not unknown_metrics(good, exported_metrics)
+    assert not unknown_metrics("rate(vllm:spec_decode_num_accepted_tokens_total[5m])",
+                               exported_metrics)
     assert unknown_metrics("max(specpilot_acceptance_first_position)", exported_metrics) == {
         "specpilot_acceptance_first_position"}
+    old = "histogram_quantile(0.5, rate(vllm:time_per_output_token_seconds_bucket[5m]))"
+    assert unknown_metrics(old, exported_metrics) == {"vllm:time_per_output_token_seconds_bucket"}
+    assert unknown_metrics("rate(vllm:spec_decode_num_accepted_tokens[5m])", exported_metrics)
     assert unknown_metrics("up", exported_metrics)

@@ -3,6 +3,7 @@ container engine runs here, so they are checked, not built (docs/deploy.md says 
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -45,3 +46,91 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
     bad.write_text("FROM python:latest\nRUN apt-get update && apt-get install -y gcc\n")
     got = _lint(bad)
     assert got.returncode != 0 and "DL3007" in got.stdout
+
+
+# --- what the vLLM image receives -----------------------------------------------------------
+
+FIRST_PARTY = ("benchmarks", "controller", "engine_plugin", "specpilot")
+
+
+def _module_file(module: str) -> Path | None:
+    """The repository file of a first-party module (protobuf code lives under proto/)."""
+    parts = module.split(".")
+    for base in (ROOT, ROOT / "proto"):
+        module_dir = base.joinpath(*parts)
+        for path in (module_dir.with_suffix(".py"), module_dir / "__init__.py"):
+            if path.is_file():
+                return path
+    return None
+
+
+def _first_party_imports(path: Path) -> set[str]:
+    """The first-party modules ``path`` imports anywhere (lazy imports inside functions too),
+    with their parent packages, which Python imports first."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                 and not node.level else [])
+        for name in names:
+            if name.split(".")[0] in FIRST_PARTY:
+                parts = name.split(".")
+                found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                # `from package import module` imports the module too.
+                if isinstance(node, ast.ImportFrom):
+                    found.update(f"{name}.{a.name}" for a in node.names
+                                 if _module_file(f"{name}.{a.name}"))
+    return found
+
+
+def plugin_closure() -> set[str]:
+    """Every first-party module the engine plugin can import, transitively."""
+    todo = list((ROOT / "engine_plugin").rglob("*.py"))
+    seen: set[str] = set()
+    while todo:
+        for module in _first_party_imports(todo.pop()) - seen:
+            seen.add(module)
+            if (path := _module_file(module)) is not None:
+                todo.append(path)
+    return seen
+
+
+def copied_sources(dockerfile: Path) -> set[str]:
+    """The repository paths a Dockerfile copies from the build context."""
+    sources: set[str] = set()
+    for line in dockerfile.read_text().splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            sources.update(p.rstrip("/") for p in line.split()[1:-1])
+    return sources
+
+
+def context_allow_list(dockerfile: Path) -> set[str]:
+    """What the Dockerfile's own .dockerignore lets into the build context (it ignores "*" and
+    re-includes these)."""
+    lines = [ln.strip() for ln in dockerfile.with_name(dockerfile.name + ".dockerignore")
+             .read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "*", "the context is an allow-list"
+    return {ln[1:] for ln in lines if ln.startswith("!")}
+
+
+def test_the_vllm_image_receives_the_plugin_and_its_contract_only() -> None:
+    dockerfile = ROOT / "deploy" / "docker" / "vllm.Dockerfile"
+    copied = copied_sources(dockerfile)
+    needed = {m.split(".")[0] for m in plugin_closure()}
+    assert "benchmarks" not in needed, "the plugin imports the benchmarks"
+    # Each top-level package the plugin needs is copied (the protobuf code lives in proto/).
+    assert {"proto" if n == "specpilot" else n for n in needed} <= copied
+    assert not copied & {"benchmarks", "tests", "tools", "docs", "."}, copied
+    for path in DOCKERFILES:
+        allowed = context_allow_list(path)
+        assert copied_sources(path) <= allowed, path.name
+        assert "benchmarks" not in allowed and "benchmarks" not in copied_sources(path)
+
+
+def test_the_image_content_check_can_fail(tmp_path: Path) -> None:
+    """The control: a Dockerfile that copies the benchmarks, or a context that lets them in, is
+    caught."""
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("FROM python:3.11.11-slim\nCOPY benchmarks ./benchmarks\n")
+    (tmp_path / "bad.Dockerfile.dockerignore").write_text("*\n!benchmarks\n")
+    assert "benchmarks" in copied_sources(bad) and "benchmarks" in context_allow_list(bad)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -214,6 +215,8 @@ async def test_policy_watch_prints_a_decision_after_an_override(
         # The replayed log comes first; the override's decision follows.
         first = await asyncio.to_thread(lines.next, STARTUP_SECONDS)
         assert "  chat  " in first
+        # Batch ranges by their sizes, as policy get and the metrics name them.
+        assert re.search(r"  batch (\d+|\d+-\d+|\d+\+)  ", first), first
         code = await asyncio.to_thread(cli.main, [
             "policy", "--target", server.grpc_target, "--token", TOKEN, "set",
             "--class", "chat", "--force-off"])

@@ -184,13 +184,19 @@ function renderTable(policy) {
   const row = el("tr");
   row.append(el("th", {}, "class"));
   for (let b = 0; b <= bounds.length; b++) row.append(el("th", {}, `batch ${bucketLabel(b, bounds)}`));
-  row.append(el("th", {}, "share"), el("th", {}, "expected / measured speedup"));
+  row.append(el("th", {title: "the class's share of the running sequences"}, "share"),
+    el("th", {title: "expected: the controller's estimate for the class's choices (the best of its "
+      + "batch ranges); measured: what its served speculative steps achieved (accepted tokens per "
+      + "step over the step's cost relative to a step without drafts)"},
+    "speedup over no speculation: expected / measured"));
   head.replaceChildren(row);
   const body = $("ktable").tBodies[0];
   const rows = [];
   for (const c of policy.classes) {
     const tr = el("tr", {"data-class": c.traffic_class});
-    const name = el("th", {class: "cls"}, c.traffic_class + (c.offline ? " (offline)" : ""));
+    const name = el("th", {class: "cls", title: c.traffic_class === "default"
+      ? "what an engine applies to a class the controller has not seen yet" : ""},
+    c.traffic_class + (c.offline ? " (offline)" : ""));
     name.addEventListener("click", () => openClass(c.traffic_class));
     tr.append(name);
     const inForce = c.overrides.length > 0;
@@ -201,14 +207,14 @@ function renderTable(policy) {
         "data-class": c.traffic_class, "data-bucket": String(d.batch_bucket), "data-k": String(k),
         title: `${k ? `draft ${d.draft}, K=${k}` : "speculation off"}; ${reasonName(d.reason)}; expected `
           + `${Number(d.expected_speedup).toFixed(2)}x` + (d.probe_rate > 0 ? `; probing ${(100 * d.probe_rate).toFixed(1)}% of ${d.probe_steps ? "steps" : "requests"} at K=${d.probe_k}` : "")},
-        k ? String(k) : "off");
+        k ? `${d.draft}:${k}` : "off");
       if (reasonName(d.reason) === "override") cell.append(el("span", {class: "ovr-mark"}, " ●"));
       tr.append(cell);
     }
     const share = c.batch_share === undefined ? "—" : `${(100 * c.batch_share).toFixed(0)}%`;
     const expected = c.decisions.length ? Math.max(...c.decisions.map((d) => Number(d.expected_speedup))) : 1;
     const measured = c.measured_speedup === undefined ? "—" : `${c.measured_speedup.toFixed(2)}x`;
-    tr.append(el("td", {}, share), el("td", {}, `${expected.toFixed(2)}x / ${measured}`
+    tr.append(el("td", {}, share), el("td", {}, `${expected.toFixed(2)}x expected / ${measured} measured`
       + (inForce ? " · override" : "")));
     rows.push(tr);
   }

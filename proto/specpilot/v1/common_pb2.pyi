@@ -59,15 +59,49 @@ class Decision(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., expected_speedup: _Optional[float] = ..., probe_rate: _Optional[float] = ..., probe_k: _Optional[int] = ..., probe_draft: _Optional[str] = ..., probe_steps: _Optional[bool] = ...) -> None: ...
 
 class DecisionEvent(_message.Message):
-    __slots__ = ("policy_version", "unix_seconds", "decision", "previous_draft", "previous_k")
+    __slots__ = ("policy_version", "unix_seconds", "decision", "previous_draft", "previous_k", "figures")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_DRAFT_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_K_FIELD_NUMBER: _ClassVar[int]
+    FIGURES_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     unix_seconds: float
     decision: Decision
     previous_draft: str
     previous_k: int
-    def __init__(self, policy_version: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., previous_draft: _Optional[str] = ..., previous_k: _Optional[int] = ...) -> None: ...
+    figures: DecisionFigures
+    def __init__(self, policy_version: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., previous_draft: _Optional[str] = ..., previous_k: _Optional[int] = ..., figures: _Optional[_Union[DecisionFigures, _Mapping]] = ...) -> None: ...
+
+class ArmFigures(_message.Message):
+    __slots__ = ("draft", "k", "expected_tokens", "goodput_tokens_per_second", "speedup", "acceptance_mean", "acceptance_half_width")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_MEAN_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_HALF_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    draft: str
+    k: int
+    expected_tokens: float
+    goodput_tokens_per_second: float
+    speedup: float
+    acceptance_mean: float
+    acceptance_half_width: float
+    def __init__(self, draft: _Optional[str] = ..., k: _Optional[int] = ..., expected_tokens: _Optional[float] = ..., goodput_tokens_per_second: _Optional[float] = ..., speedup: _Optional[float] = ..., acceptance_mean: _Optional[float] = ..., acceptance_half_width: _Optional[float] = ...) -> None: ...
+
+class DecisionFigures(_message.Message):
+    __slots__ = ("batch_size", "chosen", "previous", "best", "pinned_by")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    BEST_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BY_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    chosen: ArmFigures
+    previous: ArmFigures
+    best: ArmFigures
+    pinned_by: str
+    def __init__(self, batch_size: _Optional[int] = ..., chosen: _Optional[_Union[ArmFigures, _Mapping]] = ..., previous: _Optional[_Union[ArmFigures, _Mapping]] = ..., best: _Optional[_Union[ArmFigures, _Mapping]] = ..., pinned_by: _Optional[str] = ...) -> None: ...

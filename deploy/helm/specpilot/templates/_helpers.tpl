@@ -19,6 +19,27 @@ app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{- define "specpilot.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "specpilot.fullname" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* engine.resources with engine.gpu's count of its resource in requests and limits (an
+extended resource's request must equal its limit). */}}
+{{- define "specpilot.engineResources" -}}
+{{- $resources := deepCopy .Values.engine.resources -}}
+{{- $gpu := .Values.engine.gpu -}}
+{{- if gt (int $gpu.count) 0 -}}
+{{- range $kind := list "requests" "limits" -}}
+{{- $_ := set $resources $kind (set (get $resources $kind | default dict) $gpu.resource (int $gpu.count)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
+
 {{- define "specpilot.tokenSecret" -}}
 {{- .Values.policyToken.existingSecret | default (printf "%s-token" (include "specpilot.fullname" .)) -}}
 {{- end -}}
@@ -53,6 +74,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- if and .Values.tls.enabled .Values.tls.engineClientAuth (has (int .Values.tls.engineGrpcPort) (list (int .Values.controller.grpcPort) (int .Values.controller.httpPort))) -}}
 {{- fail "tls.engineGrpcPort must differ from controller.grpcPort and controller.httpPort" -}}
+{{- end -}}
+{{- with .Values.engine.speculativeConfig -}}
+{{- if and (kindIs "string" .) (hasKey (fromJson .) "Error") -}}
+{{- fail (printf "engine.speculativeConfig is not a JSON object: %s" .) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq .Values.model.source "volume" -}}
+{{- $v := .Values.model.volume -}}
+{{- $given := 0 -}}
+{{- range (list $v.existingClaim $v.hostPath $v.spec) }}{{ if . }}{{ $given = add1 $given }}{{ end }}{{ end -}}
+{{- if ne (int $given) 1 -}}
+{{- fail "model.source=volume needs exactly one of model.volume.existingClaim, model.volume.hostPath and model.volume.spec" -}}
+{{- end -}}
 {{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled -}}
 {{- fail "metrics.serviceMonitor.enabled and metrics.podMonitor.enabled are both true: enable one (each would scrape the controller)" -}}
@@ -93,6 +127,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       value: {{ .Values.redis.url | quote }}
       {{- end }}
     {{- end }}
+    {{- with .Values.controller.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   ports:
     - name: grpc
       containerPort: {{ .Values.controller.grpcPort }}
@@ -102,31 +139,27 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - name: grpc-engine
       containerPort: {{ .Values.tls.engineGrpcPort }}
     {{- end }}
-  {{- /* The kubelet's gRPC probes cannot speak TLS (before Kubernetes 1.37's alpha): with TLS,
-  the probes are HTTPS GETs of /healthz (the kubelet skips certificate verification), which the
-  same process answers; no exec, so no Python process per probe in the container's memory. */}}
-  {{- $probe := printf "grpc: {port: %d}" (int .Values.controller.grpcPort) }}
-  {{- if .Values.tls.enabled }}
-  {{- $probe = "httpGet: {path: /healthz, port: http-metrics, scheme: HTTPS}" }}
-  {{- end }}
-  startupProbe:
-    {{ $probe }}
-    periodSeconds: 2
-    failureThreshold: 30
+  {{- /* A liveness probe only: the kubelet restarts a stuck controller, while its health never
+  decides the pod's readiness (a sidecar's readiness and startup probes count toward the pod's
+  and would hold back the engine's start); the engine serves on without it (fail-static).
+  The kubelet's gRPC probes cannot speak TLS (before Kubernetes 1.37's alpha): with TLS, the
+  probe is an HTTPS GET of /healthz (the kubelet skips certificate verification), which the same
+  process answers; no exec, so no Python process per probe in the container's memory. */}}
   livenessProbe:
-    {{ $probe }}
+    {{- if .Values.tls.enabled }}
+    httpGet: {path: /healthz, port: http-metrics, scheme: HTTPS}
+    {{- else }}
+    grpc: {port: {{ .Values.controller.grpcPort }}}
+    {{- end }}
+    initialDelaySeconds: 10
     periodSeconds: 10
     failureThreshold: 3
-  readinessProbe:
-    {{ $probe }}
-    periodSeconds: 5
   resources:
     {{- toYaml .Values.controller.resources | nindent 4 }}
+  {{- with .Values.controller.securityContext }}
   securityContext:
-    runAsNonRoot: true
-    allowPrivilegeEscalation: false
-    readOnlyRootFilesystem: true
-    capabilities: {drop: [ALL]}
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   volumeMounts:
     - name: specpilot-config
       mountPath: /etc/specpilot
@@ -135,5 +168,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - name: specpilot-tls
       mountPath: /etc/specpilot-tls
       readOnly: true
+    {{- end }}
+    {{- with .Values.controller.volumeMounts }}
+    {{- toYaml . | nindent 4 }}
     {{- end }}
 {{- end -}}
