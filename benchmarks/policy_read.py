@@ -58,7 +58,7 @@ from benchmarks.sidecar_memory import (  # noqa: E402
     timings,
 )
 from controller import wire  # noqa: E402
-from controller.core.acceptance import credible_bounds  # noqa: E402
+from controller.core.acceptance import CREDIBLE_LEVEL, credible_bounds  # noqa: E402
 from controller.core.controller import ControllerCore  # noqa: E402
 from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot  # noqa: E402
 from controller.core.validation import MAX_DRAFTS  # noqa: E402
@@ -70,7 +70,7 @@ from controller.settings import load_settings  # noqa: E402
 from specpilot.v1 import engine_pb2, policy_pb2  # noqa: E402
 
 FloatArray = npt.NDArray[np.float64]
-LEVEL = views.CREDIBLE_LEVEL
+LEVEL = CREDIBLE_LEVEL
 TOKEN = "policy-read-bench"
 
 

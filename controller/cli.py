@@ -47,6 +47,7 @@ from controller.server.explain import arm_label, decision_detail
 from controller.server.stubs import PolicyStub, policy_stub
 from controller.server.views import to_json_dict
 from controller.settings import (
+    SECRET_SETTINGS,
     Settings,
     SettingsError,
     settings_from,
@@ -54,7 +55,7 @@ from controller.settings import (
     unknown_environment,
 )
 from controller.tls import TLSError, open_channel
-from controller.wire import event_from_proto, override_to_proto
+from controller.wire import event_from_proto, override_from_proto, override_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -66,7 +67,6 @@ SERVE_FLAGS = ("grpc_host", "grpc_port", "http_host", "http_port",
                "report_interval_seconds", "seed")
 # Tokens never come from the command line (every local user reads it in `ps`): environment
 # (SPECPILOT_POLICY_TOKEN, SPECPILOT_ENGINE_TOKEN, e.g. from a Secret) or the settings file.
-SECRET_SETTINGS = ("policy_token", "engine_token")
 
 M = TypeVar("M", bound=Message)  # a policy API response
 
@@ -202,11 +202,8 @@ def _print_response(resp: M, args: argparse.Namespace, render: Callable[[M], str
     return 0
 
 
-def _override_text(ov: policy_pb2.Override) -> str:
-    action = ov.WhichOneof("action")
-    what = {"pin_k": f"pin K={ov.pin_k}", "force_draft": f"force draft {ov.force_draft}",
-            "force_off": "force off"}.get(action or "", "?")
-    return what + (f" ({ov.note})" if ov.note else "")
+def _override_text(ov: Override) -> str:
+    return ov.action + (f" ({ov.note})" if ov.note else "")
 
 
 def _scope_text(ov: policy_pb2.Override) -> str:
@@ -241,7 +238,7 @@ def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
             (cls, e.draft, f"{e.positions[0].effective_tries:.0f}",
              e.changes_detected, " ".join(f"{p.mean:.2f}" for p in e.positions))
             for cls, e in estimates]))
-    overrides = {(o.traffic_class, _override_text(o), _scope_text(o))
+    overrides = {(o.traffic_class, _override_text(override_from_proto(o)), _scope_text(o))
                  for c in resp.classes for o in c.overrides}
     if overrides:
         out += ["", _table(("OVERRIDE ON", "ACTION", "SCOPE"), sorted(overrides))]
@@ -289,7 +286,8 @@ def policy_set(stub: PolicyStub, args: argparse.Namespace) -> int:
     ov.scope = _SCOPES[args.scope]
     resp = stub.SetOverride(policy_pb2.SetOverrideRequest(override=ov), timeout=args.timeout,
                             metadata=_write_metadata(args))
-    print(f"override on {args.cls}: {_override_text(ov)}; policy version {resp.policy_version}")
+    print(f"override on {args.cls}: {_override_text(override)}; policy version "
+          f"{resp.policy_version}")
     return 0
 
 

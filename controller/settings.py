@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 T = TypeVar("T", bound="DataclassInstance")
 
 ENV_PREFIX = "SPECPILOT_"
+# Settings never echoed in a message nor accepted on a command line.
+SECRET_SETTINGS = ("policy_token", "engine_token")
 # The engine plugin's variables (engine_plugin.config): the plugin checks those itself.
 PLUGIN_ENV_PREFIX = "SPECPILOT_PLUGIN_"
 
@@ -448,8 +450,7 @@ def _what_is_wrong(name: str, err: Mapping[str, Any]) -> str:
     item = [str(p + 1) if isinstance(p, int) else str(p) for p in err["loc"][1:]]
     if item:
         what = f"item {'.'.join(item)}: {what}"
-    secret = name in ("policy_token", "engine_token")
-    if err.get("type") != "missing" and not secret:
+    if err.get("type") != "missing" and name not in SECRET_SETTINGS:
         what += f", got {err['input']!r}"
     return what
 
@@ -575,6 +576,11 @@ COMMON_SETTINGS = ("grpc_port", "http_port", "policy_token_file", "engine_token"
                    "half_life_seconds")
 
 
+def _anchor(name: str) -> str:
+    """The link target of a setting's row in the reference."""
+    return name.replace("_", "-")
+
+
 def _first_sentence(doc: str) -> str:
     """The first sentence of a setting's meaning (the full text stays in its row)."""
     head = re.split(r"(?<=[a-z0-9)\]`]\.)\s+(?=[A-Z])", doc, maxsplit=1)[0]
@@ -594,7 +600,7 @@ def settings_reference() -> str:
         "(`SPECPILOT_<NAME>`) < command-line flags. In the environment, lists are JSON: "
         "`SPECPILOT_OFFLINE_CLASSES='[\"batch\"]'`.",
     ]
-    common = [(f"[`{name}`](#{name.replace('_', '-')})", f"`SPECPILOT_{name.upper()}`",
+    common = [(f"[`{name}`](#{_anchor(name)})", f"`{env_name(name)}`",
                _shown(SETTINGS[name].default), _first_sentence(SETTINGS[name].doc))
               for name in COMMON_SETTINGS]
     rows += ["", "## The settings people change", "",
@@ -605,8 +611,8 @@ def settings_reference() -> str:
         cls = concern.config
         summary = " ".join((cls.__doc__ or "").split("\n\n")[0].split())
         prefix = f" Setting names: `{concern.prefix}` + field name." if concern.prefix else ""
-        table = [(f'<a id="{s.name.replace("_", "-")}"></a>`{s.name}`',
-                  f"`SPECPILOT_{s.name.upper()}`", _shown(s.default), s.doc)
+        table = [(f'<a id="{_anchor(s.name)}"></a>`{s.name}`', f"`{env_name(s.name)}`",
+                  _shown(s.default), s.doc)
                  for s in SETTINGS.values() if s.concern is cls]
         rows += ["", f"## `{cls.__name__}` (`{cls.__module__}`)", "", summary + prefix, "",
                  *markdown_table(("setting", "environment", "default", "meaning"), table)]

@@ -30,6 +30,11 @@ def bucket_of(bounds: tuple[int, ...], batch_size: int) -> int:
     return bisect_left(bounds, batch_size)
 
 
+def bucket_lower_size(bounds: tuple[int, ...], bucket: int) -> int:
+    """The smallest batch size of a bucket."""
+    return bounds[bucket - 1] + 1 if bucket > 0 else 1
+
+
 def bucket_upper_size(bounds: tuple[int, ...], bucket: int) -> int:
     """The largest batch size of a bucket: its upper bound (twice the last bound for the open
     bucket)."""
@@ -39,7 +44,7 @@ def bucket_upper_size(bounds: tuple[int, ...], bucket: int) -> int:
 def batch_range(bounds: tuple[int, ...], bucket: int) -> str:
     """A bucket as people read and type it, its batch sizes: "1", "3-4", "129+" (the open one).
     The one name of a batch range in the CLI, the metrics, the dashboard and the logs."""
-    lower = bounds[bucket - 1] + 1 if bucket > 0 else 1
+    lower = bucket_lower_size(bounds, bucket)
     if bucket >= len(bounds):
         return f"{lower}+"
     upper = bounds[bucket]
@@ -93,7 +98,7 @@ class BucketLoads:
         steps = self._steps.get(bucket, 0.0)
         if steps <= 0:
             return bucket_upper_size(self._bounds, bucket)
-        lower = self._bounds[bucket - 1] + 1 if bucket > 0 else 1
+        lower = bucket_lower_size(self._bounds, bucket)
         upper = self._bounds[bucket] if bucket < len(self._bounds) else None
         size = max(round(self._batch_sum[bucket] / steps), lower)
         return size if upper is None else min(size, upper)

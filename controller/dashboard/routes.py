@@ -40,6 +40,7 @@ from typing import Any
 from aiohttp import web
 from google.protobuf import json_format
 
+from controller.core.acceptance import CREDIBLE_LEVEL
 from controller.core.controller import ControllerCore
 from controller.core.types import DecisionEvent
 from controller.dashboard.history import EstimateHistory
@@ -48,7 +49,6 @@ from controller.server.fleet import FleetSync
 from controller.server.hub import Hub
 from controller.server.policy_writes import AuditEntry, PolicyWriter, WriteRefused
 from controller.server.views import (
-    CREDIBLE_LEVEL,
     json_dumps,
     json_response,
     policy_json,

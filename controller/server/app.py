@@ -290,7 +290,8 @@ async def start_server(settings: Settings) -> RunningServer:
     # The start time as the policy epoch: versions never go backwards across a restart.
     core = ControllerCore(core_config(settings), np.random.default_rng(server.seed),
                           epoch=epoch_at(clock()))
-    metrics = Metrics(core, clock, fleet_config(settings).fleet_model)
+    fleet_settings = fleet_config(settings)
+    metrics = Metrics(core, clock, fleet_settings.fleet_model)
     budget = ReportBudget(server.report_budget_share,
                           max_retry_after=server.engine_silence_timeout_seconds / 4.0)
     lag = LoopLag()
@@ -314,7 +315,6 @@ async def start_server(settings: Settings) -> RunningServer:
                            report_interval_seconds=server.report_interval_seconds,
                            max_report_bytes=server.max_report_bytes, clock=clock,
                            budget=budget)
-    fleet_settings = fleet_config(settings)
     sidecar = fleet_settings.sidecar_id or socket.gethostname()
     store, fleet = None, None
     if fleet_settings.state_store != "memory":

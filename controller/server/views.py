@@ -17,7 +17,7 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from controller.core.acceptance import CREDIBLE_LEVEL as CREDIBLE_LEVEL
+from controller.core.acceptance import CREDIBLE_LEVEL
 from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot
 from controller.wire import (
     EstimateValues,

@@ -384,9 +384,10 @@ def test_the_cli_talks_tls_with_its_options(mtls_controller: ControllerThread,
               str(pki.engine.cert), "--tls-key", str(pki.engine.key), "--tls-server-name",
               "controller.test", "--timeout", "5")
     assert got.returncode == 0, got.stderr
-    # Plaintext against TLS fails like an unreachable controller; bad options are named.
+    # Plaintext against TLS: the CLI says what to pass (--tls-ca); bad options are named.
     got = run("policy", "--target", target, "--timeout", "2", "get")
-    assert got.returncode == 1 and "UNAVAILABLE" in got.stderr
+    assert got.returncode == 1 and "closed the connection" in got.stderr, got.stderr
+    assert "pass --tls-ca FILE" in got.stderr and "UNAVAILABLE" not in got.stderr
     got = run("policy", "--target", target, "get", "--tls-cert", str(pki.engine.cert))
     assert got.returncode == 2 and "need --tls-ca" in got.stderr
     got = run("check", "--target", target, "--tls-ca", "/nonexistent/ca.crt")
