@@ -36,8 +36,9 @@ def register() -> None:
             return
         install_cpu_rejection_sampler_fix()  # logs itself; a no-op off the CPU platform
         install_worker_patches()  # logs itself; inert without specpilot's scheduler
-        from engine_plugin.profile import install_step_profile
+        from engine_plugin.profile import install_step_profile, share_profile_file
 
+        share_profile_file()  # before vLLM starts its engine core and worker processes
         install_step_profile()  # times a few dummy steps after warm-up, for the hello
     except Exception:
         log.exception("specpilot: plugin registration failed; serving without specpilot")

@@ -78,8 +78,9 @@ class _Request:
     # Fixed random point in [0, 1) of the request's id: it is scored counterfactually in a step
     # while this is below counterfactual_per_step / batch size.
     score_point: float = 1.0
-    # K asked of the deterministic draft substituted this step (its proposal may be shorter).
-    substituted_k: int = 0
+    # K asked of a deterministic draft this step, substituted or the engine's own n-gram or
+    # suffix drafter: its proposal may be shorter, and is scored as this K.
+    asked_k: int = 0
     # The request's choice under ``choice_from`` (this step's lookup for its batch size): the
     # drafter's K and the cut of its drafts read the same choice at no second lookup.
     choice: Choice = _NO_CHOICE
@@ -107,6 +108,7 @@ class EngineSpec:
     one_hot_rows: bool = False
     suffix: SuffixTrees = field(default_factory=SuffixTrees)  # the suffix trees' settings
     hardware: str = ""  # engine_plugin.hardware.describe_hardware
+    data_parallel_rank: int = 0
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfigLike) -> EngineSpec:
@@ -138,6 +140,8 @@ class EngineSpec:
             max_num_seqs=int(vllm_config.scheduler_config.max_num_seqs),
             one_hot_rows=patches_applicable(),
             hardware=describe_hardware(vllm_config),
+            data_parallel_rank=int(getattr(vllm_config.parallel_config, "data_parallel_rank",
+                                           0) or 0),
         )
 
     @property
@@ -200,7 +204,8 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         step_composition=config.step_composition and config.k_mode == "batch_max",
         engine_version=_vllm_version(), plugin_version=package_version(),
         max_batch_size=e.max_num_seqs,
-        step_profile=step_profile(e.drafter if e.drafter_kind is DraftKind.MODEL else ""),
+        step_profile=step_profile(e.drafter if e.drafter_kind is DraftKind.MODEL else "",
+                                  e.data_parallel_rank),
         hardware=config.hardware or e.hardware,
     )
     return Announcement(hello, frozenset(allowed))
@@ -424,7 +429,10 @@ class Pilot:
         lookup = self._lookup(batch_size)
         # (Re-picked classes differ from their decisions: no shortcut then.)
         uniform = None if self._composed else lookup.uniform(self._class_counts)
-        if (uniform is not None and uniform.draft == self.engine.drafter
+        # The engine's own n-gram or suffix drafter proposes 0..K tokens: each request's K
+        # asked is recorded below, so no shortcut for it.
+        variable = self.engine.drafter_kind in (DraftKind.NGRAM, DraftKind.SUFFIX)
+        if (not variable and uniform is not None and uniform.draft == self.engine.drafter
                 and uniform.draft in self.drafts_allowed and uniform.k >= self._drafter_k
                 and (batch_k is None or batch_k == uniform.k)):
             # Every request wants the drafter's tokens at no fewer than it drafted: nothing to
@@ -454,14 +462,10 @@ class Pilot:
                 request.spec_token_ids = proposer.propose(req_id, request.all_token_ids,
                                                           request.num_prompt_tokens, k)
                 self._substituted.add(req_id)
-                if state is not None:
-                    # Scored as K asked: a short proposal counts its missing tail as rejected,
-                    # an empty one (no match) as a step with none accepted, so E(K) for a
-                    # deterministic draft is tokens per step, comparable with the model draft's.
-                    state.substituted_k = k
-                    if not request.spec_token_ids:
-                        self.stats.record_verification(state.traffic_class, draft, k, 0)
+                self._ask(state, draft, k, request.spec_token_ids)
             else:
+                if variable:
+                    self._ask(state, drafter, min(want, self._drafter_k), proposed)
                 if not proposed:
                     continue
                 if want < len(proposed):
@@ -470,6 +474,17 @@ class Pilot:
                 draft = drafter
             if state is not None:
                 state.draft = draft
+
+    def _ask(self, state: _Request | None, draft: str, k: int, proposal: Sequence[int]) -> None:
+        """A deterministic draft was asked for ``k`` tokens and proposed ``proposal``. Scored as
+        K asked (``on_output``): a short proposal counts its missing tail as rejected, an empty
+        one (no match) as a step with none accepted, so E(K) of a deterministic draft is tokens
+        per step, comparable with a model draft's, which always proposes K."""
+        if state is None:
+            return
+        state.asked_k = k
+        if k and not proposal:
+            self.stats.record_verification(state.traffic_class, draft, k, 0)
 
     def mark_step(self, output: SchedulerOutputLike) -> None:
         """On a step's SchedulerOutput, for the worker (engine_plugin.worker_patch): which
@@ -510,6 +525,7 @@ class Pilot:
         index_of, invalid_of, state_of = index.get, invalid.get, self.requests.get
         record = self.stats.record_verification
         verifying, drafter = self._verifying_deterministic, self.engine.drafter
+        variable = self.engine.drafter_kind in (DraftKind.NGRAM, DraftKind.SUFFIX)
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             n = len(drafts)
             scheduled_drafts += n
@@ -524,9 +540,11 @@ class Pilot:
             accepted = min(tokens - 1, drafted)
             if req_id in verifying:
                 draft = state.draft  # the deterministic draft on_drafts substituted
-                drafted = max(drafted, state.substituted_k)
+                drafted = max(drafted, state.asked_k)
             else:
                 draft = state.draft = drafter
+                if variable:
+                    drafted = max(drafted, state.asked_k)
             record(state.traffic_class, draft, drafted, accepted)
             state.drafted += drafted
             state.accepted += accepted

@@ -7,11 +7,13 @@ wrapper times the runner's ``_dummy_run`` (a uniform decode batch: the target's 
 model drafter, its passes; ``uniform_decode_query_len`` is set to 1 + K for the call and restored)
 at a few batch sizes x K, and the drafter's own ``dummy_run`` to price one draft pass, each the
 fastest of a few repeats (contention only ever adds time), within a time budget; torch's RNG state
-is restored afterwards, so serving is unaffected. The result waits in this module for the scheduler
-side (``step_profile``), which puts it in the hello: with the ``uni`` executor (the CPU and
-single-GPU default) the worker runs in the engine-core process. With several worker processes the
-scheduler finds nothing here and the hello carries no profile (the controller then starts from its
-prior).
+is restored afterwards, so serving is unaffected. The result reaches the scheduler side
+(``step_profile``), which puts it in the hello, through this module when the worker runs in the
+engine-core process (the ``uni`` executor), and through a hand-off file when it runs in a process
+of its own (``vllm serve``'s multiprocess executor, tensor parallelism): the worker measures while
+the engine core builds its KV cache, before it builds the scheduler. The file's name comes from
+the environment that the first vLLM process to load the plugin sets and its children inherit
+(``share_profile_file``), one per data-parallel rank; the scheduler side deletes it once read.
 
 The profile is on by default, for engines on specpilot's scheduler only (the general plugin loads
 in every vLLM process). It times the forward passes only: a real speculative step also prepares
@@ -25,7 +27,12 @@ batch after the first pass; at decode batch sizes a pass is latency-bound, so th
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
+import secrets
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +76,58 @@ class RawProfile:
 
 
 _measured: RawProfile | None = None
+# Not a SPECPILOT_* name: set by the plugin itself, never by a person.
+PROFILE_FILE_ENV = "_SPECPILOT_STEP_PROFILE_FILE"
+
+
+def share_profile_file() -> None:
+    """Name the hand-off file in the environment, unless a parent process already did (vLLM's
+    engine core and workers inherit the API server's environment)."""
+    if not os.environ.get(PROFILE_FILE_ENV):
+        os.environ[PROFILE_FILE_ENV] = os.path.join(
+            tempfile.gettempdir(), f"specpilot-step-profile-{os.getpid()}-{secrets.token_hex(6)}")
+
+
+def _profile_file(data_parallel_rank: int) -> str | None:
+    base = os.environ.get(PROFILE_FILE_ENV)
+    return f"{base}-dp{data_parallel_rank}.json" if base else None
+
+
+def _hand_off(raw: RawProfile, data_parallel_rank: int) -> None:
+    """Write the profile for a scheduler in another process (atomically, readable by this user
+    only)."""
+    path = _profile_file(data_parallel_rank)
+    if path is None:
+        return
+    body = json.dumps({"drafter_passes": raw.drafter_passes, "steps": raw.steps,
+                       "pass_seconds": raw.pass_seconds})
+    staging = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(body)
+    os.replace(staging, path)
+
+
+def _take_hand_off(data_parallel_rank: int) -> RawProfile | None:
+    """The profile a worker process handed off, read once (the file is deleted); None when there
+    is none or it cannot be read."""
+    path = _profile_file(data_parallel_rank)
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return RawProfile(
+            int(data["drafter_passes"]),
+            tuple((int(b), int(k), float(s)) for b, k, s in data["steps"]),
+            tuple((int(t), float(s)) for t, s in data["pass_seconds"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("specpilot: the start-up step profile could not be read from %s (%s); the "
+                    "controller keeps its prior", path, exc)
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _min_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
@@ -120,11 +179,12 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
                       tuple(sorted(pass_seconds.items())))
 
 
-def step_profile(drafter: str) -> tuple[StepProfile, ...]:
+def step_profile(drafter: str, data_parallel_rank: int = 0) -> tuple[StepProfile, ...]:
     """The hello's profile from what the worker measured (empty if nothing was): per (batch, K),
     the step with ``drafter`` running K passes (K=0: the target alone), i.e. the measured step
     less the passes beyond K. ``drafter``: the model draft's name, "" if the engine has none."""
-    raw = _measured
+    handed = _take_hand_off(data_parallel_rank)  # consumed even when this process measured
+    raw = _measured or handed
     if raw is None:
         return ()
     per_pass = dict(raw.pass_seconds)
@@ -139,6 +199,10 @@ def step_profile(drafter: str) -> tuple[StepProfile, ...]:
         else:
             out.append(StepProfile(b, tokens, "", 0, target_alone))
     return tuple(p for p in out if p.seconds > 0)
+
+
+def _data_parallel_rank(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
 
 
 def runs_specpilot_scheduler(vllm_config: Any) -> bool:
@@ -181,13 +245,17 @@ def install_step_profile() -> bool:
         global _measured
         _measured = None  # never hand a previous engine's profile to this one
         try:
+            _take_hand_off(_data_parallel_rank(self.vllm_config))  # nor its file
             from engine_plugin.config import PluginConfig
 
             if not (PluginConfig.from_env().step_profile
                     and runs_specpilot_scheduler(self.vllm_config)):
                 return result
+            if getattr(self, "rank", 0) != 0:
+                return result  # one worker measures for the engine (tensor parallelism)
             t0 = time.perf_counter()
             _measured = take_profile(self.model_runner)
+            _hand_off(_measured, _data_parallel_rank(self.vllm_config))
             log.info("specpilot: start-up step profile, %d shapes in %.2f s",
                      len(_measured.steps), time.perf_counter() - t0)
         except Exception:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from benchmarks.demo.sidecar import Sidecar
 
-from benchmarks.demo.calibration import CalibrationRow, calibration_markdown
+from benchmarks.demo.calibration import CalibrationRow, calibration_json, calibration_markdown
 from benchmarks.demo.ceiling import Ceiling, ceiling
 from benchmarks.demo.configs import (
     DEFAULT_CACHE,
@@ -395,11 +395,7 @@ def report_json(report: BenchReport) -> dict[str, Any]:
                                     "modeled": {k: clean(x) for k, x in p.modeled.items()}}
                                    for p in v.ceiling.phases]},
                     "ceiling_share": clean(v.ceiling_share),
-                    "calibration": [{"bucket": r.bucket, "batch_sizes": r.batch_sizes,
-                                     "k": r.k, "steps": r.steps,
-                                     "predicted_seconds": r.predicted_seconds,
-                                     "measured_seconds": r.measured_seconds}
-                                    for r in v.calibration]}
+                    "calibration": calibration_json(v.calibration)}
                    for v in report.versus],
         "identical_outputs": report.identical_outputs,
         "distributions_match": report.distributions_match,

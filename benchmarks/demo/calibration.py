@@ -47,6 +47,13 @@ def calibration_rows(steps: Counters, predicted: Counters, measured: Counters,
     return tuple(rows)
 
 
+def calibration_json(rows: Sequence[CalibrationRow]) -> list[dict[str, float | int | str]]:
+    """The rows as a benchmark's result JSON holds them."""
+    return [{"bucket": r.bucket, "batch_sizes": r.batch_sizes, "k": r.k, "steps": r.steps,
+             "predicted_seconds": r.predicted_seconds, "measured_seconds": r.measured_seconds}
+            for r in rows]
+
+
 def share_within(rows: Sequence[CalibrationRow], tolerance: float = GOAL_ERROR) -> float:
     """Share of the timed steps whose cell the model predicts within ``tolerance`` (NaN: none)."""
     total = sum(r.steps for r in rows)

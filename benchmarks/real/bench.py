@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.demo.bench import rotated
+from benchmarks.demo.calibration import CalibrationRow, calibration_json, calibration_markdown
 from benchmarks.demo.configs import (
     DEFAULT_BATCH_TABLE,
     OFF,
@@ -225,14 +226,16 @@ class Versus:
     ceiling_share: float
     tpot_p99_ratio: float  # ours / the best static's (<= 1: no worse)
     spread: tuple[float, ...]  # ours / best static, per repetition (same rotation index)
+    # Its controller's predicted step times against the measured ones, over all its runs.
+    calibration: tuple[CalibrationRow, ...] = ()
 
 
 def _phase_rate(i: int) -> Callable[[ConfigFigures], float]:
     return lambda f: f.phase_rates[i]
 
 
-def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures],
-           reference: Run) -> Versus:
+def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures], reference: Run,
+           calibration: tuple[CalibrationRow, ...] = ()) -> Versus:
     best = max(statics, key=lambda f: f.tokens_per_second)
     n_phases = len(ours.phase_rates)
     tops = [max(statics, key=_phase_rate(i)) for i in range(n_phases)]
@@ -244,7 +247,7 @@ def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures],
         tuple(ours.phase_rates[i] / tops[i].phase_rates[i] for i in range(n_phases)),
         tuple(t.name for t in tops), ceiling, ours.tokens_per_second / ceiling,
         ours.latency.tpot_p99 / best.latency.tpot_p99,
-        tuple(a / b for a, b in zip(ours.rates, best.rates, strict=False)))
+        tuple(a / b for a, b in zip(ours.rates, best.rates, strict=False)), calibration)
 
 
 @dataclass
@@ -345,6 +348,8 @@ def markdown(report: RealReport) -> str:
             f"{_fmt(v.ceiling_tokens_per_second)} tokens/s): **{v.ceiling_share:.3f}** "
             f"(goal >= {GOAL_CEILING_SHARE})",
             f"- TPOT p99 / the best static's: {v.tpot_p99_ratio:.3f} (goal <= 1)", ""]
+        if v.calibration:
+            lines += calibration_markdown(v.name, v.calibration)
     lines += [*report.drafter_tables]
     requests = sum(p.requests for p in report.phases)
     lines += [f"- sampled distribution the target's in every configuration: "
@@ -377,8 +382,9 @@ def report_json(report: RealReport) -> dict[str, Any]:
                                        round(x.total_variation, 4), "same": x.same}
                                       for x in c.distribution]}
                     for c in report.configs],
-        "versus": [{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(x).items()}
-                   for x in report.versus],
+        "versus": [{**{k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in vars(x).items() if k != "calibration"},
+                    "calibration": calibration_json(x.calibration)} for x in report.versus],
         "exact": report.exact, "seconds": round(report.seconds, 1),
         "drafters": report.drafters,
     }
@@ -481,13 +487,14 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
                      + " ".join(f"{run.phase_rate(i):.1f}" for i in range(len(results)))
                      + f"  ({(time.monotonic() - started) / 60:.1f} min)")
         decisions = {name: c.get("/api/decisions") for name, c in controllers.items()}
+        calibration = {name: c.cost_calibration() for name, c in controllers.items()}
     reference = (runs.get(OFF) or next(iter(runs.values())))[0]
     figs = [figures(c.name, runs[c.name], plan, reference, options.phases, greedy,
                     probes.get(c.name), probes.get(OFF)) for c in configs]
     statics = [f for f, c in zip(figs, configs, strict=True) if not c.specpilot]
     report = RealReport(
-        figs, [versus(f, statics, reference) for f, c in zip(figs, configs, strict=True)
-               if c.specpilot and statics],
+        figs, [versus(f, statics, reference, calibration.get(c.name, ()))
+               for f, c in zip(figs, configs, strict=True) if c.specpilot and statics],
         options.phases, time.monotonic() - started, models.drafter_summary, tables)
     out = options.out
     out.mkdir(parents=True, exist_ok=True)

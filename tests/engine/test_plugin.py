@@ -443,10 +443,12 @@ def test_batch_max_skips_draft_passes_for_ngram_requests(
     assert used.accepted_tokens > 0
 
 
+@pytest.mark.parametrize("executor", ["uni", "mp"])
 def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: ControllerThread,
-                                                 baseline: list[list[int]]) -> None:
+                                                 baseline: list[list[int]], executor: str) -> None:
     """The worker times a few dummy decode steps after warm-up; the hello carries them; the
-    serving is unaffected (greedy outputs identical to no speculation)."""
+    serving is unaffected (greedy outputs identical to no speculation). ``mp``: the worker runs
+    in a process of its own (as under ``vllm serve``) and hands the profile off through a file."""
     seen: list[Any] = []
 
     def spy(core: ControllerCore) -> None:
@@ -462,7 +464,7 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
     spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
     started = time.perf_counter()
     with plugin_env(controller=controller.target, step_profile="true"), llm_session(
-            tiny_models.target, spec, SCHEDULER) as llm:
+            tiny_models.target, spec, SCHEDULER, distributed_executor_backend=executor) as llm:
         built = time.perf_counter() - started
         controller.wait_for(one_engine, what="the engine's hello")
         out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -382,3 +383,60 @@ def test_batch_max_repicks_settled_classes_for_the_step_and_drafts_accordingly()
     _drafted(pilot, crowd, 8)
     assert pilot._drafter_k >= 2
     pilot.close()
+
+
+def _native_engine(kind: DraftKind) -> EngineSpec:
+    """An engine on vLLM's own drafter of ``kind``."""
+    name = {DraftKind.SUFFIX: SUFFIX_DRAFT, DraftKind.NGRAM: NGRAM_DRAFT}.get(kind, "draft")
+    return EngineSpec(model="m", tokenizer="target", drafter=name, drafter_kind=kind,
+                      drafter_tokenizer="same" if kind is DraftKind.MODEL else "", max_k=4,
+                      async_scheduling=False, greedy_draft_sampling=True, ngram_min=2,
+                      ngram_max=4, max_model_len=128, max_num_seqs=8)
+
+
+def _verified(kind: DraftKind) -> dict[int, tuple[int, ...]]:
+    """One step on an engine whose own drafter proposed 2, 0 and 4 tokens to three requests that
+    the policy asks K=4 of, then verified with 2, - and 1 accepted: the acceptance histograms
+    reported, by K."""
+    e = _native_engine(kind)
+    config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
+    pilot = Pilot(e, config, Classifier(), announce(e, config, load))
+    requests = _batch(pilot, ["a", "a", "a"])
+    _policy(pilot, {"a": (e.drafter, 4)})
+    proposals = {"r0": [5, 6], "r1": [], "r2": [5, 6, 7, 8]}
+    pilot.on_schedule_start()
+    for i, r in requests.items():
+        r.spec_token_ids = list(proposals[i])
+    pilot.on_drafts(requests, list(requests), 3, None)  # type: ignore[arg-type]
+
+    scheduled = {i: 1 + len(p) for i, p in proposals.items()}
+    output = SimpleNamespace(
+        num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={i: p for i, p in proposals.items() if p},
+        num_invalid_spec_tokens=None, num_spec_tokens_to_schedule=4)
+    sampled = SimpleNamespace(req_id_to_index={"r0": 0, "r1": 1, "r2": 2},
+                              sampled_token_ids=[[5, 6, 9], [9], [5, 9]])
+    pilot.on_output(output, sampled)
+    payload = pilot.stats.snapshot(running_requests=3)
+    pilot.close()
+    hists: dict[int, list[int]] = {}
+    for rec in payload.acceptance:
+        assert (rec.traffic_class, rec.draft, rec.counterfactual) == ("a", e.drafter, False)
+        hist = hists.setdefault(rec.k, [0] * (rec.k + 1))
+        for a, n in enumerate(rec.steps_by_accepted):
+            hist[a] += n
+    return {k: tuple(h) for k, h in hists.items()}
+
+
+@pytest.mark.parametrize("kind", [DraftKind.SUFFIX, DraftKind.NGRAM])
+def test_vllms_own_deterministic_drafter_is_scored_as_the_k_asked(kind: DraftKind) -> None:
+    # vLLM's n-gram and suffix drafters propose 0..K tokens: scored as K=4 asked, the short
+    # proposal's missing tail counts as rejected and the empty one as a step with none accepted,
+    # so E(K) is the tokens a step gains (three steps: 2, 0 and 1 accepted of 4).
+    assert _verified(kind) == {4: (1, 1, 1, 0, 0)}
+
+
+def test_a_model_drafter_is_scored_as_it_drafted() -> None:
+    # Control: a model drafter's proposal is what the engine verifies, K as drafted (an empty
+    # one is no step of speculation at all); the rule above would have put all three under K=4.
+    assert _verified(DraftKind.MODEL) == {2: (0, 0, 1), 4: (0, 1, 0, 0, 0)}
