@@ -242,7 +242,7 @@ def hook_targets(pilot: Any, inner: bool) -> list[tuple[str, Any, str]]:
             ("Pilot.after_output > _score_counterfactual", pilot, "_score_counterfactual"),
             ("Pilot.on_output, _score_counterfactual > StatsAggregator.record_verification",
              pilot.stats, "record_verification"),
-            ("Pilot.after_output > StatsAggregator.snapshot (report)", pilot.stats, "snapshot"),
+            ("Pilot.after_output > StatsAggregator.drain (report)", pilot.stats, "drain"),
             ("Pilot.after_output > ControllerLink.submit", pilot.link, "submit")]
         targets += [(f"Pilot.after_output > _score_counterfactual > {name} proposals", cf,
                      "_propose") for name, cf in pilot.counterfactual.items()]

@@ -50,7 +50,7 @@ def _run(s: Scenario, seed: int, fleet: EvidenceExport | None) -> tuple[StartRun
         core.set_fleet_evidence(fleet_evidence([fleet], "newcomer", 0.0, core.evidence_half_life,
                                                float("inf")), 0.0)
         core.decide(0.0)
-        policy._refresh()  # the engine applies the warm decisions from its first step
+        policy.push_policy(0.0)  # the engine applies the warm decisions from its first step
     explores = changes = 0
     decide = core.decide
 

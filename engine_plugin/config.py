@@ -119,7 +119,7 @@ class PluginConfig:
     step_composition: bool = True
     """In ``batch_max`` mode, re-pick per step the arms of classes whose decision is a settled
     goodput choice, for the classes and counts in that step, from the pricing the controller
-    sends with its policy (``controller/core/composition.py``): ``true`` or ``false`` (the
+    sends with its policy (``engine_plugin/policy/compose.py``): ``true`` or ``false`` (the
     decisions apply as they are). Costs about 300 us for a step whose counts were not seen
     under the policy in force, 7 us for one that was (five classes, on 2 CPU cores)."""
 
@@ -168,10 +168,6 @@ class PluginConfig:
             except ValueError as exc:
                 raise ValueError(f"{env_name(name)}: {exc}") from None
         return cls(**values)
-
-    @property
-    def has_controller(self) -> bool:
-        return bool(self.controller)
 
 
 def _parse_int(raw: str) -> int:

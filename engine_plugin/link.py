@@ -49,8 +49,8 @@ from controller import wire
 from controller.core.types import EngineHello
 from controller.tls import TLSError, channel_credentials, server_name_options
 from engine_plugin.config import PluginConfig, env_name
-from engine_plugin.policy_view import PolicyView
-from engine_plugin.stats import ReportPayload
+from engine_plugin.policy.stats import ReportPayload
+from engine_plugin.policy.view import PolicyView
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)

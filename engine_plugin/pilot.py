@@ -9,13 +9,11 @@ engine keeps serving with its own configuration.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
 
 from controller import package_version
 from controller.core.classes import DEFAULT_CLASS
@@ -26,9 +24,11 @@ from engine_plugin.deterministic import Counterfactual, DeterministicDraft
 from engine_plugin.hardware import describe_hardware
 from engine_plugin.link import ControllerLink
 from engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
-from engine_plugin.policy_view import Choice, PolicyLookup, PolicyView, probe_point
+from engine_plugin.policy.picks import CounterfactualPicks
+from engine_plugin.policy.stats import StatsAggregator
+from engine_plugin.policy.step import StepPolicy, drafter_k
+from engine_plugin.policy.view import Choice, PolicyLookup, PolicyView
 from engine_plugin.profile import step_profile
-from engine_plugin.stats import StatsAggregator
 from engine_plugin.suffix import SUFFIX_DRAFT, SuffixProposer, SuffixTrees, suffix_available
 from engine_plugin.vllm_types import (
     ModelRunnerOutputLike,
@@ -45,28 +45,6 @@ TokenizerLoader = Callable[[str], TokenizerLike]
 
 
 _NO_CHOICE = Choice("", 0, False)
-# Requests of a class looked at, lowest hash point first, for the one it scores
-# counterfactually each step (``Pilot._score_counterfactual``).
-_CLASS_SCAN = 8
-# Classes scored that way in one step at most, taken in turn: the per-step cost stays bounded
-# however many classes share the batch (with 64, each is scored every 8th step).
-COUNTERFACTUAL_CLASS_PICKS = 8
-T = TypeVar("T")
-
-
-def take_in_turn(items: Sequence[T], take: Callable[[T], bool], turn: int, most: int) -> int:
-    """Offer ``items`` to ``take`` from position ``turn`` (modulo their number) on, wrapping
-    around, until it has taken ``most`` (it answers whether it took one); the ``turn`` to start
-    from next time, past the last item offered. The plugin's and the simulator's per-class
-    counterfactual picks."""
-    start = turn % max(len(items), 1)
-    taken = offered = 0
-    for item in (*items[start:], *items[:start]):
-        if taken == most:
-            break
-        offered += 1
-        taken += take(item)
-    return start + offered
 
 
 @dataclass(slots=True)
@@ -75,9 +53,6 @@ class _Request:
     draft: str = ""  # draft whose tokens the request verified last
     drafted: int = 0
     accepted: int = 0
-    # Fixed random point in [0, 1) of the request's id: it is scored counterfactually in a step
-    # while this is below counterfactual_per_step / batch size.
-    score_point: float = 1.0
     # K asked of a deterministic draft this step, substituted or the engine's own n-gram or
     # suffix drafter: its proposal may be shorter, and is scored as this K.
     asked_k: int = 0
@@ -286,11 +261,8 @@ class Pilot:
         self.counterfactual = {name: Counterfactual(d.propose, engine.max_k)
                                for name, d in self.deterministic.items()}
         self.requests: dict[str, _Request] = {}
-        # (score_point, id) of every request in ``requests``, in order: a step scores a prefix;
-        # and the same per traffic class: each class present scores at least its first.
-        self._by_score_point: list[tuple[float, str]] = []
-        self._class_points: dict[str, list[tuple[float, str]]] = {}
-        self._class_turn = 0  # where the next step's per-class picks start among the classes
+        # The requests held, for the ones a step scores counterfactually.
+        self.picks = CounterfactualPicks(config.counterfactual_per_step)
         # Requests per traffic class among ``requests``: the classes a step can hold.
         self._class_counts: dict[str, int] = {}
         # Requests whose drafts are deterministic tokens the plugin put there, until a step
@@ -300,10 +272,8 @@ class Pilot:
         self._verifying_deterministic: frozenset[str] = frozenset()
         # Drafts per request the drafter was asked for in the current step (mark_step).
         self._drafter_k = engine.max_k
-        # This step's policy per batch size: one lookup per (class, bucket) per step.
-        self._lookups: dict[int, PolicyLookup] = {}
-        # This step's per-step re-picks by traffic class (batch_max: ``batch_k``).
-        self._composed: dict[str, Choice] = {}
+        # This step's policy: one lookup per batch size, the re-picks of ``batch_k``.
+        self.step = StepPolicy(self.view, self.drafts_allowed, engine.drafter)
         self._step_started = 0.0
         self._last_report = time.monotonic()
 
@@ -330,16 +300,10 @@ class Pilot:
             request.max_tokens,
         )
         self._forget(request.request_id)  # the same id again: counted once
-        state = self.requests[request.request_id] = _Request(
-            traffic_class,
-            score_point=(probe_point(request.request_id + "#ngram")
-                         if self.counterfactual else 1.0),
-        )
+        self.requests[request.request_id] = _Request(traffic_class)
         self._count_class(traffic_class, 1)
-        if state.score_point < 1.0:
-            entry = (state.score_point, request.request_id)
-            bisect.insort(self._by_score_point, entry)
-            bisect.insort(self._class_points.setdefault(traffic_class, []), entry)
+        if self.counterfactual:
+            self.picks.add(request.request_id, traffic_class)
 
     def _forget(self, req_id: str) -> _Request | None:
         """Drop a request's state and its place in the per-request indexes."""
@@ -348,14 +312,7 @@ class Pilot:
         if state is None:
             return None
         self._count_class(state.traffic_class, -1)
-        entry = (state.score_point, req_id)
-        mine = self._class_points.get(state.traffic_class, [])
-        for points in (self._by_score_point, mine):
-            i = bisect.bisect_left(points, entry)
-            if i < len(points) and points[i][1] == req_id:
-                del points[i]
-        if not mine:  # the class's last request: it no longer takes a turn
-            self._class_points.pop(state.traffic_class, None)
+        self.picks.forget(req_id)
         return state
 
     def _count_class(self, traffic_class: str, change: int) -> None:
@@ -367,39 +324,29 @@ class Pilot:
 
     def on_schedule_start(self) -> None:
         self._step_started = time.monotonic()
-        self._lookups.clear()
-        self._composed = {}
+        self.step.start()
 
     def batch_k(self, running: Iterable[RequestLike]) -> int:
-        """The K the drafter drafts this step in the batch modes. ``batch_max``: the largest K
-        any request wants from the drafter (requests on deterministic drafts get theirs by
-        substitution and need no passes); each request is then cut to its own. ``batch_wide``:
-        the median, one K for all (keeps uniform-decode CUDA graphs on GPUs)."""
+        """The K the drafter drafts this step in the batch modes (``drafter_k``); in
+        ``batch_max`` the arms of settled classes are first re-picked for the classes and counts
+        of this step."""
         ids = [r.request_id for r in running]
         if not ids:
             return self.view.static_k
         lookup = self._lookup(len(ids))
         if self.config.k_mode == "batch_max":
-            # The arms of settled classes re-picked for the classes and counts of this step.
             counts: dict[str, int] = {}
             for req_id in ids:
                 state = self.requests.get(req_id)
                 name = state.traffic_class if state is not None else DEFAULT_CLASS
                 counts[name] = counts.get(name, 0) + 1
-            self._composed = lookup.compose(counts, len(ids))
-        choices = [self._choice(req_id, lookup) for req_id in ids]
-        if self.config.k_mode == "batch_max":
-            deterministic = self.deterministic
-            return max((c.k for c in choices if c.draft not in deterministic), default=0)
-        ks = sorted(c.k for c in choices)
-        return ks[len(ks) // 2]
+            self.step.compose(lookup, counts, len(ids))
+        return drafter_k([self._choice(req_id, lookup) for req_id in ids], self.config.k_mode,
+                         self.deterministic)
 
     def _lookup(self, batch_size: int) -> PolicyLookup:
         """This step's policy for a batch of ``batch_size`` (one lookup per size and step)."""
-        lookup = self._lookups.get(batch_size)
-        if lookup is None:
-            lookup = self._lookups[batch_size] = self.view.lookup(batch_size)
-        return lookup
+        return self.step.lookup(batch_size)
 
     def _choice(self, req_id: str, lookup: PolicyLookup) -> Choice:
         """The request's (draft, K) under ``lookup``, resolved once per lookup and request."""
@@ -407,11 +354,7 @@ class Pilot:
         if state is not None and state.choice_from is lookup:
             return state.choice
         traffic_class = state.traffic_class if state is not None else DEFAULT_CLASS
-        choice = lookup.choice(traffic_class, req_id)
-        if not choice.probe:
-            choice = self._composed.get(traffic_class, choice)
-        if choice.k and choice.draft not in self.drafts_allowed:
-            choice = Choice(self.engine.drafter, 0, False)
+        choice = self.step.choice(lookup, traffic_class, req_id)
         if state is not None:
             state.choice, state.choice_from = choice, lookup
         return choice
@@ -427,8 +370,7 @@ class Pilot:
         distribution exactly the target's."""
         lengthen = self.config.k_mode == "batch_max"
         lookup = self._lookup(batch_size)
-        # (Re-picked classes differ from their decisions: no shortcut then.)
-        uniform = None if self._composed else lookup.uniform(self._class_counts)
+        uniform = self.step.uniform(lookup, self._class_counts)
         # The engine's own n-gram or suffix drafter proposes 0..K tokens: each request's K
         # asked is recorded below, so no shortcut for it.
         variable = self.engine.drafter_kind in (DraftKind.NGRAM, DraftKind.SUFFIX)
@@ -567,52 +509,25 @@ class Pilot:
         # Flush when the engine goes idle too, so the last finished requests are not held back.
         if now - self._last_report >= self.link.report_interval_seconds or running == 0:
             self._last_report = now
-            payload = self.stats.snapshot(running_requests=running)
+            payload = self.stats.drain(running_requests=running)
             if not payload.is_empty:
                 self.link.submit(payload)
 
     def _score_counterfactual(self, requests: Mapping[str, RequestLike],
                               req_ids: Collection[str], running: int) -> None:
-        """Score the deterministic drafts on the requests whose hash point is below
-        counterfactual_per_step over the batch size (about that many a step, whatever the
-        batch size), and on the first request by point of every class that has none of those
-        (so each class's evidence starts within a step or two, not when one of its requests
-        happens to draw a low point; at most _CLASS_SCAN entries looked at per class and
-        COUNTERFACTUAL_CLASS_PICKS classes a step, in turn)."""
+        """Score the deterministic drafts on this step's picks (``CounterfactualPicks``) among
+        the requests it decoded."""
         if not self.counterfactual:
             return
-        threshold = self.config.counterfactual_per_step / max(running, 1)
-        states = self.requests
 
         def eligible(req_id: str) -> RequestLike | None:
             request = requests.get(req_id)
-            if (request is None or req_id not in states or req_id not in req_ids
-                    or request.is_prefill_chunk):
+            if request is None or req_id not in req_ids or request.is_prefill_chunk:
                 return None
             return request
 
-        chosen: list[tuple[str, RequestLike]] = []
-        covered: set[str] = set()
-        for point, req_id in self._by_score_point:
-            if point >= threshold:
-                break
-            if (request := eligible(req_id)) is not None:
-                chosen.append((req_id, request))
-                covered.add(states[req_id].traffic_class)
-
-        def first_of(traffic_class: str) -> bool:
-            if traffic_class in covered:
-                return False
-            for _, req_id in self._class_points[traffic_class][:_CLASS_SCAN]:
-                if (request := eligible(req_id)) is not None:
-                    chosen.append((req_id, request))
-                    return True
-            return False
-
-        self._class_turn = take_in_turn(list(self._class_points), first_of, self._class_turn,
-                                        COUNTERFACTUAL_CLASS_PICKS)
-        record = self.stats.record_verification
-        for req_id, request in chosen:
+        states, record = self.requests, self.stats.record_verification
+        for req_id, request in self.picks.pick(eligible, running):
             state = states[req_id]
             for name, counterfactual in self.counterfactual.items():
                 # A request served by this draft is measured for real, not counterfactually.

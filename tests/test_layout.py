@@ -5,6 +5,9 @@
 - ``benchmarks`` never imports ``tests``.
 - The pure core (``controller.core``) imports no I/O edge: not the server, the wire converter,
   gRPC, protobuf, HTTP, Prometheus or pydantic.
+- The engine's policy module (``engine_plugin.policy``), which the plugin and the simulator both
+  drive, imports neither vLLM, torch nor the network, nor the plugin's vLLM-facing modules, nor
+  the controller's brain.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ FORBIDDEN = {
 CORE_FORBIDDEN = ("controller.server", "controller.wire", "controller.metrics",
                   "controller.settings", "grpc", "google.protobuf", "specpilot", "aiohttp",
                   "prometheus_client", "pydantic", "pydantic_settings")
+ENGINE_POLICY_FORBIDDEN = ("vllm", "torch", "transformers", "grpc", "controller.server",
+                           "controller.core.controller", "controller.core.policy",
+                           *(f"engine_plugin.{p.stem}" for p in (ROOT / "engine_plugin").iterdir()
+                             if p.stem not in ("policy", "__init__", "__pycache__")))
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -55,6 +62,12 @@ def test_packages_import_only_downwards(package: str) -> None:
 def test_core_imports_no_edge() -> None:
     assert (ROOT / "controller" / "core").is_dir()
     assert _violations("controller/core", CORE_FORBIDDEN) == []
+
+
+def test_the_engine_policy_module_is_pure() -> None:
+    assert (ROOT / "engine_plugin" / "policy").is_dir()
+    assert "engine_plugin.pilot" in ENGINE_POLICY_FORBIDDEN  # the control: the glue is named
+    assert _violations("engine_plugin/policy", ENGINE_POLICY_FORBIDDEN) == []
 
 
 def test_the_rule_catches_a_forbidden_import(tmp_path: Path) -> None:

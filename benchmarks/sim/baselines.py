@@ -22,7 +22,6 @@ BATCH_SLOTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 class _Base:
     name = ""
-    wants_counterfactual = False
 
     def __init__(self, info: EngineInfo) -> None:
         self.info = info

@@ -28,6 +28,7 @@ from benchmarks.sim.scenario import Scenario
 from benchmarks.sim.step import (
     NO_DRAFT,
     Assignment,
+    BoolArray,
     EngineInfo,
     FinishedRequest,
     FloatArray,
@@ -37,12 +38,6 @@ from benchmarks.sim.step import (
     StepView,
 )
 from benchmarks.sim.truth import AcceptanceTruth, StepCost
-from engine_plugin.config import PluginConfig
-from engine_plugin.pilot import COUNTERFACTUAL_CLASS_PICKS, take_in_turn
-
-# Requests scored counterfactually with the n-gram draft per step, on average (the plugin's
-# default): a request is scored while its point is below this over the batch size.
-COUNTERFACTUAL_PER_STEP = PluginConfig().counterfactual_per_step
 
 
 def engine_info(s: Scenario) -> EngineInfo:
@@ -68,7 +63,6 @@ class _Request:
     remaining: int = 0
     drafted: int = 0
     accepted: int = 0
-    counterfactual_point: float = 1.0  # uniform in [0, 1), fixed per request
 
 
 class _Traffic:
@@ -95,14 +89,15 @@ class _Traffic:
         return lo + min(int(u * (hi - lo + 1)), hi - lo)
 
     def new(self, now: float, phase: int) -> _Request:
-        u_cls, u_prompt, u_out, u_cf = self.rng.random(4)
+        # Four draws a request (the fourth, once a counterfactual point, unused): request i
+        # stays the request i of earlier runs.
+        u_cls, u_prompt, u_out, _ = self.rng.random(4)
         z = float(self.rng.standard_normal())
         ci = int(np.searchsorted(self.shares[phase], u_cls, side="right"))
         ci = min(ci, len(self.s.classes) - 1)
         c = self.s.classes[ci]
         req = _Request(self.next_id, ci, self._length(c.prompt_tokens, u_prompt),
-                       self._length(c.output_tokens, u_out), c.spread * z, now,
-                       counterfactual_point=float(u_cf))
+                       self._length(c.output_tokens, u_out), c.spread * z, now)
         req.prefill_left, req.remaining = req.prompt, req.output
         self.next_id += 1
         return req
@@ -352,13 +347,11 @@ class SimEngine:
         self.truth = AcceptanceTruth(scenario)
         self.cost = StepCost.from_scenario(scenario)
         self.ngram = next((i for i, m in enumerate(self.info.draft_is_model) if not m), None)
-        self._class_turn = 0  # where a step's per-class counterfactual picks start
 
     def run(self, policy: Policy, progress: ProgressFn | None = None) -> RunResult:
         """Run ``policy`` for the scenario's duration; ``progress`` gets the simulated time about
         once per simulated second and at the end."""
         started = wallclock.perf_counter()
-        self._class_turn = 0
         rng = np.random.default_rng([self.seed, 3])
         # Counterfactual draws have their own stream: scoring them must not shift the others.
         cf_rng = np.random.default_rng([self.seed, 4])
@@ -385,15 +378,15 @@ class SimEngine:
         """One engine step from ``now`` on the running requests: plan, assign, verify, charge,
         emit, retire, count, tell the policy. Returns the time the step ends."""
         plan = self._plan(now, reqs.running)
-        draft, k = self._assign(policy, plan.view)
+        draft, k, score = self._assign(policy, plan.view)
         decoding, cls = plan.decoding, plan.view.classes
         accepted = np.zeros(len(decoding), dtype=np.int64)
         spec = np.flatnonzero(k > 0)
         if spec.size:
             accepted[spec] = self._accepted(rng, now, plan, spec, draft[spec], k[spec])
         cf: IntArray | None = None
-        if policy.wants_counterfactual and self.ngram is not None and len(decoding):
-            cf = self._counterfactual(cf_rng, now, plan, draft, self.ngram)
+        if score is not None and self.ngram is not None:
+            cf = self._counterfactual(cf_rng, now, plan, score, self.ngram)
         charge = self._charge(rng, plan, draft, k)
         t_end = now + charge.seconds
         emitted = self._emit(plan, k, accepted, reqs.phase, tally)
@@ -421,15 +414,16 @@ class SimEngine:
         view = StepView(now, len(decoding) + len(prefill), prefill_tokens, ids, cls)
         return _Plan(decoding, prefill, view)
 
-    def _assign(self, policy: Policy, view: StepView) -> tuple[IntArray, IntArray]:
-        """The policy's (draft, K) per decoding request, K clipped to [0, max_k]: RuntimeError
-        for K > 0 without a draft."""
+    def _assign(self, policy: Policy, view: StepView
+                ) -> tuple[IntArray, IntArray, BoolArray | None]:
+        """The policy's (draft, K) per decoding request, K clipped to [0, max_k], and the
+        requests it scores counterfactually: RuntimeError for K > 0 without a draft."""
         a = policy.assign(view)
         k = np.clip(a.k, 0, self.info.max_k)
         draft = np.where(k > 0, a.draft, NO_DRAFT)
         if np.any((draft == NO_DRAFT) & (k > 0)):
             raise RuntimeError(f"policy {policy.name}: K > 0 without a draft")
-        return draft, k
+        return draft, k, a.score
 
     def _accepted(self, gen: np.random.Generator, now: float, plan: _Plan, idx: IntArray,
                   draft: IntArray, k: IntArray | None) -> IntArray:
@@ -442,30 +436,12 @@ class SimEngine:
             ok &= np.arange(self.info.max_k)[None, :] < k[:, None]
         return np.asarray(np.cumprod(ok, axis=1).sum(axis=1), dtype=np.int64)
 
-    def _counterfactual(self, gen: np.random.Generator, now: float, plan: _Plan, draft: IntArray,
-                        ngram: int) -> IntArray:
-        """What the n-gram draft would have had accepted at max K, for the requests picked for
-        scoring (as the plugin picks them: a point below COUNTERFACTUAL_PER_STEP over the batch
-        size, and each class's lowest point) that did not use it; -1 for the others."""
+    def _counterfactual(self, gen: np.random.Generator, now: float, plan: _Plan,
+                        score: BoolArray, ngram: int) -> IntArray:
+        """What the n-gram draft would have had accepted at max K, for the decoding requests
+        the policy scores (``score``); -1 for the others."""
         cf = np.full(len(plan.decoding), -1, dtype=np.int64)
-        threshold = COUNTERFACTUAL_PER_STEP / max(plan.view.batch_size, 1)
-        points = np.array([r.counterfactual_point for r in plan.decoding])
-        pick = points < threshold
-        # Every class without one: its request with the lowest point, at most
-        # COUNTERFACTUAL_CLASS_PICKS classes a step, in turn (the plugin's rule).
-        cls = plan.view.classes
-
-        def first_of(c: int) -> bool:
-            if pick[cls == c].any():
-                return False
-            mine = np.flatnonzero(cls == c)
-            pick[mine[np.argmin(points[mine])]] = True
-            return True
-
-        self._class_turn = take_in_turn([int(c) for c in np.unique(cls)], first_of,
-                                        self._class_turn, COUNTERFACTUAL_CLASS_PICKS)
-        pick &= draft != ngram
-        idx = np.flatnonzero(pick)
+        idx = np.flatnonzero(score)
         if idx.size:
             cf[idx] = self._accepted(gen, now, plan, idx, np.full(idx.size, ngram), None)
         return cf

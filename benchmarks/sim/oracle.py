@@ -47,7 +47,6 @@ _PREFILL_GRAIN = 64
 
 class Oracle:
     name = "oracle"
-    wants_counterfactual = False
 
     def __init__(self, info: EngineInfo, truth: AcceptanceTruth, cost: StepCost) -> None:
         self.info, self.truth, self.cost = info, truth, cost

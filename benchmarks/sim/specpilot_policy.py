@@ -1,47 +1,45 @@
-"""specpilot in the simulator: the real ``ControllerCore`` behind the engine plugin's report path.
+"""specpilot in the simulator: the real ``ControllerCore`` behind the engine plugin's own policy
+module.
 
-The adapter plays the plugin's part (nothing of the controller is re-implemented): it applies the
-pushed decisions per (class, batch bucket) with stable per-request probing, aggregates per-step
-counts into the plugin's report records (acceptance histograms per (class, draft, K),
-counterfactual n-gram histograms for a share of requests, step timings per (batch bucket, model
-draft, passes), finished-request summaries), and every report interval of simulated time hands an
-``EngineReport`` to ``ControllerCore.ingest`` and then ``decide``, as the server does.
+The adapter plays the plugin's part with the plugin's objects (``engine_plugin.policy``; nothing
+of the plugin or the controller is re-implemented): the policy reaches a ``PolicyView`` as the
+message the server sends, each step is resolved through a ``StepPolicy`` (lookup, probes,
+per-step re-picks), the requests scored counterfactually with the n-gram draft are the
+``CounterfactualPicks``, and what the simulated engine measured goes through a
+``StatsAggregator`` into the report that every report interval of simulated time is handed to
+``ControllerCore.ingest``, followed by ``decide``, as the server does. What is left here is the
+simulated engine's side: its request ids as keys, its arrays, and its clock.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
-from benchmarks.sim.step import NO_DRAFT, Assignment, EngineInfo, IntArray, StepOutcome, StepView
-from benchmarks.sim.truth import StepCost
-from controller.core.composition import StepComposer, adjustable
-from controller.core.controller import ControllerCore
-from controller.core.types import (
-    AcceptanceRecord,
-    DraftKind,
-    DraftSpec,
-    EngineHello,
-    EngineReport,
-    RequestSummaryRecord,
-    StepProfile,
-    StepTimingRecord,
+from benchmarks.sim.step import (
+    NO_DRAFT,
+    Assignment,
+    BoolArray,
+    EngineInfo,
+    IntArray,
+    StepOutcome,
+    StepView,
 )
-from controller.settings import core_config, load_settings
-from engine_plugin.policy_view import PROBE_EPOCH_SECONDS
+from benchmarks.sim.truth import StepCost
+from controller.core.controller import ControllerCore
+from controller.core.types import DraftKind, DraftSpec, EngineHello, StepProfile
+from controller.settings import core_config, load_settings, server_config
+from controller.wire import policy_update_to_proto
+from engine_plugin.config import PluginConfig
+from engine_plugin.policy.picks import CounterfactualPicks
+from engine_plugin.policy.stats import StatsAggregator
+from engine_plugin.policy.step import StepPolicy
+from engine_plugin.policy.view import Choice, PolicyView
 from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 
 ENGINE_ID = "sim-engine-0"
 _VOCAB = "simulated-vocabulary"
-
-
-def _probe_u(request_ids: np.ndarray, epoch: int) -> np.ndarray:
-    """A uniform per request and probe epoch (Knuth's multiplicative hash), as the plugin draws
-    it (``engine_plugin.policy_view``: stable within an epoch, redrawn every epoch)."""
-    keys = request_ids.astype(np.uint64) * np.uint64(1_000_003) + np.uint64(epoch)
-    return ((keys * np.uint64(2654435761)) % np.uint64(2**32)).astype(np.float64) / 2**32
 
 
 def start_up_profile(info: EngineInfo, cost: StepCost,
@@ -80,35 +78,40 @@ class SpecPilotPolicy:
         self.core = ControllerCore(core_config(self.settings),
                                    np.random.default_rng(self.settings.seed))
         self.interval = report_interval_seconds
-        self._step_rng = np.random.default_rng([seed, 5])  # whole-step probe draws
         kinds = [DraftKind.MODEL if m else DraftKind.NGRAM for m in info.draft_is_model]
-        self.has_ngram = DraftKind.NGRAM in kinds
-        self.wants_counterfactual = self.has_ngram
-        self.ngram = kinds.index(DraftKind.NGRAM) if self.has_ngram else None
+        self.ngram = kinds.index(DraftKind.NGRAM) if DraftKind.NGRAM in kinds else None
         self.core.connect_engine(EngineHello(
             engine_id=ENGINE_ID, model="simulated-target", target_vocab_hash=_VOCAB,
             drafts=tuple(DraftSpec(n, kind, info.max_k, _VOCAB)
                          for n, kind in zip(info.drafts, kinds, strict=True)),
             max_k=info.max_k, per_request_k=True, batch_wide_k=True,
-            ngram_counterfactual=self.has_ngram, step_probes=True, step_composition=True,
-            engine_version="simulated",
+            ngram_counterfactual=self.ngram is not None, step_probes=True,
+            step_composition=True, engine_version="simulated",
             plugin_version="simulated", max_batch_size=info.max_batch,
             step_profile=step_profile), now=0.0)
-        self.core.decide(0.0)
+        self._now = 0.0  # the simulated clock, for the plugin's objects
+        self._fail_static = server_config(self.settings).fail_static_timeout_seconds
+        drafter = info.drafts[info.primary_draft]
+        # The plugin's objects, as engine_plugin.pilot wires them, on the simulated clock; the
+        # bucket bounds are the controller's, as its HelloAck announces them.
+        self.view = PolicyView(
+            static_k=info.max_k, static_draft=drafter,
+            fail_static_timeout_seconds=self._fail_static,
+            clock=self._clock, max_k=info.max_k,
+            bucket_bounds=self.core.config.batch_bucket_upper_bounds,
+            step_draw=np.random.default_rng([seed, 5]).random)
+        self.step = StepPolicy(self.view, frozenset(info.drafts), drafter)
+        self.picks = (CounterfactualPicks(PluginConfig().counterfactual_per_step)
+                      if self.ngram is not None else None)
+        self.stats = StatsAggregator(max_k=max(info.max_k, 1), drafts=info.drafts,
+                                     clock=self._clock)
         self._draft_index = {n: i for i, n in enumerate(info.drafts)}
-        n_c, n_d, k1 = len(info.classes), len(info.drafts), info.max_k + 1
-        n_b = self.core.config.n_buckets
-        self._tables = {name: np.zeros((n_c, n_b), dtype=dtype) for name, dtype in (
-            ("k", np.int64), ("draft", np.int64), ("probe_rate", np.float64),
-            ("probe_k", np.int64), ("probe_draft", np.int64), ("probe_steps", np.bool_))}
-        self._refresh()
-        self._hist = np.zeros((n_c, n_d, k1, k1), dtype=np.int64)
-        self._cf = np.zeros((n_c, k1), dtype=np.int64)
-        self._steps: dict[tuple[int, str, int], list[float]] = defaultdict(lambda: [0.0] * 5)
-        self._finished: list[RequestSummaryRecord] = []
+        self.core.decide(0.0)
+        self.push_policy(0.0)
         self._last_report = 0.0
         self._sequence = 0
         self.reports = 0
+        n_c, n_b = len(info.classes), self.core.config.n_buckets
         # When each class last decoded in each bucket, and when its decision there last changed:
         # a change with no decoding of the class in the bucket since the previous one is a
         # change without evidence of its own (counted in idle_decision_changes).
@@ -117,117 +120,104 @@ class SpecPilotPolicy:
         self._class_index = {c: i for i, c in enumerate(info.classes)}
         self.idle_decision_changes = 0
 
+    def _clock(self) -> float:
+        return self._now
+
+    def push_policy(self, now: float) -> None:
+        """The policy update the server sends for the core's current version, applied as the
+        plugin's link applies it."""
+        self.view.apply(policy_update_to_proto(self.core.snapshot(now), self._fail_static))
+        self._applied = self.core.version
+
     # --- applying the policy ---------------------------------------------------------------
-    def _refresh(self) -> None:
-        """Dense (class, bucket) tables of the decisions in force, like the plugin's view, and
-        the composition sent with them."""
-        defaults = {d.bucket: d for d in self.core.default_decisions()}
-        t = self._tables
-        # Per (class, bucket): the decision's class and whether it is re-picked per step.
-        self._decided: dict[tuple[int, int], tuple[str, bool]] = {}
-        composition = self.core.composition()
-        self._composer = StepComposer(composition) if composition is not None else None
-        for ci, name in enumerate(self.info.classes):
-            for b in range(self.core.config.n_buckets):
-                d = self.core.decision(name, b) or defaults[b]
-                self._decided[ci, b] = (d.traffic_class, adjustable(d.reason, d.probe_rate > 0))
-                t["k"][ci, b] = d.k
-                t["draft"][ci, b] = self._draft_index.get(d.draft, NO_DRAFT)
-                t["probe_rate"][ci, b] = d.probe_rate
-                t["probe_k"][ci, b] = d.probe_k
-                t["probe_draft"][ci, b] = self._draft_index.get(d.probe_draft, NO_DRAFT)
-                t["probe_steps"][ci, b] = d.probe_steps
-        self._version = self.core.version
-
     def assign(self, view: StepView) -> Assignment:
-        b = self.core.config.bucket_of(view.batch_size)
-        t, cls = self._tables, view.classes
-        k, draft = t["k"][cls, b].copy(), t["draft"][cls, b].copy()
-        epoch = int(view.now // PROBE_EPOCH_SECONDS)
-        # Per request and probe epoch, or (probe_steps) one draw per class and step for all
-        # of its requests, as the plugin's PolicyLookup draws them.
-        u = np.where(t["probe_steps"][cls, b],
-                     self._step_rng.random(len(self.info.classes))[cls],
-                     _probe_u(view.request_ids, epoch))
-        probe = (t["probe_k"][cls, b] > 0) & (u < t["probe_rate"][cls, b])
-        k[probe], draft[probe] = t["probe_k"][cls, b][probe], t["probe_draft"][cls, b][probe]
-        if self._composer is not None:
-            self._compose(self._composer, view, b, k, draft)
-        return Assignment(np.where(k > 0, draft, NO_DRAFT), k)
-
-    def _compose(self, composer: StepComposer, view: StepView, b: int, k: IntArray,
-                 draft: IntArray) -> None:
-        """The plugin's per-step re-pick (``PolicyLookup.compose``): the settled classes' arms
-        for the classes and counts of this step, in place."""
-        counts = np.bincount(view.classes, minlength=len(self.info.classes))
+        """Every decoding request's choice, as the plugin's ``batch_k`` and ``_choice`` make it
+        in a batch_max engine: one lookup for the step's batch size, the settled classes
+        re-picked for the step's counts, then per class its choice and per request its probe."""
+        self._now = view.now
+        names, step = self.info.classes, self.step
+        step.start()
+        lookup = step.lookup(view.batch_size)
+        counts = np.bincount(view.classes, minlength=len(names))
         present = np.flatnonzero(counts)
-        t, drafts = self._tables, self.info.drafts
-        step = []
-        for ci in present:
-            name, movable = self._decided[ci, b]
-            arm = (drafts[t["draft"][ci, b]] if t["k"][ci, b] else "", int(t["k"][ci, b]))
-            step.append((name, arm, movable, int(counts[ci])))
-        changed = composer.repick(step, view.batch_size)
-        for ci in present:
-            if (new := changed.get(self._decided[ci, b][0])) is not None:
-                mine = view.classes == ci
-                k[mine], draft[mine] = new[1], self._draft_index[new[0]] if new[1] else NO_DRAFT
+        step.compose(lookup, {names[c]: int(counts[c]) for c in present}, view.batch_size)
+        k = np.zeros(view.classes.size, dtype=np.int64)
+        draft = np.full(view.classes.size, NO_DRAFT, dtype=np.int64)
+        for c in present:
+            resolved = step.resolve(lookup, names[c])
+            mine = np.flatnonzero(view.classes == c)
+            k[mine], draft[mine] = resolved.choice.k, self._index(resolved.choice)
+            if resolved.probe_rate > 0.0:
+                probed = [i for i in mine if resolved.probed(str(view.request_ids[i]))]
+                k[probed] = resolved.probe_choice.k
+                draft[probed] = self._index(resolved.probe_choice)
+        return Assignment(draft, k, self._scored(view, draft))
+
+    def _index(self, choice: Choice) -> int:
+        return self._draft_index[choice.draft] if choice.k else NO_DRAFT
+
+    def _scored(self, view: StepView, draft: IntArray) -> BoolArray | None:
+        """The decoding requests this step scores counterfactually with the n-gram draft (the
+        plugin's picks; the requests are held from their first decoding step), but for those
+        it serves: they are measured for real."""
+        if self.picks is None:
+            return None
+        keys = [str(r) for r in view.request_ids.tolist()]
+        for key, c in zip(keys, view.classes.tolist(), strict=True):
+            if key not in self.picks:
+                self.picks.add(key, self.info.classes[c])
+        at = {key: i for i, key in enumerate(keys)}
+        score = np.zeros(len(keys), dtype=np.bool_)
+        score[[i for _, i in self.picks.pick(at.get, view.batch_size)]] = True
+        score &= draft != self.ngram
+        return score
 
     # --- the plugin's aggregation and the report lap -----------------------------------------
     def observe(self, o: StepOutcome) -> None:
-        info, cls = self.info, o.view.classes
-        k, draft = o.assignment.k, o.assignment.draft
-        spec = k > 0
-        np.add.at(self._hist, (cls[spec], draft[spec], k[spec], o.accepted[spec]), 1)
-        if o.counterfactual_accepted is not None:
-            scored = o.counterfactual_accepted >= 0
-            np.add.at(self._cf, (cls[scored], o.counterfactual_accepted[scored]), 1)
+        info, record = self.info, self.stats.record_verification
+        names, drafts, cls = info.classes, info.drafts, o.view.classes
+        spec = np.flatnonzero(o.assignment.k > 0)
+        for c, d, k, accepted in zip(cls[spec].tolist(), o.assignment.draft[spec].tolist(),
+                                     o.assignment.k[spec].tolist(), o.accepted[spec].tolist(),
+                                     strict=True):
+            record(names[c], drafts[d], k, accepted)
+        if o.counterfactual_accepted is not None and self.ngram is not None:
+            scored = np.flatnonzero(o.counterfactual_accepted >= 0)
+            for c, accepted in zip(cls[scored].tolist(),
+                                   o.counterfactual_accepted[scored].tolist(), strict=True):
+                record(names[c], drafts[self.ngram], info.max_k, accepted, counterfactual=True)
         if not o.view.prefill_tokens:  # the plugin times decode steps only
             self._record_step(o)
         self._decoded_at[np.unique(cls), self.core.config.bucket_of(o.view.batch_size)] = (
             o.view.now)
         for f in o.finished:
-            self._finished.append(RequestSummaryRecord(
-                info.classes[f.traffic_class], "", f.prompt_tokens, f.output_tokens,
-                f.drafted_tokens, f.accepted_tokens, f.latency_seconds))
+            self.stats.record_finished(names[f.traffic_class], "", f.prompt_tokens,
+                                       f.output_tokens, f.drafted_tokens, f.accepted_tokens,
+                                       f.latency_seconds)
+            if self.picks is not None:
+                self.picks.forget(str(f.request_id))
         now = o.view.now + o.seconds
         if now - self._last_report >= self.interval:
             self._report(now, running=o.view.batch_size)
 
     def _record_step(self, o: StepOutcome) -> None:
-        """Step sums per (batch bucket, model draft with the most passes, passes)."""
+        """The step under the model draft with the most passes, and its passes (the drafter's K)
+        and proposed tokens."""
         info = self.info
         model = [d for d in range(len(info.drafts)) if info.draft_is_model[d] and o.draft_passes[d]]
         top = max(model, key=lambda d: o.draft_passes[d]) if model else None
-        key = (self.core.config.bucket_of(o.view.batch_size),
-               info.drafts[top] if top is not None else "",
-               int(o.draft_passes[top]) if top is not None else 0)
-        s = self._steps[key]
-        s[0] += 1
-        s[1] += o.view.batch_size
-        s[2] += o.verified_tokens
-        s[3] += int(o.draft_tokens[top]) if top is not None else 0
-        s[4] += o.seconds
+        if top is None:
+            self.stats.record_step(o.view.batch_size, o.verified_tokens, 0, "", 0, o.seconds)
+        else:
+            self.stats.record_step(o.view.batch_size, o.verified_tokens,
+                                   int(o.draft_tokens[top]), info.drafts[top],
+                                   int(o.draft_passes[top]), o.seconds)
 
     def _report(self, now: float, running: int) -> None:
-        info = self.info
-        acceptance = []
-        for ci, di, k in zip(*np.nonzero(self._hist.sum(axis=3)), strict=True):
-            acceptance.append(AcceptanceRecord(
-                info.classes[ci], info.drafts[di], int(k),
-                tuple(int(x) for x in self._hist[ci, di, k, : k + 1])))
-        if self.ngram is not None:
-            for ci in np.flatnonzero(self._cf.sum(axis=1)):
-                acceptance.append(AcceptanceRecord(
-                    info.classes[ci], info.drafts[self.ngram], info.max_k,
-                    tuple(int(x) for x in self._cf[ci]), counterfactual=True))
-        timings = tuple(
-            StepTimingRecord(b, d, k, int(s[0]), int(s[1]), int(s[2]), int(s[3]), s[4])
-            for (b, d, k), s in sorted(self._steps.items()))
+        self._now = now
         self._sequence += 1
-        report = EngineReport(self._sequence, now - self._last_report, self.core.version,
-                              tuple(acceptance), tuple(self._finished), timings,
-                              running_requests=running)
+        report = self.stats.drain(running).report(self._sequence, self.view.version, 0,
+                                                  self.view.bucket_bounds)
         self.core.ingest(ENGINE_ID, report, now)
         for event in self.core.decide(now):
             ci = self._class_index.get(event.decision.traffic_class)
@@ -237,11 +227,8 @@ class SpecPilotPolicy:
             if self._decoded_at[ci, b] <= self._changed_at[ci, b]:
                 self.idle_decision_changes += 1
             self._changed_at[ci, b] = now
-        if self.core.version != self._version:
-            self._refresh()
-        self._hist[:] = 0
-        self._cf[:] = 0
-        self._steps.clear()
-        self._finished.clear()
+        self.view.heard_from_controller()  # the report's result
+        if self.core.version != self._applied:
+            self.push_policy(now)
         self._last_report = now
         self.reports += 1

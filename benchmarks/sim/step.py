@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 FloatArray = npt.NDArray[np.float64]
 NO_DRAFT = -1
 
@@ -44,10 +45,12 @@ class StepView:
 
 @dataclass(frozen=True)
 class Assignment:
-    """Per decoding request: the draft index (NO_DRAFT for none) and K (0 = no speculation)."""
+    """Per decoding request: the draft index (NO_DRAFT for none) and K (0 = no speculation), and
+    whether the step scores it counterfactually with the n-gram draft (None: none)."""
 
     draft: IntArray
     k: IntArray
+    score: BoolArray | None = None
 
     @classmethod
     def uniform(cls, n: int, draft: int, k: int) -> Assignment:
@@ -90,7 +93,6 @@ class StepOutcome:
 
 class Policy(Protocol):
     name: str
-    wants_counterfactual: bool
 
     def assign(self, view: StepView) -> Assignment: ...
 

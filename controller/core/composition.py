@@ -1,4 +1,5 @@
-"""Per-step arms from the batch actually running: the plugin's half of the policy.
+"""What a step is priced with, as the controller sends it with a policy: the plugin's half of
+the policy (``engine_plugin.policy.compose``) re-picks per step from it.
 
 Why: a (class, bucket) decision is priced at the class mix the controller expects in the bucket,
 but the batch of one step holds the classes in whatever counts the traffic brought. A model
@@ -8,31 +9,23 @@ passes that eight chat requests share (the oracle of the simulator runs such a c
 drafts in 40% of its steps on ``collapse``). The controller cannot decide per step (a report
 interval holds hundreds), so it sends with each policy what pricing a step needs
 (``Composition``: the step-cost model's mean weights and the posterior-mean E(K) curves of the
-classes), and the plugin re-picks, per step, the arms of the classes whose decision is a
-settled goodput choice (``step_arms``): coordinate ascent on the step's tokens per second from
-the decisions, kept only where it beats them by ``margin``. Explorations, probes, warm-up,
-overrides and offline pins are left as decided: they exist to learn or because an operator said.
+classes), and whether a new one moved enough to be worth sending (``moved``).
 
-Pure (numpy, dataclasses): the plugin, the simulator and the tests call the same function.
+Pure (numpy, dataclasses).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.types import Reason
-
 FloatArray = npt.NDArray[np.float64]
 Arm = tuple[str, int]  # (draft, K); ("", 0) is off
-OFF: Arm = ("", 0)
-# Coordinate-ascent sweeps over the adjustable classes of a step (it stops when none moves).
-_SWEEPS = 2
 _MIN_STEP_SECONDS = 1e-6
 
 
@@ -116,21 +109,6 @@ class _Pricing:
         return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
 
 
-class _Options:
-    """One class's arms as arrays: E(K), K, and per model draft the passes each asks (K on its
-    own draft's column, 0 elsewhere; deterministic drafts ask none)."""
-
-    def __init__(self, comp: Composition, traffic_class: str, arms: list[Arm]) -> None:
-        self.arms = arms
-        self.values = np.array([comp.expected(traffic_class, a) for a in arms])
-        self.ks = np.array([float(k) for _, k in arms])
-        index = comp.pricing._vectors.index
-        self.passes = np.zeros((len(arms), len(index)))
-        for i, (draft, k) in enumerate(arms):
-            if k and draft in index:
-                self.passes[i, index[draft]] = k
-
-
 @dataclass(frozen=True)
 class Composition:
     """What the plugin needs to price a step's arms: ``pricing``, and per (class, draft) the
@@ -150,14 +128,6 @@ class Composition:
             if len(curve) < 1 or not all(math.isfinite(x) and x >= 0 for x in curve):
                 raise ValueError(f"composition: E(K) of ({cls!r}, {draft!r}) must be finite "
                                  "numbers >= 0, K = 0 first")
-
-    @cached_property
-    def _options(self) -> dict[str, _Options]:
-        """Per class: its arms, off first."""
-        arms: dict[str, list[Arm]] = {}
-        for (cls, draft), curve in sorted(self.expected_tokens.items()):
-            arms.setdefault(cls, [OFF]).extend((draft, k) for k in range(1, len(curve)))
-        return {c: _Options(self, c, a) for c, a in arms.items()}
 
     def expected(self, traffic_class: str, arm: Arm) -> float:
         """E(K) of ``arm`` for the class (1 when off or unknown)."""
@@ -192,130 +162,3 @@ def moved(old: Composition | None, new: Composition | None, batch_sizes: Collect
             if np.any(np.abs(t_new - t_old) > tolerance * t_old):
                 return True
     return False
-
-
-def adjustable(reason: Reason | None, probing: bool) -> bool:
-    """Whether a decision may be re-picked per step: a settled goodput choice without probes
-    (an exploration, a probe, warm-up, a detected change being absorbed, an override or an
-    offline pin is run as decided)."""
-    return reason is Reason.GOODPUT and not probing
-
-
-def step_arms(comp: Composition, counts: Mapping[str, int], arms: Mapping[str, Arm],
-              free: Collection[str], batch_size: float) -> dict[str, Arm]:
-    """The arm of every class in the step: ``arms`` (each class's decision; every class in
-    ``counts`` must have one), with the classes in ``free`` re-picked for the step's
-    ``counts`` (decoding sequences per class) where that beats the decisions' tokens per
-    second by ``comp.margin``. ``batch_size``: the step's sequences (what the cost model's
-    per-sequence term prices)."""
-    live = [c for c, n in counts.items() if n > 0]
-    options = comp._options
-    # A class whose decision has no curve here cannot be priced against its options.
-    movable = sorted((c for c in live if c in free and c in options
-                      and arms[c] in options[c].arms), key=lambda c: (-counts[c], c))
-    if not movable:
-        return dict(arms)
-    p = comp.pricing._vectors
-    # Per live class: its row (the option it runs) in its own options, or its fixed figures.
-    at = {c: options[c].arms.index(arms[c]) for c in movable}
-    fixed = [c for c in live if c not in at]
-    f_tokens = sum(counts[c] * comp.expected(c, arms[c]) for c in fixed)
-    f_verified = sum(counts[c] * (1 + arms[c][1]) for c in fixed)
-    f_passes = np.zeros(p.n)
-    f_dtok = np.zeros(p.n)
-    for c in fixed:
-        draft, k = arms[c]
-        if k and draft in p.index:
-            f_passes[p.index[draft]] = max(f_passes[p.index[draft]], k)
-            f_dtok[p.index[draft]] += counts[c] * k
-
-    def others(skip: str | None) -> tuple[float, float, FloatArray, FloatArray]:
-        tokens, verified = f_tokens, f_verified
-        passes, dtok = f_passes.copy(), f_dtok.copy()
-        for c in movable:
-            if c != skip:
-                o, i, n = options[c], at[c], counts[c]
-                tokens += n * o.values[i]
-                verified += n * (1.0 + o.ks[i])
-                passes = np.maximum(passes, o.passes[i])
-                dtok += n * o.passes[i]
-        return tokens, verified, passes, dtok
-
-    def rate() -> float:
-        tokens, verified, passes, dtok = others(None)
-        return float(tokens / p.seconds(batch_size, np.array([verified]), passes[None, :],
-                                        dtok[None, :])[0])
-
-    def ascend() -> float:
-        """Best responses class by class (most sequences first) until none moves."""
-        for _ in range(_SWEEPS):
-            changed = False
-            for c in movable:
-                o, n = options[c], counts[c]
-                tokens, verified, passes, dtok = others(c)
-                rates = (tokens + n * o.values) / p.seconds(
-                    batch_size, verified + n * (1.0 + o.ks), np.maximum(passes, o.passes),
-                    dtok + n * o.passes)
-                best = int(np.argmax(rates))
-                if rates[best] > rates[at[c]] * (1.0 + 1e-9):
-                    at[c] = best
-                    changed = True
-            if not changed:
-                break
-        return rate()
-
-    base = rate()
-    # Two starts: the decisions, and every free class off. A class riding on a pass another
-    # pays for holds that one on the drafter (alone, neither gains by leaving it); from off,
-    # the free classes find out whether the pass pays at all in this step.
-    best_rate = ascend()
-    best = dict(at)
-    at.update({c: 0 for c in movable})
-    if (from_off := ascend()) > best_rate:
-        best, best_rate = dict(at), from_off
-    if best_rate < base * (1.0 + comp.margin):
-        return dict(arms)
-    return {**arms, **{c: options[c].arms[i] for c, i in best.items()}}
-
-
-# A step as the engine sees it, per traffic class present: its decision's class (classes folded
-# into "other" or on the default decision share one), the decision's arm, whether that arm may
-# be re-picked (``adjustable``), and the class's decoding sequences.
-StepClass = tuple[str, Arm, bool, int]
-
-
-class StepComposer:
-    """``step_arms`` for one composition, with its answers remembered: a step's classes and
-    counts recur from step to step, so the search runs once per distinct step (at most
-    ``cache_size`` remembered, then all forgotten at once). The engine plugin holds one per
-    policy and the simulator's adapter one per policy it applies."""
-
-    def __init__(self, composition: Composition, cache_size: int = 4096) -> None:
-        self.composition = composition
-        self._cache_size = cache_size
-        self._cache: dict[tuple[object, ...], dict[str, Arm]] = {}
-
-    def repick(self, step: Iterable[StepClass], batch_size: int) -> dict[str, Arm]:
-        """The decision classes whose arm this step re-picks, with that arm (empty where the
-        decisions stand); ``batch_size``: the step's sequences."""
-        key = (batch_size, tuple(sorted(step)))
-        changed = self._cache.get(key)
-        if changed is None:
-            if len(self._cache) >= self._cache_size:
-                self._cache.clear()
-            changed = self._cache[key] = self._search(key[1], batch_size)
-        return changed
-
-    def _search(self, step: Iterable[StepClass], batch_size: int) -> dict[str, Arm]:
-        counts: dict[str, int] = {}
-        arms: dict[str, Arm] = {}
-        free: set[str] = set()
-        for name, arm, movable, n in step:
-            counts[name] = counts.get(name, 0) + n
-            arms[name] = arm
-            if movable:
-                free.add(name)
-        if not free:
-            return {}
-        chosen = step_arms(self.composition, counts, arms, free, batch_size)
-        return {c: a for c, a in chosen.items() if a != arms[c]}

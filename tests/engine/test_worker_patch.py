@@ -21,7 +21,7 @@ import pytest
 from benchmarks.demo.distribution import compare_samples
 from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
 from engine_plugin.ngram import NGRAM_DRAFT
-from engine_plugin.policy_view import Choice
+from engine_plugin.policy.view import Choice
 from engine_plugin.worker_patch import mark_step
 from tests.engine.harness import ModeDrafts, spec_counters, step_log, token_ids
 

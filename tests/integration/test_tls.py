@@ -27,7 +27,7 @@ from controller.server.app import RunningServer, ServeError, start_server
 from controller.server.stubs import async_policy_stub
 from controller.settings import load_settings
 from engine_plugin.link import ControllerLink
-from engine_plugin.policy_view import PolicyView
+from engine_plugin.policy.view import PolicyView
 from specpilot.v1 import policy_pb2
 from tests.certs import PKI, KeyPair, make_pki
 from tests.integration.conftest import FAST_SETTINGS
@@ -357,10 +357,10 @@ def _mentions(line: str, case: str) -> bool:
 
 
 def link_payload() -> Any:
-    from engine_plugin.stats import StatsAggregator
+    from engine_plugin.policy.stats import StatsAggregator
     agg = StatsAggregator()
     agg.record_verification("chat", DRAFT, 2, 1)
-    return agg.snapshot(running_requests=1)
+    return agg.drain(running_requests=1)
 
 
 # --- the CLI --------------------------------------------------------------------------------------

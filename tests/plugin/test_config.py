@@ -15,7 +15,7 @@ from engine_plugin.config import PluginConfig, settings_table
 
 def test_defaults() -> None:
     c = PluginConfig.from_env({})
-    assert c.controller == "" and not c.has_controller
+    assert c.controller == ""
     assert c.engine_id.endswith(f"-{os.getpid()}")
     assert (c.class_rules, c.max_classes, c.report_interval_seconds) == ("", 16, 1.0)
     assert (c.fail_static_timeout_seconds, c.queue_size) == (30.0, 64)
@@ -42,7 +42,6 @@ def test_every_variable_is_read() -> None:
         max_classes=8, report_interval_seconds=0.25, fail_static_timeout_seconds=12.0,
         queue_size=5, reconnect_initial_seconds=0.1, reconnect_max_seconds=2.0,
         k_mode="batch_wide")
-    assert c.has_controller
 
 
 def test_empty_values_mean_default_and_ipv6_needs_brackets() -> None:

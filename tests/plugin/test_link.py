@@ -31,8 +31,8 @@ from engine_plugin.link import (
     shed_backoff,
     shed_pause,
 )
-from engine_plugin.policy_view import Choice, PolicyView
-from engine_plugin.stats import ReportPayload, StatsAggregator
+from engine_plugin.policy.stats import ReportPayload, StatsAggregator
+from engine_plugin.policy.view import Choice, PolicyView
 from specpilot.v1 import engine_pb2
 
 pytestmark = pytest.mark.integration
@@ -81,7 +81,7 @@ def payload(steps_by_accepted: tuple[int, ...], cls: str = "chat", draft: str = 
         for _ in range(n):
             agg.record_verification(cls, draft, len(steps_by_accepted) - 1, accepted)
     agg.record_step(2, 6, 4, draft, 2, 0.01)
-    return agg.snapshot(running_requests=running)
+    return agg.drain(running_requests=running)
 
 
 def free_port() -> int:
@@ -422,7 +422,7 @@ def test_steps_are_bucketed_with_the_controllers_bounds(
     agg = StatsAggregator()
     agg.record_step(100, 300, 200, DRAFT, 2, 0.05)
     link = make_link(links, controller.target, start=False)
-    link.submit(agg.snapshot(running_requests=100))
+    link.submit(agg.drain(running_requests=100))
     link.start()
     wait_for(lambda: link.reports_accepted + link.reports_rejected >= 1, "the result")
     assert link.reports_rejected == 0

@@ -17,7 +17,8 @@ from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.pilot import EngineSpec, Pilot, announce
-from engine_plugin.policy_view import Choice
+from engine_plugin.policy.picks import COUNTERFACTUAL_CLASS_PICKS, score_point
+from engine_plugin.policy.view import Choice
 from engine_plugin.suffix import SUFFIX_DRAFT
 from engine_plugin.vocab import TokenizerLike, vocab_hash
 from specpilot.v1 import engine_pb2
@@ -297,7 +298,7 @@ def test_every_class_present_scores_its_first_request_counterfactually() -> None
         lambda req_id, *_: steps.append(req_id))
     batch = _batch(pilot, ["a"] * 396 + ["rare"] * 4)
     rare = [i for i in batch if pilot.requests[i].traffic_class == "rare"]
-    points = {i: pilot.requests[i].score_point for i in rare}
+    points = {i: score_point(i) for i in rare}
     assert min(points.values()) >= 2.0 / 400  # the control: the global rule misses them
     first = min(rare, key=lambda i: points[i])
     for _ in range(3):
@@ -315,8 +316,6 @@ def test_per_class_counterfactual_picks_are_bounded_per_step_and_taken_in_turn()
     """With tens of classes in one batch, one step scores the first requests of at most
     COUNTERFACTUAL_CLASS_PICKS classes beside the global picks, and every class is scored within
     a few steps."""
-    from engine_plugin.pilot import COUNTERFACTUAL_CLASS_PICKS
-
     config = PluginConfig(k_mode="batch_max", counterfactual_per_step=2.0, suffix_drafts=False)
     pilot = Pilot(engine(), config, Classifier(max_classes=64),
                   announce(engine(), config, load))
@@ -324,7 +323,7 @@ def test_per_class_counterfactual_picks_are_bounded_per_step_and_taken_in_turn()
     pilot.counterfactual[NGRAM_DRAFT].step = (  # type: ignore[method-assign]
         lambda req_id, *_: steps.append(req_id))
     batch = _batch(pilot, [f"c{i % 40}" for i in range(400)])
-    global_picks = {i for i in batch if pilot.requests[i].score_point < 2.0 / 400}
+    global_picks = {i for i in batch if score_point(i) < 2.0 / 400}
     scored: set[str] = set()
     for _ in range(40 // COUNTERFACTUAL_CLASS_PICKS + 1):
         steps.clear()
@@ -417,7 +416,7 @@ def _verified(kind: DraftKind) -> dict[int, tuple[int, ...]]:
     sampled = SimpleNamespace(req_id_to_index={"r0": 0, "r1": 1, "r2": 2},
                               sampled_token_ids=[[5, 6, 9], [9], [5, 9]])
     pilot.on_output(output, sampled)
-    payload = pilot.stats.snapshot(running_requests=3)
+    payload = pilot.stats.drain(running_requests=3)
     pilot.close()
     hists: dict[int, list[int]] = {}
     for rec in payload.acceptance:

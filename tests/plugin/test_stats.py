@@ -1,4 +1,4 @@
-"""The aggregator against hand-computed histograms and sums; reset on snapshot; bad input is
+"""The aggregator against hand-computed histograms and sums; reset on drain; bad input is
 counted and left out; the report (the core's record, made a message by controller.wire) passes the
 controller's own validation."""
 
@@ -17,7 +17,7 @@ from controller.core.types import (
 )
 from controller.core.validation import check_report
 from controller.wire import report_from_proto, report_to_proto
-from engine_plugin.stats import BatchStepSums, ReportPayload, StatsAggregator
+from engine_plugin.policy.stats import BatchStepSums, ReportPayload, StatsAggregator
 
 
 class FakeClock:
@@ -37,7 +37,7 @@ def test_histograms_by_class_draft_k_and_counterfactual() -> None:
     agg.record_verification("code", "d", 4, 3)
     agg.record_verification("chat", "ngram", 3, 3, counterfactual=True)
     agg.record_verification("chat", "ngram", 3, 1, counterfactual=True)
-    p = agg.snapshot(running_requests=3)
+    p = agg.drain(running_requests=3)
     assert p.acceptance == (
         AcceptanceRecord("chat", "d", 2, (1, 2, 0)),
         AcceptanceRecord("chat", "d", 4, (1, 0, 2, 0, 3)),
@@ -60,7 +60,7 @@ def test_step_sums_per_batch_size_and_per_bucket() -> None:
     # k = 0: no draft, whatever is named; batch 40 is in the open bucket 3
     agg.record_step(40, 40, 0, "d", 0, 0.050)
     agg.record_step(40, 40, 0, "", 0, 0.070)
-    p = agg.snapshot(running_requests=0)
+    p = agg.drain(running_requests=0)
     assert p.step_sums == (
         BatchStepSums(1, "d", 4, 2, 10, 8, pytest.approx(0.022)),  # type: ignore[arg-type]
         BatchStepSums(3, "d", 2, 1, 9, 6, 0.020),
@@ -82,14 +82,14 @@ def test_finished_summaries_and_cap() -> None:
     agg.record_finished("chat", "d", 10, 20, 12, 9, 0.5)
     agg.record_finished("chat", "", 10, 20, 0, 0, 0.25)
     agg.record_finished("chat", "d", 1, 1, 1, 1, 0.1)  # over the cap: dropped, counted
-    p = agg.snapshot(0)
+    p = agg.drain(0)
     assert p.finished == (RequestSummaryRecord("chat", "d", 10, 20, 12, 9, 0.5),
                           RequestSummaryRecord("chat", "", 10, 20, 0, 0, 0.25))
     assert p.dropped_records == 1
     assert p.record_count == 2
 
 
-def test_snapshot_resets_and_measures_the_interval() -> None:
+def test_drain_resets_and_measures_the_interval() -> None:
     clock = FakeClock()
     agg = StatsAggregator(clock=clock)
     agg.record_verification("chat", "d", 2, 1)
@@ -97,17 +97,17 @@ def test_snapshot_resets_and_measures_the_interval() -> None:
     agg.record_finished("chat", "d", 1, 2, 1, 1, 0.1)
     agg.record_verification("chat", "d", 2, 9)  # ignored
     clock.now += 1.5
-    first = agg.snapshot(running_requests=2)
+    first = agg.drain(running_requests=2)
     assert first.interval_seconds == pytest.approx(1.5)
     assert (len(first.acceptance), len(first.step_sums), len(first.finished)) == (1, 1, 1)
     assert first.ignored_records == 1
     clock.now += 0.25
-    second = agg.snapshot(running_requests=0)
+    second = agg.drain(running_requests=0)
     assert second.is_empty and second.ignored_records == 0 and second.dropped_records == 0
     assert second.interval_seconds == pytest.approx(0.25)
     # Counting resumes from zero, not from the old counts.
     agg.record_verification("chat", "d", 2, 1)
-    assert agg.snapshot(0).acceptance[0].steps_by_accepted == (0, 1, 0)
+    assert agg.drain(0).acceptance[0].steps_by_accepted == (0, 1, 0)
 
 
 @pytest.mark.parametrize("args", [
@@ -125,7 +125,7 @@ def test_snapshot_resets_and_measures_the_interval() -> None:
 def test_bad_verifications_are_counted_and_ignored(args: tuple[object, ...]) -> None:
     agg = StatsAggregator(max_k=4, drafts={"d"})
     agg.record_verification(*args)  # type: ignore[arg-type]
-    p = agg.snapshot(0)
+    p = agg.drain(0)
     assert p.acceptance == () and p.ignored_records == 1
 
 
@@ -143,7 +143,7 @@ def test_bad_verifications_are_counted_and_ignored(args: tuple[object, ...]) -> 
 def test_bad_steps_are_counted_and_ignored(args: tuple[object, ...]) -> None:
     agg = StatsAggregator(max_k=4, drafts={"d"})
     agg.record_step(*args)  # type: ignore[arg-type]
-    p = agg.snapshot(0)
+    p = agg.drain(0)
     assert p.step_sums == () and p.ignored_records == 1
 
 
@@ -158,7 +158,7 @@ def test_bad_steps_are_counted_and_ignored(args: tuple[object, ...]) -> None:
 def test_bad_finished_are_counted_and_ignored(args: tuple[object, ...]) -> None:
     agg = StatsAggregator(drafts={"d"})
     agg.record_finished(*args)  # type: ignore[arg-type]
-    p = agg.snapshot(0)
+    p = agg.drain(0)
     assert p.finished == () and p.ignored_records == 1
 
 
@@ -166,7 +166,7 @@ def test_keys_are_bounded() -> None:
     agg = StatsAggregator(max_keys=3)
     for i in range(10):
         agg.record_verification(f"c{i}", "d", 1, 1)
-    p = agg.snapshot(0)
+    p = agg.drain(0)
     assert len(p.acceptance) == 3 and p.ignored_records == 7
 
 
@@ -177,7 +177,7 @@ def test_report_carries_everything_and_passes_controller_validation() -> None:
     agg.record_step(3, 9, 6, "d", 2, 0.02)
     agg.record_finished("chat", "d", 5, 6, 4, 2, 0.3)
     agg.record_finished("chat", "d", 5, 6, 4, 2, 0.3)  # dropped (cap 1)
-    p = agg.snapshot(running_requests=7)
+    p = agg.drain(running_requests=7)
     msg = report_to_proto(p.report(sequence=3, policy_version=12, records_dropped=4,
                                    bucket_bounds=(2, 8, 32)))
     assert msg.sequence == 3 and msg.policy_version == 12

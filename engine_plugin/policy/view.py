@@ -34,7 +34,7 @@ Per-step composition (``PolicyUpdate.composition``, asked of engines that announ
 decisions are priced for the class mix the controller expects; ``PolicyLookup.compose`` re-picks,
 for the classes and counts of one step, the arms of the classes whose decision is a settled
 goodput choice, where that beats the decisions by the policy's margin
-(``controller.core.composition.StepComposer``, its answers remembered per policy and step).
+(``engine_plugin.policy.compose.StepComposer``, its answers remembered per policy and step).
 """
 
 from __future__ import annotations
@@ -45,20 +45,18 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
-from hashlib import blake2b
 from typing import NamedTuple
 
 from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from controller.core.classes import OTHER_CLASS
-from controller.core.composition import Composition, StepComposer, adjustable
+from controller.core.composition import Composition
 from controller.core.types import Reason, ReportRejected
 from controller.wire import composition_from_proto, reason_from_proto
+from engine_plugin.policy.compose import StepComposer, adjustable
+from engine_plugin.policy.points import probe_point
 from specpilot.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
-
-_HASH_SCALE = float(2**64)
 
 
 class Choice(NamedTuple):
@@ -101,11 +99,23 @@ def _reason(value: int) -> Reason | None:
 PROBE_EPOCH_SECONDS = 2.0
 
 
-@lru_cache(maxsize=8192)  # a request asks every step; blake2b costs ~1.5 us, a hit ~0.1 us
-def probe_point(request_key: str) -> float:
-    """The request's fixed point in [0, 1): it probes while this is below the probe rate."""
-    digest = blake2b(request_key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / _HASH_SCALE
+class ClassChoice(NamedTuple):
+    """What the requests of one class run with in one lookup: ``choice``, or ``probe_choice``
+    for a request whose point in this probe epoch is below ``probe_rate`` (0: none probes)."""
+
+    choice: Choice
+    probe_rate: float
+    probe_choice: Choice
+    epoch: int
+
+    def probed(self, request_key: str) -> bool:
+        """Whether the request keyed ``request_key`` probes."""
+        return (self.probe_rate > 0.0
+                and probe_point(request_key + f"#{self.epoch}") < self.probe_rate)
+
+    def of(self, request_key: str) -> Choice:
+        """The choice of the request keyed ``request_key``."""
+        return self.probe_choice if self.probed(request_key) else self.choice
 
 
 class PolicyView:
@@ -263,10 +273,10 @@ class PolicyView:
 
 
 class PolicyLookup:
-    """One policy snapshot at one batch bucket: ``choice`` resolves a class's decision on its
-    first call and remembers it; the probe draw is per request and probe epoch (``probe_point``
-    of both), or for whole-step probes one per class and lookup (``step_draw``). Read it on one
-    thread (the scheduler's); it never sees a later policy."""
+    """One policy snapshot at one batch bucket: ``resolve`` answers a class on its first call
+    and remembers it; the probe draw is per request and probe epoch (``ClassChoice.probed``),
+    or for whole-step probes one per class and lookup (``step_draw``). Read it on one thread
+    (the scheduler's); it never sees a later policy."""
 
     __slots__ = ("_bucket", "_entries", "_epoch", "_folded", "_policy", "_static", "_step_draw")
 
@@ -279,25 +289,27 @@ class PolicyLookup:
         self._folded = folded
         self._epoch = epoch
         self._step_draw = step_draw
-        # Per class: its decision, and for whole-step probes this step's choice for all.
-        self._entries: dict[str, tuple[_Entry | None, Choice | None]] = {}
+        # Per class: its decision, and what its requests run with in this lookup.
+        self._entries: dict[str, tuple[_Entry | None, ClassChoice]] = {}
 
     def choice(self, traffic_class: str, request_key: str) -> Choice:
         """The (draft, K) for a request of ``traffic_class`` whose probe key is ``request_key``.
         Never raises: on any unexpected input it returns the static configuration."""
         try:
-            entry, whole_step = self._entry(traffic_class)
-            if whole_step is not None:
-                return whole_step
-            if entry is None:
-                return self._static
-            if (entry.probe_rate > 0.0
-                    and probe_point(request_key + f"#{self._epoch}") < entry.probe_rate):
-                return entry.probe_choice
-            return entry.choice
+            return self.resolve(traffic_class).of(request_key)
         except Exception:
             log.debug("policy lookup failed; static configuration", exc_info=True)
             return self._static
+
+    def resolve(self, traffic_class: str) -> ClassChoice:
+        """What the requests of ``traffic_class`` run with in this lookup (with whole-step
+        probes, drawn once for all of them). Never raises: on any unexpected input, the static
+        configuration."""
+        try:
+            return self._entry(traffic_class)[1]
+        except Exception:
+            log.debug("policy lookup failed; static configuration", exc_info=True)
+            return ClassChoice(self._static, 0.0, self._static, self._epoch)
 
     def uniform(self, classes: Iterable[str]) -> Choice | None:
         """The one choice every request of ``classes`` gets, or None where they differ or a
@@ -305,18 +317,12 @@ class PolicyLookup:
         try:
             first: Choice | None = None
             for traffic_class in classes:
-                entry, whole_step = self._entry(traffic_class)
-                if whole_step is not None:
-                    choice = whole_step
-                elif entry is None:
-                    choice = self._static
-                elif entry.probe_rate > 0.0:
+                resolved = self._entry(traffic_class)[1]
+                if resolved.probe_rate > 0.0:
                     return None
-                else:
-                    choice = entry.choice
                 if first is None:
-                    first = choice
-                elif choice != first:
+                    first = resolved.choice
+                elif resolved.choice != first:
                     return None
             return first
         except Exception:
@@ -345,19 +351,24 @@ class PolicyLookup:
             log.debug("composition failed; the decisions apply", exc_info=True)
             return {}
 
-    def _entry(self, traffic_class: str) -> tuple[_Entry | None, Choice | None]:
-        """The class's decision, and with whole-step probes the choice of all its requests
-        in this lookup (drawn once)."""
+    def _entry(self, traffic_class: str) -> tuple[_Entry | None, ClassChoice]:
+        """The class's decision, and what its requests run with in this lookup (with
+        whole-step probes, drawn once)."""
         try:
             return self._entries[traffic_class]
         except KeyError:
             entry = self._resolve(traffic_class)
-            whole_step = None
-            if entry is not None and entry.probe_steps and entry.probe_rate > 0.0:
+            epoch = self._epoch
+            if entry is None:
+                resolved = ClassChoice(self._static, 0.0, self._static, epoch)
+            elif entry.probe_steps and entry.probe_rate > 0.0:
                 probed = self._step_draw() < entry.probe_rate
                 whole_step = entry.probe_choice if probed else entry.choice
-            resolved = self._entries[traffic_class] = (entry, whole_step)
-            return resolved
+                resolved = ClassChoice(whole_step, 0.0, whole_step, epoch)
+            else:
+                resolved = ClassChoice(entry.choice, entry.probe_rate, entry.probe_choice, epoch)
+            pair = self._entries[traffic_class] = (entry, resolved)
+            return pair
 
     def _resolve(self, traffic_class: str) -> _Entry | None:
         policy = self._policy

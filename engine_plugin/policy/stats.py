@@ -2,7 +2,7 @@
 
 The scheduler records, per request and step, how many of the k verified drafts were accepted
 (``record_verification``), per step the batch size, tokens and wall time (``record_step``), and per
-finished request a summary (``record_finished``). ``snapshot`` returns the interval's aggregates as
+finished request a summary (``record_finished``). ``drain`` returns the interval's aggregates as
 a plain frozen ``ReportPayload`` and starts a new interval; ``ReportPayload.report`` turns a
 payload into the core's ``EngineReport`` record on the sender thread, where ``controller.wire``
 makes the message of it, so no protobuf is built in the scheduler loop.
@@ -66,7 +66,7 @@ class ReportPayload:
     acceptance: tuple[AcceptanceRecord, ...]
     step_sums: tuple[BatchStepSums, ...]
     finished: tuple[RequestSummaryRecord, ...]
-    # Sequences running when the snapshot was taken.
+    # Sequences running when the interval was drained.
     running_requests: int
     # Length of the interval, seconds.
     interval_seconds: float
@@ -229,7 +229,7 @@ class StatsAggregator:
             self._ignored += 1
 
     # --- interval --------------------------------------------------------------------------
-    def snapshot(self, running_requests: int) -> ReportPayload:
+    def drain(self, running_requests: int) -> ReportPayload:
         """The interval's aggregates; the counts start again from zero."""
         now = self._clock()
         acc, self._acc = self._acc, {}
