@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from controller.core.types import StepProfile
+from specpilot.contract.records import StepProfile
 
 log = logging.getLogger("specpilot.plugin")
 
@@ -205,13 +205,16 @@ def _data_parallel_rank(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
 
 
+# The class attribute by which specpilot's schedulers say they read the profile (a marker, so
+# this module need not import the scheduler, which imports it).
+READS_STEP_PROFILE = "specpilot_reads_step_profile"
+
+
 def runs_specpilot_scheduler(vllm_config: Any) -> bool:
     """Whether the engine schedules with specpilot's scheduler, the only reader of the profile
     (the general plugin loads in every vLLM process, most of which never send a hello)."""
-    from engine_plugin.scheduler import _PilotScheduler
-
     cls = vllm_config.scheduler_config.get_scheduler_cls()
-    return isinstance(cls, type) and issubclass(cls, _PilotScheduler)
+    return isinstance(cls, type) and getattr(cls, READS_STEP_PROFILE, False) is True
 
 
 def install_step_profile() -> bool:

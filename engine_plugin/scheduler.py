@@ -58,6 +58,8 @@ class _PilotScheduler(Scheduler):
     """The hooks shared by the sync and async schedulers (cooperative: in the async subclass
     ``super()`` here resolves to AsyncScheduler)."""
 
+    specpilot_reads_step_profile = True  # engine_plugin.profile.READS_STEP_PROFILE
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pilot: Pilot | None = _start_pilot(self.vllm_config)

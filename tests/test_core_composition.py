@@ -1,4 +1,4 @@
-"""What a step is priced with (controller.core.composition): the cost model's mean, whether a
+"""What a step is priced with (specpilot.contract.pricing): the cost model's mean, whether a
 new composition moved, and the numbers it refuses. The per-step re-pick on it is tested in
 tests/plugin/test_compose.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.core.composition import Composition, DraftPricing, StepPricing, moved
 from controller.core.cost_model import CostPrior, StepCostModel, StepShape
+from specpilot.contract.pricing import Composition, DraftPricing, StepPricing, moved
 
 # A 22 ms step, 0.1 ms a sequence, 0.02 ms a verified token (0.18 above 64), and a model draft
 # of 3.9 ms a pass: the simulator's `collapse` engine.

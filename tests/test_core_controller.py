@@ -15,7 +15,9 @@ from controller.core.cost_model import StepShape
 from controller.core.goodput import expected_tokens_curve
 from controller.core.policy import arm_table
 from controller.core.snapshot import CoreSnapshot
-from controller.core.types import (
+from controller.server.explain import explanation_text
+from controller.settings import core_config, load_settings
+from specpilot.contract.records import (
     ALL_CLASSES,
     OTHER_CLASS,
     AcceptanceRecord,
@@ -32,8 +34,6 @@ from controller.core.types import (
     StepProfile,
     StepTimingRecord,
 )
-from controller.server.explain import explanation_text
-from controller.settings import core_config, load_settings
 
 HELLO = EngineHello(
     engine_id="e1", model="m", target_vocab_hash="v1",

@@ -20,7 +20,7 @@ from controller.core.mix import (
     joint_arms,
 )
 from controller.core.policy import BucketState, ClassContext, arm_table
-from controller.core.types import DraftKind, DraftSpec
+from specpilot.contract.records import DraftKind, DraftSpec
 
 DRAFTS = (DraftSpec("small", DraftKind.MODEL, 6), DraftSpec("ngram", DraftKind.NGRAM, 6))
 

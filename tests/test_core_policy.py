@@ -15,7 +15,7 @@ from controller.core.policy import (
     break_even_rate,
     decide_bucket,
 )
-from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason
+from specpilot.contract.records import Decision, DraftKind, DraftSpec, Override, Reason
 
 NOW = 1000.0
 

@@ -2,9 +2,13 @@
 
 - The sidecar (``controller``) and the plugin (``engine_plugin``) never import ``benchmarks`` or
   ``tests``; the CLI names its tool commands by module path and imports them only when run.
+- The plugin imports nothing of the controller: only the contract (``specpilot.contract``), the
+  generated ``specpilot.v1`` and itself. The contract imports neither side.
 - ``benchmarks`` never imports ``tests``.
-- The pure core (``controller.core``) imports no I/O edge: not the server, the wire converter,
-  gRPC, protobuf, HTTP, Prometheus or pydantic.
+- The pure core (``controller.core``) imports no I/O edge: not the server, the wire converters,
+  gRPC, protobuf, TLS, HTTP, Prometheus or pydantic (of the contract, only its pure records,
+  rules and pricing).
+- No import cycles between modules, anywhere.
 - The engine's policy module (``engine_plugin.policy``), which the plugin and the simulator both
   drive, imports neither vLLM, torch nor the network, nor the plugin's vLLM-facing modules, nor
   the controller's brain.
@@ -22,14 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # Package -> top-level modules it must never import.
 FORBIDDEN = {
     "controller": ("benchmarks", "tests"),
-    "engine_plugin": ("benchmarks", "tests"),
+    "engine_plugin": ("benchmarks", "tests", "controller"),
     "benchmarks": ("tests",),
+    "proto/specpilot/contract": ("controller", "engine_plugin", "benchmarks", "tests"),
 }
 CORE_FORBIDDEN = ("controller.server", "controller.wire", "controller.metrics",
-                  "controller.settings", "grpc", "google.protobuf", "specpilot", "aiohttp",
+                  "controller.settings", "grpc", "google.protobuf", "specpilot.v1",
+                  "specpilot.contract.engine_stream", "specpilot.contract.tls", "aiohttp",
                   "prometheus_client", "pydantic", "pydantic_settings")
-ENGINE_POLICY_FORBIDDEN = ("vllm", "torch", "transformers", "grpc", "controller.server",
-                           "controller.core.controller", "controller.core.policy",
+ENGINE_POLICY_FORBIDDEN = ("vllm", "torch", "transformers", "grpc", "controller",
                            *(f"engine_plugin.{p.stem}" for p in (ROOT / "engine_plugin").iterdir()
                              if p.stem not in ("policy", "__init__", "__pycache__")))
 
@@ -68,6 +73,99 @@ def test_the_engine_policy_module_is_pure() -> None:
     assert (ROOT / "engine_plugin" / "policy").is_dir()
     assert "engine_plugin.pilot" in ENGINE_POLICY_FORBIDDEN  # the control: the glue is named
     assert _violations("engine_plugin/policy", ENGINE_POLICY_FORBIDDEN) == []
+
+
+# Where the project's modules live: folder -> the dotted prefix of its modules.
+SOURCES = {"controller": "controller", "engine_plugin": "engine_plugin",
+           "benchmarks": "benchmarks", "proto/specpilot/contract": "specpilot.contract"}
+
+
+def _module_name(path: Path, folder: Path, prefix: str) -> str:
+    parts = list(path.relative_to(folder).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([prefix, *parts])
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """What ``path`` imports when it runs, at any depth (``if TYPE_CHECKING:`` blocks left out):
+    for ``from a import b`` both ``a`` and ``a.b``, since ``b`` may be a module."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for child in node.body for n in ast.walk(child))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def import_graph(sources: dict[Path, str]) -> dict[str, set[str]]:
+    """Module -> the project's modules it imports, over the folders in ``sources``."""
+    paths = {_module_name(p, folder, prefix): p for folder, prefix in sources.items()
+             for p in sorted(folder.rglob("*.py"))}
+    return {name: {m for m in _runtime_imports(path) if m in paths and m != name}
+            for name, path in paths.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph({ROOT / folder: prefix for folder, prefix in SOURCES.items()})
+    assert "engine_plugin.pilot" in graph and "specpilot.contract.records" in graph
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_planted_cycle(tmp_path: Path) -> None:
+    # The control: two modules importing each other, one of them inside a function.
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.a import x\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from pkg import a\n")
+    assert cycles(import_graph({pkg: "pkg"})) == [["pkg.a", "pkg.b"]]
 
 
 def test_the_rule_catches_a_forbidden_import(tmp_path: Path) -> None:

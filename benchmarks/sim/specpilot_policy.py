@@ -28,7 +28,6 @@ from benchmarks.sim.step import (
 )
 from benchmarks.sim.truth import StepCost
 from controller.core.controller import ControllerCore
-from controller.core.types import DraftKind, DraftSpec, EngineHello, StepProfile
 from controller.settings import core_config, load_settings, server_config
 from controller.wire import policy_update_to_proto
 from engine_plugin.config import PluginConfig
@@ -37,6 +36,7 @@ from engine_plugin.policy.stats import StatsAggregator
 from engine_plugin.policy.step import StepPolicy
 from engine_plugin.policy.view import Choice, PolicyView
 from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, StepProfile
 
 ENGINE_ID = "sim-engine-0"
 _VOCAB = "simulated-vocabulary"

@@ -19,9 +19,6 @@ from functools import partial
 import numpy as np
 
 from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, BucketLoads, bucket_of, bucket_upper_size
-from controller.core.classes import fold_class, fold_classes
-from controller.core.composition import Composition, moved
 from controller.core.cost_model import CostPrior, PricedCosts, StepCostModel, StepShape, SunkDraft
 from controller.core.fleet import (
     CostExport,
@@ -62,7 +59,15 @@ from controller.core.snapshot import (
     Explanation,
 )
 from controller.core.tunable import tunable
-from controller.core.types import (
+from specpilot.contract.buckets import (
+    DEFAULT_BUCKET_BOUNDS,
+    BucketLoads,
+    bucket_of,
+    bucket_upper_size,
+)
+from specpilot.contract.classes import fold_class, fold_classes
+from specpilot.contract.pricing import Composition, moved
+from specpilot.contract.records import (
     ALL_CLASSES,
     DEFAULT_CLASS,
     OTHER_CLASS,
@@ -79,7 +84,7 @@ from controller.core.types import (
     ReportRejected,
     StepPrediction,
 )
-from controller.core.validation import (
+from specpilot.contract.validation import (
     check_class_name,
     check_hello,
     check_report,

@@ -1,7 +1,7 @@
 """Per-step arms from the batch actually running: the engine's half of the composition.
 
 A (class, bucket) decision is priced at the class mix the controller expects in the bucket; the
-controller sends with each policy what pricing a step needs (``controller.core.composition``:
+controller sends with each policy what pricing a step needs (``specpilot.contract.pricing``:
 the step-cost model's mean weights and the posterior-mean E(K) curves of the classes), and the
 engine re-picks, per step, the arms of the classes whose decision is a settled goodput choice
 (``step_arms``): coordinate ascent on the step's tokens per second from the decisions, kept only
@@ -15,8 +15,8 @@ from collections.abc import Collection, Iterable, Mapping
 
 import numpy as np
 
-from controller.core.composition import Arm, Composition, FloatArray
-from controller.core.types import Reason
+from specpilot.contract.pricing import Arm, Composition, FloatArray
+from specpilot.contract.records import Reason
 
 OFF: Arm = ("", 0)
 # Coordinate-ascent sweeps over the adjustable classes of a step (it stops when none moves).

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.core.composition import Arm, Composition, DraftPricing, StepPricing
-from controller.core.types import Reason
 from engine_plugin.policy.compose import OFF, StepComposer, adjustable, step_arms
+from specpilot.contract.pricing import Arm, Composition, DraftPricing, StepPricing
+from specpilot.contract.records import Reason
 from tests.test_core_composition import COMP
 
 

@@ -11,13 +11,13 @@ from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.scenario import Scenario
 from benchmarks.sim.specpilot_policy import SpecPilotPolicy
 from benchmarks.sim.step import StepView
-from controller.core.types import DraftKind
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.pilot import EngineSpec, Pilot, announce
 from engine_plugin.policy.points import probe_point
 from engine_plugin.policy.view import PROBE_EPOCH_SECONDS, PolicyView
+from specpilot.contract.records import DraftKind
 from specpilot.v1 import engine_pb2
 from tests.plugin.test_pilot import _Params, _Request, load
 
