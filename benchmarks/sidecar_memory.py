@@ -57,7 +57,7 @@ import yaml  # noqa: E402
 
 from benchmarks.faults import ControllerProcess  # noqa: E402
 from benchmarks.scale import EngineStream  # noqa: E402
-from controller.core.controller import MAX_NOTE_CHARS  # noqa: E402
+from controller.core.overrides import MAX_NOTE_CHARS  # noqa: E402
 from controller.core.validation import (  # noqa: E402
     MAX_CLASS_NAME_LENGTH,
     MAX_DRAFTS,

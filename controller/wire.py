@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 import numpy as np
 from google.protobuf.message import Message
 
-from controller.core.acceptance import credible_bounds
+from controller.core.beta import credible_bounds
 from controller.core.composition import Composition, DraftPricing, StepPricing
-from controller.core.controller import HelloOutcome
+from controller.core.engines import HelloOutcome
 from controller.core.policy import ArmValue
 from controller.core.recommend import Recommendation
 from controller.core.snapshot import AcceptanceEstimate, ClassView, CoreSnapshot, Explanation

@@ -78,7 +78,7 @@ class StepPricing:
         """Step seconds, one per entry of ``verified_tokens``; ``passes`` and ``draft_tokens``
         per model draft (entries aligned with ``verified_tokens``; a draft with 0 passes does
         not draft). Drafts without pricing cost nothing."""
-        vectors = self._vectors
+        vectors = self.arrays
         v = np.asarray(verified_tokens, dtype=np.float64)
         by_pass, by_token = np.zeros((v.size, vectors.n)), np.zeros((v.size, vectors.n))
         for name, p in passes.items():
@@ -87,11 +87,11 @@ class StepPricing:
         return vectors.seconds(batch_size, v, by_pass, by_token)
 
     @cached_property
-    def _vectors(self) -> _Pricing:
-        return _Pricing(self)
+    def arrays(self) -> PricingArrays:
+        return PricingArrays(self)
 
 
-class _Pricing:
+class PricingArrays:
     """``StepPricing`` as arrays over its model drafts (column ``index[name]``): the one place
     the formula is written."""
 
@@ -116,7 +116,7 @@ class _Pricing:
         return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
 
 
-class _Options:
+class ClassArms:
     """One class's arms as arrays: E(K), K, and per model draft the passes each asks (K on its
     own draft's column, 0 elsewhere; deterministic drafts ask none)."""
 
@@ -124,7 +124,7 @@ class _Options:
         self.arms = arms
         self.values = np.array([comp.expected(traffic_class, a) for a in arms])
         self.ks = np.array([float(k) for _, k in arms])
-        index = comp.pricing._vectors.index
+        index = comp.pricing.arrays.index
         self.passes = np.zeros((len(arms), len(index)))
         for i, (draft, k) in enumerate(arms):
             if k and draft in index:
@@ -152,12 +152,12 @@ class Composition:
                                  "numbers >= 0, K = 0 first")
 
     @cached_property
-    def _options(self) -> dict[str, _Options]:
+    def options(self) -> dict[str, ClassArms]:
         """Per class: its arms, off first."""
         arms: dict[str, list[Arm]] = {}
         for (cls, draft), curve in sorted(self.expected_tokens.items()):
             arms.setdefault(cls, [OFF]).extend((draft, k) for k in range(1, len(curve)))
-        return {c: _Options(self, c, a) for c, a in arms.items()}
+        return {c: ClassArms(self, c, a) for c, a in arms.items()}
 
     def expected(self, traffic_class: str, arm: Arm) -> float:
         """E(K) of ``arm`` for the class (1 when off or unknown)."""
@@ -209,13 +209,13 @@ def step_arms(comp: Composition, counts: Mapping[str, int], arms: Mapping[str, A
     second by ``comp.margin``. ``batch_size``: the step's sequences (what the cost model's
     per-sequence term prices)."""
     live = [c for c, n in counts.items() if n > 0]
-    options = comp._options
+    options = comp.options
     # A class whose decision has no curve here cannot be priced against its options.
     movable = sorted((c for c in live if c in free and c in options
                       and arms[c] in options[c].arms), key=lambda c: (-counts[c], c))
     if not movable:
         return dict(arms)
-    p = comp.pricing._vectors
+    p = comp.pricing.arrays
     # Per live class: its row (the option it runs) in its own options, or its fixed figures.
     at = {c: options[c].arms.index(arms[c]) for c in movable}
     fixed = [c for c in live if c not in at]
