@@ -33,7 +33,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from controller.core import mix  # noqa: E402
 from controller.core.controller import ControllerCore  # noqa: E402
-from controller.core.types import (  # noqa: E402
+from controller.settings import core_config, load_settings  # noqa: E402
+from specpilot.contract.records import (  # noqa: E402
     AcceptanceRecord,
     DraftKind,
     DraftSpec,
@@ -41,7 +42,6 @@ from controller.core.types import (  # noqa: E402
     EngineReport,
     StepTimingRecord,
 )
-from controller.settings import core_config, load_settings  # noqa: E402
 
 MAX_K = 8
 RECORDS_PER_REPORT = 512

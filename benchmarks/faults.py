@@ -438,8 +438,8 @@ class TcpProxy:
 def flood_report(seq: int, draft: str, classes: int, rng: Any) -> Any:
     """A large valid report (the shape of ``benchmarks.ingest.realistic_report``, with the given
     draft): ``classes`` classes of K=4 histograms, 9 step-timing groups, 32 finished requests."""
-    from controller import wire
-    from controller.core.types import (
+    from specpilot.contract import engine_stream
+    from specpilot.contract.records import (
         AcceptanceRecord,
         EngineReport,
         RequestSummaryRecord,
@@ -457,15 +457,15 @@ def flood_report(seq: int, draft: str, classes: int, rng: Any) -> Any:
     timings = tuple(StepTimingRecord(b, draft, k, 50, 50 * 2**b, 50 * 2**b * 5, 50 * 2**b * 4,
                                      50 * 0.02 * (1 + 0.1 * b)) for b in range(9))
     report = EngineReport(seq, 1.0, 0, acceptance, finished, timings, running_requests=16)
-    return engine_pb2.ConnectRequest(report=wire.report_to_proto(report))
+    return engine_pb2.ConnectRequest(report=engine_stream.report_to_proto(report))
 
 
 def flood_hello(engine_id: str, draft: str) -> Any:
-    from controller import wire
-    from controller.core.types import DraftKind, DraftSpec, EngineHello
+    from specpilot.contract import engine_stream
+    from specpilot.contract.records import DraftKind, DraftSpec, EngineHello
     from specpilot.v1 import engine_pb2
 
-    return engine_pb2.ConnectRequest(hello=wire.hello_to_proto(EngineHello(
+    return engine_pb2.ConnectRequest(hello=engine_stream.hello_to_proto(EngineHello(
         engine_id, "flood-model", "flood-vocab", (DraftSpec(draft, DraftKind.MODEL, 4,
                                                             "flood-vocab"),), 4,
         engine_version="flood", plugin_version="flood", max_batch_size=512)))

@@ -112,7 +112,7 @@ def controller_child() -> None:
     """Run the real controller on loopback, pin every class to K=4, print its address, and serve
     until stdin closes."""
     from benchmarks.controller_thread import ControllerThread
-    from controller.core.types import Override
+    from specpilot.contract.records import Override
 
     ctl = ControllerThread(seed=1)
     ctl.call(lambda core: core.set_override(Override("*", pin_k=K)))

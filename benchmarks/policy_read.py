@@ -62,12 +62,13 @@ from controller.core.acceptance import CREDIBLE_LEVEL  # noqa: E402
 from controller.core.beta import credible_bounds  # noqa: E402
 from controller.core.controller import ControllerCore  # noqa: E402
 from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot  # noqa: E402
-from controller.core.validation import MAX_DRAFTS  # noqa: E402
 from controller.dashboard import routes  # noqa: E402
 from controller.server import views  # noqa: E402
 from controller.server.app import RunningServer, start_server  # noqa: E402
 from controller.server.stubs import async_policy_stub  # noqa: E402
 from controller.settings import load_settings  # noqa: E402
+from specpilot.contract import engine_stream  # noqa: E402
+from specpilot.contract.validation import MAX_DRAFTS  # noqa: E402
 from specpilot.v1 import engine_pb2, policy_pb2  # noqa: E402
 
 FloatArray = npt.NDArray[np.float64]
@@ -128,12 +129,12 @@ def fill(core: ControllerCore, classes: int, drafts: int, now: float) -> None:
     """sidecar_memory's classes-max state: one engine, ``classes`` x ``drafts`` x K 1..max_k."""
     names = _draft_names(drafts, False)
     msg = engine_pb2.ConnectRequest.FromString(hello("filler", names)).hello
-    core.connect_engine(wire.hello_from_proto(msg), now)
+    core.connect_engine(engine_stream.hello_from_proto(msg), now)
     report = engine_pb2.EngineReport(
         sequence=1, interval_seconds=1.0, running_requests=64,
         acceptance=acceptance(_class_names(classes, True), names, range(1, MAX_K + 1)),
         step_timings=timings(names))
-    core.ingest("filler", wire.report_from_proto(report), now)
+    core.ingest("filler", engine_stream.report_from_proto(report), now)
     core.decide(now)
 
 

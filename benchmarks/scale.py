@@ -52,12 +52,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 from benchmarks.ingest import realistic_report  # noqa: E402
 from benchmarks.plots import plots_available, pyplot, save_figure  # noqa: E402
 from benchmarks.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
-from controller import wire  # noqa: E402
-from controller.core.types import DraftKind, DraftSpec, EngineHello  # noqa: E402
 from controller.server.app import start_server  # noqa: E402
 from controller.server.stubs import engine_stub  # noqa: E402
 from controller.settings import load_settings  # noqa: E402
 from engine_plugin.link import shed_backoff, shed_pause  # noqa: E402
+from specpilot.contract import engine_stream  # noqa: E402
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello  # noqa: E402
 from specpilot.v1 import engine_pb2  # noqa: E402
 
 OFFERED_RATES = (64, 256, 512, 1024, 1536)  # reports/s over all engines
@@ -80,7 +80,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 # --- controller ----------------------------------------------------------------------------------
 def hello_request(engine_id: str, batch_wide: bool = False) -> engine_pb2.ConnectRequest:
-    return engine_pb2.ConnectRequest(hello=wire.hello_to_proto(EngineHello(
+    return engine_pb2.ConnectRequest(hello=engine_stream.hello_to_proto(EngineHello(
         engine_id, "bench-target", "v", (DraftSpec("draft", DraftKind.MODEL, 8, "v"),), 8,
         per_request_k=not batch_wide, batch_wide_k=batch_wide)))
 
@@ -95,7 +95,7 @@ def busy_report(engine_id: str) -> tuple[np.random.Generator, engine_pb2.EngineR
     """A busy engine's rng and its report (a busy interval; set ``sequence`` before each
     send)."""
     rng = np.random.default_rng(abs(hash(engine_id)) % 2**32)
-    return rng, wire.report_to_proto(realistic_report(1, rng))
+    return rng, engine_stream.report_to_proto(realistic_report(1, rng))
 
 
 def busy_stream(engine_id: str) -> tuple[np.random.Generator, engine_pb2.EngineReport,

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from controller import wire
-from controller.core.buckets import bucket_of
-from controller.core.types import (
+from controller.server.stubs import engine_stub
+from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
+from specpilot.contract import engine_stream
+from specpilot.contract.buckets import bucket_of
+from specpilot.contract.records import (
     AcceptanceRecord,
     DraftKind,
     DraftSpec,
@@ -27,8 +29,6 @@ from controller.core.types import (
     StepProfile,
     StepTimingRecord,
 )
-from controller.server.stubs import engine_stub
-from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 from specpilot.v1 import common_pb2, engine_pb2
 
 DRAFT = "draft-small"
@@ -109,7 +109,7 @@ class SyntheticEngine:
         self.rng = np.random.default_rng(self.seed)
 
     def hello(self) -> engine_pb2.ConnectRequest:
-        return engine_pb2.ConnectRequest(hello=wire.hello_to_proto(EngineHello(
+        return engine_pb2.ConnectRequest(hello=engine_stream.hello_to_proto(EngineHello(
             engine_id=self.engine_id, model="synthetic-target", target_vocab_hash=VOCAB,
             drafts=((DraftSpec(self.draft, DraftKind.MODEL, self.max_k, self.draft_vocab_hash),)
                     if self.draft else ()),
@@ -166,7 +166,7 @@ class SyntheticEngine:
                 sum_draft_tokens=n * b * k_run,
                 sum_step_seconds=n * self.cost.step_seconds(b, k_run) * noise))
         self.reports_sent += 1
-        return engine_pb2.ConnectRequest(report=wire.report_to_proto(EngineReport(
+        return engine_pb2.ConnectRequest(report=engine_stream.report_to_proto(EngineReport(
             sequence=self.reports_sent, interval_seconds=0.05,
             policy_version=self.policy.version if self.policy else 0,
             acceptance=tuple(acceptance), step_timings=tuple(timings),

@@ -40,8 +40,6 @@ import grpc
 import yaml
 from google.protobuf.message import Message
 
-from controller.core.buckets import batch_range, parse_batch
-from controller.core.types import Override, arm_key
 from controller.server.app import ServeError, start_server
 from controller.server.explain import arm_label, decision_detail
 from controller.server.stubs import PolicyStub, policy_stub
@@ -54,8 +52,10 @@ from controller.settings import (
     settings_reference,
     unknown_environment,
 )
-from controller.tls import TLSError, open_channel
 from controller.wire import event_from_proto, override_from_proto, override_to_proto
+from specpilot.contract.buckets import batch_range, parse_batch
+from specpilot.contract.records import Override, arm_key
+from specpilot.contract.tls import TLSError, open_channel
 from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"

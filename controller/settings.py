@@ -47,7 +47,7 @@ from controller.core.config import CoreConfig
 from controller.core.cost_model import CostPrior
 from controller.core.policy import PolicyConfig
 from controller.core.tunable import CONSTRAINTS, Constraints, tunable
-from controller.fielddocs import field_docs, markdown_table
+from specpilot.contract.fielddocs import field_docs, markdown_table
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

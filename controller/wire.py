@@ -1,6 +1,6 @@
 """Protobuf <-> core dataclass conversion: one function per message and direction, nothing else.
 
-Conversion is structural only; validation stays in the core (``controller.core.validation``), so
+Conversion is structural only; validation stays in the core (``specpilot.contract.validation``), so
 the server, the simulator and the tests reject the same things with the same reasons. The one
 exception is what protobuf cannot express in a dataclass (an unset enum or oneof): that raises
 ``ReportRejected`` naming the field, like any other bad input.
@@ -16,12 +16,12 @@ import numpy as np
 from google.protobuf.message import Message
 
 from controller.core.beta import credible_bounds
-from controller.core.composition import Composition, DraftPricing, StepPricing
 from controller.core.engines import HelloOutcome
 from controller.core.policy import ArmValue
 from controller.core.recommend import Recommendation
 from controller.core.snapshot import AcceptanceEstimate, ClassView, CoreSnapshot, Explanation
-from controller.core.types import (
+from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
+from specpilot.contract.records import (
     AcceptanceRecord,
     ArmFigures,
     Decision,

@@ -50,8 +50,8 @@ import yaml
 
 # The controller's own rules (names, folding), so the engine never sends a name the controller
 # would reject or fold.
-from controller.core.classes import DEFAULT_CLASS, OTHER_CLASS, fold_class
-from controller.core.validation import (
+from specpilot.contract.classes import DEFAULT_CLASS, OTHER_CLASS, fold_class
+from specpilot.contract.validation import (
     CLASS_NAME_PATTERN,
     MAX_CLASS_NAME_LENGTH,
     valid_class_name,

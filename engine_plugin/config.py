@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, Literal, cast
 
-from controller.core.validation import MAX_HARDWARE_CHARS
-from controller.fielddocs import field_docs, markdown_table
+from specpilot.contract.fielddocs import field_docs, markdown_table
+from specpilot.contract.validation import MAX_HARDWARE_CHARS
 
 log = logging.getLogger(__name__)
 

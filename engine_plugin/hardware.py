@@ -9,8 +9,8 @@ import os
 import platform
 from pathlib import Path
 
-from controller.core.validation import MAX_HARDWARE_CHARS
 from engine_plugin.vllm_types import VllmConfigLike
+from specpilot.contract.validation import MAX_HARDWARE_CHARS
 
 log = logging.getLogger(__name__)
 

@@ -45,12 +45,12 @@ from typing import Any, cast
 
 import grpc
 
-from controller import wire
-from controller.core.types import EngineHello
-from controller.tls import TLSError, channel_credentials, server_name_options
 from engine_plugin.config import PluginConfig, env_name
 from engine_plugin.policy_view import PolicyView
 from engine_plugin.stats import ReportPayload
+from specpilot.contract import engine_stream
+from specpilot.contract.records import EngineHello
+from specpilot.contract.tls import TLSError, channel_credentials, server_name_options
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class ControllerLink:
         start: bool = True,
     ) -> None:
         self.target = target
-        self._hello = engine_pb2.ConnectRequest(hello=wire.hello_to_proto(hello))
+        self._hello = engine_pb2.ConnectRequest(hello=engine_stream.hello_to_proto(hello))
         self._engine_id = hello.engine_id
         self._view = view
         self._on_ack = on_hello_ack
@@ -471,7 +471,7 @@ class ControllerLink:
                 stream.in_flight.popleft()
         # Bucketed now, under the bounds of the controller this stream reaches.
         report = payload.report(stream.sequence, version, dropped, self._view.bucket_bounds)
-        return engine_pb2.ConnectRequest(report=wire.report_to_proto(report))
+        return engine_pb2.ConnectRequest(report=engine_stream.report_to_proto(report))
 
     # --- messages from the controller ----------------------------------------------------------
     def _handle(self, msg: engine_pb2.ConnectResponse, stream: _Stream) -> None:

@@ -17,9 +17,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
-from controller import package_version
-from controller.core.classes import DEFAULT_CLASS
-from controller.core.types import DraftKind, DraftSpec, EngineHello
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
 from engine_plugin.deterministic import Counterfactual, DeterministicDraft
@@ -38,6 +35,9 @@ from engine_plugin.vllm_types import (
 )
 from engine_plugin.vocab import TokenizerLike, first_differences, vocab_hash
 from engine_plugin.worker_patch import mark_step, patches_applicable
+from specpilot.contract.classes import DEFAULT_CLASS
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello
+from specpilot.contract.version import package_version
 
 log = logging.getLogger("specpilot.plugin")
 

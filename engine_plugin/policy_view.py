@@ -12,7 +12,7 @@ longer than the fail-static timeout, ``choice`` returns the engine's static conf
 
 Batch buckets: the view holds the plugin's one copy of the bucket bounds, the defaults until a
 HelloAck announces the controller's (``set_bucket_bounds``). Decisions are looked up and reports
-are bucketed (``engine_plugin.link``) with these bounds, through ``controller.core.buckets``.
+are bucketed (``engine_plugin.link``) with these bounds, through ``specpilot.contract.buckets``.
 
 Probing: while a class runs no model draft (off, or on n-gram or suffix drafts) the controller
 may ask for a share ``probe_rate`` of its requests to run at ``probe_k`` with ``probe_draft``, so
@@ -34,7 +34,7 @@ Per-step composition (``PolicyUpdate.composition``, asked of engines that announ
 decisions are priced for the class mix the controller expects; ``PolicyLookup.compose`` re-picks,
 for the classes and counts of one step, the arms of the classes whose decision is a settled
 goodput choice, where that beats the decisions by the policy's margin
-(``controller.core.composition.StepComposer``, its answers remembered per policy and step).
+(``specpilot.contract.pricing.StepComposer``, its answers remembered per policy and step).
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from functools import lru_cache
 from hashlib import blake2b
 from typing import NamedTuple
 
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
-from controller.core.classes import OTHER_CLASS
-from controller.core.composition import Composition, StepComposer, adjustable
-from controller.core.types import Reason, ReportRejected
-from controller.wire import composition_from_proto, reason_from_proto
+from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
+from specpilot.contract.classes import OTHER_CLASS
+from specpilot.contract.engine_stream import composition_from_proto, reason_from_proto
+from specpilot.contract.pricing import Composition, StepComposer, adjustable
+from specpilot.contract.records import Reason, ReportRejected
 from specpilot.v1 import common_pb2, engine_pb2
 
 log = logging.getLogger(__name__)

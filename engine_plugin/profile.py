@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from controller.core.types import StepProfile
+from specpilot.contract.records import StepProfile
 
 log = logging.getLogger("specpilot.plugin")
 

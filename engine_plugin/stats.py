@@ -31,16 +31,16 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from controller.core.buckets import bucket_of
+from specpilot.contract.buckets import bucket_of
 
 # The wire's records as plain dataclasses: the same ones the controller's core ingests.
-from controller.core.types import (
+from specpilot.contract.records import (
     AcceptanceRecord,
     EngineReport,
     RequestSummaryRecord,
     StepTimingRecord,
 )
-from controller.core.validation import valid_class_name
+from specpilot.contract.validation import valid_class_name
 
 _INF = math.inf
 _MAX_UINT32 = 2**32 - 1

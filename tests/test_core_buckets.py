@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, BucketLoads, bucket_of
+from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS, BucketLoads, bucket_of
 
 BOUNDS = DEFAULT_BUCKET_BOUNDS  # 1, 2, 4, 8, 16, 32, 64, 128, then the open bucket
 

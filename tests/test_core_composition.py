@@ -1,4 +1,4 @@
-"""Per-step arms from the step's classes and counts (controller.core.composition)."""
+"""Per-step arms from the step's classes and counts (specpilot.contract.pricing)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.core.composition import (
+from controller.core.cost_model import CostPrior, StepCostModel, StepShape
+from specpilot.contract.pricing import (
     OFF,
     Arm,
     Composition,
@@ -20,8 +21,7 @@ from controller.core.composition import (
     moved,
     step_arms,
 )
-from controller.core.cost_model import CostPrior, StepCostModel, StepShape
-from controller.core.types import Reason
+from specpilot.contract.records import Reason
 
 # A 22 ms step, 0.1 ms a sequence, 0.02 ms a verified token (0.18 above 64), and a model draft
 # of 3.9 ms a pass: the simulator's `collapse` engine.
@@ -155,7 +155,7 @@ def test_the_composer_sums_classes_by_decision_and_searches_each_step_once(
     """Two classes on one decision (folded, or on the default) count as that decision's; the
     answer is what step_arms re-picks, nothing where the decisions stand or none is free; a
     step seen before is answered from memory until the memory is full."""
-    import controller.core.composition as composition
+    import specpilot.contract.pricing as composition
 
     calls: list[dict[str, int]] = []
 

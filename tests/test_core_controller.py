@@ -10,13 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controller.core.composition import StepPricing
 from controller.core.controller import ControllerCore
 from controller.core.cost_model import StepShape
 from controller.core.engines import EngineRegistry
 from controller.core.goodput import expected_tokens_curve
 from controller.core.snapshot import CoreSnapshot
-from controller.core.types import (
+from controller.server.explain import explanation_text
+from controller.settings import core_config, load_settings
+from specpilot.contract.pricing import StepPricing
+from specpilot.contract.records import (
     ALL_CLASSES,
     OTHER_CLASS,
     AcceptanceRecord,
@@ -33,8 +35,6 @@ from controller.core.types import (
     StepProfile,
     StepTimingRecord,
 )
-from controller.server.explain import explanation_text
-from controller.settings import core_config, load_settings
 
 HELLO = EngineHello(
     engine_id="e1", model="m", target_vocab_hash="v1",

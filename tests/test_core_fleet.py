@@ -16,8 +16,8 @@ from controller.core.fleet import (
     fleet_costs,
     fleet_evidence,
 )
-from controller.core.types import AcceptanceRecord, EngineReport, StepTimingRecord
 from controller.settings import core_config, load_settings
+from specpilot.contract.records import AcceptanceRecord, EngineReport, StepTimingRecord
 from tests.test_core_controller import HELLO
 
 

@@ -21,7 +21,7 @@ from controller.core.mix import (
 )
 from controller.core.policy import BucketState, ClassContext, arm_table
 from controller.core.prices import price_steps
-from controller.core.types import DraftKind, DraftSpec
+from specpilot.contract.records import DraftKind, DraftSpec
 
 DRAFTS = (DraftSpec("small", DraftKind.MODEL, 6), DraftSpec("ngram", DraftKind.NGRAM, 6))
 

@@ -18,7 +18,7 @@ from controller.core.policy import (
     decide_bucket,
 )
 from controller.core.prices import StepPrices, StepSecondsFn, price_steps
-from controller.core.types import Decision, DraftKind, DraftSpec, Override, Reason
+from specpilot.contract.records import Decision, DraftKind, DraftSpec, Override, Reason
 
 NOW = 1000.0
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from controller.core.controller import ControllerCore
-from controller.core.types import AcceptanceRecord, EngineReport
 from controller.dashboard.history import EstimateHistory
 from controller.settings import core_config, load_settings
+from specpilot.contract.records import AcceptanceRecord, EngineReport
 from tests.test_core_controller import HELLO
 
 

@@ -15,11 +15,17 @@ import pytest
 from google.protobuf import json_format
 
 from controller.cli import render_event
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS
 from controller.core.controller import ControllerCore
 from controller.core.policy import ArmValue
 from controller.core.snapshot import Explanation
-from controller.core.types import (
+from controller.dashboard.routes import Dashboard
+from controller.server.explain import arm_label, decision_detail, decision_text
+from controller.server.views import to_json_dict
+from controller.settings import core_config, load_settings
+from controller.store.codec import event_from_json, event_to_json
+from controller.wire import event_from_proto, event_to_proto
+from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS
+from specpilot.contract.records import (
     OFFLINE_PIN,
     AcceptanceRecord,
     ArmFigures,
@@ -35,12 +41,6 @@ from controller.core.types import (
     StepProfile,
     StepTimingRecord,
 )
-from controller.dashboard.routes import Dashboard
-from controller.server.explain import arm_label, decision_detail, decision_text
-from controller.server.views import to_json_dict
-from controller.settings import core_config, load_settings
-from controller.store.codec import event_from_json, event_to_json
-from controller.wire import event_from_proto, event_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 
 MIN_SPEEDUP = core_config(load_settings()).policy.min_speedup

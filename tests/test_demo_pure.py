@@ -30,7 +30,7 @@ from benchmarks.demo.workload import (
     Workload,
     build_plan,
 )
-from controller.core.buckets import batch_range, parse_batch
+from specpilot.contract.buckets import batch_range, parse_batch
 
 TEXTS = {"code": [" ".join(f"def f{i}(x): return x + {i}" for i in range(400))],
          "prose": [" ".join(f"word{i % 97}" for i in range(3000))]}

@@ -14,7 +14,6 @@ from controller.core.acceptance import EstimatorConfig
 from controller.core.config import CoreConfig
 from controller.core.cost_model import CostPrior
 from controller.core.policy import PolicyConfig
-from controller.fielddocs import field_docs
 from controller.settings import (
     CONCERNS,
     SETTINGS,
@@ -28,6 +27,7 @@ from controller.settings import (
     settings_reference,
     unknown_environment,
 )
+from specpilot.contract.fielddocs import field_docs
 
 
 def test_precedence_file_then_environment_then_flags(tmp_path: Path,

@@ -11,7 +11,9 @@ import pytest
 from controller import wire
 from controller.core.controller import ControllerCore
 from controller.core.snapshot import CoreSnapshot
-from controller.core.types import (
+from controller.settings import core_config, load_settings
+from specpilot.contract import engine_stream
+from specpilot.contract.records import (
     AcceptanceRecord,
     ArmFigures,
     Decision,
@@ -28,7 +30,6 @@ from controller.core.types import (
     StepProfile,
     StepTimingRecord,
 )
-from controller.settings import core_config, load_settings
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
 from tests.test_core_controller import HELLO as HELLO_CORE
 
@@ -61,16 +62,16 @@ def _no_defaults(record: object) -> None:
 
 def test_hello_round_trip() -> None:
     _no_defaults(HELLO)
-    assert wire.hello_from_proto(wire.hello_to_proto(HELLO)) == HELLO
+    assert engine_stream.hello_from_proto(engine_stream.hello_to_proto(HELLO)) == HELLO
 
 
 def test_report_round_trip() -> None:
     for record in (REPORT, *REPORT.acceptance, *REPORT.finished, *REPORT.step_timings):
         _no_defaults(record)
-    msg = wire.report_to_proto(REPORT)
+    msg = engine_stream.report_to_proto(REPORT)
     assert msg.acceptance[0].steps_by_accepted == [3, 4, 5]
     assert msg.step_timings[0].sum_step_seconds == 0.5
-    back = wire.report_from_proto(engine_pb2.EngineReport.FromString(msg.SerializeToString()))
+    back = engine_stream.report_from_proto(engine_pb2.EngineReport.FromString(msg.SerializeToString()))
     assert back == REPORT
     assert isinstance(back.acceptance[0].steps_by_accepted, tuple)
 
@@ -78,25 +79,25 @@ def test_report_round_trip() -> None:
 @pytest.mark.parametrize("reason", list(Reason))
 def test_decision_round_trip_for_every_reason(reason: Reason) -> None:
     d = Decision("chat", 3, "d1", 4, reason, 1.7, 0.02, 2, "d1", True)
-    msg = wire.decision_to_proto(d)
+    msg = engine_stream.decision_to_proto(d)
     assert common_pb2.DecisionReason.Name(msg.reason) == f"DECISION_REASON_{reason.name}"
-    assert wire.decision_from_proto(msg) == d
+    assert engine_stream.decision_from_proto(msg) == d
 
 
 def test_draft_kinds_map_by_name() -> None:
     for kind in DraftKind:
-        value = wire.draft_kind_to_proto(kind)
+        value = engine_stream.draft_kind_to_proto(kind)
         assert common_pb2.DraftKind.Name(value) == f"DRAFT_KIND_{kind.name}"
-        assert wire.draft_kind_from_proto(value) is kind
+        assert engine_stream.draft_kind_from_proto(value) is kind
 
 
 def test_unset_enums_are_refused_naming_the_field() -> None:
-    msg = wire.hello_to_proto(HELLO)
+    msg = engine_stream.hello_to_proto(HELLO)
     msg.drafts[1].kind = common_pb2.DRAFT_KIND_UNSPECIFIED
     with pytest.raises(ReportRejected, match=r"hello\.drafts\[1\]\.kind"):
-        wire.hello_from_proto(msg)
+        engine_stream.hello_from_proto(msg)
     with pytest.raises(ReportRejected, match=r"decision\.reason"):
-        wire.decision_from_proto(common_pb2.Decision(traffic_class="x"))
+        engine_stream.decision_from_proto(common_pb2.Decision(traffic_class="x"))
 
 
 def test_event_carries_the_previous_choice() -> None:
@@ -174,18 +175,18 @@ def test_estimate_figures_from_one_pass_are_each_estimates_own() -> None:
 
 
 def test_composition_round_trip_and_refusal() -> None:
-    from controller.core.composition import Composition, DraftPricing, StepPricing
+    from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
 
     comp = Composition(
         StepPricing(0.02, 1e-4, 2e-5, (64, 256), (1e-4, 3e-4),
                     {"d1": DraftPricing(5e-4, 4e-3, 2e-5)}),
         {("chat", "d1"): (1.0, 1.7, 2.2), ("chat", "ng"): (1.0, 1.1)}, 0.01)
-    msg = engine_pb2.Composition.FromString(wire.composition_to_proto(comp).SerializeToString())
-    assert wire.composition_from_proto(msg) == comp
+    msg = engine_pb2.Composition.FromString(engine_stream.composition_to_proto(comp).SerializeToString())
+    assert engine_stream.composition_from_proto(msg) == comp
     msg.expected_tokens[0].by_k[1] = float("nan")
     with pytest.raises(ValueError, match=r"E\(K\) of \('chat', 'd1'\)"):
-        wire.composition_from_proto(msg)
-    msg = wire.composition_to_proto(comp)
+        engine_stream.composition_from_proto(msg)
+    msg = engine_stream.composition_to_proto(comp)
     del msg.pricing.seconds_per_token_above[1]
     with pytest.raises(ValueError, match="one slope per knot"):
-        wire.composition_from_proto(msg)
+        engine_stream.composition_from_proto(msg)

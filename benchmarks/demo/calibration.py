@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from controller.core.buckets import batch_range
+from specpilot.contract.buckets import batch_range
 
 # (bucket, K) -> summed value of one counter.
 Counters = Mapping[tuple[int, int], float]

@@ -28,7 +28,7 @@ from benchmarks.demo.configs import DEFAULT_CACHE, specpilot_config
 from benchmarks.demo.driver import LiveWindow, RunResult, run_plan
 from benchmarks.demo.summary import ClassFigures, class_figures
 from benchmarks.demo.workload import DEFAULT_WORKLOAD, RequestPlan, Workload, build_plan
-from controller.core.buckets import bucket_of
+from specpilot.contract.buckets import bucket_of
 
 if TYPE_CHECKING:
     from benchmarks.demo.sidecar import Sidecar

@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.demo.calibration import CalibrationRow, calibration_rows
-from controller.core.buckets import parse_batch
+from specpilot.contract.buckets import parse_batch
 
 _LISTEN = re.compile(r"specpilot: (grpc|http) listening on (\S+)")
 START_TIMEOUT_SECONDS = 30.0

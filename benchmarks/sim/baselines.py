@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from benchmarks.sim.step import NO_DRAFT, Assignment, EngineInfo, StepOutcome, StepView
-from controller.core.buckets import bucket_of
+from specpilot.contract.buckets import bucket_of
 
 # Power-of-two batch-size slots shared by the per-batch-size policies (the controller's default).
 BATCH_SLOTS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controller.core.validation import valid_class_name
+from specpilot.contract.validation import valid_class_name
 
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 # A measured time as a share of the true one.

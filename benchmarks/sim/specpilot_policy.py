@@ -17,9 +17,12 @@ import numpy as np
 
 from benchmarks.sim.step import NO_DRAFT, Assignment, EngineInfo, IntArray, StepOutcome, StepView
 from benchmarks.sim.truth import StepCost
-from controller.core.composition import StepComposer, adjustable
 from controller.core.controller import ControllerCore
-from controller.core.types import (
+from controller.settings import core_config, load_settings
+from engine_plugin.policy_view import PROBE_EPOCH_SECONDS
+from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
+from specpilot.contract.pricing import StepComposer, adjustable
+from specpilot.contract.records import (
     AcceptanceRecord,
     DraftKind,
     DraftSpec,
@@ -29,9 +32,6 @@ from controller.core.types import (
     StepProfile,
     StepTimingRecord,
 )
-from controller.settings import core_config, load_settings
-from engine_plugin.policy_view import PROBE_EPOCH_SECONDS
-from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 
 ENGINE_ID = "sim-engine-0"
 _VOCAB = "simulated-vocabulary"

@@ -26,7 +26,7 @@ from functools import cached_property
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.types import Reason
+from specpilot.contract.records import Reason
 
 FloatArray = npt.NDArray[np.float64]
 Arm = tuple[str, int]  # (draft, K); ("", 0) is off

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.core.acceptance import EstimatorConfig
-from controller.core.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, bucket_upper_size
 from controller.core.cost_model import CostPrior
 from controller.core.policy import PolicyConfig
 from controller.core.tunable import tunable
+from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, bucket_upper_size
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from controller.core.policy import (
     unpriced_decision,
 )
 from controller.core.prices import StepPrices, price_steps
-from controller.core.types import DraftSpec
+from specpilot.contract.records import DraftSpec
 
 # Per bucket, every class as it runs (``Contexts.running``): kept by a decide round for all its
 # classes, so each is priced once a round, not once per deciding class (at 256 classes that

@@ -28,7 +28,6 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from controller.core.class_table import ClassTable
-from controller.core.composition import Composition, StepPricing
 from controller.core.config import CoreConfig
 from controller.core.context import Contexts
 from controller.core.cost_model import StepShape
@@ -45,7 +44,8 @@ from controller.core.published import PublishedPolicy
 from controller.core.read_model import ReadModel
 from controller.core.recommend import EngineOptions
 from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot, Explanation
-from controller.core.types import (
+from specpilot.contract.pricing import Composition, StepPricing
+from specpilot.contract.records import (
     Decision,
     DecisionEvent,
     DraftSpec,
@@ -56,7 +56,7 @@ from controller.core.types import (
     OverrideScope,
     ReportRejected,
 )
-from controller.core.validation import check_hello, check_report
+from specpilot.contract.validation import check_hello, check_report
 
 
 class ControllerCore:

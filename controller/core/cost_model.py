@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.composition import DraftPricing, StepPricing
 from controller.core.tunable import tunable
+from specpilot.contract.pricing import DraftPricing, StepPricing
 
 FloatArray = npt.NDArray[np.float64]
 SunkDraft = tuple[str, int]  # (model draft name, draft passes per step)
@@ -284,7 +284,7 @@ class PricedCosts:
 
     def pricing(self) -> StepPricing:
         """These weights as plain coefficients (what an engine prices its steps with:
-        ``controller.core.composition``); ``StepPricing.seconds`` equals ``predict_mixed``."""
+        ``specpilot.contract.pricing``); ``StepPricing.seconds`` equals ``predict_mixed``."""
         th, m = [float(x) for x in self.theta], self._model
         return StepPricing(
             th[0], th[1], th[2], tuple(int(k) for k in m.knots), tuple(th[3 : m.n_base]),

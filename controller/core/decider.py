@@ -9,7 +9,6 @@ without being scored, so a round costs what the evidence since the last one touc
 from __future__ import annotations
 
 from controller.core.class_table import ClassState, ClassTable
-from controller.core.composition import Composition, moved
 from controller.core.config import CoreConfig
 from controller.core.context import Contexts, Running
 from controller.core.engines import EngineRegistry
@@ -25,7 +24,8 @@ from controller.core.policy import (
     with_probe,
 )
 from controller.core.published import PublishedPolicy
-from controller.core.types import Decision, DecisionEvent, DraftSpec, Reason
+from specpilot.contract.pricing import Composition, moved
+from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Reason
 
 # A probe share that moved by less than this factor is not worth a new policy version.
 _PROBE_RATE_MATERIAL_FACTOR = 1.25

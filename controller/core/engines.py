@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from controller.core.cost_model import SunkDraft
-from controller.core.types import DraftKind, DraftSpec, EngineHello, EngineReport
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, EngineReport
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ import numpy as np
 import numpy.typing as npt
 
 from controller.core.acceptance import AcceptanceEstimator
-from controller.core.buckets import BucketLoads
 from controller.core.class_table import ClassTable
 from controller.core.config import CoreConfig
 from controller.core.cost_model import StepCostModel, StepShape
 from controller.core.engines import EngineRegistry, EngineState
 from controller.core.goodput import expected_tokens_curve
 from controller.core.mix import ClassMix, ServedSpeedup
-from controller.core.types import (
+from specpilot.contract.buckets import BucketLoads
+from specpilot.contract.records import (
     DraftKind,
     DraftSpec,
     EngineHello,

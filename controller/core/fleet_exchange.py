@@ -20,8 +20,8 @@ from controller.core.fleet import (
     entries_of,
     fleet_costs,
 )
-from controller.core.types import OTHER_CLASS
-from controller.core.validation import check_class_name
+from specpilot.contract.records import OTHER_CLASS
+from specpilot.contract.validation import check_class_name
 
 
 class FleetExchange:

@@ -19,7 +19,7 @@ from controller.core.evidence import Evidence, MeanCurves
 from controller.core.mix import Arm, JointClass, joint_arms
 from controller.core.overrides import Overrides
 from controller.core.policy import runs
-from controller.core.types import DraftSpec
+from specpilot.contract.records import DraftSpec
 
 # Buckets the joint search may refresh in one decide round (the rest wait for later rounds).
 JOINT_BUCKETS_PER_DECIDE = 2

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.types import DraftKind, DraftSpec
+from specpilot.contract.records import DraftKind, DraftSpec
 
 FloatArray = npt.NDArray[np.float64]
 # (batch_size, verified tokens, per model draft: the chance it drafts at all, its expected passes,

@@ -12,8 +12,8 @@ from dataclasses import replace
 
 from controller.core.class_table import ClassTable
 from controller.core.config import CoreConfig
-from controller.core.types import ALL_CLASSES, OTHER_CLASS, Override, OverrideScope
-from controller.core.validation import check_class_name, valid_class_name
+from specpilot.contract.records import ALL_CLASSES, OTHER_CLASS, Override, OverrideScope
+from specpilot.contract.validation import check_class_name, valid_class_name
 
 # An override's note is a sentence for the audit log, not a document.
 MAX_NOTE_CHARS = 1000

@@ -45,7 +45,7 @@ from controller.core.goodput import expected_tokens_curve, goodput, speedup
 from controller.core.mix import BatchOthers, priced_arm_rates
 from controller.core.prices import StepPrices
 from controller.core.tunable import tunable
-from controller.core.types import (
+from specpilot.contract.records import (
     OFFLINE_PIN,
     ArmFigures,
     Decision,
@@ -102,7 +102,7 @@ class PolicyConfig:
     composition_margin: float = tunable(0.01, ge=0, le=1)
     """Relative gain in a step's tokens per second an engine's per-step re-pick of the settled
     classes' arms (for the classes and counts in that step) needs over the decisions
-    (0.01 = 1%; ``controller.core.composition``). Engines that cannot re-pick apply the
+    (0.01 = 1%; ``specpilot.contract.pricing``). Engines that cannot re-pick apply the
     decisions."""
     offline_mode: Literal["pin_off", "goodput"] = tunable("pin_off")
     """pin_off: offline classes never speculate. goodput: decided by the same goodput math at the

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from controller.core.mix import BatchOthers, MixedSecondsFn, arm_seconds
-from controller.core.types import DraftSpec
+from specpilot.contract.records import DraftSpec
 
 FloatArray = npt.NDArray[np.float64]
 # (batch_size, draft whose passes run, draft_is_model, max_k) -> step seconds for K = 0..max_k

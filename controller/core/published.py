@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from controller.core.composition import Composition
-from controller.core.types import DecisionEvent
+from specpilot.contract.pricing import Composition
+from specpilot.contract.records import DecisionEvent
 
 EPOCH_SHIFT = 16
 EPOCHS_PER_SECOND = 10

@@ -6,7 +6,6 @@ model's fit), so that no reader reaches into a part's state.
 from __future__ import annotations
 
 from controller.core.class_table import ClassTable
-from controller.core.composition import StepPricing
 from controller.core.config import CoreConfig
 from controller.core.context import Contexts
 from controller.core.cost_model import StepShape
@@ -24,7 +23,8 @@ from controller.core.snapshot import (
     EngineView,
     Explanation,
 )
-from controller.core.types import Decision, DraftSpec, Reason
+from specpilot.contract.pricing import StepPricing
+from specpilot.contract.records import Decision, DraftSpec, Reason
 
 
 class ReadModel:

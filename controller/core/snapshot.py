@@ -19,10 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 from controller.core.acceptance import Posterior
-from controller.core.composition import Composition
 from controller.core.goodput import expected_tokens_curve
 from controller.core.policy import ArmValue
-from controller.core.types import Decision, DecisionEvent, DraftSpec, Override
+from specpilot.contract.pricing import Composition
+from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Override
 
 FloatArray = npt.NDArray[np.float64]
 

@@ -2,7 +2,7 @@
 
 The config dataclasses (``CoreConfig``, ``EstimatorConfig``, ``CostPrior``, ``PolicyConfig``)
 are where each tunable lives: its default here, its documentation in the docstring under the
-field (``controller.fielddocs``). The settings layer (``controller/settings.py``) turns every such
+field (``specpilot.contract.fielddocs``). The settings layer (``controller/settings.py``) turns every such
 field into a setting and enforces these constraints, naming the setting in the message. The core
 itself trusts its config: constructing a dataclass checks nothing.
 """

@@ -7,8 +7,8 @@ import enum
 from dataclasses import dataclass
 
 # The reserved class names are defined with the folding rule; re-exported here for the core.
-from controller.core.classes import DEFAULT_CLASS as DEFAULT_CLASS
-from controller.core.classes import OTHER_CLASS as OTHER_CLASS
+from specpilot.contract.classes import DEFAULT_CLASS as DEFAULT_CLASS
+from specpilot.contract.classes import OTHER_CLASS as OTHER_CLASS
 
 ALL_CLASSES = "*"
 
@@ -84,7 +84,7 @@ class EngineHello:
     # The plugin can probe whole steps (Decision.probe_steps); older plugins probe requests.
     step_probes: bool = False
     # The plugin re-picks settled classes' arms per step from the policy's Composition
-    # (controller.core.composition); older plugins and other K modes apply the decisions.
+    # (specpilot.contract.pricing); older plugins and other K modes apply the decisions.
     step_composition: bool = False
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from controller.core.types import (
+from specpilot.contract.records import (
     DraftSpec,
     EngineHello,
     EngineReport,

@@ -42,7 +42,6 @@ from google.protobuf import json_format
 
 from controller.core.acceptance import CREDIBLE_LEVEL
 from controller.core.controller import ControllerCore
-from controller.core.types import DecisionEvent
 from controller.dashboard.history import EstimateHistory
 from controller.server.explain import decision_text
 from controller.server.fleet import FleetSync
@@ -56,6 +55,7 @@ from controller.server.views import (
 )
 from controller.store.base import StoreUnavailable
 from controller.wire import event_to_proto, recommendations_to_proto
+from specpilot.contract.records import DecisionEvent
 from specpilot.v1 import policy_pb2
 
 log = logging.getLogger(__name__)

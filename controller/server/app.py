@@ -24,7 +24,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from controller import package_version
 from controller.core.controller import ControllerCore
 from controller.core.published import epoch_at
 from controller.dashboard.routes import Dashboard
@@ -46,7 +45,8 @@ from controller.settings import (
     server_config,
 )
 from controller.store.base import StateStore
-from controller.tls import ServerTLS, TLSError, server_tls
+from specpilot.contract.tls import ServerTLS, TLSError, server_tls
+from specpilot.contract.version import package_version
 from specpilot.v1 import engine_pb2, policy_pb2
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ figures it was taken on, as the decision log's line (the dashboard, /api/decisio
 from __future__ import annotations
 
 from controller.core.snapshot import Explanation
-from controller.core.types import OFFLINE_PIN, ArmFigures, DecisionEvent, Reason
+from specpilot.contract.records import OFFLINE_PIN, ArmFigures, DecisionEvent, Reason
 
 
 def arm_label(draft: str, k: int) -> str:

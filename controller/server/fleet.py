@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from controller.core.controller import ControllerCore
 from controller.core.fleet import EvidenceExport, fleet_evidence
 from controller.core.recommend import Recommendation, recommend
-from controller.core.types import DecisionEvent, Override
 from controller.metrics import Metrics
 from controller.store.base import StateStore, StoreUnavailable
+from specpilot.contract.records import DecisionEvent, Override
 
 log = logging.getLogger(__name__)
 _MAX_BACKOFF_FACTOR = 16  # retries wait at most 16 flush intervals

@@ -26,10 +26,10 @@ import grpc
 
 from controller.core.controller import ControllerCore
 from controller.core.snapshot import concerns
-from controller.core.types import DecisionEvent
 from controller.metrics import Metrics
 from controller.server.overload import ReportBudget
 from controller.wire import event_to_proto, policy_update_to_proto
+from specpilot.contract.records import DecisionEvent
 from specpilot.v1 import engine_pb2, policy_pb2
 
 T = TypeVar("T")

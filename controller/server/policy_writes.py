@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from controller.core.controller import ControllerCore
-from controller.core.types import ALL_CLASSES, OverrideScope
-from controller.core.validation import valid_class_name
 from controller.metrics import Metrics
 from controller.server.auth import bearer_verdict
 from controller.server.fleet import FleetSync
 from controller.server.hub import Hub
 from controller.store.base import StoreUnavailable
 from controller.wire import override_from_proto, scope_from_proto
+from specpilot.contract.records import ALL_CLASSES, OverrideScope
+from specpilot.contract.validation import valid_class_name
 from specpilot.v1 import policy_pb2
 
 audit_log = logging.getLogger("specpilot.audit")

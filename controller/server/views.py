@@ -19,11 +19,7 @@ from google.protobuf.message import Message
 
 from controller.core.acceptance import CREDIBLE_LEVEL
 from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot
-from controller.wire import (
-    EstimateValues,
-    estimates_values,
-    policy_response_to_proto,
-)
+from controller.wire import EstimateValues, estimates_values, policy_response_to_proto
 from specpilot.v1 import policy_pb2
 
 

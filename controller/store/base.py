@@ -14,7 +14,7 @@ from typing import Protocol
 
 from controller.core.fleet import CostExport, EvidenceExport
 from controller.core.recommend import EngineOptions, Recommendation
-from controller.core.types import DecisionEvent, Override
+from specpilot.contract.records import DecisionEvent, Override
 
 
 class StoreUnavailable(RuntimeError):

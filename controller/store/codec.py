@@ -21,7 +21,7 @@ from controller.core.recommend import (
     Option,
     Recommendation,
 )
-from controller.core.types import (
+from specpilot.contract.records import (
     ArmFigures,
     Decision,
     DecisionEvent,

@@ -13,7 +13,7 @@ from typing import Any
 
 from controller.core.fleet import CostExport, EvidenceExport
 from controller.core.recommend import EngineOptions, Recommendation
-from controller.core.types import DecisionEvent, Override, OverrideScope
+from specpilot.contract.records import DecisionEvent, Override, OverrideScope
 
 
 class MemoryStore:

@@ -28,7 +28,6 @@ from redis.exceptions import RedisError
 
 from controller.core.fleet import CostExport, EvidenceExport
 from controller.core.recommend import EngineOptions, Recommendation
-from controller.core.types import DecisionEvent, Override
 from controller.store.base import StoreUnavailable
 from controller.store.codec import (
     StoredRecordError,
@@ -45,6 +44,7 @@ from controller.store.codec import (
     recommendation_from_json,
     recommendation_to_json,
 )
+from specpilot.contract.records import DecisionEvent, Override
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

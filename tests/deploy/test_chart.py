@@ -25,7 +25,11 @@ import pytest
 import yaml
 
 from controller.core.controller import ControllerCore
-from controller.core.types import (
+from controller.metrics import Metrics
+from controller.server.app import start_server
+from controller.settings import core_config, load_settings
+from engine_plugin.config import PluginConfig
+from specpilot.contract.records import (
     AcceptanceRecord,
     DraftKind,
     DraftSpec,
@@ -33,10 +37,6 @@ from controller.core.types import (
     EngineReport,
     StepTimingRecord,
 )
-from controller.metrics import Metrics
-from controller.server.app import start_server
-from controller.settings import core_config, load_settings
-from engine_plugin.config import PluginConfig
 from tests.certs import make_pki
 
 ROOT = Path(__file__).resolve().parents[2]

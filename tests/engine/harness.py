@@ -15,9 +15,9 @@ from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import SpecCounters as SpecCounters
 from benchmarks.demo.engine import spec_counters as spec_counters
 from controller.core.controller import ControllerCore
-from controller.core.types import Override
 from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.worker_patch import is_decode_only
+from specpilot.contract.records import Override
 
 if TYPE_CHECKING:
     pass

@@ -22,7 +22,7 @@ from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import ENGINE_ENV, SCHEDULER
 from benchmarks.real.server import free_port
 from controller.core.controller import ControllerCore
-from controller.core.types import EngineReport, Override
+from specpilot.contract.records import EngineReport, Override
 from tests.engine.harness import set_override
 
 pytestmark = pytest.mark.engine

@@ -21,7 +21,7 @@ from benchmarks.demo.engine import SCHEDULER as ENGINE_SCHEDULER
 from benchmarks.demo.engine import llm_session, plugin_environment
 from benchmarks.faults import PROMPTS as FAULT_PROMPTS
 from controller.core.controller import ControllerCore
-from controller.core.types import Override
+from specpilot.contract.records import Override
 from tests.engine.harness import (
     FAST_CONTROLLER,
     clear_overrides,
@@ -483,7 +483,7 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
 def _probing_update(probe_steps: bool) -> Any:
     """Every class off in every bucket, probing the model draft at K=1 in half of its steps
     (``probe_steps``) or for half of its requests; kept for ten minutes without a controller."""
-    from controller.core.buckets import DEFAULT_BUCKET_BOUNDS
+    from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS
     from specpilot.v1 import common_pb2, engine_pb2
 
     decisions = [common_pb2.Decision(batch_bucket=b, k=0, probe_rate=0.5, probe_k=1,
@@ -562,11 +562,11 @@ def _composed_update(drafter: str, by_class: dict[str, tuple[str, int]],
     controller, and (``composition``) a per-step pricing under which the model draft's passes
     cost a second each: every step then re-picks the classes that have an n-gram curve onto
     n-gram drafts."""
-    from controller.core.buckets import DEFAULT_BUCKET_BOUNDS
-    from controller.core.composition import Composition, DraftPricing, StepPricing
-    from controller.core.types import Decision, Reason
-    from controller.wire import composition_to_proto, decision_to_proto
     from engine_plugin.ngram import NGRAM_DRAFT
+    from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS
+    from specpilot.contract.engine_stream import composition_to_proto, decision_to_proto
+    from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
+    from specpilot.contract.records import Decision, Reason
     from specpilot.v1 import engine_pb2
 
     update = engine_pb2.PolicyUpdate(version=version, fail_static_timeout_seconds=600.0)

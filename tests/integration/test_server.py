@@ -21,11 +21,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from controller.core.buckets import batch_range
 from controller.core.cost_model import StepShape
-from controller.core.types import Override
 from controller.server.app import RunningServer
 from controller.server.stubs import async_policy_stub
+from specpilot.contract.buckets import batch_range
+from specpilot.contract.records import Override
 from specpilot.v1 import engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import (

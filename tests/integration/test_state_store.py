@@ -22,11 +22,11 @@ from controller.core.recommend import (
     Option,
     Recommendation,
 )
-from controller.core.types import Decision, DecisionEvent, Override, OverrideScope, Reason
 from controller.store.base import StateStore, StoreUnavailable
 from controller.store.codec import costs_to_json
 from controller.store.memory import MemoryStore
 from controller.store.redis_store import RedisStore, model_tag
+from specpilot.contract.records import Decision, DecisionEvent, Override, OverrideScope, Reason
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.fielddocs import field_docs
 from engine_plugin.config import PluginConfig, settings_table
+from specpilot.contract.fielddocs import field_docs
 
 
 def test_defaults() -> None:

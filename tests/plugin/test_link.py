@@ -19,7 +19,6 @@ import pytest
 from benchmarks.controller_thread import ControllerThread
 from controller.core.controller import ControllerCore
 from controller.core.snapshot import EngineView
-from controller.core.types import DraftKind, DraftSpec, EngineHello
 from controller.server import app
 from engine_plugin.config import PluginConfig
 from engine_plugin.link import (
@@ -33,6 +32,7 @@ from engine_plugin.link import (
 )
 from engine_plugin.policy_view import Choice, PolicyView
 from engine_plugin.stats import ReportPayload, StatsAggregator
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello
 from specpilot.v1 import engine_pb2
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.demo.engine import put_policy
-from controller.core.types import DraftKind, DraftSpec
 from engine_plugin import pilot as pilot_module
 from engine_plugin.classify import Classifier
 from engine_plugin.config import PluginConfig
@@ -20,6 +19,7 @@ from engine_plugin.pilot import EngineSpec, Pilot, announce
 from engine_plugin.policy_view import Choice
 from engine_plugin.suffix import SUFFIX_DRAFT
 from engine_plugin.vocab import TokenizerLike, vocab_hash
+from specpilot.contract.records import DraftKind, DraftSpec
 from specpilot.v1 import engine_pb2
 
 
@@ -342,9 +342,9 @@ def _composed_policy(pilot: Pilot, composition: bool) -> None:
     """chat settled on the draft model at K=2, docs settled off; with ``composition`` a per-step
     pricing under which one chat request among many does not pay the drafter's passes (the
     simulator's `collapse` engine and acceptance)."""
-    from controller.core.composition import Composition, DraftPricing, StepPricing
-    from controller.core.types import Decision, Reason
-    from controller.wire import composition_to_proto, decision_to_proto
+    from specpilot.contract.engine_stream import composition_to_proto, decision_to_proto
+    from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
+    from specpilot.contract.records import Decision, Reason
 
     update = engine_pb2.PolicyUpdate(version=7, fail_static_timeout_seconds=1e6)
     for bucket in range(len(pilot.view.bucket_bounds) + 1):

@@ -254,9 +254,9 @@ def test_static_configuration_is_readable(clock: FakeClock) -> None:
 def _composed(clock: FakeClock, nan: bool = False) -> PolicyView:
     """chat settled on "d" K=2, docs settled off, hot exploring on "d" K=4, cold off probing:
     with a composition in which one chat sequence among many does not pay the drafter."""
-    from controller.core.composition import Composition, DraftPricing, StepPricing
-    from controller.core.types import Decision, Reason
-    from controller.wire import composition_to_proto, decision_to_proto
+    from specpilot.contract.engine_stream import composition_to_proto, decision_to_proto
+    from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
+    from specpilot.contract.records import Decision, Reason
 
     view = PolicyView(static_k=4, static_draft="d", fail_static_timeout_seconds=30, clock=clock,
                       bucket_bounds=BOUNDS)

@@ -8,16 +8,16 @@ import math
 
 import pytest
 
-from controller.core.types import (
+from engine_plugin.stats import BatchStepSums, ReportPayload, StatsAggregator
+from specpilot.contract.engine_stream import report_from_proto, report_to_proto
+from specpilot.contract.records import (
     AcceptanceRecord,
     DraftKind,
     DraftSpec,
     RequestSummaryRecord,
     StepTimingRecord,
 )
-from controller.core.validation import check_report
-from controller.wire import report_from_proto, report_to_proto
-from engine_plugin.stats import BatchStepSums, ReportPayload, StatsAggregator
+from specpilot.contract.validation import check_report
 
 
 class FakeClock:
