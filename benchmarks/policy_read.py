@@ -9,7 +9,7 @@ report applied to the core directly (no shedding). Measured, each the median of 
 
 - intervals: the 90% credible interval of every estimate GetPolicy reports (~4,100 x 8
   positions), the former way (a 4,097-point grid in x per estimate, one pass per end) against
-  now (``controller.core.acceptance.credible_bounds``: both ends, every estimate, one pass);
+  now (``controller.core.beta.credible_bounds``: both ends, every estimate, one pass);
   also now one call per estimate, and all three on as many distinct random posteriors (alpha,
   beta log-uniform in [1, 1e4]: nothing shared, unlike the workload's repeated histograms).
   With the largest difference between the former and the new figures.
@@ -58,7 +58,8 @@ from benchmarks.sidecar_memory import (  # noqa: E402
     timings,
 )
 from controller import wire  # noqa: E402
-from controller.core.acceptance import CREDIBLE_LEVEL, credible_bounds  # noqa: E402
+from controller.core.acceptance import CREDIBLE_LEVEL  # noqa: E402
+from controller.core.beta import credible_bounds  # noqa: E402
 from controller.core.controller import ControllerCore  # noqa: E402
 from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot  # noqa: E402
 from controller.dashboard import routes  # noqa: E402

@@ -57,7 +57,7 @@ import yaml  # noqa: E402
 
 from benchmarks.faults import ControllerProcess  # noqa: E402
 from benchmarks.scale import EngineStream  # noqa: E402
-from controller.core.controller import MAX_NOTE_CHARS  # noqa: E402
+from controller.core.overrides import MAX_NOTE_CHARS  # noqa: E402
 from controller.server.app import STREAM_QUEUE_LIMIT  # noqa: E402
 from controller.server.policy_writes import AUDIT_LOG_SIZE  # noqa: E402
 from controller.server.stubs import AsyncPolicyStub, async_policy_stub  # noqa: E402

@@ -43,7 +43,7 @@ from pydantic import Field as PydanticField
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from controller.core.acceptance import EstimatorConfig
-from controller.core.controller import CoreConfig
+from controller.core.config import CoreConfig
 from controller.core.cost_model import CostPrior
 from controller.core.policy import PolicyConfig
 from controller.core.tunable import CONSTRAINTS, Constraints, tunable

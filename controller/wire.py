@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
-from controller.core.acceptance import credible_bounds
-from controller.core.controller import HelloOutcome
+from controller.core.beta import credible_bounds
+from controller.core.engines import HelloOutcome
 from controller.core.policy import ArmValue
 from controller.core.recommend import Recommendation
 from controller.core.snapshot import AcceptanceEstimate, ClassView, CoreSnapshot, Explanation

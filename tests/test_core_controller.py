@@ -12,11 +12,12 @@ import pytest
 
 from controller.core.controller import ControllerCore
 from controller.core.cost_model import StepShape
+from controller.core.engines import EngineRegistry
 from controller.core.goodput import expected_tokens_curve
-from controller.core.policy import arm_table
 from controller.core.snapshot import CoreSnapshot
 from controller.server.explain import explanation_text
 from controller.settings import core_config, load_settings
+from specpilot.contract.pricing import StepPricing
 from specpilot.contract.records import (
     ALL_CLASSES,
     OTHER_CLASS,
@@ -57,10 +58,9 @@ def _good(seq: int = 1, cls: str = "code") -> EngineReport:
     )
 
 
-def _snapshot(core: ControllerCore) -> tuple[CoreSnapshot, np.ndarray]:
-    """The whole read model at one instant, and the cost model's fit (white-box: it has no read
-    model)."""
-    return core.snapshot(10.0), core._cost.theta.copy()
+def _snapshot(core: ControllerCore) -> tuple[CoreSnapshot, StepPricing]:
+    """The whole read model at one instant, and the cost model's fit."""
+    return core.snapshot(10.0), core.cost_fit()
 
 
 BAD_REPORTS = {
@@ -127,8 +127,7 @@ def test_bad_report_is_rejected_naming_the_field_and_changes_nothing(kind: str) 
     with pytest.raises(ReportRejected, match=EXPECTED_FIELD[kind].replace("[", r"\[")) as err:
         core.ingest("e1", replace(BAD_REPORTS[kind], sequence=2), now=2.0)
     assert isinstance(err.value, ImplausibleInput) is (kind in IMPLAUSIBLE)
-    after = _snapshot(core)
-    assert after[0] == before[0] and np.array_equal(after[1], before[1])
+    assert _snapshot(core) == before
     core.ingest("e1", _good(3), now=3.0)  # the engine carries on
 
 
@@ -162,11 +161,15 @@ def test_a_hello_beyond_any_engine_is_refused() -> None:
 
 
 def test_a_cost_that_is_not_finite_never_reaches_a_decision() -> None:
-    """The last guard: a cost model broken anyway (here by hand: a NaN weight) prices arms NaN;
-    those arms never win and no decision carries a number that is not finite."""
-    core = _core()
+    """The last guard: a cost model broken anyway (here by a NaN in its prior, which the core
+    trusts as it trusts all its config) prices arms NaN; those arms never win and no decision
+    carries a number that is not finite."""
+    config = core_config(load_settings())
+    core = ControllerCore(replace(config, cost_prior=replace(
+        config.cost_prior, seconds_per_token=float("nan"))), np.random.default_rng(0))
+    core.connect_engine(HELLO, now=0.0)
     core.ingest("e1", _good(1), now=1.0)
-    core._cost.mean.theta[2] = float("nan")  # white-box: past every input check
+    assert math.isnan(core.predicted_step_seconds(1, "d", 3))  # broken, past every check
     events = core.decide(now=2.0)
     assert events  # decided, not skipped
     decisions = [e.decision for e in events] + [
@@ -295,16 +298,23 @@ def test_explain_names_the_choice_and_the_numbers() -> None:
         core.explain("nope", 0, now=1.0)
 
 
+def _arm_seconds(core: ControllerCore, batch_size: int) -> dict[tuple[str, int], float]:
+    """Each arm's step seconds as the policy prices it at ``batch_size`` (a bucket's upper
+    bound: no steps seen yet), by the explanation of class "default"."""
+    exp = core.explain("default", core.config.bucket_of(batch_size), now=0.0)
+    assert exp.batch_size == batch_size
+    return {(a.draft, a.k): a.step_seconds for a in exp.arms}
+
+
 def test_per_request_engines_pay_the_drafter_whatever_k() -> None:
     """In per-request mode the drafter drafts the configured K and the plugin cuts afterwards:
     every arm, off included, carries the drafter's cost; batch-wide engines draft only K."""
     for batch_wide, off_pays_drafter in ((False, True), (True, False)):
         core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
         core.connect_engine(replace(HELLO, batch_wide_k=batch_wide), now=0.0)
-        ctx = core._context("code", core._classes["default"], core.drafts(), now=0.0)
-        plain = float(ctx.step_seconds(8, "", False, 0)[0])
-        bare = core._cost.predict_arm(8, 0, "", False)
-        assert (plain > bare) is off_pays_drafter
+        plain = _arm_seconds(core, 8)[("", 0)]
+        bare = core.predicted_seconds(StepShape.for_arm(8, 0, "", False))
+        assert (plain > 1.01 * bare) is off_pays_drafter
 
 
 def test_substituted_ngram_pays_the_model_drafters_passes_only_under_one_k_per_step() -> None:
@@ -318,9 +328,7 @@ def test_substituted_ngram_pays_the_model_drafters_passes_only_under_one_k_per_s
                             now=0.0)
         specs = {d.name: d for d in core.drafts()}
         assert specs["ngram"].carrier == carrier and specs["d"].pass_draft == "d"
-        ctx = core._context("code", core._classes["default"], core.drafts(), now=0.0)
-        table = arm_table(ctx, 8, {"d": np.ones(7), "ngram": np.ones(5)}, max_k=4)
-        seconds = dict(zip(table.keys, table.step_seconds, strict=True))
+        seconds = _arm_seconds(core, 8)
         if carrier:
             assert seconds[("ngram", 3)] == pytest.approx(seconds[("d", 3)])
         else:
@@ -345,15 +353,16 @@ def test_batch_mix_counts_verification_steps_and_finished_requests_of_silent_cla
     # The joint search needs two classes with data; it refreshes two stale buckets per round
     # (batch size 1 has no others), so four rounds cover the eight buckets above batch 1.
     core.decide(now=1.0)
-    assert core._joint == {}
+    assert core.joint_arms() == {}
     core.ingest("e1", EngineReport(sequence=2, interval_seconds=1.0, policy_version=0,
                                    acceptance=(AcceptanceRecord("chat", "d", 2, (5, 5, 10)),)),
                 now=2.0)
     for t in range(2, 6):
         core.decide(now=float(t))
     wanted = {b for b in range(core.config.n_buckets) if core.config.bucket_batch_size(b) > 1}
-    assert set(core._joint) == wanted
-    assert all(set(arms) == {"code", "chat"} for arms in core._joint.values())
+    joint = core.joint_arms()
+    assert set(joint) == wanted
+    assert all(set(arms) == {"code", "chat"} for arms in joint.values())
 
 
 # This CPU, roughly: 2 ms a step plus 0.4 ms per verified token, 2 ms per draft pass.
@@ -395,9 +404,6 @@ def test_the_start_up_profile_seeds_the_cost_model_toward_this_hardware() -> Non
         assert seeded_error < 0.25 * prior_error, (b, k)
         # Batch 1 (2.4 ms) keeps some of the prior's pull (20 ms base): ~14% at this weight.
         assert seeded_error < (0.2 if b == 1 else 0.1) * want, (b, k)
-    # Learnt, the profile is not kept (up to 0.3 MiB an engine); the rest of the hello is.
-    held = seeded._engines["e1"].hello  # white-box: memory, not behaviour
-    assert held.step_profile == () and held == replace(WIDE, step_profile=())
     # Live timings still take over: steps that disagree with the profile move the prediction.
     before = seeded.predicted_step_seconds(16, "d", 2)
     seeded.ingest("e1", replace(_good(), step_timings=(
@@ -430,6 +436,14 @@ def test_a_hardware_name_that_is_too_long_or_not_printable_is_rejected(hardware:
     core.connect_engine(replace(HELLO, hardware="x" * 200), now=0.0)  # the bound itself is fine
 
 
+def test_a_profile_learnt_is_not_kept() -> None:
+    """Up to 0.3 MiB an engine: the registry holds the rest of the hello."""
+    engines = EngineRegistry()
+    engines.register(replace(WIDE, step_profile=CPU_PROFILE), {}, now=0.0)
+    held = engines.get("e1")
+    assert held is not None and held.hello == replace(WIDE, step_profile=())
+
+
 def test_older_plugins_without_a_profile_keep_the_prior() -> None:
     core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
     core.connect_engine(WIDE, now=0.0)
@@ -441,7 +455,7 @@ def test_older_plugins_without_a_profile_keep_the_prior() -> None:
 def test_each_timing_record_is_priced_before_it_is_learnt() -> None:
     core = _core()
     # 100 steps at batch 1, K=3 with draft d (the shape of _good's record), 30 ms each.
-    before = core._cost.predict(StepShape(1, 4, "d", 3, 3))  # white-box: the record's shape
+    before = core.predicted_seconds(StepShape(1, 4, "d", 3, 3))  # the record's shape
     first = core.ingest("e1", _good(1), now=1.0).step_predictions
     assert [(p.batch_bucket, p.k, p.steps) for p in first] == [(0, 3, 100)]
     assert first[0].predicted_seconds == pytest.approx(before)
@@ -533,7 +547,7 @@ def test_the_measured_speedup_prices_served_steps_by_the_cost_model() -> None:
 
 
 def test_policy_versions_carry_the_epoch_and_engines_count_versions_of_this_epoch() -> None:
-    from controller.core.controller import EPOCH_SHIFT, epoch_at
+    from controller.core.published import EPOCH_SHIFT, epoch_at
 
     earlier, later = epoch_at(1_800_000_000.0), epoch_at(1_800_000_000.1)
     assert later == earlier + 1
@@ -682,30 +696,33 @@ def test_model_drafts_are_bounded_across_engines_and_reconnects() -> None:
     # more give their columns back, the longest-held first.
     core = _core(max_model_drafts=4)
     core.ingest("e1", _good(), now=1.0)
-    evidence = core._estimator  # white-box, as the cost model below
-    assert evidence.has_data("code", "d")
+
+    def has_data(draft: str, now: float) -> bool:
+        return core.estimate("code", draft, now).has_evidence
+
+    assert has_data("d", 1.0)
     for round_ in range(5):
         names = [f"r{round_}-{i}" for i in range(3)]
         outcome = core.connect_engine(_model_drafts("rogue", names), now=2.0 + round_)
         assert outcome.accepted_drafts == tuple(names) and outcome.rejected_drafts == ()
-        held = core._cost.drafts  # white-box: the cost model has no read model
+        held = core.priced_drafts()
         assert len(held) <= 4 and "d" in held  # e1's draft is in use: kept
         assert set(names) <= set(held)
         rogue = EngineReport(
             sequence=1, interval_seconds=1.0, policy_version=0,
             acceptance=(AcceptanceRecord("code", names[0], 3, (1, 2, 3, 4)),))
         core.ingest("rogue", rogue, now=2.5 + round_)
-        assert evidence.has_data("code", names[0])
-    assert evidence.has_data("code", "d") and not evidence.has_data("code", "r0-0")
+        assert has_data(names[0], 2.5 + round_)
+    assert has_data("d", 7.0) and not has_data("r0-0", 7.0)
     # Every column in use by connected engines: a new draft is refused, with the reason.
     outcome = core.connect_engine(_model_drafts("e3", ["new"]), now=10.0)
     assert outcome.accepted_drafts == ()
     assert outcome.rejected_drafts and "max_model_drafts" in outcome.rejected_drafts[0][1]
-    assert "new" not in core._cost.drafts
+    assert "new" not in core.priced_drafts()
     # Once an engine leaves, its drafts' columns can be taken.
     core.disconnect_engine("rogue")
     outcome = core.connect_engine(_model_drafts("e3", ["new"]), now=11.0)
-    assert outcome.accepted_drafts == ("new",) and "new" in core._cost.drafts
+    assert outcome.accepted_drafts == ("new",) and "new" in core.priced_drafts()
     snap = core.snapshot(12.0)
     assert snap.version >= 0 and core.decide(12.0) is not None  # decisions still priced
 
@@ -716,7 +733,7 @@ def test_without_the_bound_the_columns_grow_with_every_new_name() -> None:
     for round_ in range(5):
         core.connect_engine(_model_drafts("rogue", [f"r{round_}-{i}" for i in range(3)]),
                             now=2.0 + round_)
-    assert len(core._cost.drafts) == 16
+    assert len(core.priced_drafts()) == 16
 
 
 def test_drafts_carried_by_a_model_draft_refused_for_room_are_refused_too() -> None:
@@ -775,7 +792,7 @@ def test_the_composition_goes_to_engines_that_repick_and_moves_with_the_evidence
     mean = np.array(posterior.alpha) / (np.array(posterior.alpha) + np.array(posterior.beta))
     assert np.allclose(comp.expected_tokens[("code", "d")],
                        expected_tokens_curve(mean)[: 7])
-    assert comp.pricing == core._cost.mean.pricing()  # white-box: the fit it was built from
+    assert comp.pricing == core.cost_fit()  # the fit it was built from
     version = core.version
     core.decide(now=2.5)  # nothing new: the same policy, the same composition
     assert core.version == version and core.snapshot(2.5).composition is comp

@@ -200,19 +200,25 @@ def _worst_error(model: StepCostModel) -> float:
                for b in (1, 8, 32) for k in range(7))
 
 
+def _prices(model: StepCostModel) -> list[float]:
+    return [model.predict_arm(b, k, "d", True) for b in (1, 8, 32) for k in range(7)]
+
+
 def test_a_model_with_another_ones_evidence_prices_like_it_and_exports_only_its_own() -> None:
     veteran, newcomer = _fitted(), _model()
     assert _worst_error(newcomer) > 0.3  # the generic prior is far off this hardware
     shared = veteran.export(now=199.0)
     newcomer.set_fleet(shared.aligned(newcomer.drafts, newcomer.knot_tokens), now=199.0)
     assert _worst_error(newcomer) < 0.05
-    assert newcomer.fleet_steps == pytest.approx(shared.steps)
     # What it publishes is its own (nothing yet): the fleet's is never re-published.
     assert newcomer.observed_steps == 0 and newcomer.export(199.0).steps == 0
-    # A second exchange replaces the fleet view (the double-count control: adding would give
-    # twice the steps).
+    # A second exchange replaces the fleet view: the prices stay as they were. The
+    # double-count control: the evidence taken twice prices otherwise.
+    priced = _prices(newcomer)
     newcomer.set_fleet(shared, now=199.0)
-    assert newcomer.fleet_steps == pytest.approx(shared.steps)
+    assert _prices(newcomer) == priced
+    newcomer.set_fleet(shared.plus(shared), now=199.0)
+    assert _prices(newcomer) != priced
 
 
 def test_evidence_with_the_drafts_in_another_order_is_aligned_column_by_column() -> None:

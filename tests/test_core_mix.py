@@ -20,6 +20,7 @@ from controller.core.mix import (
     joint_arms,
 )
 from controller.core.policy import BucketState, ClassContext, arm_table
+from controller.core.prices import price_steps
 from specpilot.contract.records import DraftKind, DraftSpec
 
 DRAFTS = (DraftSpec("small", DraftKind.MODEL, 6), DraftSpec("ngram", DraftKind.NGRAM, 6))
@@ -50,11 +51,12 @@ def test_expected_passes_is_the_mean_of_the_largest_k() -> None:
 
 def _ctx(others: dict[int, BatchOthers], model: StepCostModel) -> ClassContext:
     rates = {"small": np.full(6, 0.8), "ngram": np.full(6, 0.3)}
+    prices = price_steps(model.predict_curve, model.predict_mixed, DRAFTS, 6, [8], others)
     return ClassContext(
         traffic_class="c", now=0.0, drafts=DRAFTS, sampled_rates=rates, mean_rates=rates,
-        has_data=True, change_detected=False, recovering=False, offline=False, override=None,
-        buckets=(BucketState(0, 8, None, None),), step_seconds=model.predict_curve,
-        others=others, mixed_seconds=model.predict_mixed)
+        change_detected=False, recovering=False, offline=False, override=None,
+        buckets=(BucketState(0, 8, None, None),), prices=prices, others=others,
+        evidence=frozenset({"small", "ngram"}))
 
 
 def _model() -> StepCostModel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,17 +17,27 @@ from controller.core.policy import (
     break_even_rate,
     decide_bucket,
 )
+from controller.core.prices import StepPrices, StepSecondsFn, price_steps
 from specpilot.contract.records import Decision, DraftKind, DraftSpec, Override, Reason
 
 NOW = 1000.0
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)
 
 
-def _step_seconds(base: float, per_token: float, per_pass: float):
+def _step_seconds(base: float, per_token: float, per_pass: float) -> StepSecondsFn:
     def f(batch: int, draft: str, is_model: bool, max_k: int) -> np.ndarray:
         k = np.arange(max_k + 1)
         return base + per_token * batch * (1 + k) + (per_pass * k if is_model else 0.0)
 
     return f
+
+
+def _prices(seconds: StepSecondsFn, drafts: tuple[DraftSpec, ...], max_k: int) -> StepPrices:
+    """Every batch size the tests score at, and every arm a probe may be priced against, by
+    ``seconds``."""
+    arms = [(b, d.name, k) for b in BATCH_SIZES for d in drafts
+            for k in range(1, min(max_k, d.max_k) + 1)]
+    return price_steps(seconds, None, drafts, max_k, BATCH_SIZES, arms=arms)
 
 
 @st.composite
@@ -57,13 +69,14 @@ def contexts(draw: st.DrawFn) -> tuple[ClassContext, PolicyConfig, BucketState]:
                         fresh=draw(st.booleans()))
     cfg = PolicyConfig(max_k=max_k, warmup_k=min(2, max_k), dwell_seconds=10.0,
                        hysteresis_ratio=draw(st.floats(0, 0.2)), probe_k=1)
+    seconds = _step_seconds(draw(st.floats(1e-3, 0.05)), draw(st.floats(0, 1e-3)),
+                            draw(st.floats(0, 0.01)))
     ctx = ClassContext(
         traffic_class="c", now=NOW, drafts=drafts, sampled_rates=rates, mean_rates=means,
-        has_data=draw(st.booleans()), change_detected=draw(st.booleans()),
+        evidence=frozenset(d.name for d in drafts) if draw(st.booleans()) else frozenset(),
+        change_detected=draw(st.booleans()),
         recovering=draw(st.booleans()), offline=draw(st.booleans()), override=override,
-        buckets=(state,),
-        step_seconds=_step_seconds(draw(st.floats(1e-3, 0.05)), draw(st.floats(0, 1e-3)),
-                                   draw(st.floats(0, 0.01))),
+        buckets=(state,), prices=_prices(seconds, drafts, max_k),
     )
     return ctx, cfg, state
 
@@ -118,16 +131,25 @@ def test_no_flapping_inside_the_dwell_time(
     assert d.same_choice(state.current)
 
 
+STEP_SECONDS = _step_seconds(0.02, 2e-5, 0.004)
+
+
 def _ctx(rates: dict[str, list[float]], current: Decision | None, changed_at: float | None,
+         step_seconds: StepSecondsFn = STEP_SECONDS, has_data: bool = True,
          **kw: object) -> tuple[ClassContext, BucketState]:
-    drafts = tuple(DraftSpec(n, DraftKind.MODEL, len(r)) for n, r in rates.items())
+    """A context of class "c" at batch 1 on ``rates`` (sampled and mean), priced by
+    ``step_seconds``; ``kw`` replaces any other field."""
+    drafts = kw.get("drafts") or tuple(DraftSpec(n, DraftKind.MODEL, len(r))
+                                       for n, r in rates.items())
+    assert isinstance(drafts, tuple)
     arr = {n: np.array(r) for n, r in rates.items()}
     state = BucketState(0, 1, current, changed_at)
     args: dict[str, object] = {
         "traffic_class": "c", "now": NOW, "drafts": drafts, "sampled_rates": arr,
-        "mean_rates": arr, "has_data": True, "change_detected": False, "recovering": False,
+        "mean_rates": arr, "change_detected": False, "recovering": False,
         "offline": False, "override": None, "buckets": (state,),
-        "step_seconds": _step_seconds(0.02, 2e-5, 0.004),
+        "prices": _prices(step_seconds, drafts, 6),
+        "evidence": frozenset(d.name for d in drafts) if has_data else frozenset(),
     }
     args.update(kw)
     return ClassContext(**args), state  # type: ignore[arg-type]
@@ -172,7 +194,7 @@ HOPELESS = {"d": (100.0, 1900.0)}  # 0.05 over 2,000 tries: it cannot
 def _probe_cost(ctx: ClassContext, d: Decision, batch: int) -> float:
     """What one probed request-step costs the class, by the same cost model and posterior means
     and independently of the policy's code: its tokens per second on the probe against off."""
-    t = ctx.step_seconds(batch, "d", True, d.probe_k)
+    t = STEP_SECONDS(batch, "d", True, d.probe_k)
     e_probe = expected_tokens_curve(ctx.mean_rates["d"])[d.probe_k]
     return float(1.0 - e_probe / t[d.probe_k] * t[0])
 
@@ -185,8 +207,7 @@ def test_probing_spends_a_budget_scaled_by_the_chance_of_paying() -> None:
     spent, shares = [], []
     # Chances about 0, 0.3 (mean 0.2, near the break-even), 0.8 (the prior), 0.97.
     for position1 in (HOPELESS, {"d": (10.0, 40.0)}, UNSURE, {"d": (5.0, 5.0)}):
-        ctx, state = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1,
-                          whole_step_probes=True)
+        ctx, state = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1)
         d = decide_bucket(ctx, PROBE_CFG, state)
         # A batch-wide engine (the drafter runs for the step once any request probes): the
         # cheapest probe, K=1, over whole steps.
@@ -224,28 +245,21 @@ def test_a_class_on_a_deterministic_draft_probes_the_model_draft() -> None:
 
 
 def test_probing_is_sized_by_the_chance_of_paying_and_the_engine_mode() -> None:
-    """Batch 32, one class: where the plugin probes whole steps the share is of steps; an older
-    plugin probing requests one by one gets the request share that probes the same share of
-    steps; where the drafter runs anyway (per-request engines) requests probe at probe_k."""
+    """Batch 32, one class: where the drafter runs only for the K asked (batch-wide engines)
+    the plugin probes whole steps and the share is of steps; where the drafter runs anyway
+    (per-request engines) requests probe at probe_k."""
     off = Decision("c", 0, "", 0, Reason.GOODPUT)
     batch = 32
     state = BucketState(0, batch, off, NOW - 1000)
     plans = {}
-    for name, position1, sunk, whole in (
-            ("unsure", UNSURE, False, True), ("hopeless", HOPELESS, False, True),
-            ("unsure, request probes", UNSURE, False, False),
-            ("unsure, per request", UNSURE, True, False)):
+    for name, position1, sunk in (("unsure", UNSURE, False), ("hopeless", HOPELESS, False),
+                                  ("unsure, per request", UNSURE, True)):
         ctx, _ = _ctx({"d": [0.05] * 6}, off, NOW - 1000, position1=position1,
-                      drafter_sunk=sunk, whole_step_probes=whole)
-        ctx = ClassContext(**{**ctx.__dict__, "buckets": (state,)})
+                      drafter_sunk=sunk, buckets=(state,))
         plans[name] = decide_bucket(ctx, PROBE_CFG, state)
     unsure, hopeless = plans["unsure"], plans["hopeless"]
     assert unsure.probe_steps and hopeless.probe_steps
     assert unsure.probe_rate > 5 * hopeless.probe_rate  # nothing to find: the floor only
-    by_request = plans["unsure, request probes"]
-    assert not by_request.probe_steps
-    steps_probed = 1.0 - (1.0 - by_request.probe_rate) ** batch
-    assert abs(steps_probed - unsure.probe_rate) < 1e-9
     per_request = plans["unsure, per request"]
     assert per_request.probe_k == 2 and hopeless.probe_k == 1 and not per_request.probe_steps
 
@@ -255,8 +269,7 @@ def test_a_probe_priced_free_stays_a_minority() -> None:
     probe is still a probe: at most PROBE_SHARE_MAX of the class's requests."""
     flat = _step_seconds(0.02, 1e-7, 1e-7)
     off = Decision("c", 0, "", 0, Reason.GOODPUT)
-    ctx, state = _ctx({"d": [0.01] * 6}, off, NOW - 1000, step_seconds=flat, position1=UNSURE,
-                      whole_step_probes=True)
+    ctx, state = _ctx({"d": [0.01] * 6}, off, NOW - 1000, step_seconds=flat, position1=UNSURE)
     d = decide_bucket(ctx, PolicyConfig(max_k=6, min_speedup=1.05, probe_cost_max=1.0), state)
     assert d.k == 0 and 0 < d.probe_rate <= PROBE_SHARE_MAX
 
@@ -278,7 +291,7 @@ def test_offline_classes_are_pinned_off_or_scored_at_full_load() -> None:
     big = BucketState(1, 256, None, None)
     compute_bound = _step_seconds(0.02, 1e-3, 0.004)
     ctx, state = _ctx({"d": [0.6] * 6}, None, None, offline=True, step_seconds=compute_bound)
-    ctx = ClassContext(**{**ctx.__dict__, "buckets": (state, big)})
+    ctx = replace(ctx, buckets=(state, big))
     d = decide_bucket(ctx, PolicyConfig(max_k=6, offline_mode="goodput"), state)
     assert (d.k, d.reason) == (0, Reason.OFFLINE)
     online, _ = _ctx({"d": [0.6] * 6}, None, None, step_seconds=compute_bound)

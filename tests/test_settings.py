@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from controller.core.acceptance import EstimatorConfig
-from controller.core.controller import CoreConfig
+from controller.core.config import CoreConfig
 from controller.core.cost_model import CostPrior
 from controller.core.policy import PolicyConfig
 from controller.settings import (

@@ -468,11 +468,6 @@ class StepCostModel:
         """Decayed number of this model's own observed steps (0 before any data)."""
         return self._own.steps
 
-    @property
-    def fleet_steps(self) -> float:
-        """Decayed number of steps behind the fleet's evidence (``set_fleet``)."""
-        return self._fleet.steps
-
     # --- sharing (controller.core.fleet) ----------------------------------------------------
     def export(self, now: float) -> CostEvidence:
         """This model's own evidence, decayed to ``now`` (never the fleet's)."""

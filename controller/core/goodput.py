@@ -31,13 +31,6 @@ def expected_tokens(rates: npt.ArrayLike, k: int) -> float:
     return float(expected_tokens_curve(b[:k])[k])
 
 
-def uniform_expected_tokens(a: float, k: int) -> float:
-    """Closed form for uniform acceptance a: (1 - a^(K+1)) / (1 - a)."""
-    if a == 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
 def goodput(expected: Num, batch_size: int, step_seconds: Num) -> Num:
     """Accepted (emitted) tokens per second for a batch where every sequence runs this arm."""
     return expected * batch_size / step_seconds

@@ -193,21 +193,25 @@ class ArmRates:
     batch_rate: FloatArray  # tokens per second of the whole batch
 
 
-def arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec], curves: Mapping[str, FloatArray],
-              max_k: int, seconds_fn: MixedSecondsFn) -> ArmRates:
-    """The whole batch's tokens per second for each arm of the class, the others fixed (every
-    arm priced in one call of ``seconds_fn``: decide rounds price thousands of these)."""
-    n = o.self_count
+def arm_keys(drafts: Sequence[DraftSpec], max_k: int) -> list[Arm]:
+    """A class's arms in table order: off, then each draft's K = 1..max."""
     keys: list[Arm] = [("", 0)]
-    expected: list[FloatArray] = [np.ones(1)]
+    for spec in drafts:
+        keys.extend((spec.name, k) for k in range(1, min(max_k, spec.max_k) + 1))
+    return keys
+
+
+def arm_seconds(o: BatchOthers, drafts: Sequence[DraftSpec], max_k: int,
+                seconds_fn: MixedSecondsFn) -> FloatArray:
+    """The step seconds of each arm of the class (``arm_keys`` order), the others fixed: every
+    arm priced in one call of ``seconds_fn`` (decide rounds price thousands of these)."""
+    n = o.self_count
     ks_list: list[int] = [0]
     runs: list[str] = [""]  # per arm, the model draft whose passes it runs
     segments: list[slice] = []
     for spec in drafts:
         k_max = min(max_k, spec.max_k)
-        segments.append(slice(len(keys), len(keys) + k_max))
-        keys.extend((spec.name, k) for k in range(1, k_max + 1))
-        expected.append(np.asarray(curves[spec.name][1 : k_max + 1], dtype=np.float64))
+        segments.append(slice(len(ks_list), len(ks_list) + k_max))
         ks_list.extend(range(1, k_max + 1))
         runs.extend([spec.pass_draft] * k_max)
     ks = np.asarray(ks_list, dtype=np.float64)
@@ -221,8 +225,26 @@ def arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec], curves: Mapping[str, 
     steps = [t[:1]]
     # More verified tokens never make a step faster (as in the cost model's curves).
     steps.extend(np.maximum.accumulate(np.maximum(t[seg], t[0])) for seg in segments)
-    e, t = np.concatenate(expected), np.concatenate(steps)
-    return ArmRates(keys, e, t, (n * e + o.tokens) / t)
+    return np.concatenate(steps)
+
+
+def priced_arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec],
+                     curves: Mapping[str, FloatArray], max_k: int, seconds: FloatArray
+                     ) -> ArmRates:
+    """The whole batch's tokens per second for each arm of the class, the others fixed, with
+    the arms' step ``seconds`` (``arm_seconds``)."""
+    expected: list[FloatArray] = [np.ones(1)]
+    for spec in drafts:
+        k_max = min(max_k, spec.max_k)
+        expected.append(np.asarray(curves[spec.name][1 : k_max + 1], dtype=np.float64))
+    e = np.concatenate(expected)
+    return ArmRates(arm_keys(drafts, max_k), e, seconds, (o.self_count * e + o.tokens) / seconds)
+
+
+def arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec], curves: Mapping[str, FloatArray],
+              max_k: int, seconds_fn: MixedSecondsFn) -> ArmRates:
+    """``priced_arm_rates`` with the arms priced by ``seconds_fn``."""
+    return priced_arm_rates(o, drafts, curves, max_k, arm_seconds(o, drafts, max_k, seconds_fn))
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,17 @@ expected speedup, the "losing by means" test and explanations. On top of the arg
     notices a recovery (``probe_plan``);
   - overrides: operator pins win over everything; offline classes are pinned off (or scored at
     the largest bucket in "goodput" mode).
+
+A bucket is decided in two small stages, ``choose`` (the arm) then ``with_probe`` (the probe).
+Neither prices anything: the context carries the step seconds they read, computed before each
+stage by the decider (``controller.core.prices``; ``unpriced_decision`` and ``probe_curves`` say
+what a stage will read).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Literal
@@ -34,9 +39,11 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.acceptance import CREDIBLE_LEVEL, credible_bounds
+from controller.core.acceptance import CREDIBLE_LEVEL
+from controller.core.beta import credible_bounds
 from controller.core.goodput import expected_tokens_curve, goodput, speedup
-from controller.core.mix import BatchOthers, MixedSecondsFn, arm_rates
+from controller.core.mix import BatchOthers, priced_arm_rates
+from controller.core.prices import StepPrices
 from controller.core.tunable import tunable
 from specpilot.contract.records import (
     OFFLINE_PIN,
@@ -51,8 +58,6 @@ from specpilot.contract.records import (
 )
 
 FloatArray = npt.NDArray[np.float64]
-# (batch_size, draft, draft_is_model, max_k) -> predicted step seconds for K = 0..max_k
-StepSecondsFn = Callable[[int, str, bool, int], FloatArray]
 
 
 @dataclass(frozen=True)
@@ -119,37 +124,41 @@ class BucketState:
 
 @dataclass(frozen=True)
 class ClassContext:
+    """Everything the policy decides one class on, flat and priced in advance."""
+
     traffic_class: str
     now: float
     drafts: tuple[DraftSpec, ...]
     # Per draft: one Thompson sample and the posterior mean of the per-position rates.
     sampled_rates: Mapping[str, FloatArray]
     mean_rates: Mapping[str, FloatArray]
-    has_data: bool
     # A change was detected since the last decision / its evidence is still being absorbed.
     change_detected: bool
     recovering: bool
     offline: bool
     override: Override | None
     buckets: tuple[BucketState, ...]
-    step_seconds: StepSecondsFn
+    # Step seconds by the cost model's mean weights, where the policy prices a step: the
+    # buckets whose decision ``choose`` prices, and what ``with_probe`` reads.
+    prices: StepPrices
+    # The same by the decide round's draw of the weights, where a fresh bucket scores its
+    # Thompson draw (None: the means).
+    drawn_prices: StepPrices | None = None
     # The expected rest of the batch per batch size, when the traffic mix is known; batch sizes
     # not in it are scored as if the whole batch were this class.
     others: Mapping[int, BatchOthers] = field(default_factory=dict)
-    mixed_seconds: MixedSecondsFn | None = None
-    # The same two by the decide round's draw of the cost weights (None: the means above).
-    drawn_step_seconds: StepSecondsFn | None = None
-    drawn_mixed_seconds: MixedSecondsFn | None = None
     # Per draft: the position-1 posterior's Beta(alpha, beta) (probing's chance of paying).
     position1: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # The engine's model drafter runs whatever K is chosen (per-request engines): a probe then
     # costs only its verified tokens, not the whole batch's drafter passes.
     drafter_sunk: bool = False
-    # The engines probe whole steps (every request of the class in a share of steps) where
-    # asked: in batch-wide engines that is the cheap way to learn (``probe_plan``).
-    whole_step_probes: bool = False
     # The drafts with acceptance evidence for the class (the others' rates are the prior).
     evidence: frozenset[str] = frozenset()
+
+    @property
+    def has_data(self) -> bool:
+        """Whether any draft has acceptance evidence for the class."""
+        return bool(self.evidence)
 
     @cached_property
     def sampled_curves(self) -> dict[str, FloatArray]:
@@ -223,34 +232,35 @@ def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArra
               max_k: int, drawn_costs: bool = False) -> ArmTable:
     """Score "off" and every (draft, K) at ``batch_size`` from E(K) curves (one per draft), step
     seconds by the cost model's means, or by the decide round's draw with ``drawn_costs``."""
-    step_seconds, mixed_seconds = ctx.step_seconds, ctx.mixed_seconds
-    if drawn_costs:
-        step_seconds = ctx.drawn_step_seconds or step_seconds
-        mixed_seconds = ctx.drawn_mixed_seconds or mixed_seconds
+    prices = ctx.prices
+    if drawn_costs and ctx.drawn_prices is not None:
+        prices = ctx.drawn_prices
     others = ctx.others.get(batch_size)
-    if others is not None and mixed_seconds is not None:
-        return _mixed_arm_table(ctx, others, mixed_seconds, curves, max_k)
+    if others is not None:
+        return _mixed_arm_table(ctx, others, prices.mixed_arms(batch_size, ctx.drafts), curves,
+                                max_k)
     keys: list[tuple[str, int]] = [("", 0)]
     expected: list[FloatArray] = [np.ones(1)]
-    steps: list[FloatArray] = [step_seconds(batch_size, "", False, 0)[:1]]
+    steps: list[FloatArray] = [prices.off(batch_size)]
     for spec in ctx.drafts:
         k_max = min(max_k, spec.max_k)
         keys.extend((spec.name, k) for k in range(1, k_max + 1))
         expected.append(curves[spec.name][1 : k_max + 1])
-        steps.append(step_seconds(batch_size, spec.pass_draft, bool(spec.pass_draft), k_max)[1:])
+        steps.append(prices.curve(batch_size, spec.name, k_max)[1:])
     e, t = np.concatenate(expected), np.concatenate(steps)
     return ArmTable(keys, e, t, goodput(e, batch_size, t), speedup(e, t, t[0]))
 
 
-def _mixed_arm_table(ctx: ClassContext, o: BatchOthers, seconds_fn: MixedSecondsFn,
+def _mixed_arm_table(ctx: ClassContext, o: BatchOthers, seconds: FloatArray,
                      curves: Mapping[str, FloatArray], max_k: int) -> ArmTable:
-    """Arms scored by the whole batch's goodput, the other classes held at their arms.
+    """Arms scored by the whole batch's goodput, the other classes held at their arms (their
+    step ``seconds`` priced in advance).
 
     The goodput column is attributed to this class: its own rate with speculation off plus
     what the arm adds to (or takes from) the batch, so that ``min_speedup`` and hysteresis keep
     their per-class meaning; with no other classes it equals the homogeneous table.
     """
-    r = arm_rates(o, ctx.drafts, curves, max_k, seconds_fn)
+    r = priced_arm_rates(o, ctx.drafts, curves, max_k, seconds)
     own_off = o.self_count / r.step_seconds[0]
     attributed = own_off + r.batch_rate - r.batch_rate[0]
     # An arm that takes more from the batch than the class's own rate scores below zero (the
@@ -297,11 +307,10 @@ class ProbePlan:
 
 
 def _seconds_of(ctx: ClassContext, batch_size: int, draft: str, k: int) -> float:
-    """Mean step seconds of a batch of ``batch_size`` all on (draft, K)."""
+    """Mean step seconds of a batch of ``batch_size`` all on (draft, K) (``probe_curves``)."""
     if k == 0:
-        return float(ctx.step_seconds(batch_size, "", False, 0)[0])
-    spec = next(d for d in ctx.drafts if d.name == draft)
-    return float(ctx.step_seconds(batch_size, spec.pass_draft, bool(spec.pass_draft), k)[k])
+        return float(ctx.prices.off(batch_size)[0])
+    return float(ctx.prices.curve(batch_size, draft, k)[k])
 
 
 def break_even_rate(seconds: FloatArray, need: float) -> float:
@@ -326,18 +335,18 @@ def probe_plan(ctx: ClassContext, cfg: PolicyConfig, batch_size: int,
     class's throughput between ``probe_cost_floor`` and ``probe_cost_max`` by that chance.
     Cost: the class's tokens per second on the probe against ``current``, by posterior means
     and the cost model, the batch all of the class: the drafter's pass where it would not run
-    otherwise, and the tokens of a better deterministic draft given up. Where the engines can
-    (``ctx.whole_step_probes``) the probe runs for every request of the class in a share of
-    steps: in a batch-wide engine the drafter's pass costs the step the same for one probed
-    request as for all, so a probed step then tells as many tries as the class has requests.
-    None where there is no model draft (deterministic drafts are scored counterfactually)."""
+    otherwise, and the tokens of a better deterministic draft given up. Where the drafter runs
+    only for the K asked (batch-wide engines) the probe runs for every request of the class in
+    a share of steps: there the drafter's pass costs the step the same for one probed request
+    as for all, so a probed step tells as many tries as the class has requests. None where
+    there is no model draft (deterministic drafts are scored counterfactually)."""
     model_drafts = [d for d in ctx.drafts if d.kind is DraftKind.MODEL]
     if not model_drafts:
         return None
     best = max(model_drafts, key=lambda d: float(ctx.mean_rates[d.name][0]))
     k = min(cfg.probe_k, best.max_k) if ctx.drafter_sunk else 1
     k_max = min(cfg.max_k, best.max_k)
-    seconds = ctx.step_seconds(batch_size, best.pass_draft, True, k_max)
+    seconds = ctx.prices.curve(batch_size, best.name, k_max)
     draft, k_now = current
     # Tokens per second per sequence (the batch size cancels in every ratio below).
     rate_now = float(ctx.mean_curves[draft][k_now]) if k_now else 1.0
@@ -352,16 +361,7 @@ def probe_plan(ctx: ClassContext, cfg: PolicyConfig, batch_size: int,
     chance = chance_above(alpha, beta, break_even_rate(np.asarray(seconds), need))
     budget = cfg.probe_cost_floor + (cfg.probe_cost_max - cfg.probe_cost_floor) * chance
     share = min(budget / cost, PROBE_SHARE_MAX)
-    whole = ctx.whole_step_probes and not ctx.drafter_sunk
-    if not (whole or ctx.drafter_sunk):
-        # A batch-wide engine whose plugin probes requests one by one: the drafter's pass is
-        # paid once any request of the step probes, so the share of steps with a probe, not
-        # of requests, is what costs.
-        others = ctx.others.get(batch_size)
-        mine = min(max(others.self_count if others is not None else batch_size, 1.0),
-                   batch_size)
-        share = 1.0 - (1.0 - share) ** (1.0 / mine)
-    return ProbePlan(share, k, best.name, whole, cost, chance)
+    return ProbePlan(share, k, best.name, not ctx.drafter_sunk, cost, chance)
 
 
 def runs(drafts: Sequence[DraftSpec], draft: str, k: int) -> bool:
@@ -384,12 +384,46 @@ def uses_model_draft(ctx: ClassContext, decision: Decision) -> bool:
                                   for d in ctx.drafts)
 
 
-def _with_probe(
-    ctx: ClassContext, cfg: PolicyConfig, state: BucketState, decision: Decision
-) -> Decision:
-    """``decision`` with the probe of the model draft while the class does not run one (off,
-    or on n-gram or suffix drafts, whose acceptance is scored counterfactually anyway)."""
-    if uses_model_draft(ctx, decision) or decision.reason in (Reason.OVERRIDE, Reason.OFFLINE):
+@dataclass(frozen=True)
+class Choice:
+    """A bucket's decision before probing (``choose``), and whether it is one the model draft
+    is probed against while it runs none (warm-up and goodput choices; not a decision held,
+    an override or a pin)."""
+
+    decision: Decision
+    probed: bool = False
+
+
+def _probes(ctx: ClassContext, choice: Choice) -> bool:
+    """Whether ``with_probe`` plans a probe for the choice: one the model draft is probed
+    against that runs none itself."""
+    d = choice.decision
+    return (choice.probed and not uses_model_draft(ctx, d)
+            and d.reason not in (Reason.OVERRIDE, Reason.OFFLINE))
+
+
+def probe_curves(ctx: ClassContext, cfg: PolicyConfig, state: BucketState,
+                 choice: Choice) -> list[tuple[int, str, int]]:
+    """The step curves ``with_probe`` reads besides no speculation, as (batch size, draft,
+    K up to): each model draft's and the one of the arm in force. What the decider prices
+    between the two stages."""
+    if not _probes(ctx, choice):
+        return []
+    b = state.batch_size
+    curves = [(b, d.name, min(cfg.max_k, d.max_k)) for d in ctx.drafts
+              if d.kind is DraftKind.MODEL]
+    draft, k = choice.decision.arm
+    return [*curves, (b, draft, k)] if k else curves
+
+
+def with_probe(ctx: ClassContext, cfg: PolicyConfig, state: BucketState,
+               choice: Choice) -> Decision:
+    """The second stage of ``decide_bucket``: the choice's decision with the probe of the model
+    draft while the class does not run one (off, or on n-gram or suffix drafts, whose
+    acceptance is scored counterfactually anyway); the decision itself where nothing is
+    probed. Reads the prices of ``probe_curves``."""
+    decision = choice.decision
+    if not _probes(ctx, choice):
         return decision
     plan = probe_plan(ctx, cfg, state.batch_size, decision.arm)
     if plan is None or not math.isfinite(plan.share):  # a broken cost: probe nothing, not NaN
@@ -398,22 +432,37 @@ def _with_probe(
                    probe_steps=plan.whole_steps)
 
 
-def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
+def _override_unpriced(ctx: ClassContext, state: BucketState) -> Decision | None:
+    """An override's decision where it needs no prices: speculation off (forced, pinned at 0,
+    no drafts, or a forced draft the engines do not offer) or a forced draft's K held."""
     ov = ctx.override
     assert ov is not None
-    name = ctx.traffic_class
+    off = Decision(ctx.traffic_class, state.bucket, "", 0, Reason.OVERRIDE)
     if ov.force_off or not ctx.drafts:
-        return Decision(name, state.bucket, "", 0, Reason.OVERRIDE)
+        return off
     if ov.force_draft is not None:
         spec = next((d for d in ctx.drafts if d.name == ov.force_draft), None)
         if spec is None:  # the forced draft is not offered by the engine: speculate not at all
-            return Decision(name, state.bucket, "", 0, Reason.OVERRIDE)
+            return off
         held = state.current
         if (not state.fresh and held is not None and held.reason is Reason.OVERRIDE
                 and held.draft == spec.name and offered(ctx.drafts, held)):
             # K moves with new evidence only, as every other decision's: drawn every round, it
             # flapped (a new policy version each report interval) with no traffic at all.
             return held
+        return None
+    return off if ov.pin_k is None or ov.pin_k == 0 else None
+
+
+def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
+    """An override's decision that its prices decide (``_override_unpriced`` returned None):
+    the forced draft's best K, or the pinned K on the current draft if it allows it, else on
+    the draft with the best mean at that K."""
+    ov = ctx.override
+    assert ov is not None
+    name = ctx.traffic_class
+    if ov.force_draft is not None:
+        spec = next(d for d in ctx.drafts if d.name == ov.force_draft)
         only = replace(ctx, drafts=(spec,))
         mean = arm_table(only, state.batch_size, ctx.mean_curves, cfg.max_k)
         drawn = (arm_table(only, state.batch_size, ctx.sampled_curves, cfg.max_k)
@@ -422,9 +471,6 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
         return Decision(name, state.bucket, spec.name, drawn.keys[i][1], Reason.OVERRIDE,
                         float(mean.speedup[i]))
     pin = min(ov.pin_k or 0, cfg.max_k)
-    if pin == 0:
-        return Decision(name, state.bucket, "", 0, Reason.OVERRIDE)
-    # Pin K with the current draft if it allows it, else the draft with the best mean at that K.
     current = state.current.draft if state.current and state.current.k else ""
     candidates = [d for d in ctx.drafts if d.max_k >= pin] or list(ctx.drafts)
     chosen = next((d for d in candidates if d.name == current), None) or max(
@@ -437,30 +483,54 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
                     float(table.speedup[row]) if row is not None else 1.0)
 
 
-def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
-    """The decision for one bucket of the class. Returns ``state.current`` unchanged to hold."""
-    name = ctx.traffic_class
+def _warmup(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
+    """Before any data: the warm-up K on the first draft."""
+    first = ctx.drafts[0]
+    k = min(cfg.warmup_k, first.max_k)
+    return Decision(ctx.traffic_class, state.bucket, first.name if k else "", k, Reason.WARMUP)
+
+
+def unpriced_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState
+                      ) -> Decision | None:
+    """The decision ``choose`` takes without pricing a step (None where it prices some; the
+    decider prices only those buckets). The decision in force held: a settled choice on an arm
+    the engines offer, without new evidence for the bucket (also after a detected change: the
+    bucket's next report with traffic re-decides it from the posterior the change reset, one
+    report interval at the old decision). An override that turns speculation off or holds its
+    K; no drafts; an offline pin; the warm-up K where no model draft is to be probed."""
+    current = state.current
     if ctx.override is not None:
-        return _override_decision(ctx, cfg, state)
+        return _override_unpriced(ctx, state)
+    name = ctx.traffic_class
     if not ctx.drafts:
         return Decision(name, state.bucket, "", 0, Reason.GOODPUT)
     if ctx.offline and cfg.offline_mode == "pin_off":
         return Decision(name, state.bucket, "", 0, Reason.OFFLINE)
-    batch = priced_batch(ctx, state)
     if not ctx.has_data:
-        first = ctx.drafts[0]
-        k = min(cfg.warmup_k, first.max_k)
-        return _with_probe(ctx, cfg, state, Decision(
-            name, state.bucket, first.name if k else "", k, Reason.WARMUP))
-
-    current = state.current
-    settled = (current is not None and current.reason not in (Reason.WARMUP, Reason.OVERRIDE)
-               and offered(ctx.drafts, current))
-    if settled and not state.fresh:
-        # Also after a detected change: the bucket's next report with traffic re-decides it from
-        # the posterior the change reset (one report interval at the old decision).
-        assert current is not None
+        warmup = _warmup(ctx, cfg, state)
+        probes = (not uses_model_draft(ctx, warmup)
+                  and any(d.kind is DraftKind.MODEL for d in ctx.drafts))
+        return None if probes else warmup
+    if (not state.fresh and current is not None
+            and current.reason not in (Reason.WARMUP, Reason.OVERRIDE)
+            and offered(ctx.drafts, current)):
         return current
+    return None
+
+
+def choose(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Choice:
+    """The first stage of ``decide_bucket``: the bucket's arm (``state.current`` itself to
+    hold), before probing."""
+    decided = unpriced_decision(ctx, cfg, state)
+    if decided is not None:
+        return Choice(decided)
+    if ctx.override is not None:
+        return Choice(_override_decision(ctx, cfg, state))
+    if not ctx.has_data:
+        return Choice(_warmup(ctx, cfg, state), probed=True)
+    name = ctx.traffic_class
+    batch = priced_batch(ctx, state)
+    current = state.current
     mean = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
     # A bucket decided without evidence of its own (no traffic yet): by the posterior means,
     # not a Thompson draw, so that it does not take a random arm from one round's noise.
@@ -493,12 +563,12 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
     candidate = Decision(name, state.bucket, best_draft, best_k, reason, expected)
 
     if current is None or current.reason in (Reason.WARMUP, Reason.OVERRIDE):
-        return _with_probe(ctx, cfg, state, candidate)
+        return Choice(candidate, probed=True)
     if candidate.same_choice(current):
         # Same arm: refresh the estimate (and the probe share), keep the original reason.
         refreshed = Decision(name, state.bucket, current.draft, current.k, current.reason,
                              expected)
-        return _with_probe(ctx, cfg, state, refreshed)
+        return Choice(refreshed, probed=True)
     if not ctx.change_detected:
         young = state.changed_at is not None and ctx.now - state.changed_at < cfg.dwell_seconds
         cur = sampled.index(current.arm)
@@ -509,8 +579,14 @@ def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> D
         margin = 0.0 if ctx.recovering or (best_k == 0 and losing) else cfg.hysteresis_ratio
         within = cur is not None and scores[best_i] <= scores[cur] * (1.0 + margin)
         if (young and offered(ctx.drafts, current)) or within:
-            return _with_probe(ctx, cfg, state, current)
-    return _with_probe(ctx, cfg, state, candidate)
+            return Choice(current, probed=True)
+    return Choice(candidate, probed=True)
+
+
+def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
+    """The decision for one bucket of the class: ``choose``, then ``with_probe``. Returns
+    ``state.current`` unchanged to hold."""
+    return with_probe(ctx, cfg, state, choose(ctx, cfg, state))
 
 
 def priced_batch(ctx: ClassContext, state: BucketState) -> int:
@@ -562,7 +638,3 @@ def position1_acceptance(ctx: ClassContext, draft: str) -> tuple[float, float]:
     lower, upper = credible_bounds([alpha], [beta], CREDIBLE_LEVEL)
     return alpha / (alpha + beta), float(upper[0] - lower[0]) / 2
 
-
-def decide_class(ctx: ClassContext, cfg: PolicyConfig) -> list[Decision]:
-    """One decision per bucket of the class."""
-    return [decide_bucket(ctx, cfg, state) for state in ctx.buckets]

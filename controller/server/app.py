@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from controller.core.controller import ControllerCore, epoch_at
+from controller.core.controller import ControllerCore
+from controller.core.published import epoch_at
 from controller.dashboard.routes import Dashboard
 from controller.metrics import Metrics
 from controller.server.engine_service import ClientCertificates, EngineService

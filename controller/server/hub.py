@@ -171,16 +171,16 @@ class Hub:
         """End the streams of engines that have not reported for ``timeout_seconds`` and
         forget them; returns their ids."""
         dropped = []
-        for engine in self._core.snapshot(now).engines:
-            session = self.sessions.get(engine.engine_id)
-            if session is None or engine.report_age_seconds <= timeout_seconds:
+        for engine_id, age in self._core.report_ages(now).items():
+            session = self.sessions.get(engine_id)
+            if session is None or age <= timeout_seconds:
                 continue
-            del self.sessions[engine.engine_id]
+            del self.sessions[engine_id]
             session.outbox.close(grpc.StatusCode.UNAVAILABLE,
-                                 f"no report for {engine.report_age_seconds:.1f} s (engine "
-                                 f"silence timeout {timeout_seconds:g} s); reconnect")
-            self._core.disconnect_engine(engine.engine_id)
-            dropped.append(engine.engine_id)
+                                 f"no report for {age:.1f} s (engine silence timeout "
+                                 f"{timeout_seconds:g} s); reconnect")
+            self._core.disconnect_engine(engine_id)
+            dropped.append(engine_id)
         return dropped
 
     def forget_idle_classes(self, now: float) -> tuple[str, ...]:
@@ -258,10 +258,6 @@ class Hub:
     def on_decisions(self, listener: Callable[[list[DecisionEvent]], None]) -> None:
         """Call ``listener`` with every round's new decisions (it must not block)."""
         self._listeners.append(listener)
-
-    def off_decisions(self, listener: Callable[[list[DecisionEvent]], None]) -> None:
-        """Stop calling ``listener`` (one added by ``on_decisions``)."""
-        self._listeners.remove(listener)
 
     def watch_message(self, e: DecisionEvent) -> bytes:
         """``e`` as a serialized WatchDecisionsResponse."""

@@ -82,9 +82,6 @@ class AuditLog:
         """Call ``listener`` with every new entry (it must not block)."""
         self._listeners.append(listener)
 
-    def off_entry(self, listener: Callable[[AuditEntry], None]) -> None:
-        self._listeners.remove(listener)
-
 
 def _what(msg: policy_pb2.Override) -> str:
     action = msg.WhichOneof("action")

@@ -31,7 +31,7 @@ class ClassArms:
         self.arms = arms
         self.values = np.array([comp.expected(traffic_class, a) for a in arms])
         self.ks = np.array([float(k) for _, k in arms])
-        index = comp.pricing._vectors.index
+        index = comp.pricing.arrays.index
         self.passes = np.zeros((len(arms), len(index)))
         for i, (draft, k) in enumerate(arms):
             if k and draft in index:
@@ -69,7 +69,7 @@ def step_arms(comp: Composition, counts: Mapping[str, int], arms: Mapping[str, A
                       and arms[c] in options[c].arms), key=lambda c: (-counts[c], c))
     if not movable:
         return dict(arms)
-    p = comp.pricing._vectors
+    p = comp.pricing.arrays
     # Per live class: its row (the option it runs) in its own options, or its fixed figures.
     at = {c: options[c].arms.index(arms[c]) for c in movable}
     fixed = [c for c in live if c not in at]
@@ -146,7 +146,7 @@ class StepComposer:
 
     def __init__(self, composition: Composition, cache_size: int = 4096) -> None:
         self.composition = composition
-        self._options = class_arms(composition)
+        self.options = class_arms(composition)
         self._cache_size = cache_size
         self._cache: dict[tuple[object, ...], dict[str, Arm]] = {}
 
@@ -172,5 +172,5 @@ class StepComposer:
                 free.add(name)
         if not free:
             return {}
-        chosen = step_arms(self.composition, counts, arms, free, batch_size, self._options)
+        chosen = step_arms(self.composition, counts, arms, free, batch_size, self.options)
         return {c: a for c, a in chosen.items() if a != arms[c]}

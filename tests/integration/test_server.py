@@ -49,11 +49,11 @@ def _metric(server: RunningServer, name: str, **labels: str) -> float:
 def _snapshot(server: RunningServer, at: float) -> tuple[Any, ...]:
     """Everything a report could change, seen at one instant ``at`` (posteriors decay with time,
     so only snapshots taken at the same instant compare). Decisions are left out: the periodic
-    decide task may move them at any time. The cost model has no read model: white-box."""
+    decide task may move them at any time."""
     snap = server.core.snapshot(at)
     estimates = [e for c in snap.classes for e in c.estimates if e.has_evidence]
     return (estimates, [c.name for c in snap.classes], snap.engines,
-            server.core._cost.theta.tolist())
+            server.core.cost_fit())
 
 
 # --- health and reflection ---------------------------------------------------------------------
@@ -108,7 +108,7 @@ async def test_hello_gets_ack_then_policy(server: RunningServer, channel: grpc.a
     msg.step_timings.append(engine_pb2.StepTiming(
         batch_bucket=2, draft=DRAFT, k=2, steps=40, sum_batch_size=160, sum_verified_tokens=480,
         sum_draft_tokens=320, sum_step_seconds=1.0))
-    predicted = server.core._cost.predict(StepShape(4, 12, DRAFT, 2, 8))  # white-box
+    predicted = server.core.predicted_seconds(StepShape(4, 12, DRAFT, 2, 8))
     result = await engine.send(msg)
     assert (result.accepted, result.code, result.sequence) == (True, 0, 1)
     assert _metric(server, "specpilot_reports_received_total") == 1

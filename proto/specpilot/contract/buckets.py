@@ -7,7 +7,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable
 
-# Default ``batch_bucket_upper_bounds`` (``CoreConfig`` in controller/core/controller.py).
+# Default ``batch_bucket_upper_bounds`` (``CoreConfig`` in controller/core/config.py).
 DEFAULT_BUCKET_BOUNDS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
 

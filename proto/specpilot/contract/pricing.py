@@ -71,7 +71,7 @@ class StepPricing:
         """Step seconds, one per entry of ``verified_tokens``; ``passes`` and ``draft_tokens``
         per model draft (entries aligned with ``verified_tokens``; a draft with 0 passes does
         not draft). Drafts without pricing cost nothing."""
-        vectors = self._vectors
+        vectors = self.arrays
         v = np.asarray(verified_tokens, dtype=np.float64)
         by_pass, by_token = np.zeros((v.size, vectors.n)), np.zeros((v.size, vectors.n))
         for name, p in passes.items():
@@ -80,11 +80,11 @@ class StepPricing:
         return vectors.seconds(batch_size, v, by_pass, by_token)
 
     @cached_property
-    def _vectors(self) -> _Pricing:
-        return _Pricing(self)
+    def arrays(self) -> PricingArrays:
+        return PricingArrays(self)
 
 
-class _Pricing:
+class PricingArrays:
     """``StepPricing`` as arrays over its model drafts (column ``index[name]``): the one place
     the formula is written."""
 

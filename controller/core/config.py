@@ -1,0 +1,80 @@
+"""The core's configuration: traffic classes, batch buckets, the step-cost model's shape and the
+decision log, with the estimator's, the policy's and the cost prior's own settings nested."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.core.acceptance import EstimatorConfig
+from controller.core.cost_model import CostPrior
+from controller.core.policy import PolicyConfig
+from controller.core.tunable import tunable
+from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, bucket_upper_size
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """Core: traffic classes, batch buckets, the step-cost model's shape and the decision log.
+
+    The nested configs are concerns of their own, each with its own settings."""
+
+    estimator: EstimatorConfig
+    """The acceptance estimator's settings."""
+    policy: PolicyConfig
+    """The decision rule's settings."""
+    cost_prior: CostPrior
+    """The step-cost model's prior."""
+    cost_knots_tokens: tuple[int, ...] = tunable((16, 32, 64, 128, 256, 512, 1024),
+                                                 increasing=True)
+    """Verified-token counts where the step-cost slope may change (hinge knots)."""
+    cost_half_life_seconds: float = tunable(600.0, gt=0)
+    """Half-life of step-timing evidence, seconds."""
+    batch_bucket_upper_bounds: tuple[int, ...] = tunable(DEFAULT_BUCKET_BOUNDS, increasing=True)
+    """Inclusive upper bounds of batch-size buckets, sequences; one open bucket follows the
+    last."""
+    traffic_half_life_seconds: float = tunable(30.0, gt=0)
+    """Half-life of what the controller knows of the traffic running now: the class mix of the
+    batch and each bucket's mean batch size (a bucket's decisions are priced at it), seconds.
+    Short, so that decisions follow a mix or load that moves within minutes."""
+    max_classes: int = tunable(16, ge=1, le=256)
+    """Distinct class names tracked ('default' and declared classes included); more fold into
+    'other'. With several engines connected, each may bring new classes only while it holds
+    fewer than its share of the slots left after the declared ones and 'other' (those slots
+    over the engines, rounded up), so one engine cannot take them all."""
+    max_model_drafts: int = tunable(32, ge=1, le=64)
+    """Model drafts the step-cost model prices at once, across engines and reconnects (three
+    cost columns each, and its prior grows with their square). A hello naming a new model
+    draft when this many are held gives back the columns and estimates of drafts no connected
+    engine announces, the longest-held first; when every one is in use the new draft is
+    refused (HelloAck.rejected_drafts says why). One engine announces at most MAX_DRAFTS."""
+    offline_classes: frozenset[str] = tunable(frozenset())
+    """Classes of prefill-dominated batch work (declared: they hold a slot from the start)."""
+    declared_classes: frozenset[str] = tunable(frozenset())
+    """Classes known before any traffic: each holds a slot from the start and never gives it
+    back, and operators may override them before an engine reports them (an override must name
+    a declared class or one an engine has reported)."""
+    declared_drafts: frozenset[str] = tunable(frozenset())
+    """Drafts operators may force (an override's force_draft) beside those the connected engines
+    offer, e.g. before any engine has connected; a forced draft the engines do not offer runs
+    the class without speculation. Any other draft name is refused."""
+    class_idle_seconds: float = tunable(900.0, gt=0)
+    """A class no engine has reported for this long, neither declared nor under an override of
+    its own, gives its slot back and its estimates are forgotten, seconds. A class whose every
+    reporting engine disconnected gives its slot to a new class at once when the table is
+    full."""
+    decision_log_size: int = tunable(1000, ge=1, le=10_000)
+    """Decisions kept for watch/replay. At most 10,000: a decision held costs ~0.35 KiB, and
+    answering a read of the whole log (/api/decisions without a limit) ~2.6 KiB more each
+    (benchmarks/sidecar_memory.py: 100,000 peaked at 368 MiB)."""
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.batch_bucket_upper_bounds) + 1
+
+    def bucket_batch_size(self, bucket: int) -> int:
+        """Upper batch size of a bucket: its upper bound (twice the last for the open bucket);
+        the cost prior's design points, and a bucket's price until steps were seen in it."""
+        return bucket_upper_size(self.batch_bucket_upper_bounds, bucket)
+
+    def bucket_of(self, batch_size: int) -> int:
+        return bucket_of(self.batch_bucket_upper_bounds, batch_size)

@@ -1,0 +1,169 @@
+"""The decide loop: re-decide the classes that new evidence, an override or time may have changed,
+with the pure policy's stages (``policy.choose``, then ``policy.with_probe``) on each class's
+context, priced before each stage (``context.Contexts``), and publish the result.
+
+Incremental: a class whose every bucket is settled and has no new evidence keeps its decisions
+without being scored, so a round costs what the evidence since the last one touched.
+"""
+
+from __future__ import annotations
+
+from controller.core.class_table import ClassState, ClassTable
+from controller.core.config import CoreConfig
+from controller.core.context import Contexts, Running
+from controller.core.engines import EngineRegistry
+from controller.core.evidence import Evidence, MeanCurves
+from controller.core.joint import JointSearch
+from controller.core.overrides import Overrides
+from controller.core.policy import (
+    ClassContext,
+    choose,
+    decision_figures,
+    offered,
+    priced_batch,
+    with_probe,
+)
+from controller.core.published import PublishedPolicy
+from specpilot.contract.pricing import Composition, moved
+from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Reason
+
+# A probe share that moved by less than this factor is not worth a new policy version.
+_PROBE_RATE_MATERIAL_FACTOR = 1.25
+# Classes whose E(K) curves a policy carries for the engines' per-step re-picks (the largest
+# shares of the mix): bounds a policy update at ~30 KiB with 16 drafts of K 8.
+COMPOSITION_MAX_CLASSES = 32
+# Relative move of an E(K) or of a priced step time that makes a new composition worth a policy
+# version (the engines' re-picks follow what the controller learns, not each round's noise).
+_COMPOSITION_TOLERANCE = 0.01
+
+
+class Decider:
+    def __init__(self, config: CoreConfig, engines: EngineRegistry, classes: ClassTable,
+                 overrides: Overrides, evidence: Evidence, joint: JointSearch,
+                 contexts: Contexts, published: PublishedPolicy) -> None:
+        self._config = config
+        self._engines = engines
+        self._classes = classes
+        self._overrides = overrides
+        self._evidence = evidence
+        self._joint = joint
+        self._contexts = contexts
+        self._published = published
+
+    def refresh_joint(self, now: float, max_buckets: int) -> None:
+        """Rerun the joint search for at most ``max_buckets`` of the stalest buckets."""
+        self._joint.refresh(self._engines.drafts(), now, self._evidence.mean_curves(now),
+                            max_buckets)
+
+    def decide(self, now: float, joint: bool = True) -> list[DecisionEvent]:
+        """Re-decide, publish and return the events for choices that changed. ``joint=False``
+        leaves the joint search's refresh to ``refresh_joint``."""
+        drafts = self._engines.drafts()
+        if not drafts and not len(self._engines):
+            return []
+        events: list[DecisionEvent] = []
+        material = False
+        curves = self._evidence.mean_curves(now)
+        if joint:
+            self._joint.refresh(drafts, now, curves)
+        drawn = self._contexts.draw_costs()
+        # The classes as they run, per bucket (``Contexts.others``); a decision the round
+        # changes is priced again, so later classes see it.
+        running: Running = {}
+        for name, state in self._classes:
+            if self._holds(name, state, drafts):
+                self._contexts.draw_held(name, drafts, now)
+                continue
+            ctx = self._contexts.build(name, state, drafts, now, curves, drawn, running)
+            material |= self._decide_class(ctx, state, now, curves, running, events)
+        composition = self._compose(drafts, curves)
+        if moved(self._published.composition, composition, self._priced_batch_sizes(),
+                 self._config.policy.max_k, _COMPOSITION_TOLERANCE):
+            self._published.composition = composition
+            material = True
+        return self._published.publish(events, material)
+
+    def _decide_class(self, ctx: ClassContext, state: ClassState, now: float,
+                      curves: MeanCurves, running: Running, events: list[DecisionEvent]
+                      ) -> bool:
+        """Decide the class of ``ctx`` with the policy's two stages (the arms a probe reads
+        priced in between), keep what changed in ``state`` and ``running``, and add an event
+        for each new choice to ``events``; whether an engine must hear of a change."""
+        policy, name = self._config.policy, ctx.traffic_class
+        choices = [choose(ctx, policy, bucket) for bucket in ctx.buckets]
+        ctx = self._contexts.priced_for_probes(ctx, choices)
+        material = False
+        for bucket, choice in zip(ctx.buckets, choices, strict=True):
+            new = with_probe(ctx, policy, bucket, choice)
+            old = state.decisions.get(new.bucket)
+            if bucket.fresh:
+                # Decided on this evidence, even where hysteresis or the dwell kept the arm:
+                # the next draw needs new evidence again.
+                state.decided_at[new.bucket] = now
+            if new is old:
+                continue
+            material |= _material(old, new)
+            state.decisions[new.bucket] = new
+            state.decided_at[new.bucket] = now
+            if name in running.get(new.bucket, {}):
+                o = self._contexts.running(name, running[new.bucket][name].share, new.bucket,
+                                           ctx.drafts, curves)
+                if o is not None:
+                    running[new.bucket][name] = o
+            if new.same_choice(old):
+                continue
+            state.changed_at[new.bucket] = now
+            ctx = self._contexts.priced_at(ctx, priced_batch(ctx, bucket))
+            events.append(DecisionEvent(
+                0, now, new, old, decision_figures(ctx, policy, bucket, new, old)))
+        state.change_pending = False
+        return material
+
+    def _holds(self, name: str, state: ClassState, drafts: tuple[DraftSpec, ...]) -> bool:
+        """Whether deciding the class would keep every bucket's decision as it is (what
+        ``decide_bucket`` does for a settled bucket without new evidence): no override, no
+        detected change, not offline, and each bucket settled (on an arm the connected engines
+        offer) and not fresh."""
+        if (state.change_pending or not drafts or name in self._config.offline_classes
+                or self._overrides.in_force(name) is not None):
+            return False
+        for b in range(self._config.n_buckets):
+            d = state.decisions.get(b)
+            if (d is None or d.reason in (Reason.WARMUP, Reason.OVERRIDE)
+                    or self._contexts.fresh(state, b) or not offered(drafts, d)):
+                return False
+        return True
+
+    def _priced_batch_sizes(self) -> list[int]:
+        loads = self._evidence.loads
+        return sorted({max(1, round(loads.batch_size(b))) for b in range(self._config.n_buckets)})
+
+    def _compose(self, drafts: tuple[DraftSpec, ...], curves: MeanCurves) -> Composition | None:
+        """What engines that re-pick arms per step price a step with (``step_composition``):
+        the cost model's mean weights and the posterior-mean E(K) of the classes with the
+        largest shares, per draft they have evidence for. None when no connected engine can
+        use it, or when a per-request engine's drafter runs whatever K is chosen (a per-step
+        re-pick then saves verification only)."""
+        if not self._engines.any_step_composition() or self._engines.sunk_draft() is not None:
+            return None
+        shares = self._evidence.mix.shares()
+        estimator, max_k = self._evidence.estimator, self._config.policy.max_k
+        names = sorted(self._classes.names(), key=lambda c: (-shares.get(c, 0.0), c))
+        expected: dict[tuple[str, str], tuple[float, ...]] = {}
+        for name in names[:COMPOSITION_MAX_CLASSES]:
+            for d in drafts:
+                if estimator.has_data(name, d.name):
+                    curve = curves(name, d.name)[: min(max_k, d.max_k) + 1]
+                    expected[(name, d.name)] = tuple(float(x) for x in curve)
+        return Composition(self._evidence.cost.mean.pricing(), expected,
+                           self._config.policy.composition_margin)
+
+
+def _material(old: Decision | None, new: Decision) -> bool:
+    """Whether the engine needs to hear about this change."""
+    if old is None or not new.same_choice(old):
+        return True
+    if (old.probe_k, old.probe_draft) != (new.probe_k, new.probe_draft):
+        return True
+    lo, hi = sorted((old.probe_rate, new.probe_rate))
+    return hi > 0 and (lo == 0 or hi / lo > _PROBE_RATE_MATERIAL_FACTOR)

@@ -1,0 +1,85 @@
+"""What the policy prices a class's arms with: step seconds as arrays, computed before it runs.
+
+Why: the policy (``controller.core.policy``) is a pure function of its context. The decider prices
+the steps it will score (``price_steps``, from the step-cost model's mean and from a decide
+round's draw of its weights) and the policy reads arrays: it calls nothing, and a test hands it
+prices from a toy cost function the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from controller.core.mix import BatchOthers, MixedSecondsFn, arm_seconds
+from specpilot.contract.records import DraftSpec
+
+FloatArray = npt.NDArray[np.float64]
+# (batch_size, draft whose passes run, draft_is_model, max_k) -> step seconds for K = 0..max_k
+StepSecondsFn = Callable[[int, str, bool, int], FloatArray]
+_OFF = ""
+
+
+@dataclass(frozen=True)
+class StepPrices:
+    """Step seconds under one set of cost weights, at the batch sizes a class is scored at."""
+
+    curves: Mapping[tuple[int, str, int], FloatArray]
+    """(batch size, draft, K max) -> seconds of a step whose sequences all run K = 0..K max of
+    the draft; (batch size, "", 0): no speculation."""
+    mixed: Mapping[tuple[int, tuple[str, ...]], FloatArray]
+    """(batch size, the drafts scored) -> seconds of each of the class's arms (off, then each
+    draft's K = 1..max) with the rest of the batch at the context's ``others``."""
+
+    def off(self, batch_size: int) -> FloatArray:
+        """Seconds of a step without speculation (one entry)."""
+        return self.curves[(batch_size, _OFF, 0)]
+
+    def curve(self, batch_size: int, draft: str, k_max: int) -> FloatArray:
+        """Seconds for K = 0..``k_max``, every sequence on ``draft``."""
+        return self.curves[(batch_size, draft, k_max)]
+
+    def mixed_arms(self, batch_size: int, drafts: Sequence[DraftSpec]) -> FloatArray:
+        """Seconds of each arm over ``drafts`` in the expected batch of ``batch_size``."""
+        return self.mixed[(batch_size, tuple(d.name for d in drafts))]
+
+    def plus(self, other: StepPrices) -> StepPrices:
+        """These prices and ``other``'s."""
+        return StepPrices({**self.curves, **other.curves}, {**self.mixed, **other.mixed})
+
+
+def price_steps(step_seconds: StepSecondsFn, mixed_seconds: MixedSecondsFn | None,
+                drafts: Sequence[DraftSpec], max_k: int, batch_sizes: Iterable[int],
+                others: Mapping[int, BatchOthers] | None = None,
+                draft_sets: Sequence[tuple[DraftSpec, ...]] = (),
+                arms: Iterable[tuple[int, str, int]] = ()) -> StepPrices:
+    """The prices of ``drafts``' arms (K up to ``max_k``) at ``batch_sizes``: no speculation,
+    and a curve per draft where the batch is all of the class, or, where ``others`` has the
+    rest of the batch, every arm of ``drafts`` and of each of ``draft_sets`` in that batch
+    (``mixed_seconds`` required). And the curve up to K of each of ``arms`` (batch size,
+    draft, K; what a probe of the model draft reads, ``policy.probe_curves``)."""
+    others = others or {}
+    if others and mixed_seconds is None:
+        raise ValueError("price_steps: mixed batches need mixed_seconds")
+    specs = {d.name: d for d in drafts}
+    curves: dict[tuple[int, str, int], FloatArray] = {}
+    mixed: dict[tuple[int, tuple[str, ...]], FloatArray] = {}
+    for b, name, k in arms:
+        d = specs[name]
+        curves[(b, name, k)] = step_seconds(b, d.pass_draft, bool(d.pass_draft), k)
+    for b in batch_sizes:
+        curves[(b, _OFF, 0)] = step_seconds(b, "", False, 0)
+        o = others.get(b)
+        if o is None:
+            for d in drafts:
+                k_max = min(max_k, d.max_k)
+                curves[(b, d.name, k_max)] = step_seconds(b, d.pass_draft, bool(d.pass_draft),
+                                                          k_max)
+        elif mixed_seconds is not None:
+            for scored in (tuple(drafts), *draft_sets):
+                mixed[(b, tuple(d.name for d in scored))] = arm_seconds(o, scored, max_k,
+                                                                        mixed_seconds)
+    return StepPrices(curves, mixed)
