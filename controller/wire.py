@@ -255,6 +255,7 @@ def policy_response_to_proto(snap: CoreSnapshot, classes: tuple[ClassView, ...],
     return policy_pb2.GetPolicyResponse(
         version=snap.version,
         batch_bucket_upper_bounds=snap.batch_bucket_upper_bounds,
+        measured_batch_buckets=snap.measured_buckets,
         classes=[class_view_to_proto(c, credible_level, values[start:end])
                  for c, start, end in zip(classes, starts, starts[1:], strict=False)],
         engines=[e.engine_id for e in snap.engines],

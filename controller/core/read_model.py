@@ -154,6 +154,7 @@ class ReadModel:
             default_decisions=tuple(self.default_decisions()),
             log=self._published.log,
             batch_bucket_upper_bounds=self._config.batch_bucket_upper_bounds,
+            measured_buckets=self._evidence.loads.measured(),
             offline_classes=self._config.offline_classes,
             max_classes=self._config.max_classes,
             composition=self._published.composition,

@@ -156,6 +156,9 @@ class CoreSnapshot:
     max_classes: int
     # What engines that re-pick arms per step price a step with (None: no engine can).
     composition: Composition | None = None
+    # The batch buckets in which an engine has timed a decode step; the others' decisions come
+    # from the priors alone.
+    measured_buckets: tuple[int, ...] = ()
 
     @property
     def n_buckets(self) -> int:

@@ -170,3 +170,51 @@ async def test_an_override_needs_the_token_and_lands_in_the_audit_log(browser: B
         await engine.close()
         await ch.close()
         await server.stop(grace_seconds=0.1)
+
+
+async def _unmeasured(page: Page, traffic_class: str) -> list[int]:
+    return sorted(await page.eval_on_selector_all(
+        f"#ktable td.kcell.unmeasured[data-class={traffic_class}]",
+        "cs => cs.map(c => +c.dataset.bucket)"))
+
+
+async def test_batch_ranges_without_a_timed_step_are_marked_as_priors_only(
+        browser: Browser) -> None:
+    """Before any step is timed every batch range's choice comes from the priors, and the page
+    says so on every cell; once an engine times steps at batch 3 and 20, exactly those two
+    ranges lose the mark (GetPolicy lists them), the rest keep it."""
+    from specpilot.contract.buckets import bucket_of
+    from specpilot.v1 import engine_pb2
+
+    server = await _start()
+    ch, engine = await _engine(server, CLASSES[:1])
+    page = await browser.new_page()
+    try:
+        await page.goto(server.http_url + "/")
+        await _until_shown_matches(page, server)
+        policy = await _policy(server)
+        bounds = tuple(policy.batch_bucket_upper_bounds)
+        every = list(range(len(bounds) + 1))
+        assert list(policy.measured_batch_buckets) == []
+        assert await _unmeasured(page, "chat") == every  # the control: all marked
+        timed = sorted({bucket_of(bounds, 3), bucket_of(bounds, 20)})
+        steps = [engine_pb2.StepTiming(batch_bucket=b, draft="", k=0, steps=10,
+                                       sum_batch_size=10 * size, sum_verified_tokens=10 * size,
+                                       sum_step_seconds=0.2)
+                 for b, size in zip(timed, (3, 20), strict=True)]
+        msg = report(2, acceptance("chat"))
+        msg.step_timings.extend(steps)
+        await engine.send(msg)
+        deadline = asyncio.get_running_loop().time() + 10
+        while await _unmeasured(page, "chat") != [b for b in every if b not in timed]:
+            assert asyncio.get_running_loop().time() < deadline, await _unmeasured(page, "chat")
+            await asyncio.sleep(0.2)
+        assert list((await _policy(server)).measured_batch_buckets) == timed
+        title = await page.get_attribute(
+            f"#ktable td.kcell[data-class=chat][data-bucket='{every[-1]}']", "title")
+        assert title is not None and "from the priors" in title
+    finally:
+        await page.close()
+        await engine.close()
+        await ch.close()
+        await server.stop(grace_seconds=0.1)

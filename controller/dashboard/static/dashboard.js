@@ -191,6 +191,8 @@ function renderTable(policy) {
     "speedup over no speculation: expected / measured"));
   head.replaceChildren(row);
   const body = $("ktable").tBodies[0];
+  // Batch ranges with a timed step: elsewhere the decisions come from the priors alone.
+  const timedBuckets = new Set((policy.measured_batch_buckets || []).map(Number));
   const rows = [];
   for (const c of policy.classes) {
     const tr = el("tr", {"data-class": c.traffic_class});
@@ -202,11 +204,13 @@ function renderTable(policy) {
     const inForce = c.overrides.length > 0;
     for (const d of c.decisions) {
       const k = Number(d.k);
+      const seen = timedBuckets.has(Number(d.batch_bucket || 0));
       const cell = el("td", {class: "kcell" + (k ? "" : " off") + (reasonName(d.reason) === "override" ? " ovr" : "")
-        + (reasonName(d.reason) === "explore" ? " explore" : ""),
+        + (reasonName(d.reason) === "explore" ? " explore" : "") + (seen ? "" : " unmeasured"),
         "data-class": c.traffic_class, "data-bucket": String(d.batch_bucket), "data-k": String(k),
         title: `${k ? `draft ${d.draft}, K=${k}` : "speculation off"}; ${reasonName(d.reason)}; expected `
-          + `${Number(d.expected_speedup).toFixed(2)}x` + (d.probe_rate > 0 ? `; probing ${(100 * d.probe_rate).toFixed(1)}% of ${d.probe_steps ? "steps" : "requests"} at K=${d.probe_k}` : "")},
+          + `${Number(d.expected_speedup).toFixed(2)}x` + (d.probe_rate > 0 ? `; probing ${(100 * d.probe_rate).toFixed(1)}% of ${d.probe_steps ? "steps" : "requests"} at K=${d.probe_k}` : "")
+          + (seen ? "" : "; no step measured at this batch size yet: from the priors")},
         k ? `${d.draft}:${k}` : "off");
       if (reasonName(d.reason) === "override") cell.append(el("span", {class: "ovr-mark"}, " ●"));
       tr.append(cell);

@@ -92,6 +92,10 @@ class BucketLoads:
         self._batch_sum[bucket] = self._batch_sum.get(bucket, 0.0) * f + sum_batch_size
         self._at[bucket] = now if at is None else max(at, now)
 
+    def measured(self) -> tuple[int, ...]:
+        """The buckets in which a decode step was timed, ascending."""
+        return tuple(sorted(b for b, steps in self._steps.items() if steps > 0))
+
     def batch_size(self, bucket: int) -> int:
         """The bucket's mean observed batch size, rounded and kept inside the bucket; its upper
         bound before any step was seen there."""

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from specpilot.v1 import common_pb2 as specpilot_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpilot/v1/policy.proto\x12\x0cspecpilot.v1\x1a\x19specpilot/v1/common.proto\")\n\x10GetPolicyRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\"i\n\x10PositionEstimate\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0c\n\x04mean\x18\x02 \x01(\x01\x12\r\n\x05lower\x18\x03 \x01(\x01\x12\r\n\x05upper\x18\x04 \x01(\x01\x12\x17\n\x0f\x65\x66\x66\x65\x63tive_tries\x18\x05 \x01(\x01\"\x84\x01\n\rDraftEstimate\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\x31\n\tpositions\x18\x02 \x03(\x0b\x32\x1e.specpilot.v1.PositionEstimate\x12\x17\n\x0f\x65xpected_tokens\x18\x03 \x03(\x01\x12\x18\n\x10\x63hanges_detected\x18\x04 \x01(\x04\"\xcc\x01\n\x08Override\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0f\n\x05pin_k\x18\x02 \x01(\rH\x00\x12\x15\n\x0b\x66orce_draft\x18\x03 \x01(\tH\x00\x12\x13\n\tforce_off\x18\x04 \x01(\x08H\x00\x12\x0c\n\x04note\x18\x05 \x01(\t\x12\x18\n\x10set_unix_seconds\x18\x06 \x01(\x01\x12*\n\x05scope\x18\x07 \x01(\x0e\x32\x1b.specpilot.v1.OverrideScope\x12\x0e\n\x06set_by\x18\x08 \x01(\tB\x08\n\x06\x61\x63tion\"\xdd\x02\n\x0b\x43lassPolicy\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12)\n\tdecisions\x18\x02 \x03(\x0b\x32\x16.specpilot.v1.Decision\x12.\n\testimates\x18\x03 \x03(\x0b\x32\x1b.specpilot.v1.DraftEstimate\x12)\n\toverrides\x18\x04 \x03(\x0b\x32\x16.specpilot.v1.Override\x12\x0f\n\x07offline\x18\x05 \x01(\x08\x12\x18\n\x0b\x62\x61tch_share\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12%\n\x18measured_tokens_per_step\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10measured_speedup\x18\x08 \x01(\x01H\x02\x88\x01\x01\x42\x0e\n\x0c_batch_shareB\x1b\n\x19_measured_tokens_per_stepB\x13\n\x11_measured_speedup\"\xb1\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\x1a\n\x12report_age_seconds\x18\x04 \x01(\x01\x12\x1e\n\x16policy_version_applied\x18\x05 \x01(\x04\x12\x10\n\x08hardware\x18\x06 \x01(\t\x12\x17\n\x0fversions_behind\x18\x07 \x01(\x04\"\xb7\x01\n\x11GetPolicyResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x19\x62\x61tch_bucket_upper_bounds\x18\x02 \x03(\r\x12*\n\x07\x63lasses\x18\x03 \x03(\x0b\x32\x19.specpilot.v1.ClassPolicy\x12\x0f\n\x07\x65ngines\x18\x04 \x03(\t\x12\x31\n\rengine_status\x18\x05 \x03(\x0b\x32\x1a.specpilot.v1.EngineStatus\">\n\x12SetOverrideRequest\x12(\n\x08override\x18\x01 \x01(\x0b\x32\x16.specpilot.v1.Override\"-\n\x13SetOverrideResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\"Y\n\x14\x43learOverrideRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12*\n\x05scope\x18\x02 \x01(\x0e\x32\x1b.specpilot.v1.OverrideScope\"@\n\x15\x43learOverrideResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0f\n\x07\x63leared\x18\x02 \x01(\x08\".\n\x15WatchDecisionsRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\"D\n\x16WatchDecisionsResponse\x12*\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1b.specpilot.v1.DecisionEvent\"E\n\x16\x45xplainDecisionRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61tch_bucket\x18\x02 \x01(\r\"\x87\x01\n\x08\x41rmScore\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\x12\x17\n\x0f\x65xpected_tokens\x18\x03 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x04 \x01(\x01\x12!\n\x19goodput_tokens_per_second\x18\x05 \x01(\x01\x12\x0f\n\x07speedup\x18\x06 \x01(\x01\"\x8b\x01\n\x17\x45xplainDecisionResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x16.specpilot.v1.Decision\x12$\n\x04\x61rms\x18\x02 \x03(\x0b\x32\x16.specpilot.v1.ArmScore\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nbatch_size\x18\x04 \x01(\r\"2\n\x19GetRecommendationsRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\"\x93\x01\n\x11RecommendedOption\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\r\x12!\n\x19goodput_tokens_per_second\x18\x04 \x01(\x01\x12\r\n\x05tries\x18\x05 \x01(\x01\x12\x10\n\x08sidecars\x18\x06 \x01(\r\x12\x12\n\ncost_steps\x18\x07 \x01(\x01\"\xa5\x01\n\x13\x43lassRecommendation\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61tch_bucket\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\r\n\x05\x64raft\x18\x04 \x01(\t\x12\x0c\n\x04pool\x18\x05 \x01(\t\x12\x30\n\x07options\x18\x06 \x03(\x0b\x32\x1f.specpilot.v1.RecommendedOption\"o\n\x1aGetRecommendationsResponse\x12\x32\n\x07\x63lasses\x18\x01 \x03(\x0b\x32!.specpilot.v1.ClassRecommendation\x12\x1d\n\x15\x63omputed_unix_seconds\x18\x02 \x01(\x01*a\n\rOverrideScope\x12\x1e\n\x1aOVERRIDE_SCOPE_UNSPECIFIED\x10\x00\x12\x16\n\x12OVERRIDE_SCOPE_POD\x10\x01\x12\x18\n\x14OVERRIDE_SCOPE_FLEET\x10\x02\x32\xb3\x04\n\rPolicyService\x12L\n\tGetPolicy\x12\x1e.specpilot.v1.GetPolicyRequest\x1a\x1f.specpilot.v1.GetPolicyResponse\x12R\n\x0bSetOverride\x12 .specpilot.v1.SetOverrideRequest\x1a!.specpilot.v1.SetOverrideResponse\x12X\n\rClearOverride\x12\".specpilot.v1.ClearOverrideRequest\x1a#.specpilot.v1.ClearOverrideResponse\x12]\n\x0eWatchDecisions\x12#.specpilot.v1.WatchDecisionsRequest\x1a$.specpilot.v1.WatchDecisionsResponse0\x01\x12^\n\x0f\x45xplainDecision\x12$.specpilot.v1.ExplainDecisionRequest\x1a%.specpilot.v1.ExplainDecisionResponse\x12g\n\x12GetRecommendations\x12\'.specpilot.v1.GetRecommendationsRequest\x1a(.specpilot.v1.GetRecommendationsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specpilot/v1/policy.proto\x12\x0cspecpilot.v1\x1a\x19specpilot/v1/common.proto\")\n\x10GetPolicyRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\"i\n\x10PositionEstimate\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x0c\n\x04mean\x18\x02 \x01(\x01\x12\r\n\x05lower\x18\x03 \x01(\x01\x12\r\n\x05upper\x18\x04 \x01(\x01\x12\x17\n\x0f\x65\x66\x66\x65\x63tive_tries\x18\x05 \x01(\x01\"\x84\x01\n\rDraftEstimate\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\x31\n\tpositions\x18\x02 \x03(\x0b\x32\x1e.specpilot.v1.PositionEstimate\x12\x17\n\x0f\x65xpected_tokens\x18\x03 \x03(\x01\x12\x18\n\x10\x63hanges_detected\x18\x04 \x01(\x04\"\xcc\x01\n\x08Override\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x0f\n\x05pin_k\x18\x02 \x01(\rH\x00\x12\x15\n\x0b\x66orce_draft\x18\x03 \x01(\tH\x00\x12\x13\n\tforce_off\x18\x04 \x01(\x08H\x00\x12\x0c\n\x04note\x18\x05 \x01(\t\x12\x18\n\x10set_unix_seconds\x18\x06 \x01(\x01\x12*\n\x05scope\x18\x07 \x01(\x0e\x32\x1b.specpilot.v1.OverrideScope\x12\x0e\n\x06set_by\x18\x08 \x01(\tB\x08\n\x06\x61\x63tion\"\xdd\x02\n\x0b\x43lassPolicy\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12)\n\tdecisions\x18\x02 \x03(\x0b\x32\x16.specpilot.v1.Decision\x12.\n\testimates\x18\x03 \x03(\x0b\x32\x1b.specpilot.v1.DraftEstimate\x12)\n\toverrides\x18\x04 \x03(\x0b\x32\x16.specpilot.v1.Override\x12\x0f\n\x07offline\x18\x05 \x01(\x08\x12\x18\n\x0b\x62\x61tch_share\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12%\n\x18measured_tokens_per_step\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10measured_speedup\x18\x08 \x01(\x01H\x02\x88\x01\x01\x42\x0e\n\x0c_batch_shareB\x1b\n\x19_measured_tokens_per_stepB\x13\n\x11_measured_speedup\"\xb1\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\x1a\n\x12report_age_seconds\x18\x04 \x01(\x01\x12\x1e\n\x16policy_version_applied\x18\x05 \x01(\x04\x12\x10\n\x08hardware\x18\x06 \x01(\t\x12\x17\n\x0fversions_behind\x18\x07 \x01(\x04\"\xd7\x01\n\x11GetPolicyResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12!\n\x19\x62\x61tch_bucket_upper_bounds\x18\x02 \x03(\r\x12*\n\x07\x63lasses\x18\x03 \x03(\x0b\x32\x19.specpilot.v1.ClassPolicy\x12\x0f\n\x07\x65ngines\x18\x04 \x03(\t\x12\x31\n\rengine_status\x18\x05 \x03(\x0b\x32\x1a.specpilot.v1.EngineStatus\x12\x1e\n\x16measured_batch_buckets\x18\x06 \x03(\r\">\n\x12SetOverrideRequest\x12(\n\x08override\x18\x01 \x01(\x0b\x32\x16.specpilot.v1.Override\"-\n\x13SetOverrideResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\"Y\n\x14\x43learOverrideRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12*\n\x05scope\x18\x02 \x01(\x0e\x32\x1b.specpilot.v1.OverrideScope\"@\n\x15\x43learOverrideResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x04\x12\x0f\n\x07\x63leared\x18\x02 \x01(\x08\".\n\x15WatchDecisionsRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\"D\n\x16WatchDecisionsResponse\x12*\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1b.specpilot.v1.DecisionEvent\"E\n\x16\x45xplainDecisionRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61tch_bucket\x18\x02 \x01(\r\"\x87\x01\n\x08\x41rmScore\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\r\x12\x17\n\x0f\x65xpected_tokens\x18\x03 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x04 \x01(\x01\x12!\n\x19goodput_tokens_per_second\x18\x05 \x01(\x01\x12\x0f\n\x07speedup\x18\x06 \x01(\x01\"\x8b\x01\n\x17\x45xplainDecisionResponse\x12(\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x16.specpilot.v1.Decision\x12$\n\x04\x61rms\x18\x02 \x03(\x0b\x32\x16.specpilot.v1.ArmScore\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nbatch_size\x18\x04 \x01(\r\"2\n\x19GetRecommendationsRequest\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\"\x93\x01\n\x11RecommendedOption\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\r\x12!\n\x19goodput_tokens_per_second\x18\x04 \x01(\x01\x12\r\n\x05tries\x18\x05 \x01(\x01\x12\x10\n\x08sidecars\x18\x06 \x01(\r\x12\x12\n\ncost_steps\x18\x07 \x01(\x01\"\xa5\x01\n\x13\x43lassRecommendation\x12\x15\n\rtraffic_class\x18\x01 \x01(\t\x12\x14\n\x0c\x62\x61tch_bucket\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\r\n\x05\x64raft\x18\x04 \x01(\t\x12\x0c\n\x04pool\x18\x05 \x01(\t\x12\x30\n\x07options\x18\x06 \x03(\x0b\x32\x1f.specpilot.v1.RecommendedOption\"o\n\x1aGetRecommendationsResponse\x12\x32\n\x07\x63lasses\x18\x01 \x03(\x0b\x32!.specpilot.v1.ClassRecommendation\x12\x1d\n\x15\x63omputed_unix_seconds\x18\x02 \x01(\x01*a\n\rOverrideScope\x12\x1e\n\x1aOVERRIDE_SCOPE_UNSPECIFIED\x10\x00\x12\x16\n\x12OVERRIDE_SCOPE_POD\x10\x01\x12\x18\n\x14OVERRIDE_SCOPE_FLEET\x10\x02\x32\xb3\x04\n\rPolicyService\x12L\n\tGetPolicy\x12\x1e.specpilot.v1.GetPolicyRequest\x1a\x1f.specpilot.v1.GetPolicyResponse\x12R\n\x0bSetOverride\x12 .specpilot.v1.SetOverrideRequest\x1a!.specpilot.v1.SetOverrideResponse\x12X\n\rClearOverride\x12\".specpilot.v1.ClearOverrideRequest\x1a#.specpilot.v1.ClearOverrideResponse\x12]\n\x0eWatchDecisions\x12#.specpilot.v1.WatchDecisionsRequest\x1a$.specpilot.v1.WatchDecisionsResponse0\x01\x12^\n\x0f\x45xplainDecision\x12$.specpilot.v1.ExplainDecisionRequest\x1a%.specpilot.v1.ExplainDecisionResponse\x12g\n\x12GetRecommendations\x12\'.specpilot.v1.GetRecommendationsRequest\x1a(.specpilot.v1.GetRecommendationsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpilot.v1.policy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OVERRIDESCOPE']._serialized_start=2500
-  _globals['_OVERRIDESCOPE']._serialized_end=2597
+  _globals['_OVERRIDESCOPE']._serialized_start=2532
+  _globals['_OVERRIDESCOPE']._serialized_end=2629
   _globals['_GETPOLICYREQUEST']._serialized_start=70
   _globals['_GETPOLICYREQUEST']._serialized_end=111
   _globals['_POSITIONESTIMATE']._serialized_start=113
@@ -47,33 +47,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINESTATUS']._serialized_start=915
   _globals['_ENGINESTATUS']._serialized_end=1092
   _globals['_GETPOLICYRESPONSE']._serialized_start=1095
-  _globals['_GETPOLICYRESPONSE']._serialized_end=1278
-  _globals['_SETOVERRIDEREQUEST']._serialized_start=1280
-  _globals['_SETOVERRIDEREQUEST']._serialized_end=1342
-  _globals['_SETOVERRIDERESPONSE']._serialized_start=1344
-  _globals['_SETOVERRIDERESPONSE']._serialized_end=1389
-  _globals['_CLEAROVERRIDEREQUEST']._serialized_start=1391
-  _globals['_CLEAROVERRIDEREQUEST']._serialized_end=1480
-  _globals['_CLEAROVERRIDERESPONSE']._serialized_start=1482
-  _globals['_CLEAROVERRIDERESPONSE']._serialized_end=1546
-  _globals['_WATCHDECISIONSREQUEST']._serialized_start=1548
-  _globals['_WATCHDECISIONSREQUEST']._serialized_end=1594
-  _globals['_WATCHDECISIONSRESPONSE']._serialized_start=1596
-  _globals['_WATCHDECISIONSRESPONSE']._serialized_end=1664
-  _globals['_EXPLAINDECISIONREQUEST']._serialized_start=1666
-  _globals['_EXPLAINDECISIONREQUEST']._serialized_end=1735
-  _globals['_ARMSCORE']._serialized_start=1738
-  _globals['_ARMSCORE']._serialized_end=1873
-  _globals['_EXPLAINDECISIONRESPONSE']._serialized_start=1876
-  _globals['_EXPLAINDECISIONRESPONSE']._serialized_end=2015
-  _globals['_GETRECOMMENDATIONSREQUEST']._serialized_start=2017
-  _globals['_GETRECOMMENDATIONSREQUEST']._serialized_end=2067
-  _globals['_RECOMMENDEDOPTION']._serialized_start=2070
-  _globals['_RECOMMENDEDOPTION']._serialized_end=2217
-  _globals['_CLASSRECOMMENDATION']._serialized_start=2220
-  _globals['_CLASSRECOMMENDATION']._serialized_end=2385
-  _globals['_GETRECOMMENDATIONSRESPONSE']._serialized_start=2387
-  _globals['_GETRECOMMENDATIONSRESPONSE']._serialized_end=2498
-  _globals['_POLICYSERVICE']._serialized_start=2600
-  _globals['_POLICYSERVICE']._serialized_end=3163
+  _globals['_GETPOLICYRESPONSE']._serialized_end=1310
+  _globals['_SETOVERRIDEREQUEST']._serialized_start=1312
+  _globals['_SETOVERRIDEREQUEST']._serialized_end=1374
+  _globals['_SETOVERRIDERESPONSE']._serialized_start=1376
+  _globals['_SETOVERRIDERESPONSE']._serialized_end=1421
+  _globals['_CLEAROVERRIDEREQUEST']._serialized_start=1423
+  _globals['_CLEAROVERRIDEREQUEST']._serialized_end=1512
+  _globals['_CLEAROVERRIDERESPONSE']._serialized_start=1514
+  _globals['_CLEAROVERRIDERESPONSE']._serialized_end=1578
+  _globals['_WATCHDECISIONSREQUEST']._serialized_start=1580
+  _globals['_WATCHDECISIONSREQUEST']._serialized_end=1626
+  _globals['_WATCHDECISIONSRESPONSE']._serialized_start=1628
+  _globals['_WATCHDECISIONSRESPONSE']._serialized_end=1696
+  _globals['_EXPLAINDECISIONREQUEST']._serialized_start=1698
+  _globals['_EXPLAINDECISIONREQUEST']._serialized_end=1767
+  _globals['_ARMSCORE']._serialized_start=1770
+  _globals['_ARMSCORE']._serialized_end=1905
+  _globals['_EXPLAINDECISIONRESPONSE']._serialized_start=1908
+  _globals['_EXPLAINDECISIONRESPONSE']._serialized_end=2047
+  _globals['_GETRECOMMENDATIONSREQUEST']._serialized_start=2049
+  _globals['_GETRECOMMENDATIONSREQUEST']._serialized_end=2099
+  _globals['_RECOMMENDEDOPTION']._serialized_start=2102
+  _globals['_RECOMMENDEDOPTION']._serialized_end=2249
+  _globals['_CLASSRECOMMENDATION']._serialized_start=2252
+  _globals['_CLASSRECOMMENDATION']._serialized_end=2417
+  _globals['_GETRECOMMENDATIONSRESPONSE']._serialized_start=2419
+  _globals['_GETRECOMMENDATIONSRESPONSE']._serialized_end=2530
+  _globals['_POLICYSERVICE']._serialized_start=2632
+  _globals['_POLICYSERVICE']._serialized_end=3195
 # @@protoc_insertion_point(module_scope)

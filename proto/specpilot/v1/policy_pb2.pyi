@@ -108,18 +108,20 @@ class EngineStatus(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., report_age_seconds: _Optional[float] = ..., policy_version_applied: _Optional[int] = ..., hardware: _Optional[str] = ..., versions_behind: _Optional[int] = ...) -> None: ...
 
 class GetPolicyResponse(_message.Message):
-    __slots__ = ("version", "batch_bucket_upper_bounds", "classes", "engines", "engine_status")
+    __slots__ = ("version", "batch_bucket_upper_bounds", "classes", "engines", "engine_status", "measured_batch_buckets")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_BUCKET_UPPER_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_BATCH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     version: int
     batch_bucket_upper_bounds: _containers.RepeatedScalarFieldContainer[int]
     classes: _containers.RepeatedCompositeFieldContainer[ClassPolicy]
     engines: _containers.RepeatedScalarFieldContainer[str]
     engine_status: _containers.RepeatedCompositeFieldContainer[EngineStatus]
-    def __init__(self, version: _Optional[int] = ..., batch_bucket_upper_bounds: _Optional[_Iterable[int]] = ..., classes: _Optional[_Iterable[_Union[ClassPolicy, _Mapping]]] = ..., engines: _Optional[_Iterable[str]] = ..., engine_status: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...
+    measured_batch_buckets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., batch_bucket_upper_bounds: _Optional[_Iterable[int]] = ..., classes: _Optional[_Iterable[_Union[ClassPolicy, _Mapping]]] = ..., engines: _Optional[_Iterable[str]] = ..., engine_status: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., measured_batch_buckets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SetOverrideRequest(_message.Message):
     __slots__ = ("override",)
