@@ -213,19 +213,22 @@ def _ranked_best(controller: ControllerThread, traffic_class: str, bucket: int, 
 
 def _short_or_free(controller: ControllerThread, traffic_class: str) -> Callable[[Any], bool]:
     """A want for a low-acceptance class sharing batches with a long K: its K is at most 2, or
-    the controller's own means see the positions beyond 2 neither gain nor cost it more than 1%
-    (another class's K sinks the drafter's passes, and a small CPU batch verifies a few more
-    tokens for nothing measurable: the class's deep positions are then a tie, not a gain)."""
+    the controller's own prices make the positions beyond 2 free (another class's K sinks the
+    drafter's passes, and a small CPU batch verifies a few more tokens for nothing measurable:
+    any acceptance at all then pays for them), or their gain is a tie (within 1%). A K beyond 2
+    that costs the class more step time than its best short K, for more than a tie's gain,
+    fails it."""
     def want(d: Any) -> bool:
         if d.k <= 2:
             return True
 
-        def tied(core: Any) -> bool:
+        def free_or_tied(core: Any) -> bool:
             arms = core.explain(traffic_class, d.bucket, time.time()).arms
-            short = max(a.goodput for a in arms if a.k <= 2)
-            mine = next(a.goodput for a in arms if (a.draft, a.k) == (d.draft, d.k))
-            return bool(mine <= short * 1.01)
-        return bool(controller.call(tied))
+            short = max((a for a in arms if a.k <= 2), key=lambda a: a.goodput)
+            mine = next(a for a in arms if (a.draft, a.k) == (d.draft, d.k))
+            return bool(mine.step_seconds <= short.step_seconds * 1.01
+                        or mine.goodput <= short.goodput * 1.01)
+        return bool(controller.call(free_or_tied))
     return want
 
 
