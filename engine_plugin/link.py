@@ -2,8 +2,9 @@
 
 The scheduler calls ``submit(payload)`` once per report interval; it appends to a bounded queue
 (dropping the oldest payload when full) and returns at once. The sender thread connects, sends the
-hello, waits for the HelloAck, then turns queued payloads into reports (the core's records, made
-messages by ``controller.wire``). Every message from the controller counts as hearing from it
+hello, waits for the HelloAck, then turns queued payloads into reports (the contract's records,
+made messages by ``specpilot.contract.engine_stream``, which makes every message from the
+controller a record too). Every message from the controller counts as hearing from it
 (``PolicyView.heard_from_controller``); policy updates go to the ``PolicyView``, and so do the
 HelloAck's bucket bounds, the ones reports are bucketed with. When the stream fails, the thread
 reconnects with exponential backoff and full jitter, sending the hello again; sequence numbers
@@ -49,7 +50,7 @@ from engine_plugin.config import PluginConfig, env_name
 from engine_plugin.policy.stats import ReportPayload
 from engine_plugin.policy.view import PolicyView
 from specpilot.contract import engine_stream
-from specpilot.contract.records import EngineHello
+from specpilot.contract.records import EngineHello, HelloAck, PolicyUpdate, ReportResult
 from specpilot.contract.tls import TLSError, channel_credentials, server_name_options
 from specpilot.v1 import engine_pb2
 
@@ -178,7 +179,7 @@ class ControllerLink:
         view: PolicyView,
         config: PluginConfig,
         *,
-        on_hello_ack: Callable[[engine_pb2.HelloAck], None] | None = None,
+        on_hello_ack: Callable[[HelloAck], None] | None = None,
         rng: random.Random | None = None,
         start: bool = True,
     ) -> None:
@@ -218,7 +219,7 @@ class ControllerLink:
         self.reports_shed = 0  # answered RESOURCE_EXHAUSTED, queued again
         self.unanswered = 0  # reports and heartbeats in flight on a stream that broke
         self.connects = 0  # HelloAcks received
-        self.last_hello_ack: engine_pb2.HelloAck | None = None
+        self.last_hello_ack: HelloAck | None = None
         self._stream: _Stream | None = None
 
         self._thread = threading.Thread(
@@ -425,8 +426,7 @@ class ControllerLink:
             last_sent = time.monotonic()
             yield msg
 
-    def _on_shed(self, result: engine_pb2.ReportResult,
-                 sent: tuple[ReportPayload, int] | None) -> None:
+    def _on_shed(self, result: ReportResult, sent: tuple[ReportPayload, int] | None) -> None:
         """The controller is overloaded: send the payload again, first, after a pause (the
         longer of our own backoff and the controller's ``retry_after_seconds``, at most
         MAX_SHED_BACKOFF intervals), and stretch the interval so this engine's share of the
@@ -477,17 +477,17 @@ class ControllerLink:
     def _handle(self, msg: engine_pb2.ConnectResponse, stream: _Stream) -> None:
         try:
             self._view.heard_from_controller()
-            kind = msg.WhichOneof("message")
-            if kind == "hello_ack":
-                self._on_hello_ack(msg.hello_ack, stream)
-            elif kind == "policy":
-                self._view.apply(msg.policy)
-            elif kind == "report_result":
-                self._on_result(msg.report_result, stream)
+            record = engine_stream.controller_message_from_proto(msg)
+            if isinstance(record, HelloAck):
+                self._on_hello_ack(record, stream)
+            elif isinstance(record, PolicyUpdate):
+                self._view.apply(record)
+            elif isinstance(record, ReportResult):
+                self._on_result(record, stream)
         except Exception:  # one odd message must not cost the stream
             log.exception("specpilot: could not apply a controller message")
 
-    def _on_hello_ack(self, ack: engine_pb2.HelloAck, stream: _Stream) -> None:
+    def _on_hello_ack(self, ack: HelloAck, stream: _Stream) -> None:
         if math.isfinite(ack.report_interval_seconds) and ack.report_interval_seconds > 0:
             self._interval = ack.report_interval_seconds
         if ack.batch_bucket_upper_bounds:
@@ -496,9 +496,9 @@ class ControllerLink:
             except ValueError as exc:
                 log.error("specpilot: controller %s sent bad bucket bounds (%s); keeping %s",
                           self.target, exc, self._view.bucket_bounds)
-        for rejected in ack.rejected_drafts:
+        for name, why in ack.rejected_drafts:
             log.error("specpilot: controller %s REFUSED draft %r: %s. The controller will not "
-                      "choose it for this engine.", self.target, rejected.name, rejected.reason)
+                      "choose it for this engine.", self.target, name, why)
         previous = self.last_hello_ack
         if previous is not None and ack.policy_epoch != previous.policy_epoch:
             # A restarted controller: its class table starts afresh, so names the old one
@@ -523,7 +523,7 @@ class ControllerLink:
             self._connected = True
             self._cond.notify_all()
 
-    def _on_result(self, result: engine_pb2.ReportResult, stream: _Stream) -> None:
+    def _on_result(self, result: ReportResult, stream: _Stream) -> None:
         with self._cond:
             sent = None
             while stream.in_flight and stream.in_flight[0][0] <= result.sequence:

@@ -21,9 +21,11 @@ COMP = Composition(PRICING, {("chat", "m"): CHAT_MODEL, ("chat", "ngram"): CHAT_
                              ("docs", "ngram"): DOCS_NGRAM, ("docs", "m"): (1.0, 1.06)}, 0.01)
 
 
-def test_step_pricing_is_the_cost_models_mean() -> None:
-    """``PricedCosts.pricing`` against ``predict_mixed`` of the same weights, after some
-    observed steps (every column moved off its prior)."""
+def test_the_one_formula_prices_the_cost_models_mean_everywhere() -> None:
+    """The formula written out from the weights by name (``StepPricing``'s fields) against every
+    use of them: an engine's ``StepPricing.seconds``, the controller's mixed steps
+    (``predict_mixed``) and its fitted rows (``features`` x weights), after some observed steps
+    (every column moved off its prior)."""
     model = StepCostModel((16, 64, 256), CostPrior(ridge_tokens=64), 600.0, [1, 8, 32], 4)
     model.ensure_drafts(["m", "m2"])
     rng = np.random.default_rng(1)
@@ -32,13 +34,24 @@ def test_step_pricing_is_the_cost_models_mean() -> None:
         shape = StepShape(b, b * (1 + k), "m" if k else "", k, b * k)
         model.observe(shape, 0.02 + 1e-4 * b * (1 + k) + 0.003 * k + rng.normal(0, 1e-4), 3, 0.0)
     mean = model.mean
-    pricing = mean.pricing()
+    p = mean.pricing()
     verified = np.array([4.0, 40.0, 100.0, 400.0])
     passes = {"m": np.array([0.0, 1.0, 3.0, 4.0]), "m2": np.array([2.0, 0.0, 0.0, 1.0])}
     tokens = {"m": np.array([0.0, 8.0, 48.0, 128.0]), "m2": np.array([8.0, 0.0, 0.0, 32.0])}
-    drafting = {d: (p > 0).astype(float) for d, p in passes.items()}
-    want = mean.predict_mixed(12.0, verified, drafting, passes, tokens)
-    assert np.allclose(pricing.seconds(12.0, verified, passes, tokens), want, rtol=1e-12)
+    drafting = {d: (x > 0).astype(float) for d, x in passes.items()}
+    want = (p.base_seconds + p.seconds_per_sequence * 12.0 + p.seconds_per_token * verified
+            + sum(a * np.maximum(0.0, verified - knot)
+                  for knot, a in zip(p.knot_tokens, p.seconds_per_token_above, strict=True))
+            + sum(d.fixed_seconds * drafting[name] + d.seconds_per_pass * passes[name]
+                  + d.seconds_per_token * tokens[name] for name, d in p.drafts.items()))
+    assert np.allclose(p.seconds(12.0, verified, passes, tokens), want, rtol=1e-12)
+    assert np.allclose(mean.predict_mixed(12.0, verified, drafting, passes, tokens), want,
+                       rtol=1e-12)
+    for name, b, k in (("m", 1, 0), ("m", 8, 3), ("m2", 32, 4), ("m2", 64, 2)):
+        row = model.features(StepShape(b, b * (1 + k), name if k else "", k, b * k))
+        priced = p.seconds(b, np.array([b * (1.0 + k)]), {name: np.array([float(k)])},
+                           {name: np.array([b * float(k)])})
+        assert float(row @ mean.theta) == pytest.approx(float(priced[0]), rel=1e-12)
 
 
 def test_moved_sees_curves_and_prices_not_noise() -> None:

@@ -3,7 +3,8 @@
 - The sidecar (``controller``) and the plugin (``engine_plugin``) never import ``benchmarks`` or
   ``tests``; the CLI names its tool commands by module path and imports them only when run.
 - The plugin imports nothing of the controller: only the contract (``specpilot.contract``), the
-  generated ``specpilot.v1`` and itself. The contract imports neither side.
+  generated ``specpilot.v1`` and itself. The contract imports neither side. Of the plugin only the
+  link, the stream's transport, touches protobuf messages: the rest receives records.
 - ``benchmarks`` never imports ``tests``.
 - The pure core (``controller.core``) imports no I/O edge: not the server, the wire converters,
   gRPC, protobuf, TLS, HTTP, Prometheus or pydantic (of the contract, only its pure records,
@@ -67,6 +68,13 @@ def test_packages_import_only_downwards(package: str) -> None:
 def test_core_imports_no_edge() -> None:
     assert (ROOT / "controller" / "core").is_dir()
     assert _violations("controller/core", CORE_FORBIDDEN) == []
+
+
+def test_only_the_link_touches_protobuf_in_the_plugin() -> None:
+    protobuf = ("specpilot.v1", "google.protobuf")
+    assert "specpilot.v1" in imported_modules(ROOT / "engine_plugin" / "link.py")  # the control
+    assert [v for v in _violations("engine_plugin", protobuf)
+            if not v.startswith("engine_plugin/link.py ")] == []
 
 
 def test_the_engine_policy_module_is_pure() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from controller import wire
 from controller.core.controller import ControllerCore
+from controller.core.engines import HelloOutcome
 from controller.core.snapshot import CoreSnapshot
 from controller.settings import core_config, load_settings
 from specpilot.contract import engine_stream
@@ -21,11 +22,15 @@ from specpilot.contract.records import (
     DecisionFigures,
     DraftKind,
     DraftSpec,
+    EngineDecision,
     EngineHello,
     EngineReport,
+    HelloAck,
     Override,
+    PolicyUpdate,
     Reason,
     ReportRejected,
+    ReportResult,
     RequestSummaryRecord,
     StepProfile,
     StepTimingRecord,
@@ -192,3 +197,55 @@ def test_composition_round_trip_and_refusal() -> None:
     del msg.pricing.seconds_per_token_above[1]
     with pytest.raises(ValueError, match="one slope per knot"):
         engine_stream.composition_from_proto(msg)
+
+
+def test_what_the_controller_sends_reaches_an_engine_as_records() -> None:
+    """The HelloAck and a report's result as the controller's server builds them, and an empty
+    message, as the engine's link receives them."""
+    ack = wire.hello_ack_to_proto(
+        HelloOutcome(("d1",), (("d2", "vocabulary differs"),)), controller_version="1.2",
+        report_interval_seconds=0.5, batch_bucket_upper_bounds=(1, 4), max_classes=8,
+        policy_epoch=3)
+    got = engine_stream.controller_message_from_proto(engine_pb2.ConnectResponse(hello_ack=ack))
+    assert got == HelloAck("1.2", ("d1",), (("d2", "vocabulary differs"),), 0.5, (1, 4), 8, 3)
+    result = ReportResult(4, False, 8, "shed", ("x", "y"), 1.5)
+    _no_defaults(result)
+    msg = engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
+        sequence=4, accepted=False, code=8, reason="shed", folded_classes=["x", "y"],
+        retry_after_seconds=1.5))
+    assert engine_stream.controller_message_from_proto(msg) == result
+    assert engine_stream.controller_message_from_proto(engine_pb2.ConnectResponse()) is None
+
+
+def test_a_policy_reaches_an_engine_whole_whatever_it_does_not_know() -> None:
+    """Every decision arrives with its fields; one whose reason the engine does not know (unset,
+    or a newer controller's) arrives with none, and an unusable composition is left out, saying
+    why, while the decisions stand."""
+    from specpilot.contract.pricing import Composition, StepPricing
+
+    decisions = [Decision("chat", b, "d1", 2, reason, 1.4, 0.1, 1, "d2", True)
+                 for b, reason in enumerate(Reason)]
+    default = Decision("", 0, "", 0, Reason.WARMUP)
+    comp = Composition(StepPricing(0.02, 1e-4, 2e-5, (), ()), {("chat", "d1"): (1.0, 1.5)}, 0.01)
+    msg = engine_pb2.PolicyUpdate(
+        version=7, decisions=[engine_stream.decision_to_proto(d) for d in decisions],
+        default_decisions=[engine_stream.decision_to_proto(default)],
+        fail_static_timeout_seconds=30.0, composition=engine_stream.composition_to_proto(comp))
+    for reason in (common_pb2.DECISION_REASON_UNSPECIFIED, 99):
+        msg.decisions.add(traffic_class="new", batch_bucket=1, draft="d1", k=3, reason=reason)
+    got = engine_stream.policy_update_from_proto(
+        engine_pb2.PolicyUpdate.FromString(msg.SerializeToString()))
+
+    def engine(d: Decision) -> EngineDecision:
+        return EngineDecision(d.traffic_class, d.bucket, d.draft, d.k, d.reason, d.probe_rate,
+                              d.probe_k, d.probe_draft, d.probe_steps)
+
+    unknown = EngineDecision("new", 1, "d1", 3, None)
+    assert got == PolicyUpdate(7, (*map(engine, decisions), unknown, unknown),
+                               (engine(default),), 30.0, comp)
+    msg.composition.margin = float("nan")
+    refused = engine_stream.policy_update_from_proto(msg)
+    assert refused.composition is None and "margin" in refused.composition_error
+    assert refused.decisions == got.decisions
+    assert engine_stream.policy_update_from_proto(engine_pb2.PolicyUpdate(version=1)) == \
+        PolicyUpdate(1)

@@ -165,14 +165,12 @@ def put_policy(view: PolicyView, by_class: Mapping[str, tuple[str, int]], versio
     """Put (draft, K) per class in every batch bucket in force in a plugin's policy view, as a
     controller's update would, and keep it (no fail-static timeout): how tests and benchmarks
     pin K without a controller."""
-    from specpilot.v1 import engine_pb2
+    from specpilot.contract.records import EngineDecision, PolicyUpdate
 
-    update = engine_pb2.PolicyUpdate(version=version, fail_static_timeout_seconds=1e9)
-    for bucket in range(len(view.bucket_bounds) + 1):
-        for traffic_class, (draft, k) in by_class.items():
-            update.decisions.add(traffic_class=traffic_class, batch_bucket=bucket, draft=draft,
-                                 k=k)
-    view.apply(update)
+    view.apply(PolicyUpdate(version, tuple(
+        EngineDecision(traffic_class, bucket, draft, k)
+        for bucket in range(len(view.bucket_bounds) + 1)
+        for traffic_class, (draft, k) in by_class.items()), fail_static_timeout_seconds=1e9))
 
 
 @dataclass(frozen=True)

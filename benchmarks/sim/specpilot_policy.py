@@ -36,6 +36,7 @@ from engine_plugin.policy.stats import StatsAggregator
 from engine_plugin.policy.step import StepPolicy
 from engine_plugin.policy.view import Choice, PolicyView
 from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
+from specpilot.contract.engine_stream import policy_update_from_proto
 from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, StepProfile
 
 ENGINE_ID = "sim-engine-0"
@@ -125,8 +126,9 @@ class SpecPilotPolicy:
 
     def push_policy(self, now: float) -> None:
         """The policy update the server sends for the core's current version, applied as the
-        plugin's link applies it."""
-        self.view.apply(policy_update_to_proto(self.core.snapshot(now), self._fail_static))
+        plugin's link applies it (the message made a record again)."""
+        self.view.apply(policy_update_from_proto(
+            policy_update_to_proto(self.core.snapshot(now), self._fail_static)))
         self._applied = self.core.version
 
     # --- applying the policy ---------------------------------------------------------------

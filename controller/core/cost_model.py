@@ -4,16 +4,17 @@ work, fitted online from the engine's step timings.
     t = c0 + c_B * B + c_T * T + sum_j c_j * max(0, T - knot_j)
         + sum_d (f_d * [d drafts] + p_d * passes_d + q_d * draft_tokens_d)
 
-B is the batch size, T the tokens the target verifies (B plus the drafts), the hinge terms let the
-slope per token rise where the step turns from memory-bound to compute-bound, and each model draft d
-adds a fixed cost whenever it drafts at all (its input preparation, the rejection sampler's set-up,
-the bookkeeping of a speculative step: on this CPU about 2.5 ms at batch 1, as much as two passes),
-a cost per sequential draft pass (K of them) and per proposed token (B*K). Without the fixed term
-the jump from no speculation to K=1 is read as a per-pass cost, and longer drafts are priced far
-above what they cost. N-gram drafts cost nothing measurable. The fit is Bayesian linear regression
-in information form: the prior is a set of virtual observations of the prior roofline (so it is
-usable before any data and carries units), the data evidence decays by 2^(-dt/half_life), so
-unexcited directions fall back to the prior instead of drifting.
+(the formula, and the layout of its weights as one vector, are ``specpilot.contract.pricing``'s)
+where B is the batch size, T the tokens the target verifies (B plus the drafts), the hinge terms
+let the slope per token rise where the step turns from memory-bound to compute-bound, and each
+model draft d adds a fixed cost whenever it drafts at all (its input preparation, the rejection
+sampler's set-up, the bookkeeping of a speculative step: on this CPU about 2.5 ms at batch 1, as
+much as two passes), a cost per sequential draft pass (K of them) and per proposed token (B*K).
+Without the fixed term the jump from no speculation to K=1 is read as a per-pass cost, and longer
+drafts are priced far above what they cost. N-gram drafts cost nothing measurable. The fit is
+Bayesian linear regression in information form: the prior is a set of virtual observations of the
+prior roofline (so it is usable before any data and carries units), the data evidence decays by
+2^(-dt/half_life), so unexcited directions fall back to the prior instead of drifting.
 
 The evidence is a sufficient statistic (``CostEvidence``: the information matrix, the
 time-weighted features, the squared times, reports and steps), so engines of one type (model,
@@ -30,18 +31,21 @@ import numpy as np
 import numpy.typing as npt
 
 from controller.core.tunable import tunable
-from specpilot.contract.pricing import DraftPricing, StepPricing
+from specpilot.contract.pricing import (
+    MIN_STEP_SECONDS,
+    DraftPricing,
+    FloatArray,
+    PricingArrays,
+    StepColumns,
+    StepPricing,
+)
 
-FloatArray = npt.NDArray[np.float64]
 SunkDraft = tuple[str, int]  # (model draft name, draft passes per step)
-_MIN_STEP_SECONDS = 1e-6
 _RIDGE = 1e-9  # keeps the information matrix invertible for features no design point excites
 # Added to the unit diagonal of the scaled precision only when it does not factorize as it is.
 _JITTER = 1e-10
 # Virtual reports behind the prior noise level: the noise estimate follows the data quickly.
 _NOISE_PRIOR_REPORTS = 2.0
-# Cost columns per model draft: drafts at all (0/1), sequential passes, proposed tokens.
-_DRAFT_COLUMNS = 3
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,7 @@ class CostEvidence:
     """Decayed step-timing evidence of a cost model, in information form: ``information`` =
     sum w x x^T and ``weighted_times`` = sum w x t over observed steps (w steps of features x and
     mean time t), ``squared_times`` = sum w t^2 (seconds^2), ``reports`` and ``steps`` the
-    decayed counts. Columns: base, batch, tokens, one hinge per knot, then three per model draft
-    in ``drafts`` order."""
+    decayed counts. Columns: ``StepColumns(knots, drafts)``."""
 
     drafts: tuple[str, ...]
     knots: tuple[int, ...]
@@ -111,7 +114,7 @@ class CostEvidence:
     steps: float
 
     def __post_init__(self) -> None:
-        n = 3 + len(self.knots) + _DRAFT_COLUMNS * len(self.drafts)
+        n = StepColumns(self.knots, self.drafts).size
         if self.information.shape != (n, n) or self.weighted_times.shape != (n,):
             raise ValueError(f"cost evidence: expected a {n}x{n} information matrix and {n} "
                              f"weighted times for {len(self.knots)} knots and "
@@ -149,11 +152,10 @@ class CostEvidence:
         the set of drafts differ (another engine type's, or another configuration's)."""
         if tuple(knots) != self.knots or sorted(drafts) != sorted(self.drafts):
             return None
-        n_base = 3 + len(self.knots)
-        order = list(range(n_base))
+        columns = StepColumns(self.knots, self.drafts)
+        order = list(range(columns.n_target))
         for d in drafts:
-            col = n_base + _DRAFT_COLUMNS * self.drafts.index(d)
-            order.extend(range(col, col + _DRAFT_COLUMNS))
+            order.extend(columns.draft_columns(columns.index[d]))
         idx = np.asarray(order)
         return CostEvidence(tuple(drafts), self.knots, self.information[np.ix_(idx, idx)],
                             self.weighted_times[idx], self.squared_times, self.reports,
@@ -253,9 +255,10 @@ class PricedCosts:
         self._model = model
         self.theta = theta
         self._curve_cache: dict[tuple[int, str, int, SunkDraft | None], FloatArray] = {}
+        self._arrays: PricingArrays | None = None
 
     def predict(self, shape: StepShape) -> float:
-        return max(float(self._model.features(shape) @ self.theta), _MIN_STEP_SECONDS)
+        return max(float(self._model.features(shape) @ self.theta), MIN_STEP_SECONDS)
 
     def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
                       drafting: dict[str, FloatArray], passes: dict[str, FloatArray],
@@ -264,19 +267,10 @@ class PricedCosts:
         ``passes`` and ``draft_tokens`` give each model draft's chance of running at all, its
         (expected) passes and its proposed tokens per entry. Drafts without a cost column
         (n-gram, unknown) cost nothing."""
-        th, m = self.theta, self._model
-        v = np.asarray(verified_tokens, dtype=np.float64)
-        t = th[0] + th[1] * batch_size + th[2] * v
-        t = t + np.maximum(0.0, v[:, None] - m.knots[None, :]) @ th[3 : m.n_base]
-        for i, name in enumerate(m.drafts):
-            col = m.n_base + _DRAFT_COLUMNS * i
-            if name in drafting:
-                t = t + th[col] * drafting[name]
-            if name in passes:
-                t = t + th[col + 1] * passes[name]
-            if name in draft_tokens:
-                t = t + th[col + 2] * draft_tokens[name]
-        return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
+        if self._arrays is None:
+            self._arrays = self._model.columns.arrays(self.theta)
+        return self._arrays.seconds_by_name(batch_size, verified_tokens, passes, draft_tokens,
+                                            drafting)
 
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
                     sunk_draft: SunkDraft | None = None) -> float:
@@ -284,13 +278,8 @@ class PricedCosts:
 
     def pricing(self) -> StepPricing:
         """These weights as plain coefficients (what an engine prices its steps with:
-        ``specpilot.contract.pricing``); ``StepPricing.seconds`` equals ``predict_mixed``."""
-        th, m = [float(x) for x in self.theta], self._model
-        return StepPricing(
-            th[0], th[1], th[2], tuple(int(k) for k in m.knots), tuple(th[3 : m.n_base]),
-            {name: DraftPricing(*th[m.n_base + _DRAFT_COLUMNS * i:
-                                    m.n_base + _DRAFT_COLUMNS * (i + 1)])
-             for i, name in enumerate(m.drafts)})
+        ``specpilot.contract.pricing``)."""
+        return self._model.columns.pricing(self.theta)
 
     def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool, max_k: int,
                       sunk_draft: SunkDraft | None = None) -> FloatArray:
@@ -304,7 +293,7 @@ class PricedCosts:
                 for k in range(max_k + 1)])
             # More verified tokens never make a step faster: the running maximum keeps a noisy or
             # extrapolated fit (or a draw) from rewarding longer drafts with cheaper steps.
-            curve = np.maximum.accumulate(np.maximum(xs @ self.theta, _MIN_STEP_SECONDS))
+            curve = np.maximum.accumulate(np.maximum(xs @ self.theta, MIN_STEP_SECONDS))
             curve.setflags(write=False)
             self._curve_cache[key] = curve
         return curve
@@ -321,14 +310,14 @@ class StepCostModel:
     ) -> None:
         if prior.ridge_tokens not in knots:
             raise ValueError("prior ridge_tokens must be one of the knots")
-        self.knots = np.asarray(knots, dtype=np.float64)
         self.prior = prior
         self.half_life_seconds = half_life_seconds
         self._design_batch_sizes = list(design_batch_sizes)
         self._design_max_k = design_max_k
-        self._drafts: list[str] = []  # model drafts with their own cost columns
-        self._own = _Sums(self.n_base)  # this model's observations, decayed to _at
-        self._fleet = _Sums(self.n_base)  # the other sidecars' (set_fleet), decayed alike
+        # The weights' columns; model drafts get their own as engines announce them.
+        self.columns = StepColumns(knots, ())
+        self._own = _Sums(self.n_features)  # this model's observations, decayed to _at
+        self._fleet = _Sums(self.n_features)  # the other sidecars' (set_fleet), decayed alike
         self._at: float | None = None
         self._mean: PricedCosts | None = None
         self._profile: tuple[tuple[StepShape, float], ...] = ()  # (shape, seconds): set_profile
@@ -336,45 +325,26 @@ class StepCostModel:
 
     # --- features ---------------------------------------------------------------------------
     @property
-    def n_base(self) -> int:
-        """Columns of the target's terms (base, batch, tokens, hinges); draft columns follow."""
-        return 3 + self.knots.size
-
-    @property
     def n_features(self) -> int:
-        return self.n_base + _DRAFT_COLUMNS * len(self._drafts)
+        return self.columns.size
 
     @property
     def drafts(self) -> tuple[str, ...]:
         """Model drafts with cost columns, in column order."""
-        return tuple(self._drafts)
+        return self.columns.drafts
 
     def features(self, shape: StepShape) -> FloatArray:
-        x = np.zeros(self.n_features)
-        x[0] = 1.0
-        x[1] = shape.batch_size
-        x[2] = shape.verified_tokens
-        x[3 : self.n_base] = np.maximum(0.0, shape.verified_tokens - self.knots)
-        if shape.draft in self._drafts and shape.draft_passes > 0:
-            col = self.n_base + _DRAFT_COLUMNS * self._drafts.index(shape.draft)
-            x[col] = min(shape.draft_passes, 1.0)  # a mean below 1: the share of steps drafting
-            x[col + 1] = shape.draft_passes
-            x[col + 2] = shape.draft_tokens
-        return x
+        return self.columns.features(shape.batch_size, shape.verified_tokens, shape.draft,
+                                     shape.draft_passes, shape.draft_tokens)
 
     def _prior_theta(self) -> FloatArray:
         p = self.prior
-        theta = np.zeros(self.n_features)
-        theta[0] = p.base_seconds
-        theta[2] = p.seconds_per_token
-        theta[3 + int(np.flatnonzero(self.knots == p.ridge_tokens)[0])] = (
-            p.seconds_per_token_above_ridge
-        )
-        for i in range(len(self._drafts)):
-            col = self.n_base + _DRAFT_COLUMNS * i
-            theta[col : col + _DRAFT_COLUMNS] = (
-                p.draft_seconds_fixed, p.draft_seconds_per_pass, p.draft_seconds_per_token)
-        return theta
+        above = [0.0] * len(self.knot_tokens)
+        above[self.knot_tokens.index(p.ridge_tokens)] = p.seconds_per_token_above_ridge
+        draft = DraftPricing(p.draft_seconds_fixed, p.draft_seconds_per_pass,
+                             p.draft_seconds_per_token)
+        return self.columns.weights(p.base_seconds, 0.0, p.seconds_per_token, above,
+                                    dict.fromkeys(self.drafts, draft))
 
     def _rebuild_prior(self) -> None:
         """Prior information = ``strength_steps`` virtual steps spread over a design of shapes."""
@@ -382,7 +352,7 @@ class StepCostModel:
             StepShape.for_arm(b, k, d, True)
             for b in self._design_batch_sizes
             for k in range(self._design_max_k + 1)
-            for d in (self._drafts or [""])
+            for d in (self.drafts or ("",))
         ]
         xs = np.array([self.features(s) for s in shapes])
         w = self.prior.strength_steps / len(shapes)
@@ -399,7 +369,7 @@ class StepCostModel:
         without cost columns are left out: their passes would be priced as the target's."""
         theta = self._prior_theta()
         points = [(sh, t) for sh, t in self._profile
-                  if not sh.draft_passes or sh.draft in self._drafts]
+                  if not sh.draft_passes or sh.draft in self.columns.index]
         w = self.prior.profile_center_steps
         if not points or w <= 0:
             return theta
@@ -422,14 +392,14 @@ class StepCostModel:
 
     @property
     def knot_tokens(self) -> tuple[int, ...]:
-        return tuple(int(k) for k in self.knots)
+        return tuple(int(k) for k in self.columns.knots)
 
     def ensure_drafts(self, model_drafts: Iterable[str]) -> None:
         """Add cost columns for model drafts not seen before; evidence so far is kept."""
-        new = [d for d in model_drafts if d not in self._drafts]
+        new = [d for d in dict.fromkeys(model_drafts) if d not in self.columns.index]
         if not new:
             return
-        self._drafts.extend(new)
+        self.columns = StepColumns(self.knot_tokens, (*self.drafts, *new))
         self._own.grow(self.n_features)
         self._fleet.grow(self.n_features)
         self._rebuild_prior()
@@ -439,14 +409,13 @@ class StepCostModel:
         the columns, and the prior that grows with their square, stay bounded across engines
         that come and go with new draft names. Their steps' evidence on the target's terms is
         kept (it decays like the rest)."""
-        gone = [d for d in model_drafts if d in self._drafts]
+        gone = [d for d in model_drafts if d in self.columns.index]
         if not gone:
             return
-        columns = [self.n_base + _DRAFT_COLUMNS * self._drafts.index(d) + c
-                   for d in gone for c in range(_DRAFT_COLUMNS)]
+        columns = [c for d in gone for c in self.columns.draft_columns(self.columns.index[d])]
         self._own.drop(columns)
         self._fleet.drop(columns)
-        self._drafts = [d for d in self._drafts if d not in gone]
+        self.columns = StepColumns(self.knot_tokens, [d for d in self.drafts if d not in gone])
         self._rebuild_prior()
 
     # --- fitting ----------------------------------------------------------------------------

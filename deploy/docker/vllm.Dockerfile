@@ -3,9 +3,9 @@
 #   docker build -f deploy/docker/vllm.Dockerfile -t vllm-specpilot:0.1.0 .
 # The base is vLLM's own OpenAI-server image (GPU); the plugin is pure Python and registers
 # through the vllm.general_plugins entry point. The image receives the plugin and the contract it
-# imports (the controller package, where the records and validation live, and the generated
-# protobuf code), never the benchmarks or the simulator: they are not copied, so the wheel
-# cannot contain them.
+# imports (specpilot.contract beside the generated protobuf code, under proto/), and the
+# controller package the one wheel also holds (the plugin imports none of it); never the
+# benchmarks or the simulator: they are not copied, so the wheel cannot contain them.
 
 FROM vllm/vllm-openai:v0.33.0 AS build
 WORKDIR /src

@@ -51,10 +51,8 @@ from engine_plugin.policy.compose import StepComposer, adjustable
 from engine_plugin.policy.points import probe_point
 from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from specpilot.contract.classes import OTHER_CLASS
-from specpilot.contract.engine_stream import composition_from_proto, reason_from_proto
 from specpilot.contract.pricing import Composition
-from specpilot.contract.records import Reason, ReportRejected
-from specpilot.v1 import common_pb2, engine_pb2
+from specpilot.contract.records import EngineDecision, PolicyUpdate
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +85,6 @@ class _Policy:
     # The policy's per-step pricing with the re-picks it answered (None: not sent, or unusable).
     composer: StepComposer | None = None
 
-
-def _reason(value: int) -> Reason | None:
-    """A decision's reason (None for a value this plugin does not know)."""
-    try:
-        return reason_from_proto(value, "decision.reason")
-    except ReportRejected:
-        return None
 
 # Probed requests are redrawn this often, seconds (a few dozen verification steps of a request).
 PROBE_EPOCH_SECONDS = 2.0
@@ -151,10 +142,10 @@ class PolicyView:
         self._composition_refused = False  # logged once
 
     # --- writers (sender thread) ---------------------------------------------------------------
-    def apply(self, update: engine_pb2.PolicyUpdate) -> None:
+    def apply(self, update: PolicyUpdate) -> None:
         """Put a policy update in force (and count it as hearing from the controller)."""
-        decisions = {(d.traffic_class, d.batch_bucket): self._entry(d) for d in update.decisions}
-        defaults = {d.batch_bucket: self._entry(d) for d in update.default_decisions}
+        decisions = {(d.traffic_class, d.bucket): self._entry(d) for d in update.decisions}
+        defaults = {d.bucket: self._entry(d) for d in update.default_decisions}
         timeout = update.fail_static_timeout_seconds
         if math.isfinite(timeout) and timeout > 0:
             self._timeout = timeout
@@ -163,19 +154,14 @@ class PolicyView:
                                StepComposer(composition) if composition is not None else None)
         self.heard_from_controller()
 
-    def _composition(self, update: engine_pb2.PolicyUpdate) -> Composition | None:
+    def _composition(self, update: PolicyUpdate) -> Composition | None:
         """The update's per-step pricing, or None (not sent, or unusable: logged, and the
         decisions apply as they are)."""
-        if not update.HasField("composition"):
-            return None
-        try:
-            return composition_from_proto(update.composition)
-        except ValueError as exc:
-            if not self._composition_refused:
-                log.warning("specpilot: the policy's composition is unusable (%s); applying "
-                            "its decisions as they are", exc)
-                self._composition_refused = True
-            return None
+        if update.composition_error and not self._composition_refused:
+            log.warning("specpilot: the policy's composition is unusable (%s); applying its "
+                        "decisions as they are", update.composition_error)
+            self._composition_refused = True
+        return update.composition
 
     def set_bucket_bounds(self, bounds: Iterable[int]) -> None:
         """Bucket bounds from the HelloAck; ValueError (and no change) if bad."""
@@ -200,7 +186,7 @@ class PolicyView:
     def heard_from_controller(self) -> None:
         self._heard_at = self._clock()
 
-    def _entry(self, d: common_pb2.Decision) -> _Entry:
+    def _entry(self, d: EngineDecision) -> _Entry:
         k = min(d.k, self.max_k)
         probe_k = min(d.probe_k, self.max_k)
         # The controller asks for probes only where the class runs no model draft.
@@ -208,7 +194,7 @@ class PolicyView:
         rate = min(max(rate, 0.0), 1.0) if math.isfinite(rate) else 0.0
         return _Entry(Choice(d.draft if k else "", k, False), rate,
                       Choice(d.probe_draft, probe_k, True), d.probe_steps, d.traffic_class,
-                      adjustable(_reason(d.reason), rate > 0.0))
+                      adjustable(d.reason, rate > 0.0))
 
     # --- readers (scheduler thread) ------------------------------------------------------------
     @property

@@ -487,13 +487,14 @@ def _probing_update(probe_steps: bool) -> Any:
     """Every class off in every bucket, probing the model draft at K=1 in half of its steps
     (``probe_steps``) or for half of its requests; kept for ten minutes without a controller."""
     from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS
+    from specpilot.contract.engine_stream import policy_update_from_proto
     from specpilot.v1 import common_pb2, engine_pb2
 
     decisions = [common_pb2.Decision(batch_bucket=b, k=0, probe_rate=0.5, probe_k=1,
                                      probe_draft="draft", probe_steps=probe_steps)
                  for b in range(len(DEFAULT_BUCKET_BOUNDS) + 1)]
-    return engine_pb2.PolicyUpdate(version=1, default_decisions=decisions,
-                                   fail_static_timeout_seconds=600.0)
+    return policy_update_from_proto(engine_pb2.PolicyUpdate(
+        version=1, default_decisions=decisions, fail_static_timeout_seconds=600.0))
 
 
 @pytest.fixture(scope="module")
@@ -567,7 +568,11 @@ def _composed_update(drafter: str, by_class: dict[str, tuple[str, int]],
     n-gram drafts."""
     from engine_plugin.ngram import NGRAM_DRAFT
     from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS
-    from specpilot.contract.engine_stream import composition_to_proto, decision_to_proto
+    from specpilot.contract.engine_stream import (
+        composition_to_proto,
+        decision_to_proto,
+        policy_update_from_proto,
+    )
     from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
     from specpilot.contract.records import Decision, Reason
     from specpilot.v1 import engine_pb2
@@ -584,7 +589,7 @@ def _composed_update(drafter: str, by_class: dict[str, tuple[str, int]],
             curves[(cls, drafter)] = (1.0, 1.8, 2.4, 2.8, 3.0)
             curves[(cls, NGRAM_DRAFT)] = (1.0, 1.5, 1.8)
         update.composition.CopyFrom(composition_to_proto(Composition(pricing, curves, 0.01)))
-    return update
+    return policy_update_from_proto(update)
 
 
 def test_per_step_composition_keeps_outputs_and_the_distribution(

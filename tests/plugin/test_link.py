@@ -32,8 +32,7 @@ from engine_plugin.link import (
 )
 from engine_plugin.policy.stats import ReportPayload, StatsAggregator
 from engine_plugin.policy.view import Choice, PolicyView
-from specpilot.contract.records import DraftKind, DraftSpec, EngineHello
-from specpilot.v1 import engine_pb2
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, HelloAck
 
 pytestmark = pytest.mark.integration
 
@@ -169,7 +168,7 @@ def test_hello_then_policy_arrives_in_the_view(
 ) -> None:
     caplog.set_level(logging.INFO, logger="engine_plugin.link")
     view = PolicyView(4, DRAFT, 30.0)
-    acks: list[engine_pb2.HelloAck] = []
+    acks: list[HelloAck] = []
     link = make_link(links, controller.target, view)
     link._on_ack = acks.append  # the callback hook, set before the first ack arrives
     wait_for(lambda: view.version > 0, "the first policy")

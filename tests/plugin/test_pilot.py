@@ -20,6 +20,7 @@ from engine_plugin.policy.picks import COUNTERFACTUAL_CLASS_PICKS, score_point
 from engine_plugin.policy.view import Choice
 from engine_plugin.suffix import SUFFIX_DRAFT
 from engine_plugin.vocab import TokenizerLike, vocab_hash
+from specpilot.contract.engine_stream import policy_update_from_proto
 from specpilot.contract.records import DraftKind, DraftSpec
 from specpilot.v1 import engine_pb2
 
@@ -228,7 +229,7 @@ def test_a_step_on_one_k_leaves_the_drafts_and_a_mixed_step_cuts_them(
         update.decisions.add(traffic_class="a", batch_bucket=bucket, draft="draft", k=2)
         update.decisions.add(traffic_class="b", batch_bucket=bucket, k=0, probe_k=2,
                              probe_draft="draft", probe_rate=0.5)
-    pilot.view.apply(update)
+    pilot.view.apply(policy_update_from_proto(update))
     looked_up.clear()
     _drafted(pilot, requests, 3)
     assert looked_up == ["r0", "r1", "r2"]
@@ -357,7 +358,7 @@ def _composed_policy(pilot: Pilot, composition: bool) -> None:
         update.composition.CopyFrom(composition_to_proto(Composition(pricing, {
             ("chat", "draft"): (1.0, 1.75, 2.31, 2.75), ("chat", NGRAM_DRAFT): (1.0, 1.15, 1.17),
             ("docs", NGRAM_DRAFT): (1.0, 1.05, 1.06)}, 0.01)))
-    pilot.view.apply(update)
+    pilot.view.apply(policy_update_from_proto(update))
 
 
 def test_batch_max_repicks_settled_classes_for_the_step_and_drafts_accordingly() -> None:

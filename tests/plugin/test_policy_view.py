@@ -9,6 +9,7 @@ import pytest
 
 from engine_plugin.policy.points import probe_point
 from engine_plugin.policy.view import PROBE_EPOCH_SECONDS, Choice, PolicyView
+from specpilot.contract.engine_stream import policy_update_from_proto
 from specpilot.v1 import common_pb2, engine_pb2
 
 BOUNDS = (1, 4, 16)  # buckets 0: 1, 1: 2..4, 2: 5..16, 3: 17+
@@ -26,6 +27,11 @@ def decision(cls: str, bucket: int, draft: str, k: int, probe_rate: float = 0.0,
              probe_k: int = 0, probe_draft: str = "") -> common_pb2.Decision:
     return common_pb2.Decision(traffic_class=cls, batch_bucket=bucket, draft=draft, k=k,
                                probe_rate=probe_rate, probe_k=probe_k, probe_draft=probe_draft)
+
+
+def put(view: PolicyView, update: engine_pb2.PolicyUpdate) -> None:
+    """Put ``update`` in force as the link does: the message made a record first."""
+    view.apply(policy_update_from_proto(update))
 
 
 def update(version: int = 7, timeout: float = 0.0) -> engine_pb2.PolicyUpdate:
@@ -51,7 +57,7 @@ def clock() -> FakeClock:
 def view(clock: FakeClock) -> PolicyView:
     v = PolicyView(static_k=4, static_draft="d", fail_static_timeout_seconds=30, clock=clock,
                    bucket_bounds=BOUNDS)
-    v.apply(update())
+    put(v, update())
     return v
 
 
@@ -86,7 +92,7 @@ def test_bucket_mapping(view: PolicyView) -> None:
 
 def test_k_is_never_above_the_engines_max(clock: FakeClock) -> None:
     v = PolicyView(2, "d", 30, clock=clock, bucket_bounds=BOUNDS)
-    v.apply(update())
+    put(v, update())
     assert v.choice("chat", 1, "r") == Choice("d", 2, False)
 
 
@@ -105,7 +111,7 @@ def test_probe_share_tracks_probe_rate_and_is_stable(view: PolicyView) -> None:
     # A lower rate probes a subset of the same requests.
     lower = update(version=8)
     lower.decisions[4].probe_rate = 0.02
-    view.apply(lower)
+    put(view, lower)
     probed_low = {k for k in keys if view.choice("hard", 1, k).probe}
     assert probed_low < probed and abs(len(probed_low) / len(keys) - 0.02) < 0.005
     # Probing is only where the controller asks for it (it does for classes off or on
@@ -141,7 +147,7 @@ def test_a_step_lookup_answers_as_choice_and_keeps_its_policy(view: PolicyView) 
     lookup = view.lookup(1)
     before = lookup.choice("chat", "r")
     changed = engine_pb2.PolicyUpdate(version=10, decisions=[decision("chat", 0, "d", 1)])
-    view.apply(changed)
+    put(view, changed)
     assert lookup.choice("chat", "r") == before != view.choice("chat", 1, "r")
 
 
@@ -156,7 +162,7 @@ def test_whole_step_probes_probe_every_request_of_the_class_in_a_share_of_steps(
                       bucket_bounds=BOUNDS, step_draw=rng.random)
     probing = decision("hard", 2, "", 0, probe_rate=0.2, probe_k=1, probe_draft="d")
     probing.probe_steps = True
-    view.apply(engine_pb2.PolicyUpdate(version=3, decisions=[probing, decision("chat", 2, "d", 3)]))
+    put(view, engine_pb2.PolicyUpdate(version=3, decisions=[probing, decision("chat", 2, "d", 3)]))
     keys = [f"req-{i}" for i in range(40)]
     probed_steps = 0
     for _ in range(5000):
@@ -170,7 +176,7 @@ def test_whole_step_probes_probe_every_request_of_the_class_in_a_share_of_steps(
         assert lookup.choice("chat", "req-1") == Choice("d", 3, False)
     assert abs(probed_steps / 5000 - 0.2) < 0.02
     probing.probe_steps = False  # the control: request probes split the class within a step
-    view.apply(engine_pb2.PolicyUpdate(version=4, decisions=[probing]))
+    put(view, engine_pb2.PolicyUpdate(version=4, decisions=[probing]))
     lookup = view.lookup(8)
     assert len({lookup.choice("hard", k) for k in keys}) == 2
     assert lookup.uniform(["hard"]) is None
@@ -189,18 +195,18 @@ def test_fail_static_after_timeout_and_recovery(view: PolicyView, clock: FakeClo
 
 
 def test_update_sets_the_timeout(view: PolicyView, clock: FakeClock) -> None:
-    view.apply(update(version=9, timeout=2.0))
+    put(view, update(version=9, timeout=2.0))
     assert view.fail_static_timeout_seconds == 2.0
     clock.now += 2.1
     assert view.version == 0
-    view.apply(update(version=10, timeout=float("nan")))  # ignored, keeps 2.0
+    put(view, update(version=10, timeout=float("nan")))  # ignored, keeps 2.0
     assert view.fail_static_timeout_seconds == 2.0 and view.version == 10
 
 
 def test_static_zero_means_no_draft(clock: FakeClock) -> None:
     v = PolicyView(0, "d", 30, clock=clock, max_k=4)
     assert v.choice("x", 1, "r") == Choice("", 0, False)
-    v.apply(update())
+    put(v, update())
     assert v.choice("chat", 1, "r") == Choice("d", 4, False)
 
 
@@ -213,7 +219,7 @@ def test_folded_classes_follow_other(view: PolicyView) -> None:
 
 def test_missing_default_for_a_bucket_falls_back_to_static(clock: FakeClock) -> None:
     v = PolicyView(4, "d", 30, clock=clock, bucket_bounds=BOUNDS)
-    v.apply(engine_pb2.PolicyUpdate(version=3, decisions=[decision("chat", 0, "d", 1)]))
+    put(v, engine_pb2.PolicyUpdate(version=3, decisions=[decision("chat", 0, "d", 1)]))
     assert v.choice("chat", 1, "r") == Choice("d", 1, False)
     assert v.choice("chat", 100, "r") == Choice("d", 4, False)
 
@@ -229,13 +235,13 @@ def test_readers_never_see_a_torn_policy(clock: FakeClock) -> None:
     v = PolicyView(4, "d", 30, clock=clock, bucket_bounds=BOUNDS)
     a = engine_pb2.PolicyUpdate(version=1, decisions=[decision("c", b, "d", 1) for b in range(4)])
     b = engine_pb2.PolicyUpdate(version=2, decisions=[decision("c", b, "d", 3) for b in range(4)])
-    v.apply(a)
+    put(v, a)
     stop = threading.Event()
 
     def writer() -> None:
         while not stop.is_set():
-            v.apply(b)
-            v.apply(a)
+            put(v, b)
+            put(v, a)
 
     t = threading.Thread(target=writer)
     t.start()
@@ -277,7 +283,7 @@ def _composed(clock: FakeClock, nan: bool = False) -> PolicyView:
     update.composition.CopyFrom(composition_to_proto(Composition(pricing, curves, 0.01)))
     if nan:
         update.composition.pricing.base_seconds = float("nan")
-    view.apply(update)
+    put(view, update)
     return view
 
 
@@ -302,7 +308,7 @@ def test_an_unusable_composition_leaves_the_decisions_and_is_logged_once(
     view = _composed(clock, nan=True)
     assert view.lookup(8).compose({"chat": 1, "docs": 7}, 8) == {}
     assert view.choice("chat", 8, "r") == Choice("d", 2, False)
-    view.apply(view_update := engine_pb2.PolicyUpdate(version=6))
+    put(view, view_update := engine_pb2.PolicyUpdate(version=6))
     view_update.composition.margin = float("inf")
-    view.apply(view_update)
+    put(view, view_update)
     assert sum("composition is unusable" in r.message for r in caplog.records) == 1

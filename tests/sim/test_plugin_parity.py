@@ -17,7 +17,8 @@ from engine_plugin.ngram import NGRAM_DRAFT
 from engine_plugin.pilot import EngineSpec, Pilot, announce
 from engine_plugin.policy.points import probe_point
 from engine_plugin.policy.view import PROBE_EPOCH_SECONDS, PolicyView
-from specpilot.contract.records import DraftKind
+from specpilot.contract.engine_stream import policy_update_from_proto
+from specpilot.contract.records import DraftKind, PolicyUpdate
 from specpilot.v1 import engine_pb2
 from tests.plugin.test_pilot import _Params, _Request, load
 
@@ -26,14 +27,14 @@ NOW = 1234.5  # simulated seconds, and the plugin's clock
 PROBE_RATE = 0.3
 
 
-def _update(view: PolicyView) -> engine_pb2.PolicyUpdate:
+def _update(view: PolicyView) -> PolicyUpdate:
     """"easy" on the model draft; "hard" off, probing requests at K=2 of the model draft."""
     update = engine_pb2.PolicyUpdate(version=99, fail_static_timeout_seconds=1e9)
     for bucket in range(len(view.bucket_bounds) + 1):
         update.decisions.add(traffic_class="easy", batch_bucket=bucket, draft="small", k=3)
         update.decisions.add(traffic_class="hard", batch_bucket=bucket, k=0, probe_k=2,
                              probe_draft="small", probe_rate=PROBE_RATE)
-    return update
+    return policy_update_from_proto(update)
 
 
 def _classes() -> list[str]:

@@ -1,11 +1,14 @@
 """The engine stream's converters, protobuf <-> contract records: one function per message and
-direction, nothing else. The plugin and the controller's engine service both use these.
+direction, nothing else. The plugin and the controller's engine service both use these; what the
+controller builds from its own state (the HelloAck, the policy of a read model) it encodes in
+``controller.wire``, and the plugin decodes here (``controller_message_from_proto``).
 
 Conversion is structural only; validation stays with the records' checks
 (``specpilot.contract.validation``), so the server, the simulator and the tests reject the same
 things with the same reasons. The one exception is what protobuf cannot express in a dataclass
 (an unset enum or oneof): that raises ``ReportRejected`` naming the field, like any other bad
-input.
+input. An engine takes a decision whose reason it does not know and a policy whose composition
+it cannot use without refusing the rest (``EngineDecision``, ``PolicyUpdate``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ from specpilot.contract.records import (
     DecisionFigures,
     DraftKind,
     DraftSpec,
+    EngineDecision,
     EngineHello,
     EngineReport,
+    HelloAck,
+    PolicyUpdate,
     Reason,
     ReportRejected,
+    ReportResult,
     RequestSummaryRecord,
     StepProfile,
     StepTimingRecord,
@@ -52,6 +59,8 @@ _KIND_TO_PROTO = {
     for k in DraftKind
 }
 _KIND_FROM_PROTO: dict[int, DraftKind] = {v: k for k, v in _KIND_TO_PROTO.items()}
+
+
 def reason_to_proto(reason: Reason) -> common_pb2.DecisionReason:
     return _REASON_TO_PROTO[reason]
 
@@ -217,6 +226,22 @@ def report_to_proto(report: EngineReport) -> engine_pb2.EngineReport:
     )
 
 
+def hello_ack_from_proto(msg: engine_pb2.HelloAck) -> HelloAck:
+    return HelloAck(
+        controller_version=msg.controller_version,
+        accepted_drafts=tuple(msg.accepted_drafts),
+        rejected_drafts=tuple((d.name, d.reason) for d in msg.rejected_drafts),
+        report_interval_seconds=msg.report_interval_seconds,
+        batch_bucket_upper_bounds=tuple(msg.batch_bucket_upper_bounds),
+        max_classes=msg.max_classes,
+        policy_epoch=msg.policy_epoch,
+    )
+
+
+def report_result_from_proto(msg: engine_pb2.ReportResult) -> ReportResult:
+    return _mirror_from_proto(ReportResult, msg)
+
+
 # --- decisions ---------------------------------------------------------------------------------
 def decision_to_proto(d: Decision) -> common_pb2.Decision:
     return common_pb2.Decision(
@@ -241,6 +266,21 @@ def decision_from_proto(msg: common_pb2.Decision) -> Decision:
         k=msg.k,
         reason=reason_from_proto(msg.reason, "decision.reason"),
         expected_speedup=msg.expected_speedup,
+        probe_rate=msg.probe_rate,
+        probe_k=msg.probe_k,
+        probe_draft=msg.probe_draft,
+        probe_steps=msg.probe_steps,
+    )
+
+
+def engine_decision_from_proto(msg: common_pb2.Decision) -> EngineDecision:
+    """A decision as an engine takes it: a reason it does not know is None."""
+    return EngineDecision(
+        traffic_class=msg.traffic_class,
+        bucket=msg.batch_bucket,
+        draft=msg.draft,
+        k=msg.k,
+        reason=_REASON_FROM_PROTO.get(msg.reason),
         probe_rate=msg.probe_rate,
         probe_k=msg.probe_k,
         probe_draft=msg.probe_draft,
@@ -308,3 +348,33 @@ def composition_from_proto(msg: engine_pb2.Composition) -> Composition:
                                  for e in msg.expected_tokens}, msg.margin)
 
 
+# --- policies ----------------------------------------------------------------------------------
+def policy_update_from_proto(msg: engine_pb2.PolicyUpdate) -> PolicyUpdate:
+    """Never refuses the decisions: a composition that is not usable is left out, saying why."""
+    composition, error = None, ""
+    if msg.HasField("composition"):
+        try:
+            composition = composition_from_proto(msg.composition)
+        except ValueError as exc:
+            error = str(exc)
+    return PolicyUpdate(
+        version=msg.version,
+        decisions=tuple(engine_decision_from_proto(d) for d in msg.decisions),
+        default_decisions=tuple(engine_decision_from_proto(d) for d in msg.default_decisions),
+        fail_static_timeout_seconds=msg.fail_static_timeout_seconds,
+        composition=composition,
+        composition_error=error,
+    )
+
+
+def controller_message_from_proto(msg: engine_pb2.ConnectResponse
+                                  ) -> HelloAck | PolicyUpdate | ReportResult | None:
+    """What the controller sent on an engine's stream, as its record (None: an empty message)."""
+    kind = msg.WhichOneof("message")
+    if kind == "hello_ack":
+        return hello_ack_from_proto(msg.hello_ack)
+    if kind == "policy":
+        return policy_update_from_proto(msg.policy)
+    if kind == "report_result":
+        return report_result_from_proto(msg.report_result)
+    return None

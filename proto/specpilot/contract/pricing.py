@@ -1,5 +1,16 @@
-"""What a step is priced with, as the controller sends it with a policy: the plugin's half of
-the policy (``engine_plugin.policy.compose``) re-picks per step from it.
+"""What a step is priced with: the one step-pricing formula, the layout of its weights as a
+vector, and the per-step pricing the controller sends with a policy, which the plugin's half of
+the policy (``engine_plugin.policy.compose``) re-picks per step from.
+
+    t = base + per_sequence x B + per_token x T + sum_j above_j x max(0, T - knot_j)
+        + sum_d (fixed_d x drafting_d + per_pass_d x passes_d + per_token_d x tokens_d)
+
+B is the batch's sequences, T the tokens the target verifies, and per model draft d its chance
+of drafting at all in the step (1 or 0 for one step), its sequential passes and its proposed
+tokens (deterministic drafts cost nothing here). Seconds, never below ``MIN_STEP_SECONDS``. The
+controller's cost model fits the weights as one vector (``StepColumns``) and prices mixed
+batches with them; an engine prices its steps with the same weights as plain numbers
+(``StepPricing``). Both go through ``PricingArrays``, the one place the formula is written.
 
 Why: a (class, bucket) decision is priced at the class mix the controller expects in the bucket,
 but the batch of one step holds the classes in whatever counts the traffic brought. A model
@@ -17,7 +28,7 @@ Pure (numpy, dataclasses).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,7 +37,12 @@ import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
 Arm = tuple[str, int]  # (draft, K); ("", 0) is off
-_MIN_STEP_SECONDS = 1e-6
+MIN_STEP_SECONDS = 1e-6
+# Columns of the target's terms before the hinges: base, batch size, verified tokens.
+TARGET_COLUMNS = 3
+# Columns per model draft: drafts at all (0/1, or the share of steps drafting), sequential
+# passes, proposed tokens.
+DRAFT_COLUMNS = 3
 
 
 @dataclass(frozen=True)
@@ -40,13 +56,8 @@ class DraftPricing:
 
 @dataclass(frozen=True)
 class StepPricing:
-    """The step-cost model by its posterior mean weights (``controller.core.cost_model``):
-
-        t = base + per_sequence x B + per_token x T + sum_j above_j x max(0, T - knot_j)
-            + sum_d (fixed_d [d drafts] + per_pass_d x passes_d + per_token_d x tokens_d)
-
-    with B sequences, T verified tokens, and per model draft its sequential passes and proposed
-    tokens (deterministic drafts cost nothing here). Seconds."""
+    """The step-cost model by its posterior mean weights (``controller.core.cost_model``), as
+    plain numbers (the formula above; seconds)."""
 
     base_seconds: float
     seconds_per_sequence: float
@@ -71,42 +82,130 @@ class StepPricing:
         """Step seconds, one per entry of ``verified_tokens``; ``passes`` and ``draft_tokens``
         per model draft (entries aligned with ``verified_tokens``; a draft with 0 passes does
         not draft). Drafts without pricing cost nothing."""
-        vectors = self.arrays
-        v = np.asarray(verified_tokens, dtype=np.float64)
-        by_pass, by_token = np.zeros((v.size, vectors.n)), np.zeros((v.size, vectors.n))
-        for name, p in passes.items():
-            if (i := vectors.index.get(name)) is not None:
-                by_pass[:, i], by_token[:, i] = p, draft_tokens[name]
-        return vectors.seconds(batch_size, v, by_pass, by_token)
+        return self.arrays.seconds_by_name(batch_size, verified_tokens, passes, draft_tokens)
 
     @cached_property
     def arrays(self) -> PricingArrays:
-        return PricingArrays(self)
+        return PricingArrays(
+            np.array([self.base_seconds, self.seconds_per_sequence, self.seconds_per_token]),
+            np.array(self.knot_tokens, dtype=np.float64), np.array(self.seconds_per_token_above),
+            tuple(self.drafts),
+            np.array([[d.fixed_seconds, d.seconds_per_pass, d.seconds_per_token]
+                      for d in self.drafts.values()]).reshape(-1, DRAFT_COLUMNS))
 
 
 class PricingArrays:
-    """``StepPricing`` as arrays over its model drafts (column ``index[name]``): the one place
-    the formula is written."""
+    """The weights as arrays, model drafts by column (``index[name]``): the one place the
+    formula is written. ``target``: base, per-sequence and per-token seconds; ``above``: the
+    slope above each knot; ``draft_weights``: per draft, its fixed, per-pass and per-token
+    seconds. Read at each call (views of a weight vector follow it)."""
 
-    def __init__(self, p: StepPricing) -> None:
-        self.p = p
-        self.index = {name: i for i, name in enumerate(p.drafts)}
+    def __init__(self, target: FloatArray, knots: FloatArray, above: FloatArray,
+                 drafts: Sequence[str], draft_weights: FloatArray) -> None:
+        self.target = target
+        self.knots = knots
+        self.above = above
+        self.index = {name: i for i, name in enumerate(drafts)}
         self.n = len(self.index)
-        self.fixed = np.array([d.fixed_seconds for d in p.drafts.values()])
-        self.per_pass = np.array([d.seconds_per_pass for d in p.drafts.values()])
-        self.per_token = np.array([d.seconds_per_token for d in p.drafts.values()])
-        self.knots = np.array(p.knot_tokens, dtype=np.float64)
-        self.above = np.array(p.seconds_per_token_above)
+        self.fixed = draft_weights[:, 0]
+        self.per_pass = draft_weights[:, 1]
+        self.per_draft_token = draft_weights[:, 2]
+
+    def mixed_seconds(self, batch_size: float, verified: FloatArray,
+                      drafting: FloatArray | npt.NDArray[np.bool_], passes: FloatArray,
+                      draft_tokens: FloatArray) -> FloatArray:
+        """Step seconds, one per entry of ``verified``; ``drafting`` (each draft's chance of
+        drafting at all), ``passes`` and ``draft_tokens`` as (entries x drafts)."""
+        base, per_sequence, per_token = self.target
+        t = (base + per_sequence * batch_size + per_token * verified
+             + np.maximum(0.0, verified[:, None] - self.knots[None, :]) @ self.above)
+        for i in range(self.n):
+            t = t + self.fixed[i] * drafting[:, i]
+            t = t + self.per_pass[i] * passes[:, i]
+            t = t + self.per_draft_token[i] * draft_tokens[:, i]
+        return np.asarray(np.maximum(t, MIN_STEP_SECONDS), dtype=np.float64)
 
     def seconds(self, batch_size: float, verified: FloatArray, passes: FloatArray,
                 draft_tokens: FloatArray) -> FloatArray:
-        """``StepPricing.seconds`` with passes and draft tokens as (entries x drafts)."""
-        p = self.p
-        t = (p.base_seconds + p.seconds_per_sequence * batch_size + p.seconds_per_token * verified
-             + np.maximum(0.0, verified[:, None] - self.knots[None, :]) @ self.above
-             + (passes > 0) @ self.fixed + passes @ self.per_pass
-             + draft_tokens @ self.per_token)
-        return np.asarray(np.maximum(t, _MIN_STEP_SECONDS), dtype=np.float64)
+        """``mixed_seconds`` of steps in which a draft drafts exactly where it runs passes."""
+        return self.mixed_seconds(batch_size, verified, passes > 0, passes, draft_tokens)
+
+    def seconds_by_name(self, batch_size: float, verified_tokens: npt.ArrayLike,
+                        passes: Mapping[str, npt.ArrayLike],
+                        draft_tokens: Mapping[str, npt.ArrayLike],
+                        drafting: Mapping[str, npt.ArrayLike] | None = None) -> FloatArray:
+        """``mixed_seconds`` with each draft's figures by name (entries aligned with
+        ``verified_tokens``); ``drafting`` None: a draft drafts where it runs passes. Drafts
+        without a column cost nothing."""
+        v = np.asarray(verified_tokens, dtype=np.float64)
+        by_drafting, by_pass, by_token = np.zeros((DRAFT_COLUMNS, v.size, self.n))
+        for figures, into in ((drafting or {}, by_drafting), (passes, by_pass),
+                              (draft_tokens, by_token)):
+            for name, x in figures.items():
+                if (i := self.index.get(name)) is not None:
+                    into[:, i] = x
+        if drafting is None:
+            by_drafting[:] = by_pass > 0
+        return self.mixed_seconds(batch_size, v, by_drafting, by_pass, by_token)
+
+
+class StepColumns:
+    """The weights as one vector, as the cost model fits them: base, batch, tokens, one hinge
+    per knot, then ``DRAFT_COLUMNS`` per model draft in ``drafts`` order."""
+
+    def __init__(self, knots: Sequence[int], drafts: Sequence[str]) -> None:
+        self.knots = np.asarray(knots, dtype=np.float64)
+        self.drafts = tuple(drafts)
+        self.index = {name: i for i, name in enumerate(self.drafts)}
+        self.n_target = TARGET_COLUMNS + self.knots.size
+        self.size = self.n_target + DRAFT_COLUMNS * len(self.drafts)
+
+    def draft_columns(self, i: int) -> range:
+        """The columns of the ``i``-th model draft."""
+        first = self.n_target + DRAFT_COLUMNS * i
+        return range(first, first + DRAFT_COLUMNS)
+
+    def features(self, batch_size: float, verified_tokens: float, draft: str = "",
+                 draft_passes: float = 0.0, draft_tokens: float = 0.0) -> FloatArray:
+        """The row of a step of this mean shape: its seconds are the row times the weights.
+        ``draft``: the model draft that runs ``draft_passes`` (a mean below 1: the share of
+        steps drafting) and proposes ``draft_tokens``; a draft without columns costs nothing."""
+        x = np.zeros(self.size)
+        x[0] = 1.0
+        x[1] = batch_size
+        x[2] = verified_tokens
+        x[TARGET_COLUMNS : self.n_target] = np.maximum(0.0, verified_tokens - self.knots)
+        if draft in self.index and draft_passes > 0:
+            col = self.draft_columns(self.index[draft]).start
+            x[col] = min(draft_passes, 1.0)
+            x[col + 1] = draft_passes
+            x[col + 2] = draft_tokens
+        return x
+
+    def weights(self, base: float, per_sequence: float, per_token: float,
+                above: Sequence[float], drafts: Mapping[str, DraftPricing]) -> FloatArray:
+        """A weight vector in these columns: the terms of ``StepPricing`` (``drafts`` must
+        price every draft of the columns), unchecked."""
+        return np.array([base, per_sequence, per_token, *above,
+                         *(x for d in (drafts[name] for name in self.drafts)
+                           for x in (d.fixed_seconds, d.seconds_per_pass, d.seconds_per_token))],
+                        dtype=np.float64)
+
+    def pricing(self, weights: FloatArray) -> StepPricing:
+        """A weight vector in these columns as plain numbers."""
+        w = [float(x) for x in weights]
+        return StepPricing(
+            w[0], w[1], w[2], tuple(int(k) for k in self.knots),
+            tuple(w[TARGET_COLUMNS : self.n_target]),
+            {name: DraftPricing(*(w[c] for c in self.draft_columns(i)))
+             for i, name in enumerate(self.drafts)})
+
+    def arrays(self, weights: FloatArray) -> PricingArrays:
+        """A weight vector in these columns as ``PricingArrays`` (views of it)."""
+        return PricingArrays(
+            weights[:TARGET_COLUMNS], self.knots, weights[TARGET_COLUMNS : self.n_target],
+            self.drafts,
+            weights[self.n_target :].reshape(-1, DRAFT_COLUMNS))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Plain data the core consumes and produces. No I/O, no protobuf: the server converts at its edge,
-the simulator and the tests build these directly."""
+"""The wire's records: plain data the engine plugin sends and receives and the controller's core
+consumes and produces. No I/O, no protobuf: the edges convert (``specpilot.contract.
+engine_stream``, ``controller.wire``), the simulator and the tests build these directly."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 # The reserved class names are defined with the folding rule; re-exported here for the core.
 from specpilot.contract.classes import DEFAULT_CLASS as DEFAULT_CLASS
 from specpilot.contract.classes import OTHER_CLASS as OTHER_CLASS
+from specpilot.contract.pricing import Composition
 
 ALL_CLASSES = "*"
 
@@ -161,6 +163,63 @@ class Decision:
     def same_choice(self, other: Decision | None) -> bool:
         """True when ``other`` runs the same (draft, K); reasons and estimates may differ."""
         return other is not None and self.arm == other.arm
+
+
+@dataclass(frozen=True)
+class HelloAck:
+    """The controller's answer to a hello: the drafts it took and those it refused (name, why),
+    how often to report, the bucket bounds reports use, the class limit, and its epoch (a new
+    one: the controller restarted)."""
+
+    controller_version: str
+    accepted_drafts: tuple[str, ...]
+    rejected_drafts: tuple[tuple[str, str], ...]
+    report_interval_seconds: float
+    batch_bucket_upper_bounds: tuple[int, ...]
+    max_classes: int
+    policy_epoch: int
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """The controller's answer to one report (``code``: a gRPC status code's value)."""
+
+    sequence: int
+    accepted: bool
+    code: int
+    reason: str = ""
+    folded_classes: tuple[str, ...] = ()
+    retry_after_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineDecision:
+    """A ``Decision`` as an engine receives it: ``reason`` None where the engine does not know
+    it (unset, or a newer controller's), and the decision applies all the same."""
+
+    traffic_class: str
+    bucket: int
+    draft: str
+    k: int
+    reason: Reason | None = None
+    probe_rate: float = 0.0
+    probe_k: int = 0
+    probe_draft: str = ""
+    probe_steps: bool = False
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """A policy as an engine receives it: every (class, bucket) decision, the defaults per
+    bucket, the fail-static timeout, and the per-step pricing (None: not sent, or unusable,
+    and then ``composition_error`` says why)."""
+
+    version: int
+    decisions: tuple[EngineDecision, ...] = ()
+    default_decisions: tuple[EngineDecision, ...] = ()
+    fail_static_timeout_seconds: float = 0.0
+    composition: Composition | None = None
+    composition_error: str = ""
 
 
 @dataclass(frozen=True)
