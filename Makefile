@@ -28,7 +28,7 @@ PY     := $(VENV)/bin/python
 BUF    ?= $(CURDIR)/.tools/bin/buf
 # setup reinstalls when pyproject.toml's or the setup script's content changes (or the venv is
 # gone): the stamp's name carries a hash of both.
-PYPROJECT_HASH := $(shell cat pyproject.toml tools/setup-venv.sh | sha256sum | cut -c1-16)
+PYPROJECT_HASH := $(shell cat pyproject.toml benchmarks/pyproject.toml tools/setup-venv.sh | sha256sum | cut -c1-16)
 SETUP_STAMP    := $(VENV)/.specpilot-setup-$(PYPROJECT_HASH)
 
 SERVE_ARGS  ?=

@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from controller.core.controller import ControllerCore
-from controller.server.app import RunningServer, start_server
-from controller.settings import load_settings
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.settings import load_settings
 
 T = TypeVar("T")
 

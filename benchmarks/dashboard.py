@@ -29,8 +29,6 @@ import aiohttp  # noqa: E402
 from playwright.async_api import async_playwright  # noqa: E402
 
 from benchmarks.demo.screenshot import chromium_path  # noqa: E402
-from controller.server.app import RunningServer, start_server  # noqa: E402
-from controller.settings import load_settings  # noqa: E402
 from specpilot.contract.records import (  # noqa: E402
     AcceptanceRecord,
     DraftKind,
@@ -39,6 +37,8 @@ from specpilot.contract.records import (  # noqa: E402
     EngineReport,
     Override,
 )
+from specpilot.controller.server.app import RunningServer, start_server  # noqa: E402
+from specpilot.controller.settings import load_settings  # noqa: E402
 
 SIZES = {"small": (3, 100), "large": (50, 10_000)}  # classes, decision-log entries
 

@@ -1,6 +1,6 @@
 """What one decide round costs the controller's loop as classes and drafts grow: a full round
 after every class brought new evidence, and one bucket of the joint search (what the periodic
-task runs per loop turn), with the joint search's bounds (``controller.core.mix``:
+task runs per loop turn), with the joint search's bounds (``specpilot.controller.core.mix``:
 JOINT_MAX_FREE classes moved, JOINT_ARM_BUDGET arms priced) and without them, side by side.
 
     python benchmarks/decide_round.py [--shapes 8x2,16x16,64x16,255x16] [--unbounded-up-to 64]
@@ -31,9 +31,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
-from controller.core import mix  # noqa: E402
-from controller.core.controller import ControllerCore  # noqa: E402
-from controller.settings import core_config, load_settings  # noqa: E402
 from specpilot.contract.records import (  # noqa: E402
     AcceptanceRecord,
     DraftKind,
@@ -42,6 +39,9 @@ from specpilot.contract.records import (  # noqa: E402
     EngineReport,
     StepTimingRecord,
 )
+from specpilot.controller.core import mix  # noqa: E402
+from specpilot.controller.core.controller import ControllerCore  # noqa: E402
+from specpilot.controller.settings import core_config, load_settings  # noqa: E402
 
 MAX_K = 8
 RECORDS_PER_REPORT = 512

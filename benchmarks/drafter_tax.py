@@ -48,7 +48,7 @@ PROMPTS = [
 def force_choice(llm: Any, choose: Callable[[Any], Any]) -> None:
     """Every request runs ``choose(request)`` (a ``Choice``, asked every step) instead of the
     policy: the choice per request replaced, and no step taken as one choice for all."""
-    from engine_plugin.policy.view import PolicyLookup
+    from specpilot.engine_plugin.policy.view import PolicyLookup
 
     class PerRequest(PolicyLookup):
         __slots__ = ()
@@ -67,8 +67,8 @@ def force_choice(llm: Any, choose: Callable[[Any], Any]) -> None:
 @contextmanager
 def engines(target: Path, draft: Path) -> Iterator[dict[str, Any]]:
     from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment
-    from engine_plugin.ngram import NGRAM_DRAFT
-    from engine_plugin.policy.view import Choice
+    from specpilot.engine_plugin.ngram import NGRAM_DRAFT
+    from specpilot.engine_plugin.policy.view import Choice
 
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
              "prompt_lookup_max": 4}
@@ -133,8 +133,8 @@ def holes(target: Path, switch: int, tokens: int, spec: dict[str, Any] | None = 
     from vllm import SamplingParams
 
     from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment
-    from engine_plugin.ngram import NGRAM_DRAFT
-    from engine_plugin.policy.view import Choice
+    from specpilot.engine_plugin.ngram import NGRAM_DRAFT
+    from specpilot.engine_plugin.policy.view import Choice
 
     spec = spec or {"model": target, "num_speculative_tokens": 4}
     later = {"draft": Choice(Path(spec["model"]).name, 4, False),

@@ -296,7 +296,7 @@ class ControllerProcess:
 
     def get_policy(self, timeout: float = 5.0) -> Any:
         """Its GetPolicyResponse (version, engines, engine_status)."""
-        from controller.server.stubs import policy_stub
+        from specpilot.controller.server.stubs import policy_stub
         from specpilot.v1 import policy_pb2
 
         return policy_stub(self.channel()).GetPolicy(policy_pb2.GetPolicyRequest(),
@@ -304,7 +304,7 @@ class ControllerProcess:
 
     def pin_all(self, k: int, timeout: float = 5.0) -> int:
         """Pin every class to K=``k`` (an authenticated override); the new policy version."""
-        from controller.server.stubs import policy_stub
+        from specpilot.controller.server.stubs import policy_stub
         from specpilot.v1 import policy_pb2
 
         request = policy_pb2.SetOverrideRequest(override=policy_pb2.Override(
@@ -475,7 +475,7 @@ async def _flood(target: str, streams: int, seconds: float, draft: str, classes:
                  nice: int) -> dict[str, Any]:
     import numpy as np
 
-    from controller.server.stubs import engine_stub
+    from specpilot.controller.server.stubs import engine_stub
 
     stats: dict[str, Any] = {"streams": streams, "sent": 0, "accepted": 0, "shed": 0,
                              "rejected": 0, "stream_errors": [], "report_bytes": 0}

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+SCHEDULERS = "specpilot.engine_plugin.scheduler"
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -43,9 +45,9 @@ BATCH = 16
 KS = (0, 1, 2, 4)
 # mode: (scheduler class, K mode, async scheduling)
 MODES: dict[str, tuple[str, str, bool]] = {
-    "sync-batch_wide": ("engine_plugin.scheduler.SpecPilotScheduler", "batch_wide", False),
-    "sync-per_request": ("engine_plugin.scheduler.SpecPilotScheduler", "per_request", False),
-    "async-per_request": ("engine_plugin.scheduler.SpecPilotAsyncScheduler", "per_request",
+    "sync-batch_wide": (f"{SCHEDULERS}.SpecPilotScheduler", "batch_wide", False),
+    "sync-per_request": (f"{SCHEDULERS}.SpecPilotScheduler", "per_request", False),
+    "async-per_request": (f"{SCHEDULERS}.SpecPilotAsyncScheduler", "per_request",
                           True),
 }
 
@@ -71,7 +73,7 @@ def main() -> int:
 
     from benchmarks.demo.engine import llm_session, plugin_environment, put_policy
     from benchmarks.demo.tiny_models import build_tiny_models
-    from engine_plugin.vllm_compat import vllm_version
+    from specpilot.engine_plugin.vllm_compat import vllm_version
 
     cache = Path(os.environ.get("SPECPILOT_TEST_CACHE") or ROOT / ".cache")
     tiny = build_tiny_models(cache / "tiny-models")

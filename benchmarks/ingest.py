@@ -29,10 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 
 from benchmarks.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
-from controller.core.controller import ControllerCore  # noqa: E402
-from controller.server.app import start_server  # noqa: E402
-from controller.server.stubs import engine_stub  # noqa: E402
-from controller.settings import core_config, load_settings  # noqa: E402
 from specpilot.contract.records import (  # noqa: E402
     AcceptanceRecord,
     DraftKind,
@@ -42,6 +38,10 @@ from specpilot.contract.records import (  # noqa: E402
     RequestSummaryRecord,
     StepTimingRecord,
 )
+from specpilot.controller.core.controller import ControllerCore  # noqa: E402
+from specpilot.controller.server.app import start_server  # noqa: E402
+from specpilot.controller.server.stubs import engine_stub  # noqa: E402
+from specpilot.controller.settings import core_config, load_settings  # noqa: E402
 from specpilot.v1 import engine_pb2  # noqa: E402
 
 CLASSES = [f"class-{i}" for i in range(8)]

@@ -14,7 +14,7 @@ def plots_available(command: str) -> bool:
         import matplotlib  # noqa: F401
     except ImportError:
         print(f"specpilot {command}: matplotlib is not installed (pip install "
-              "'specpilot[sim]'): writing JSON and markdown only", file=sys.stderr)
+              "'./benchmarks[sim]' in a checkout): writing JSON and markdown only", file=sys.stderr)
         return False
     return True
 

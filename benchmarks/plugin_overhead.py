@@ -7,7 +7,8 @@ Four engines on the tiny target, each with the target as its own draft (K=4, acc
 ``max_num_seqs=16``, live side by side in this process:
 
 - ``base``: vLLM's own ``vllm.v1.core.sched.scheduler.Scheduler``;
-- ``plugin``: ``engine_plugin.scheduler.SpecPilotScheduler`` connected to the real controller
+- ``plugin``: ``specpilot.engine_plugin.scheduler.SpecPilotScheduler`` connected to the real
+controller
   (``benchmarks.controller_thread.ControllerThread``, run in a child process as in a sidecar
   deployment, so that its server and decisions do not share this process's GIL; the plugin's own
   link thread stays here, as in production). The controller pins every class to K=4 (operator
@@ -70,7 +71,7 @@ BASE = "base"
 PLUGIN = "plugin"
 PLUGIN_BARE = "plugin-no-ctl"
 PLUGIN_NO_NGRAM = "plugin-no-ngram"
-PILOT_CLS = "engine_plugin.scheduler.SpecPilotScheduler"
+PILOT_CLS = "specpilot.engine_plugin.scheduler.SpecPilotScheduler"
 SCHEDULERS = {BASE: "vllm.v1.core.sched.scheduler.Scheduler", PLUGIN: PILOT_CLS,
               PLUGIN_BARE: PILOT_CLS, PLUGIN_NO_NGRAM: PILOT_CLS}
 # SPECPILOT_PLUGIN_* settings per configuration ("{ctl}": the controller's address). Each engine
@@ -256,7 +257,7 @@ def proposal_cost(pilot: Any, contexts: tuple[int, ...] = (128, 512, 2048)
     n-gram proposal from a context read whole (``propose_tokens``: sliced and converted)."""
     import random
 
-    from engine_plugin.ngram import NGRAM_DRAFT
+    from specpilot.engine_plugin.ngram import NGRAM_DRAFT
 
     rng = random.Random(0)
     calls = 2000
@@ -544,7 +545,7 @@ def over_goal(overhead: dict[str, Any]) -> bool:
 
 
 def _vllm_version() -> str:
-    from engine_plugin.vllm_compat import vllm_version
+    from specpilot.engine_plugin.vllm_compat import vllm_version
 
     return vllm_version() or "unknown"
 

@@ -9,7 +9,7 @@ report applied to the core directly (no shedding). Measured, each the median of 
 
 - intervals: the 90% credible interval of every estimate GetPolicy reports (~4,100 x 8
   positions), the former way (a 4,097-point grid in x per estimate, one pass per end) against
-  now (``controller.core.beta.credible_bounds``: both ends, every estimate, one pass);
+  now (``specpilot.controller.core.beta.credible_bounds``: both ends, every estimate, one pass);
   also now one call per estimate, and all three on as many distinct random posteriors (alpha,
   beta log-uniform in [1, 1e4]: nothing shared, unlike the workload's repeated histograms).
   With the largest difference between the former and the new figures.
@@ -57,18 +57,18 @@ from benchmarks.sidecar_memory import (  # noqa: E402
     hello,
     timings,
 )
-from controller import wire  # noqa: E402
-from controller.core.acceptance import CREDIBLE_LEVEL  # noqa: E402
-from controller.core.beta import credible_bounds  # noqa: E402
-from controller.core.controller import ControllerCore  # noqa: E402
-from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot  # noqa: E402
-from controller.dashboard import routes  # noqa: E402
-from controller.server import views  # noqa: E402
-from controller.server.app import RunningServer, start_server  # noqa: E402
-from controller.server.stubs import async_policy_stub  # noqa: E402
-from controller.settings import load_settings  # noqa: E402
 from specpilot.contract import engine_stream  # noqa: E402
 from specpilot.contract.validation import MAX_DRAFTS  # noqa: E402
+from specpilot.controller import wire  # noqa: E402
+from specpilot.controller.core.acceptance import CREDIBLE_LEVEL  # noqa: E402
+from specpilot.controller.core.beta import credible_bounds  # noqa: E402
+from specpilot.controller.core.controller import ControllerCore  # noqa: E402
+from specpilot.controller.core.snapshot import AcceptanceEstimate, CoreSnapshot  # noqa: E402
+from specpilot.controller.dashboard import routes  # noqa: E402
+from specpilot.controller.server import views  # noqa: E402
+from specpilot.controller.server.app import RunningServer, start_server  # noqa: E402
+from specpilot.controller.server.stubs import async_policy_stub  # noqa: E402
+from specpilot.controller.settings import load_settings  # noqa: E402
 from specpilot.v1 import engine_pb2, policy_pb2  # noqa: E402
 
 FloatArray = npt.NDArray[np.float64]
@@ -82,7 +82,7 @@ def _progress(msg: str) -> None:
 
 # --- the former method, kept here for the comparison --------------------------------------------
 def former_grid_ppf(q: float, a: FloatArray, b: FloatArray) -> FloatArray:
-    """The quantile as controller.core.acceptance computed it before: the CDF summed on a
+    """The quantile as specpilot.controller.core.acceptance computed it before: the CDF summed on a
     1/4096 grid in x, recomputed for every call."""
     grid = np.linspace(0.0, 1.0, 4097)[1:-1]
     log_pdf = (a[:, None] - 1.0) * np.log(grid) + (b[:, None] - 1.0) * np.log1p(-grid)

@@ -52,12 +52,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
 from benchmarks.ingest import realistic_report  # noqa: E402
 from benchmarks.plots import plots_available, pyplot, save_figure  # noqa: E402
 from benchmarks.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
-from controller.server.app import start_server  # noqa: E402
-from controller.server.stubs import engine_stub  # noqa: E402
-from controller.settings import load_settings  # noqa: E402
-from engine_plugin.link import shed_backoff, shed_pause  # noqa: E402
 from specpilot.contract import engine_stream  # noqa: E402
 from specpilot.contract.records import DraftKind, DraftSpec, EngineHello  # noqa: E402
+from specpilot.controller.server.app import start_server  # noqa: E402
+from specpilot.controller.server.stubs import engine_stub  # noqa: E402
+from specpilot.controller.settings import load_settings  # noqa: E402
+from specpilot.engine_plugin.link import shed_backoff, shed_pause  # noqa: E402
 from specpilot.v1 import engine_pb2  # noqa: E402
 
 OFFERED_RATES = (64, 256, 512, 1024, 1536)  # reports/s over all engines
@@ -117,7 +117,8 @@ class EngineStream:
     Reports go one at a time, each answered before the next (``answer``); ``send`` sends one
     until it is taken, a shed one again after ``pause``: the controller's
     ``ReportResult.retry_after_seconds``, or with ``backoff`` the plugin's pause (the report
-    ``interval`` x ``engine_plugin.link.shed_backoff``'s factor, ``shed_pause`` after a shed
+    ``interval`` x ``specpilot.engine_plugin.link.shed_backoff``'s factor, ``shed_pause`` after a
+    shed
     report)."""
 
     def __init__(self, target: str, hello: engine_pb2.ConnectRequest | bytes, *,
@@ -423,7 +424,7 @@ def _prober(grpc_target: str, http_url: str, core: int, out: Any) -> None:
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from controller.server.stubs import policy_stub
+    from specpilot.controller.server.stubs import policy_stub
     from specpilot.v1 import policy_pb2
 
     _pin(core)
@@ -572,10 +573,10 @@ def _fleet_worker(url: str, names: list[str], interval: float, rounds: int, mode
                   core: int, out: Any) -> None:
     """Worker process: one FleetSync (with its own core and Redis connection) per name."""
     _pin(core)
-    from controller.core.controller import ControllerCore
-    from controller.server.fleet import FleetIdentity, FleetSync
-    from controller.settings import core_config
-    from controller.store.redis_store import RedisStore
+    from specpilot.controller.core.controller import ControllerCore
+    from specpilot.controller.server.fleet import FleetIdentity, FleetSync
+    from specpilot.controller.settings import core_config
+    from specpilot.controller.store.redis_store import RedisStore
 
     async def run() -> int:
         syncs, stores = [], []

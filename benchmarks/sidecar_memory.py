@@ -57,11 +57,6 @@ import yaml  # noqa: E402
 
 from benchmarks.faults import ControllerProcess  # noqa: E402
 from benchmarks.scale import EngineStream  # noqa: E402
-from controller.core.overrides import MAX_NOTE_CHARS  # noqa: E402
-from controller.server.app import STREAM_QUEUE_LIMIT  # noqa: E402
-from controller.server.policy_writes import AUDIT_LOG_SIZE  # noqa: E402
-from controller.server.stubs import AsyncPolicyStub, async_policy_stub  # noqa: E402
-from controller.settings import SETTINGS  # noqa: E402
 from specpilot.contract.validation import (  # noqa: E402
     MAX_CLASS_NAME_LENGTH,
     MAX_DRAFTS,
@@ -69,6 +64,11 @@ from specpilot.contract.validation import (  # noqa: E402
     MAX_ID_CHARS,
     MAX_PROFILE_POINTS,
 )
+from specpilot.controller.core.overrides import MAX_NOTE_CHARS  # noqa: E402
+from specpilot.controller.server.app import STREAM_QUEUE_LIMIT  # noqa: E402
+from specpilot.controller.server.policy_writes import AUDIT_LOG_SIZE  # noqa: E402
+from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub  # noqa: E402
+from specpilot.controller.settings import SETTINGS  # noqa: E402
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2  # noqa: E402
 
 TOKEN = "memory-bench-token"

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from controller.server.stubs import engine_stub
-from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 from specpilot.contract import engine_stream
 from specpilot.contract.buckets import bucket_of
 from specpilot.contract.records import (
@@ -29,6 +27,8 @@ from specpilot.contract.records import (
     StepProfile,
     StepTimingRecord,
 )
+from specpilot.controller.server.stubs import engine_stub
+from specpilot.engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 from specpilot.v1 import common_pb2, engine_pb2
 
 DRAFT = "draft-small"

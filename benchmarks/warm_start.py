@@ -26,8 +26,8 @@ from benchmarks.sim import policies  # noqa: E402
 from benchmarks.sim.engine import SimEngine  # noqa: E402
 from benchmarks.sim.scenario import Scenario, load_scenario  # noqa: E402
 from benchmarks.sim.specpilot_policy import SpecPilotPolicy  # noqa: E402
-from controller.core.fleet import EvidenceExport, fleet_evidence  # noqa: E402
 from specpilot.contract.records import DecisionEvent, Reason  # noqa: E402
+from specpilot.controller.core.fleet import EvidenceExport, fleet_evidence  # noqa: E402
 
 DEFAULT_SCENARIOS = ("stationary-mixed", "five-classes", "h100-70b-8b", "flat-high")
 FIRST_SECONDS = 60.0

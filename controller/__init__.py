@@ -1,1 +1,1 @@
-"""The specpilot controller sidecar (``controller.core`` is its pure, I/O-free part)."""
+"""The specpilot controller sidecar (``specpilot.controller.core`` is its pure, I/O-free part)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import logging
 import os
@@ -33,18 +32,21 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import yaml
 from google.protobuf.message import Message
 
-from controller.server.app import ServeError, start_server
-from controller.server.explain import arm_label, decision_detail
-from controller.server.stubs import PolicyStub, policy_stub
-from controller.server.views import to_json_dict
-from controller.settings import (
+from specpilot.contract.buckets import batch_range, parse_batch
+from specpilot.contract.records import Override, arm_key
+from specpilot.contract.tls import TLSError, open_channel
+from specpilot.controller.server.app import ServeError, start_server
+from specpilot.controller.server.explain import arm_label, decision_detail
+from specpilot.controller.server.stubs import PolicyStub, policy_stub
+from specpilot.controller.server.views import to_json_dict
+from specpilot.controller.settings import (
     SECRET_SETTINGS,
     Settings,
     SettingsError,
@@ -52,10 +54,7 @@ from controller.settings import (
     settings_reference,
     unknown_environment,
 )
-from controller.wire import event_from_proto, override_from_proto, override_to_proto
-from specpilot.contract.buckets import batch_range, parse_batch
-from specpilot.contract.records import Override, arm_key
-from specpilot.contract.tls import TLSError, open_channel
+from specpilot.controller.wire import event_from_proto, override_from_proto, override_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -465,33 +464,27 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 # --- parser --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ToolCommand:
-    """A command that lives outside the sidecar (the simulator, the demo, the benchmarks): its
-    module is imported only when the command runs or shows its own help."""
+EXTRA_COMMANDS_GROUP = "specpilot.commands"
+# Where the extra commands come from, for the help text and for a command that is not installed.
+TOOLS_HINT = ("the simulator, the demo and the benchmarks (simulate, demo, models, bench) come "
+              "with specpilot-tools: from a checkout, pip install -e ./benchmarks (make setup "
+              "does)")
 
-    module: str
-    add_arguments: str
-    run: str
+
+class ExtraCommand(Protocol):
+    """What a ``specpilot.commands`` entry point names: a command another distribution adds
+    (specpilot-tools adds the simulator, the demo and the benchmarks). ``attach`` fills the
+    command's parser (arguments, description, ``func``) and may import heavy modules: it runs
+    only when the command is used."""
+
     help: str
 
-    def attach(self, parser: argparse.ArgumentParser) -> None:
-        module = importlib.import_module(self.module)
-        parser.description = _plain(module.__doc__)
-        getattr(module, self.add_arguments)(parser)
-        parser.set_defaults(func=getattr(module, self.run))
+    def attach(self, parser: argparse.ArgumentParser) -> None: ...
 
 
-TOOL_COMMANDS = {
-    "simulate": ToolCommand("benchmarks.sim.run", "add_arguments", "main",
-                            "compare K policies on simulated traffic (docs/benchmarks.md)"),
-    "demo": ToolCommand("benchmarks.demo.cli", "add_demo_arguments", "demo_main",
-                        "controller + vLLM-CPU engine with the plugin + mixed traffic, live"),
-    "models": ToolCommand("benchmarks.demo.cli", "add_models_arguments", "models_main",
-                          "build (or reuse) the demo's tiny trained models"),
-    "bench": ToolCommand("benchmarks.demo.cli", "add_bench_arguments", "bench_main",
-                         "benchmarks on a real engine (docs/benchmarks.md)"),
-}
+def extra_commands() -> dict[str, EntryPoint]:
+    """The installed ``specpilot.commands`` entry points by command name (not loaded)."""
+    return {ep.name: ep for ep in entry_points(group=EXTRA_COMMANDS_GROUP)}
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -556,11 +549,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        help="print the reference of every setting as Markdown")
     shown.set_defaults(func=cmd_settings)
 
-    for name, tool in TOOL_COMMANDS.items():
+    extras = extra_commands()
+    if not extras:
+        parser.epilog = TOOLS_HINT[0].upper() + TOOLS_HINT[1:] + "."
+    for name, entry in sorted(extras.items()):
+        try:
+            tool: ExtraCommand = entry.load()
+        except Exception as exc:  # a broken add-on must not take the sidecar's CLI with it
+            _say(f"command '{name}' ({entry.value}) failed to load: {exc}; reinstall the "
+                 f"distribution that provides it ({TOOLS_HINT})", err=True)
+            continue
         sub = commands.add_parser(name, help=tool.help,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == command:
             tool.attach(sub)
+            sub.description = _plain(sub.description)
 
     policy = commands.add_parser("policy", help="read, override, watch or explain the policy",
                                  parents=[_connection_options(with_defaults=True)])
@@ -642,10 +645,20 @@ def _add_tls_options(parser: argparse.ArgumentParser, with_defaults: bool) -> No
                             help=f"{text} (env {env})")
 
 
+def _command_names(parser: argparse.ArgumentParser) -> set[str]:
+    return {name for action in parser._actions
+            if isinstance(action, argparse._SubParsersAction) for name in action.choices}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    if command is not None and command not in _command_names(parser):
+        hint = "" if extra_commands() else f"; {TOOLS_HINT}"
+        _say(f"no command '{command}' (specpilot --help lists them){hint}", err=True)
+        return 2
+    args = parser.parse_args(argv)
     result: int = args.func(args)
     return result
 

@@ -29,11 +29,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from controller.core.controller import ControllerCore
-from controller.core.recommend import Recommendation
-from controller.core.snapshot import CoreSnapshot
 from specpilot.contract.buckets import batch_range
 from specpilot.contract.records import DecisionEvent, Reason, StepPrediction
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.recommend import Recommendation
+from specpilot.controller.core.snapshot import CoreSnapshot
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide
 

@@ -1,7 +1,8 @@
 """The controller's settings, derived from the config dataclasses of each concern.
 
 Each tunable lives in the dataclass of its concern (``CONCERNS``): the server's below, the core's
-in their core modules. There, once, are its default, its constraints (``controller.core.tunable``)
+in their core modules. There, once, are its default, its constraints
+(``specpilot.controller.core.tunable``)
 and its documentation with the unit (the docstring under the field). ``Settings`` is generated
 from them with flat names: the field's name with the concern's prefix (``cost_prior_`` for
 ``CostPrior``, none for the others), e.g. ``half_life_seconds`` or ``cost_prior_base_seconds``.
@@ -42,12 +43,12 @@ from pydantic import AfterValidator, SecretStr, ValidationError, create_model, m
 from pydantic import Field as PydanticField
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from controller.core.acceptance import EstimatorConfig
-from controller.core.config import CoreConfig
-from controller.core.cost_model import CostPrior
-from controller.core.policy import PolicyConfig
-from controller.core.tunable import CONSTRAINTS, Constraints, tunable
 from specpilot.contract.fielddocs import field_docs, markdown_table
+from specpilot.controller.core.acceptance import EstimatorConfig
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.cost_model import CostPrior
+from specpilot.controller.core.policy import PolicyConfig
+from specpilot.controller.core.tunable import CONSTRAINTS, Constraints, tunable
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -57,7 +58,7 @@ T = TypeVar("T", bound="DataclassInstance")
 ENV_PREFIX = "SPECPILOT_"
 # Settings never echoed in a message nor accepted on a command line.
 SECRET_SETTINGS = ("policy_token", "engine_token")
-# The engine plugin's variables (engine_plugin.config): the plugin checks those itself.
+# The engine plugin's variables (specpilot.engine_plugin.config): the plugin checks those itself.
 PLUGIN_ENV_PREFIX = "SPECPILOT_PLUGIN_"
 
 

@@ -16,11 +16,6 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
-from controller.core.beta import credible_bounds
-from controller.core.engines import HelloOutcome
-from controller.core.policy import ArmValue
-from controller.core.recommend import Recommendation
-from controller.core.snapshot import AcceptanceEstimate, ClassView, CoreSnapshot, Explanation
 from specpilot.contract.engine_stream import (
     composition_to_proto,
     decision_from_proto,
@@ -33,6 +28,16 @@ from specpilot.contract.records import (
     DecisionEvent,
     Override,
     OverrideScope,
+)
+from specpilot.controller.core.beta import credible_bounds
+from specpilot.controller.core.engines import HelloOutcome
+from specpilot.controller.core.policy import ArmValue
+from specpilot.controller.core.recommend import Recommendation
+from specpilot.controller.core.snapshot import (
+    AcceptanceEstimate,
+    ClassView,
+    CoreSnapshot,
+    Explanation,
 )
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
 
@@ -153,7 +158,8 @@ def explanation_to_proto(ex: Explanation, text: str) -> policy_pb2.ExplainDecisi
     return msg
 
 
-# --- the read model (controller.core.snapshot) ------------------------------------------------
+# --- the read model (specpilot.controller.core.snapshot)
+# ------------------------------------------------
 def policy_update_to_proto(
     snap: CoreSnapshot, fail_static_timeout_seconds: float
 ) -> engine_pb2.PolicyUpdate:

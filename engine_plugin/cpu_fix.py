@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from engine_plugin.vllm_compat import is_cpu_platform, is_supported, vllm_version
+from specpilot.engine_plugin.vllm_compat import is_cpu_platform, is_supported, vllm_version
 
 __all__ = [
     "EXPAND_KERNEL",

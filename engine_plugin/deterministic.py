@@ -25,7 +25,7 @@ RequestProposer = Callable[[str, Sequence[int], int, int], list[int]]
 
 
 class DeterministicDraft(Protocol):
-    """A draft the plugin proposes in the scheduler (engine_plugin.ngram, engine_plugin.suffix)."""
+    """A draft the plugin proposes in the scheduler (``ngram``, ``suffix`` beside this module)."""
 
     name: str
 

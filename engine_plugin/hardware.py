@@ -9,8 +9,8 @@ import os
 import platform
 from pathlib import Path
 
-from engine_plugin.vllm_types import VllmConfigLike
 from specpilot.contract.validation import MAX_HARDWARE_CHARS
+from specpilot.engine_plugin.vllm_types import VllmConfigLike
 
 log = logging.getLogger(__name__)
 

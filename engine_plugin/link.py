@@ -46,12 +46,12 @@ from typing import Any, cast
 
 import grpc
 
-from engine_plugin.config import PluginConfig, env_name
-from engine_plugin.policy.stats import ReportPayload
-from engine_plugin.policy.view import PolicyView
 from specpilot.contract import engine_stream
 from specpilot.contract.records import EngineHello, HelloAck, PolicyUpdate, ReportResult
 from specpilot.contract.tls import TLSError, channel_credentials, server_name_options
+from specpilot.engine_plugin.config import PluginConfig, env_name
+from specpilot.engine_plugin.policy.stats import ReportPayload
+from specpilot.engine_plugin.policy.view import PolicyView
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 
-# Every logger the plugin writes to: its named logger and its modules' own (``engine_plugin.*``).
-PLUGIN_LOGGERS = ("specpilot.plugin", "engine_plugin")
+# Every logger the plugin writes to: its named logger and its modules' own
+# (``specpilot.engine_plugin.*``).
+PLUGIN_LOGGERS = ("specpilot.plugin", "specpilot.engine_plugin")
 
 
 def follow_vllm_logging() -> None:

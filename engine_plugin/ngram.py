@@ -1,4 +1,4 @@
-"""Prompt-lookup (n-gram) drafts, a deterministic draft (engine_plugin.deterministic).
+"""Prompt-lookup (n-gram) drafts, a deterministic draft (specpilot.engine_plugin.deterministic).
 
 Proposals use vLLM's own matcher (`_find_longest_matched_ngram_and_propose_tokens`, the function
 behind its n-gram drafter), so a draft substituted by the plugin is what vLLM's n-gram method would

@@ -15,29 +15,34 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine_plugin.classify import Classifier
-from engine_plugin.config import PluginConfig
-from engine_plugin.deterministic import Counterfactual, DeterministicDraft
-from engine_plugin.hardware import describe_hardware
-from engine_plugin.link import ControllerLink
-from engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
-from engine_plugin.policy.picks import CounterfactualPicks
-from engine_plugin.policy.stats import StatsAggregator
-from engine_plugin.policy.step import StepPolicy, drafter_k
-from engine_plugin.policy.view import Choice, PolicyLookup, PolicyView
-from engine_plugin.profile import step_profile
-from engine_plugin.suffix import SUFFIX_DRAFT, SuffixProposer, SuffixTrees, suffix_available
-from engine_plugin.vllm_types import (
+from specpilot.contract.classes import DEFAULT_CLASS
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello
+from specpilot.contract.version import package_version
+from specpilot.engine_plugin.classify import Classifier
+from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.deterministic import Counterfactual, DeterministicDraft
+from specpilot.engine_plugin.hardware import describe_hardware
+from specpilot.engine_plugin.link import ControllerLink
+from specpilot.engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
+from specpilot.engine_plugin.policy.picks import CounterfactualPicks
+from specpilot.engine_plugin.policy.stats import StatsAggregator
+from specpilot.engine_plugin.policy.step import StepPolicy, drafter_k
+from specpilot.engine_plugin.policy.view import Choice, PolicyLookup, PolicyView
+from specpilot.engine_plugin.profile import step_profile
+from specpilot.engine_plugin.suffix import (
+    SUFFIX_DRAFT,
+    SuffixProposer,
+    SuffixTrees,
+    suffix_available,
+)
+from specpilot.engine_plugin.vllm_types import (
     ModelRunnerOutputLike,
     RequestLike,
     SchedulerOutputLike,
     VllmConfigLike,
 )
-from engine_plugin.vocab import TokenizerLike, first_differences, vocab_hash
-from engine_plugin.worker_patch import mark_step, patches_applicable
-from specpilot.contract.classes import DEFAULT_CLASS
-from specpilot.contract.records import DraftKind, DraftSpec, EngineHello
-from specpilot.contract.version import package_version
+from specpilot.engine_plugin.vocab import TokenizerLike, first_differences, vocab_hash
+from specpilot.engine_plugin.worker_patch import mark_step, patches_applicable
 
 log = logging.getLogger("specpilot.plugin")
 
@@ -79,10 +84,10 @@ class EngineSpec:
     max_model_len: int
     max_num_seqs: int
     # The worker verifies substituted drafts against one-hot probabilities whatever the draft
-    # sampling method (engine_plugin.worker_patch).
+    # sampling method (specpilot.engine_plugin.worker_patch).
     one_hot_rows: bool = False
     suffix: SuffixTrees = field(default_factory=SuffixTrees)  # the suffix trees' settings
-    hardware: str = ""  # engine_plugin.hardware.describe_hardware
+    hardware: str = ""  # specpilot.engine_plugin.hardware.describe_hardware
     data_parallel_rank: int = 0
 
     @classmethod
@@ -429,7 +434,7 @@ class Pilot:
             self.stats.record_verification(state.traffic_class, draft, k, 0)
 
     def mark_step(self, output: SchedulerOutputLike) -> None:
-        """On a step's SchedulerOutput, for the worker (engine_plugin.worker_patch): which
+        """On a step's SchedulerOutput, for the worker (specpilot.engine_plugin.worker_patch): which
         scheduled drafts are deterministic (substituted since the last step), and whether the
         drafter may skip its pass (batch modes; the worker also requires batch K 0 and a
         decode-only step)."""
@@ -556,6 +561,6 @@ class Pilot:
 
 
 def _vllm_version() -> str:
-    from engine_plugin.vllm_compat import vllm_version
+    from specpilot.engine_plugin.vllm_compat import vllm_version
 
     return vllm_version() or "unknown"

@@ -221,7 +221,7 @@ def install_step_profile() -> bool:
     """Wrap the worker's ``compile_or_warm_up_model`` to take the profile after it. Returns
     whether it was installed; logs one line and does nothing when the internals are missing."""
     try:
-        from engine_plugin.vllm_compat import is_cpu_platform
+        from specpilot.engine_plugin.vllm_compat import is_cpu_platform
 
         worker_cls: Any
         if is_cpu_platform():
@@ -249,7 +249,7 @@ def install_step_profile() -> bool:
         _measured = None  # never hand a previous engine's profile to this one
         try:
             _take_hand_off(_data_parallel_rank(self.vllm_config))  # nor its file
-            from engine_plugin.config import PluginConfig
+            from specpilot.engine_plugin.config import PluginConfig
 
             if not (PluginConfig.from_env().step_profile
                     and runs_specpilot_scheduler(self.vllm_config)):

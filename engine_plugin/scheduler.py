@@ -1,10 +1,12 @@
 """vLLM scheduler subclasses that run the specpilot pilot. Pass one to vLLM:
 
     vllm serve MODEL --speculative-config '{"model": DRAFT, "num_speculative_tokens": 4}' \\
-        --scheduler-cls engine_plugin.scheduler.SpecPilotScheduler          # sync scheduling
-    # with --async-scheduling (the GPU default): engine_plugin.scheduler.SpecPilotAsyncScheduler
+        --scheduler-cls specpilot.engine_plugin.scheduler.SpecPilotScheduler          # sync
+        scheduling
+    # with --async-scheduling (the GPU default):
+    # specpilot.engine_plugin.scheduler.SpecPilotAsyncScheduler
 
-or ``LLM(..., scheduler_cls="engine_plugin.scheduler.SpecPilotScheduler")``. The plugin is
+or ``LLM(..., scheduler_cls="specpilot.engine_plugin.scheduler.SpecPilotScheduler")``. The plugin is
 configured by SPECPILOT_PLUGIN_* environment variables (engine_plugin/config.py).
 
 Every hook is guarded: an exception inside specpilot is logged once and switches the pilot off, so
@@ -24,11 +26,11 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from engine_plugin.config import PluginConfig
-from engine_plugin.pilot import EngineSpec, Pilot
-from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
-from engine_plugin.vllm_types import VllmConfigLike
-from engine_plugin.worker_patch import install_worker_patches
+from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.pilot import EngineSpec, Pilot
+from specpilot.engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
+from specpilot.engine_plugin.vllm_types import VllmConfigLike
+from specpilot.engine_plugin.worker_patch import install_worker_patches
 
 log = logging.getLogger("specpilot.plugin")
 T = TypeVar("T")
@@ -58,7 +60,7 @@ class _PilotScheduler(Scheduler):
     """The hooks shared by the sync and async schedulers (cooperative: in the async subclass
     ``super()`` here resolves to AsyncScheduler)."""
 
-    specpilot_reads_step_profile = True  # engine_plugin.profile.READS_STEP_PROFILE
+    specpilot_reads_step_profile = True  # specpilot.engine_plugin.profile.READS_STEP_PROFILE
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,5 +1,5 @@
 """Suffix drafts (Suffix Decoding, arXiv 2411.04975), a deterministic draft
-(engine_plugin.deterministic), from the ``arctic-inference`` package that vLLM's own
+(specpilot.engine_plugin.deterministic), from the ``arctic-inference`` package that vLLM's own
 ``method: "suffix"`` uses.
 
 A proposal continues the request's last tokens from the better-scoring of two suffix trees: one

@@ -2,10 +2,12 @@
 check of them against the vLLM installed in this interpreter.
 
 Two sources, so the list cannot drift from the code: the ``Protocol``s of
-:mod:`engine_plugin.vllm_types` (what the pilot reads and writes), each mapped here to the vLLM
+:mod:`specpilot.engine_plugin.vllm_types` (what the pilot reads and writes), each mapped here to the
+vLLM
 class that implements it, and :data:`HOOKS` (what the scheduler subclasses override and the
 worker-side patches and the start-up profile wrap or call, with the leading parameters they rely
-on). ``python -m engine_plugin.vllm_surface`` prints the table (found / missing / changed); the
+on). ``python -m specpilot.engine_plugin.vllm_surface`` prints the table (found / missing /
+changed); the
 CPU build's run is a test, the GPU build's is ``make check-vllm-gpu`` (in its own environment).
 """
 
@@ -17,8 +19,8 @@ import inspect
 import sys
 from dataclasses import dataclass
 
-from engine_plugin import vllm_types
-from engine_plugin.worker_patch import _NEEDED as RUNNER_METHODS
+from specpilot.engine_plugin import vllm_types
+from specpilot.engine_plugin.worker_patch import _NEEDED as RUNNER_METHODS
 
 FOUND, MISSING, CHANGED = "found", "missing", "changed"
 
@@ -182,10 +184,10 @@ def markdown(findings: list[Finding], vllm: str) -> str:
 def main() -> int:
     import argparse
 
-    from engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
+    from specpilot.engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
 
     argparse.ArgumentParser(
-        prog="python -m engine_plugin.vllm_surface",
+        prog="python -m specpilot.engine_plugin.vllm_surface",
         description="Check every vLLM object the plugin relies on against the installed vLLM: "
         "a Markdown table (found / missing / changed) on stdout; exit 1 if any is not found.",
     ).parse_args()

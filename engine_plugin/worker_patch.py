@@ -41,7 +41,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine_plugin.vllm_compat import is_supported, method_parameters, vllm_version
+from specpilot.engine_plugin.vllm_compat import is_supported, method_parameters, vllm_version
 
 if TYPE_CHECKING:
     import torch

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from controller.cli import main
+from specpilot.controller.cli import main
 
 COMMANDS = [["serve"], ["check"], ["settings"], ["simulate"], ["demo"], ["models"], ["bench"],
             ["policy"], *(["policy", action] for action in

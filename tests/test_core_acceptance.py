@@ -9,7 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.core.acceptance import AcceptanceEstimator, EstimatorConfig, position_counts
+from specpilot.controller.core.acceptance import (
+    AcceptanceEstimator,
+    EstimatorConfig,
+    position_counts,
+)
 
 histograms = st.lists(st.integers(0, 10_000), min_size=2, max_size=9)
 

@@ -1,4 +1,5 @@
-"""Beta quantiles and credible intervals (``controller.core.beta``) against a high-resolution
+"""Beta quantiles and credible intervals (``specpilot.controller.core.beta``) against a
+high-resolution
 reference and closed forms."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controller.core.beta import beta_quantiles, credible_bounds, credible_bounds_of
+from specpilot.controller.core.beta import beta_quantiles, credible_bounds, credible_bounds_of
 
 # The sweep: alpha, beta log-spaced over [1e-2, 1e5] (every pair), plus the extreme asymmetric
 # corners and both sides of the Cornish-Fisher switch.

@@ -3,10 +3,10 @@ classifier and the core's ingest both follow it."""
 
 from __future__ import annotations
 
-from engine_plugin.classify import Classifier
 from specpilot.contract.classes import DEFAULT_CLASS, OTHER_CLASS, fold_class, fold_classes
 from specpilot.contract.records import DEFAULT_CLASS as TYPES_DEFAULT
 from specpilot.contract.records import OTHER_CLASS as TYPES_OTHER
+from specpilot.engine_plugin.classify import Classifier
 
 
 def test_reserved_names_are_defined_once() -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.core.cost_model import CostPrior, StepCostModel, StepShape
 from specpilot.contract.pricing import Composition, DraftPricing, StepPricing, moved
+from specpilot.controller.core.cost_model import CostPrior, StepCostModel, StepShape
 
 # A 22 ms step, 0.1 ms a sequence, 0.02 ms a verified token (0.18 above 64), and a model draft
 # of 3.9 ms a pass: the simulator's `collapse` engine.

@@ -10,13 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controller.core.controller import ControllerCore
-from controller.core.cost_model import StepShape
-from controller.core.engines import EngineRegistry
-from controller.core.goodput import expected_tokens_curve
-from controller.core.snapshot import CoreSnapshot
-from controller.server.explain import explanation_text
-from controller.settings import core_config, load_settings
 from specpilot.contract.pricing import StepPricing
 from specpilot.contract.records import (
     ALL_CLASSES,
@@ -35,6 +28,13 @@ from specpilot.contract.records import (
     StepProfile,
     StepTimingRecord,
 )
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.cost_model import StepShape
+from specpilot.controller.core.engines import EngineRegistry
+from specpilot.controller.core.goodput import expected_tokens_curve
+from specpilot.controller.core.snapshot import CoreSnapshot
+from specpilot.controller.server.explain import explanation_text
+from specpilot.controller.settings import core_config, load_settings
 
 HELLO = EngineHello(
     engine_id="e1", model="m", target_vocab_hash="v1",
@@ -547,7 +547,7 @@ def test_the_measured_speedup_prices_served_steps_by_the_cost_model() -> None:
 
 
 def test_policy_versions_carry_the_epoch_and_engines_count_versions_of_this_epoch() -> None:
-    from controller.core.published import EPOCH_SHIFT, epoch_at
+    from specpilot.controller.core.published import EPOCH_SHIFT, epoch_at
 
     earlier, later = epoch_at(1_800_000_000.0), epoch_at(1_800_000_000.1)
     assert later == earlier + 1
@@ -660,7 +660,7 @@ def test_an_engine_ahead_of_this_controllers_versions_is_not_behind() -> None:
 def test_a_draft_longer_than_the_controllers_max_k_shows_only_the_positions_tracked() -> None:
     # Found by benchmarks/scale.py overload: an engine whose draft announces K=6 beside a
     # controller of max_k 4 made every GetPolicy fail (IndexError: position 5 of 4 tracked).
-    from controller.wire import estimate_to_proto
+    from specpilot.controller.wire import estimate_to_proto
 
     core = _core(max_k=4)
     core.ingest("e1", _good(), now=1.0)

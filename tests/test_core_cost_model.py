@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.core.cost_model import CostEvidence, CostPrior, StepCostModel, StepShape
+from specpilot.controller.core.cost_model import CostEvidence, CostPrior, StepCostModel, StepShape
 
 KNOTS = (16, 32, 64, 128, 256)
 
@@ -183,7 +183,8 @@ def test_a_zero_sample_scale_prices_by_the_means() -> None:
     assert model.draw(np.random.default_rng(0)) is model.mean
 
 
-# --- shared evidence (controller.core.fleet.fleet_costs) -------------------------------------
+# --- shared evidence (specpilot.controller.core.fleet.fleet_costs)
+# -------------------------------------
 
 def _fitted(seed: int = 0, reports: int = 200) -> StepCostModel:
     rng = np.random.default_rng(seed)

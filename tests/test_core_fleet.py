@@ -8,16 +8,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from controller.core.controller import ControllerCore
-from controller.core.fleet import (
+from specpilot.contract.records import AcceptanceRecord, EngineReport, StepTimingRecord
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.fleet import (
     EvidenceEntry,
     EvidenceExport,
     entries_of,
     fleet_costs,
     fleet_evidence,
 )
-from controller.settings import core_config, load_settings
-from specpilot.contract.records import AcceptanceRecord, EngineReport, StepTimingRecord
+from specpilot.controller.settings import core_config, load_settings
 from tests.test_core_controller import HELLO
 
 

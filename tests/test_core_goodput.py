@@ -7,7 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.core.goodput import expected_tokens, expected_tokens_curve, goodput, speedup
+from specpilot.controller.core.goodput import (
+    expected_tokens,
+    expected_tokens_curve,
+    goodput,
+    speedup,
+)
 
 rates_strategy = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12)
 

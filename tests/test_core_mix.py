@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.core import mix as mix_module
-from controller.core.cost_model import CostPrior, StepCostModel
-from controller.core.mix import (
+from specpilot.contract.records import DraftKind, DraftSpec
+from specpilot.controller.core import mix as mix_module
+from specpilot.controller.core.cost_model import CostPrior, StepCostModel
+from specpilot.controller.core.mix import (
     JOINT_ARM_BUDGET,
     JOINT_MAX_FREE,
     BatchOthers,
@@ -19,9 +20,8 @@ from controller.core.mix import (
     ServedSpeedup,
     joint_arms,
 )
-from controller.core.policy import BucketState, ClassContext, arm_table
-from controller.core.prices import price_steps
-from specpilot.contract.records import DraftKind, DraftSpec
+from specpilot.controller.core.policy import BucketState, ClassContext, arm_table
+from specpilot.controller.core.prices import price_steps
 
 DRAFTS = (DraftSpec("small", DraftKind.MODEL, 6), DraftSpec("ngram", DraftKind.NGRAM, 6))
 

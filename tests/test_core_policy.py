@@ -8,8 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.core.goodput import expected_tokens_curve
-from controller.core.policy import (
+from specpilot.contract.records import Decision, DraftKind, DraftSpec, Override, Reason
+from specpilot.controller.core.goodput import expected_tokens_curve
+from specpilot.controller.core.policy import (
     PROBE_SHARE_MAX,
     BucketState,
     ClassContext,
@@ -17,8 +18,7 @@ from controller.core.policy import (
     break_even_rate,
     decide_bucket,
 )
-from controller.core.prices import StepPrices, StepSecondsFn, price_steps
-from specpilot.contract.records import Decision, DraftKind, DraftSpec, Override, Reason
+from specpilot.controller.core.prices import StepPrices, StepSecondsFn, price_steps
 
 NOW = 1000.0
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)

@@ -1,8 +1,9 @@
-"""controller.core.recommend: the options of every sidecar compared at the fleet's load."""
+"""specpilot.controller.core.recommend: the options of every sidecar compared at the fleet's
+load."""
 
 from __future__ import annotations
 
-from controller.core.recommend import (
+from specpilot.controller.core.recommend import (
     PLAIN,
     SPECULATIVE,
     DraftCurve,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.core.controller import ControllerCore
-from controller.dashboard.history import EstimateHistory
-from controller.settings import core_config, load_settings
 from specpilot.contract.records import AcceptanceRecord, EngineReport
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.dashboard.history import EstimateHistory
+from specpilot.controller.settings import core_config, load_settings
 from tests.test_core_controller import HELLO
 
 

@@ -14,16 +14,6 @@ import numpy as np
 import pytest
 from google.protobuf import json_format
 
-from controller.cli import render_event
-from controller.core.controller import ControllerCore
-from controller.core.policy import ArmValue
-from controller.core.snapshot import Explanation
-from controller.dashboard.routes import Dashboard
-from controller.server.explain import arm_label, decision_detail, decision_text
-from controller.server.views import to_json_dict
-from controller.settings import core_config, load_settings
-from controller.store.codec import event_from_json, event_to_json
-from controller.wire import event_from_proto, event_to_proto
 from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS
 from specpilot.contract.records import (
     OFFLINE_PIN,
@@ -41,6 +31,16 @@ from specpilot.contract.records import (
     StepProfile,
     StepTimingRecord,
 )
+from specpilot.controller.cli import render_event
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.policy import ArmValue
+from specpilot.controller.core.snapshot import Explanation
+from specpilot.controller.dashboard.routes import Dashboard
+from specpilot.controller.server.explain import arm_label, decision_detail, decision_text
+from specpilot.controller.server.views import to_json_dict
+from specpilot.controller.settings import core_config, load_settings
+from specpilot.controller.store.codec import event_from_json, event_to_json
+from specpilot.controller.wire import event_from_proto, event_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 
 MIN_SPEEDUP = core_config(load_settings()).policy.min_speedup

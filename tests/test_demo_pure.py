@@ -297,7 +297,7 @@ def test_calibration_rows_are_per_step_means_with_their_bucket_ranges() -> None:
 def test_the_demo_command_runs_the_real_model_unless_told_tiny() -> None:
     from benchmarks.demo.cli import demo_options
     from benchmarks.real.demo_plan import real_workload
-    from controller.cli import build_parser
+    from specpilot.controller.cli import build_parser
 
     parser = build_parser("demo")
     default = demo_options(parser.parse_args(["demo"]))

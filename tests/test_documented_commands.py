@@ -6,7 +6,8 @@ editing this file: each line of a fenced or indented code block and each inline 
 snippet; a snippet's ``# = COMMAND`` comment documents an equivalent command, checked too.
 
 - ``specpilot CMD [SUB] ...``: ``--help`` of the command exits 0 and its usage names it (run
-  in-process through ``controller.cli.main``, the function the ``specpilot`` script runs); when
+  in-process through ``specpilot.controller.cli.main``, the function the ``specpilot`` script runs);
+  when
   the snippet is an invocation (a code-block line, or any snippet with options) and has no
   placeholder syntax (``|``, ``...``, ``[``), the whole argument list also parses.
 - ``python SCRIPT ...``: the script exists, ``python SCRIPT --help`` exits 0 naming it, and every
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.cli import build_parser, main
+from specpilot.controller.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
@@ -149,7 +150,7 @@ def test_the_documents_are_read() -> None:
 def test_the_specpilot_script_runs_controller_cli_main() -> None:
     """What makes running ``main`` in-process faithful to the installed ``specpilot``."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    assert project["project"]["scripts"]["specpilot"] == "controller.cli:main"
+    assert project["project"]["scripts"]["specpilot"] == "specpilot.controller.cli:main"
 
 
 @pytest.mark.parametrize("cmd", of("specpilot"), ids=_ids(of("specpilot")))

@@ -1,18 +1,21 @@
 """The layout's import rules, checked on the source: who may import whom.
 
-- The sidecar (``controller``) and the plugin (``engine_plugin``) never import ``benchmarks`` or
-  ``tests``; the CLI names its tool commands by module path and imports them only when run.
+- One import namespace: the sidecar and the plugin are ``specpilot.controller`` and
+  ``specpilot.engine_plugin`` (their folders, controller/ and engine_plugin/, are linked under
+  proto/specpilot/); no module imports them by a top-level name.
+- The sidecar and the plugin never import ``benchmarks`` or ``tests`` (the tools add their
+  commands to the CLI through entry points).
 - The plugin imports nothing of the controller: only the contract (``specpilot.contract``), the
   generated ``specpilot.v1`` and itself. The contract imports neither side. Of the plugin only the
   link, the stream's transport, touches protobuf messages: the rest receives records.
 - ``benchmarks`` never imports ``tests``.
-- The pure core (``controller.core``) imports no I/O edge: not the server, the wire converters,
-  gRPC, protobuf, TLS, HTTP, Prometheus or pydantic (of the contract, only its pure records,
-  rules and pricing).
+- The pure core (``specpilot.controller.core``) imports no I/O edge: not the server, the wire
+  converters, gRPC, protobuf, TLS, HTTP, Prometheus or pydantic (of the contract, only its pure
+  records, rules and pricing).
 - No import cycles between modules, anywhere.
-- The engine's policy module (``engine_plugin.policy``), which the plugin and the simulator both
-  drive, imports neither vLLM, torch nor the network, nor the plugin's vLLM-facing modules, nor
-  the controller's brain.
+- The engine's policy module (``specpilot.engine_plugin.policy``), which the plugin and the
+  simulator both drive, imports neither vLLM, torch nor the network, nor the plugin's
+  vLLM-facing modules, nor the controller's brain.
 """
 
 from __future__ import annotations
@@ -24,19 +27,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Package -> top-level modules it must never import.
+# The top-level names the namespace replaces: importing them would load a second copy.
+BARE = ("controller", "engine_plugin")
+# Folder -> modules it must never import.
 FORBIDDEN = {
-    "controller": ("benchmarks", "tests"),
-    "engine_plugin": ("benchmarks", "tests", "controller"),
-    "benchmarks": ("tests",),
-    "proto/specpilot/contract": ("controller", "engine_plugin", "benchmarks", "tests"),
+    "controller": ("benchmarks", "tests", *BARE),
+    "engine_plugin": ("benchmarks", "tests", "specpilot.controller", *BARE),
+    "benchmarks": ("tests", *BARE),
+    "tests": BARE,
+    "proto/specpilot/contract": ("specpilot.controller", "specpilot.engine_plugin", "benchmarks",
+                                 "tests", *BARE),
 }
-CORE_FORBIDDEN = ("controller.server", "controller.wire", "controller.metrics",
-                  "controller.settings", "grpc", "google.protobuf", "specpilot.v1",
-                  "specpilot.contract.engine_stream", "specpilot.contract.tls", "aiohttp",
-                  "prometheus_client", "pydantic", "pydantic_settings")
-ENGINE_POLICY_FORBIDDEN = ("vllm", "torch", "transformers", "grpc", "controller",
-                           *(f"engine_plugin.{p.stem}" for p in (ROOT / "engine_plugin").iterdir()
+CORE_FORBIDDEN = ("specpilot.controller.server", "specpilot.controller.wire",
+                  "specpilot.controller.metrics", "specpilot.controller.settings", "grpc",
+                  "google.protobuf", "specpilot.v1", "specpilot.contract.engine_stream",
+                  "specpilot.contract.tls", "aiohttp", "prometheus_client", "pydantic",
+                  "pydantic_settings")
+ENGINE_POLICY_FORBIDDEN = ("vllm", "torch", "transformers", "grpc", "specpilot.controller",
+                           *(f"specpilot.engine_plugin.{p.stem}"
+                             for p in (ROOT / "engine_plugin").iterdir()
                              if p.stem not in ("policy", "__init__", "__pycache__")))
 
 
@@ -79,12 +88,13 @@ def test_only_the_link_touches_protobuf_in_the_plugin() -> None:
 
 def test_the_engine_policy_module_is_pure() -> None:
     assert (ROOT / "engine_plugin" / "policy").is_dir()
-    assert "engine_plugin.pilot" in ENGINE_POLICY_FORBIDDEN  # the control: the glue is named
+    # The control: the glue is named.
+    assert "specpilot.engine_plugin.pilot" in ENGINE_POLICY_FORBIDDEN
     assert _violations("engine_plugin/policy", ENGINE_POLICY_FORBIDDEN) == []
 
 
 # Where the project's modules live: folder -> the dotted prefix of its modules.
-SOURCES = {"controller": "controller", "engine_plugin": "engine_plugin",
+SOURCES = {"controller": "specpilot.controller", "engine_plugin": "specpilot.engine_plugin",
            "benchmarks": "benchmarks", "proto/specpilot/contract": "specpilot.contract"}
 
 
@@ -160,7 +170,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles() -> None:
     graph = import_graph({ROOT / folder: prefix for folder, prefix in SOURCES.items()})
-    assert "engine_plugin.pilot" in graph and "specpilot.contract.records" in graph
+    assert "specpilot.engine_plugin.pilot" in graph and "specpilot.contract.records" in graph
     assert cycles(graph) == []
 
 
@@ -183,14 +193,24 @@ def test_the_rule_catches_a_forbidden_import(tmp_path: Path) -> None:
     assert imported_modules(bad) == {"os", "tests.engine"}
 
 
-def test_tool_commands_name_modules_that_exist() -> None:
-    # The CLI imports its tool commands lazily by name: a moved module must fail here, not in a
-    # user's shell.
-    import importlib
+def test_the_namespace_links_the_design_folders() -> None:
+    # What makes specpilot.controller and specpilot.engine_plugin importable from a checkout
+    # and what the wheel packs under those names.
+    for folder in BARE:
+        link = ROOT / "proto" / "specpilot" / folder
+        assert link.is_symlink() and link.resolve() == ROOT / folder
 
-    from controller.cli import TOOL_COMMANDS
 
-    for name, tool in TOOL_COMMANDS.items():
-        module = importlib.import_module(tool.module)
-        assert callable(getattr(module, tool.add_arguments)), name
-        assert callable(getattr(module, tool.run)), name
+def test_the_tools_add_their_commands_through_entry_points() -> None:
+    """The installed ``specpilot.commands`` entry points (specpilot-tools) give the CLI the
+    simulator, the demo, the models and the benchmarks; each attaches a runnable command."""
+    import argparse
+
+    from specpilot.controller.cli import extra_commands
+
+    extras = extra_commands()
+    assert {"simulate", "demo", "models", "bench"} <= set(extras)
+    for name, entry in extras.items():
+        parser = argparse.ArgumentParser(prog=f"specpilot {name}")
+        entry.load().attach(parser)
+        assert callable(parser.get_default("func")), name

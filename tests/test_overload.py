@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.server.overload import WINDOW_SECONDS, ReportBudget
+from specpilot.controller.server.overload import WINDOW_SECONDS, ReportBudget
 
 
 class Clock:

@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from controller.core.acceptance import EstimatorConfig
-from controller.core.config import CoreConfig
-from controller.core.cost_model import CostPrior
-from controller.core.policy import PolicyConfig
-from controller.settings import (
+from specpilot.contract.fielddocs import field_docs
+from specpilot.controller.core.acceptance import EstimatorConfig
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.cost_model import CostPrior
+from specpilot.controller.core.policy import PolicyConfig
+from specpilot.controller.settings import (
     CONCERNS,
     SETTINGS,
     FleetConfig,
@@ -27,7 +28,6 @@ from controller.settings import (
     settings_reference,
     unknown_environment,
 )
-from specpilot.contract.fielddocs import field_docs
 
 
 def test_precedence_file_then_environment_then_flags(tmp_path: Path,
@@ -200,7 +200,7 @@ def test_unknown_specpilot_variables_are_named_with_the_closest_one() -> None:
 def test_no_specpilot_variable_the_project_reads_is_called_unknown() -> None:
     """Every SPECPILOT_* name in the code, the chart and the docs (Python constants aside) is a
     setting's, the plugin's or one of the CLI's known_variables: none would be warned about."""
-    from controller.cli import known_variables
+    from specpilot.controller.cli import known_variables
 
     root = Path(__file__).resolve().parent.parent
     files = [p for d in ("controller", "engine_plugin", "benchmarks", "tools", "tests", "deploy")

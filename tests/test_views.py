@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from controller.server.views import json_dumps, policy_json, policy_response, to_json_dict
+from specpilot.controller.server.views import json_dumps, policy_json, policy_response, to_json_dict
 from tests.test_wire import _read_model
 
 

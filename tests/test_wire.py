@@ -8,11 +8,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from controller import wire
-from controller.core.controller import ControllerCore
-from controller.core.engines import HelloOutcome
-from controller.core.snapshot import CoreSnapshot
-from controller.settings import core_config, load_settings
 from specpilot.contract import engine_stream
 from specpilot.contract.records import (
     AcceptanceRecord,
@@ -35,6 +30,11 @@ from specpilot.contract.records import (
     StepProfile,
     StepTimingRecord,
 )
+from specpilot.controller import wire
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.engines import HelloOutcome
+from specpilot.controller.core.snapshot import CoreSnapshot
+from specpilot.controller.settings import core_config, load_settings
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
 from tests.test_core_controller import HELLO as HELLO_CORE
 

@@ -24,4 +24,4 @@ say "installing $SPEC into $VENV (first run: a few minutes)"
 "$VENV/bin/pip" install -q --disable-pip-version-check "$SPEC" grpcio
 say "checking the plugin's vLLM surface"
 cd "$ROOT"
-PYTHONPATH="$ROOT:$ROOT/proto" "$VENV/bin/python" -m engine_plugin.vllm_surface
+PYTHONPATH="$ROOT:$ROOT/proto" "$VENV/bin/python" -m specpilot.engine_plugin.vllm_surface

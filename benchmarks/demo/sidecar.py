@@ -41,7 +41,7 @@ class Sidecar:
     def __init__(self, settings: Mapping[str, Any], grpc_port: int = 0,
                  http_port: int = 0) -> None:
         self.token = os.environ.get("SPECPILOT_POLICY_TOKEN") or secrets.token_urlsafe(24)
-        command = [sys.executable, "-c", "import sys; from controller.cli import main; "
+        command = [sys.executable, "-c", "import sys; from specpilot.controller.cli import main; "
                    "sys.exit(main())", "serve", "--grpc-port", str(grpc_port),
                    "--http-port", str(http_port), "--log-level", "warning"]
         for name, value in settings.items():

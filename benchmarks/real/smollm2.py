@@ -54,7 +54,8 @@ def require_converter() -> None:
     if missing:
         raise RuntimeError(
             f"converting the GGUF model needs {', '.join(missing)}: "
-            "pip install 'specpilot[real]' (or pip install gguf accelerate), then rerun")
+            "pip install -e './benchmarks[real]' in a checkout (or pip install gguf accelerate), "
+            "then rerun")
 
 
 def _convert(tmp: Path, gguf: Path, progress: bool) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """specpilot in the simulator: the real ``ControllerCore`` behind the engine plugin's own policy
 module.
 
-The adapter plays the plugin's part with the plugin's objects (``engine_plugin.policy``; nothing
+The adapter plays the plugin's part with the plugin's objects (``specpilot.engine_plugin.policy``;
+nothing
 of the plugin or the controller is re-implemented): the policy reaches a ``PolicyView`` as the
 message the server sends, each step is resolved through a ``StepPolicy`` (lookup, probes,
 per-step re-picks), the requests scored counterfactually with the n-gram draft are the
@@ -27,17 +28,17 @@ from benchmarks.sim.step import (
     StepView,
 )
 from benchmarks.sim.truth import StepCost
-from controller.core.controller import ControllerCore
-from controller.settings import core_config, load_settings, server_config
-from controller.wire import policy_update_to_proto
-from engine_plugin.config import PluginConfig
-from engine_plugin.policy.picks import CounterfactualPicks
-from engine_plugin.policy.stats import StatsAggregator
-from engine_plugin.policy.step import StepPolicy
-from engine_plugin.policy.view import Choice, PolicyView
-from engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 from specpilot.contract.engine_stream import policy_update_from_proto
 from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, StepProfile
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.settings import core_config, load_settings, server_config
+from specpilot.controller.wire import policy_update_to_proto
+from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.policy.picks import CounterfactualPicks
+from specpilot.engine_plugin.policy.stats import StatsAggregator
+from specpilot.engine_plugin.policy.step import StepPolicy
+from specpilot.engine_plugin.policy.view import Choice, PolicyView
+from specpilot.engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 
 ENGINE_ID = "sim-engine-0"
 _VOCAB = "simulated-vocabulary"
@@ -45,7 +46,8 @@ _VOCAB = "simulated-vocabulary"
 
 def start_up_profile(info: EngineInfo, cost: StepCost,
                      scale: tuple[float, float] = (1.0, 1.0)) -> tuple[StepProfile, ...]:
-    """What the plugin's start-up profile would send for this engine (``engine_plugin.profile``:
+    """What the plugin's start-up profile would send for this engine
+    (``specpilot.engine_plugin.profile``:
     the same batch sizes and K, uniform decode steps, the first model draft running K passes),
     timed by the scenario's step cost without noise (the plugin keeps the fastest of five),
     times ``scale`` (without speculation, with): a real profile's bias."""
@@ -93,7 +95,8 @@ class SpecPilotPolicy:
         self._now = 0.0  # the simulated clock, for the plugin's objects
         self._fail_static = server_config(self.settings).fail_static_timeout_seconds
         drafter = info.drafts[info.primary_draft]
-        # The plugin's objects, as engine_plugin.pilot wires them, on the simulated clock; the
+        # The plugin's objects, as specpilot.engine_plugin.pilot wires them, on the simulated clock;
+        # the
         # bucket bounds are the controller's, as its HelloAck announces them.
         self.view = PolicyView(
             static_k=info.max_k, static_draft=drafter,

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from benchmarks.sim.scenario import Acceptance, Scenario
-from controller.core.goodput import expected_tokens_curve
+from specpilot.controller.core.goodput import expected_tokens_curve
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

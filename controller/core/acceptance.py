@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.beta import credible_bounds
-from controller.core.fleet import positions
-from controller.core.tunable import tunable
+from specpilot.controller.core.beta import credible_bounds
+from specpilot.controller.core.fleet import positions
+from specpilot.controller.core.tunable import tunable
 
 FloatArray = npt.NDArray[np.float64]
 RECOVERY_HALF_LIVES = 4.0
@@ -88,7 +88,7 @@ class Posterior:
         return rng.beta(self.alpha, self.beta)
 
     def credible_interval(self, level: float = 0.9) -> tuple[FloatArray, FloatArray]:
-        """Equal-tailed credible interval per position (``controller.core.beta``)."""
+        """Equal-tailed credible interval per position (``specpilot.controller.core.beta``)."""
         return credible_bounds(self.alpha, self.beta, level)
 
 
@@ -132,7 +132,8 @@ class AcceptanceEstimator:
         self._recover_until: dict[tuple[str, str], float] = {}
         # Since when |z| has stayed above the drift threshold, per key.
         self._drift_since: dict[tuple[str, str], float] = {}
-        # The other sidecars' evidence (controller.core.fleet), as of ``_fleet_at``: added to
+        # The other sidecars' evidence (specpilot.controller.core.fleet), as of ``_fleet_at``: added
+        # to
         # the posterior, never to the change detector (each sidecar detects its own changes).
         self._fleet: dict[tuple[str, str], tuple[FloatArray, FloatArray]] = {}
         self._fleet_at = 0.0

@@ -13,9 +13,9 @@ import math
 from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from controller.core.config import CoreConfig
 from specpilot.contract.classes import fold_class, fold_classes
 from specpilot.contract.records import DEFAULT_CLASS, OTHER_CLASS, Decision
+from specpilot.controller.core.config import CoreConfig
 
 
 @dataclass

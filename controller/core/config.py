@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.core.acceptance import EstimatorConfig
-from controller.core.cost_model import CostPrior
-from controller.core.policy import PolicyConfig
-from controller.core.tunable import tunable
 from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, bucket_upper_size
+from specpilot.controller.core.acceptance import EstimatorConfig
+from specpilot.controller.core.cost_model import CostPrior
+from specpilot.controller.core.policy import PolicyConfig
+from specpilot.controller.core.tunable import tunable
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,16 @@ from functools import partial
 
 import numpy as np
 
-from controller.core.class_table import ClassState, ClassTable
-from controller.core.config import CoreConfig
-from controller.core.cost_model import PricedCosts
-from controller.core.engines import EngineRegistry
-from controller.core.evidence import Evidence, MeanCurves
-from controller.core.joint import JointSearch
-from controller.core.mix import BatchOthers, OtherClass, other_class
-from controller.core.overrides import Overrides
-from controller.core.policy import (
+from specpilot.contract.records import DraftSpec
+from specpilot.controller.core.class_table import ClassState, ClassTable
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.cost_model import PricedCosts
+from specpilot.controller.core.engines import EngineRegistry
+from specpilot.controller.core.evidence import Evidence, MeanCurves
+from specpilot.controller.core.joint import JointSearch
+from specpilot.controller.core.mix import BatchOthers, OtherClass, other_class
+from specpilot.controller.core.overrides import Overrides
+from specpilot.controller.core.policy import (
     BucketState,
     Choice,
     ClassContext,
@@ -33,8 +34,7 @@ from controller.core.policy import (
     runs,
     unpriced_decision,
 )
-from controller.core.prices import StepPrices, price_steps
-from specpilot.contract.records import DraftSpec
+from specpilot.controller.core.prices import StepPrices, price_steps
 
 # Per bucket, every class as it runs (``Contexts.running``): kept by a decide round for all its
 # classes, so each is priced once a round, not once per deciding class (at 256 classes that

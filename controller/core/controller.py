@@ -27,23 +27,6 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from controller.core.class_table import ClassTable
-from controller.core.config import CoreConfig
-from controller.core.context import Contexts
-from controller.core.cost_model import StepShape
-from controller.core.decider import Decider
-from controller.core.engine_options import engine_options
-from controller.core.engines import EngineRegistry, HelloOutcome, admit_drafts
-from controller.core.evidence import Evidence
-from controller.core.fleet import CostExport, EvidenceEntry, EvidenceKey, FloatArray
-from controller.core.fleet_exchange import FleetExchange
-from controller.core.joint import JointSearch
-from controller.core.mix import Arm
-from controller.core.overrides import Overrides
-from controller.core.published import PublishedPolicy
-from controller.core.read_model import ReadModel
-from controller.core.recommend import EngineOptions
-from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot, Explanation
 from specpilot.contract.pricing import Composition, StepPricing
 from specpilot.contract.records import (
     Decision,
@@ -57,6 +40,23 @@ from specpilot.contract.records import (
     ReportRejected,
 )
 from specpilot.contract.validation import check_hello, check_report
+from specpilot.controller.core.class_table import ClassTable
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.context import Contexts
+from specpilot.controller.core.cost_model import StepShape
+from specpilot.controller.core.decider import Decider
+from specpilot.controller.core.engine_options import engine_options
+from specpilot.controller.core.engines import EngineRegistry, HelloOutcome, admit_drafts
+from specpilot.controller.core.evidence import Evidence
+from specpilot.controller.core.fleet import CostExport, EvidenceEntry, EvidenceKey, FloatArray
+from specpilot.controller.core.fleet_exchange import FleetExchange
+from specpilot.controller.core.joint import JointSearch
+from specpilot.controller.core.mix import Arm
+from specpilot.controller.core.overrides import Overrides
+from specpilot.controller.core.published import PublishedPolicy
+from specpilot.controller.core.read_model import ReadModel
+from specpilot.controller.core.recommend import EngineOptions
+from specpilot.controller.core.snapshot import AcceptanceEstimate, CoreSnapshot, Explanation
 
 
 class ControllerCore:
@@ -205,7 +205,8 @@ class ControllerCore:
         """The fleet layer as last set, by class."""
         return self._overrides.fleet()
 
-    # --- the fleet (controller.core.fleet_exchange) -------------------------------------------
+    # --- the fleet (specpilot.controller.core.fleet_exchange)
+    # -------------------------------------------
     @property
     def evidence_half_life(self) -> float:
         """Half-life of acceptance evidence, seconds: the fleet decays exports with it too."""
@@ -233,11 +234,12 @@ class ControllerCore:
 
     def engine_options(self, sidecar: str, now: float) -> EngineOptions | None:
         """What this controller's engines achieve, for the fleet's recommendations; None while
-        no engine is connected (``controller.core.engine_options``)."""
+        no engine is connected (``specpilot.controller.core.engine_options``)."""
         return engine_options(self.config, self._engines, self._classes, self._evidence,
                               sidecar, now)
 
-    # --- read model (controller.core.read_model) --------------------------------------------
+    # --- read model (specpilot.controller.core.read_model)
+    # --------------------------------------------
     @property
     def version(self) -> int:
         """Version of the policy: moves when a decide round changed what engines must apply."""

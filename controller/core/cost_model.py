@@ -19,7 +19,7 @@ prior roofline (so it is usable before any data and carries units), the data evi
 The evidence is a sufficient statistic (``CostEvidence``: the information matrix, the
 time-weighted features, the squared times, reports and steps), so engines of one type (model,
 drafts, hardware) share it as they share acceptance evidence: the posterior is prior + own + the
-fleet's (``controller.core.fleet.fleet_costs``), and what a model exports is only its own.
+fleet's (``specpilot.controller.core.fleet.fleet_costs``), and what a model exports is only its own.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.tunable import tunable
 from specpilot.contract.pricing import (
     MIN_STEP_SECONDS,
     DraftPricing,
@@ -39,6 +38,7 @@ from specpilot.contract.pricing import (
     StepColumns,
     StepPricing,
 )
+from specpilot.controller.core.tunable import tunable
 
 SunkDraft = tuple[str, int]  # (model draft name, draft passes per step)
 _RIDGE = 1e-9  # keeps the information matrix invertible for features no design point excites
@@ -437,7 +437,8 @@ class StepCostModel:
         """Decayed number of this model's own observed steps (0 before any data)."""
         return self._own.steps
 
-    # --- sharing (controller.core.fleet) ----------------------------------------------------
+    # --- sharing (specpilot.controller.core.fleet)
+    # ----------------------------------------------------
     def export(self, now: float) -> CostEvidence:
         """This model's own evidence, decayed to ``now`` (never the fleet's)."""
         f = 1.0

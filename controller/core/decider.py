@@ -8,14 +8,16 @@ without being scored, so a round costs what the evidence since the last one touc
 
 from __future__ import annotations
 
-from controller.core.class_table import ClassState, ClassTable
-from controller.core.config import CoreConfig
-from controller.core.context import Contexts, Running
-from controller.core.engines import EngineRegistry
-from controller.core.evidence import Evidence, MeanCurves
-from controller.core.joint import JointSearch
-from controller.core.overrides import Overrides
-from controller.core.policy import (
+from specpilot.contract.pricing import Composition, moved
+from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Reason
+from specpilot.controller.core.class_table import ClassState, ClassTable
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.context import Contexts, Running
+from specpilot.controller.core.engines import EngineRegistry
+from specpilot.controller.core.evidence import Evidence, MeanCurves
+from specpilot.controller.core.joint import JointSearch
+from specpilot.controller.core.overrides import Overrides
+from specpilot.controller.core.policy import (
     ClassContext,
     choose,
     decision_figures,
@@ -23,9 +25,7 @@ from controller.core.policy import (
     priced_batch,
     with_probe,
 )
-from controller.core.published import PublishedPolicy
-from specpilot.contract.pricing import Composition, moved
-from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Reason
+from specpilot.controller.core.published import PublishedPolicy
 
 # A probe share that moved by less than this factor is not worth a new policy version.
 _PROBE_RATE_MATERIAL_FACTOR = 1.25

@@ -1,5 +1,6 @@
 """What this controller's engines achieve, for the fleet's recommendations
-(``controller.core.recommend``): per batch bucket, the goodput with speculation off and, per class
+(``specpilot.controller.core.recommend``): per batch bucket, the goodput with speculation off and,
+per class
 and draft with evidence, the goodput at that draft's best K. Posterior means and mean costs, the
 class alone in the batch; draws nothing, so deciding is unaffected.
 """
@@ -8,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from controller.core.class_table import ClassTable
-from controller.core.config import CoreConfig
-from controller.core.engines import EngineRegistry
-from controller.core.evidence import Evidence
-from controller.core.goodput import expected_tokens_curve, goodput
-from controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
+from specpilot.controller.core.class_table import ClassTable
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.engines import EngineRegistry
+from specpilot.controller.core.evidence import Evidence
+from specpilot.controller.core.goodput import expected_tokens_curve, goodput
+from specpilot.controller.core.recommend import PLAIN, SPECULATIVE, DraftCurve, EngineOptions
 
 
 def engine_options(config: CoreConfig, engines: EngineRegistry, classes: ClassTable,

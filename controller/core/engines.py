@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
-from controller.core.cost_model import SunkDraft
 from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, EngineReport
+from specpilot.controller.core.cost_model import SunkDraft
 
 
 @dataclass(frozen=True)

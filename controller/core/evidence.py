@@ -11,13 +11,6 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.acceptance import AcceptanceEstimator
-from controller.core.class_table import ClassTable
-from controller.core.config import CoreConfig
-from controller.core.cost_model import StepCostModel, StepShape
-from controller.core.engines import EngineRegistry, EngineState
-from controller.core.goodput import expected_tokens_curve
-from controller.core.mix import ClassMix, ServedSpeedup
 from specpilot.contract.buckets import BucketLoads
 from specpilot.contract.records import (
     DraftKind,
@@ -27,6 +20,13 @@ from specpilot.contract.records import (
     IngestResult,
     StepPrediction,
 )
+from specpilot.controller.core.acceptance import AcceptanceEstimator
+from specpilot.controller.core.class_table import ClassTable
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.cost_model import StepCostModel, StepShape
+from specpilot.controller.core.engines import EngineRegistry, EngineState
+from specpilot.controller.core.goodput import expected_tokens_curve
+from specpilot.controller.core.mix import ClassMix, ServedSpeedup
 
 FloatArray = npt.NDArray[np.float64]
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.cost_model import CostEvidence
+from specpilot.controller.core.cost_model import CostEvidence
 
 FloatArray = npt.NDArray[np.float64]
 EvidenceKey = tuple[str, str]  # (traffic class, draft)

@@ -1,4 +1,5 @@
-"""What this controller gives the fleet of one model and takes from it (``controller.core.fleet``):
+"""What this controller gives the fleet of one model and takes from it
+(``specpilot.controller.core.fleet``):
 its own acceptance and step-cost evidence, exported and restored after a restart, and the other
 sidecars' evidence added to its posteriors.
 """
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from controller.core.class_table import ClassTable
-from controller.core.config import CoreConfig
-from controller.core.engines import EngineRegistry
-from controller.core.evidence import Evidence
-from controller.core.fleet import (
+from specpilot.contract.records import OTHER_CLASS
+from specpilot.contract.validation import check_class_name
+from specpilot.controller.core.class_table import ClassTable
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.engines import EngineRegistry
+from specpilot.controller.core.evidence import Evidence
+from specpilot.controller.core.fleet import (
     CostExport,
     EvidenceEntry,
     EvidenceKey,
@@ -20,8 +23,6 @@ from controller.core.fleet import (
     entries_of,
     fleet_costs,
 )
-from specpilot.contract.records import OTHER_CLASS
-from specpilot.contract.validation import check_class_name
 
 
 class FleetExchange:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from controller.core.class_table import ClassTable
-from controller.core.config import CoreConfig
-from controller.core.engines import EngineRegistry
-from controller.core.evidence import Evidence, MeanCurves
-from controller.core.mix import Arm, JointClass, joint_arms
-from controller.core.overrides import Overrides
-from controller.core.policy import runs
 from specpilot.contract.records import DraftSpec
+from specpilot.controller.core.class_table import ClassTable
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.engines import EngineRegistry
+from specpilot.controller.core.evidence import Evidence, MeanCurves
+from specpilot.controller.core.mix import Arm, JointClass, joint_arms
+from specpilot.controller.core.overrides import Overrides
+from specpilot.controller.core.policy import runs
 
 # Buckets the joint search may refresh in one decide round (the rest wait for later rounds).
 JOINT_BUCKETS_PER_DECIDE = 2

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from controller.core.class_table import ClassTable
-from controller.core.config import CoreConfig
 from specpilot.contract.records import ALL_CLASSES, OTHER_CLASS, Override, OverrideScope
 from specpilot.contract.validation import check_class_name, valid_class_name
+from specpilot.controller.core.class_table import ClassTable
+from specpilot.controller.core.config import CoreConfig
 
 # An override's note is a sentence for the audit log, not a document.
 MAX_NOTE_CHARS = 1000

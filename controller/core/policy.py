@@ -24,7 +24,8 @@ expected speedup, the "losing by means" test and explanations. On top of the arg
 
 A bucket is decided in two small stages, ``choose`` (the arm) then ``with_probe`` (the probe).
 Neither prices anything: the context carries the step seconds they read, computed before each
-stage by the decider (``controller.core.prices``; ``unpriced_decision`` and ``probe_curves`` say
+stage by the decider (``specpilot.controller.core.prices``; ``unpriced_decision`` and
+``probe_curves`` say
 what a stage will read).
 """
 
@@ -39,12 +40,6 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.acceptance import CREDIBLE_LEVEL
-from controller.core.beta import credible_bounds
-from controller.core.goodput import expected_tokens_curve, goodput, speedup
-from controller.core.mix import BatchOthers, priced_arm_rates
-from controller.core.prices import StepPrices
-from controller.core.tunable import tunable
 from specpilot.contract.records import (
     OFFLINE_PIN,
     ArmFigures,
@@ -56,6 +51,12 @@ from specpilot.contract.records import (
     Reason,
     arm_key,
 )
+from specpilot.controller.core.acceptance import CREDIBLE_LEVEL
+from specpilot.controller.core.beta import credible_bounds
+from specpilot.controller.core.goodput import expected_tokens_curve, goodput, speedup
+from specpilot.controller.core.mix import BatchOthers, priced_arm_rates
+from specpilot.controller.core.prices import StepPrices
+from specpilot.controller.core.tunable import tunable
 
 FloatArray = npt.NDArray[np.float64]
 

@@ -1,6 +1,7 @@
 """What the policy prices a class's arms with: step seconds as arrays, computed before it runs.
 
-Why: the policy (``controller.core.policy``) is a pure function of its context. The decider prices
+Why: the policy (``specpilot.controller.core.policy``) is a pure function of its context. The
+decider prices
 the steps it will score (``price_steps``, from the step-cost model's mean and from a decide
 round's draw of its weights) and the policy reads arrays: it calls nothing, and a test hands it
 prices from a toy cost function the same way.
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.mix import BatchOthers, MixedSecondsFn, arm_seconds
 from specpilot.contract.records import DraftSpec
+from specpilot.controller.core.mix import BatchOthers, MixedSecondsFn, arm_seconds
 
 FloatArray = npt.NDArray[np.float64]
 # (batch_size, draft whose passes run, draft_is_model, max_k) -> step seconds for K = 0..max_k

@@ -1,30 +1,31 @@
-"""Reads of the core's state: the frozen snapshot (``controller.core.snapshot``) and the cheaper
+"""Reads of the core's state: the frozen snapshot (``specpilot.controller.core.snapshot``) and the
+cheaper
 calls that answer one question each (a decision, an estimate, engines' report ages, the cost
 model's fit), so that no reader reaches into a part's state.
 """
 
 from __future__ import annotations
 
-from controller.core.class_table import ClassTable
-from controller.core.config import CoreConfig
-from controller.core.context import Contexts
-from controller.core.cost_model import StepShape
-from controller.core.engines import EngineRegistry
-from controller.core.evidence import Evidence
-from controller.core.joint import JointSearch
-from controller.core.mix import Arm
-from controller.core.overrides import Overrides
-from controller.core.policy import arm_values
-from controller.core.published import PublishedPolicy
-from controller.core.snapshot import (
+from specpilot.contract.pricing import StepPricing
+from specpilot.contract.records import Decision, DraftSpec, Reason
+from specpilot.controller.core.class_table import ClassTable
+from specpilot.controller.core.config import CoreConfig
+from specpilot.controller.core.context import Contexts
+from specpilot.controller.core.cost_model import StepShape
+from specpilot.controller.core.engines import EngineRegistry
+from specpilot.controller.core.evidence import Evidence
+from specpilot.controller.core.joint import JointSearch
+from specpilot.controller.core.mix import Arm
+from specpilot.controller.core.overrides import Overrides
+from specpilot.controller.core.policy import arm_values
+from specpilot.controller.core.published import PublishedPolicy
+from specpilot.controller.core.snapshot import (
     AcceptanceEstimate,
     ClassView,
     CoreSnapshot,
     EngineView,
     Explanation,
 )
-from specpilot.contract.pricing import StepPricing
-from specpilot.contract.records import Decision, DraftSpec, Reason
 
 
 class ReadModel:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from controller.core.acceptance import Posterior
-from controller.core.goodput import expected_tokens_curve
-from controller.core.policy import ArmValue
 from specpilot.contract.pricing import Composition
 from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Override
+from specpilot.controller.core.acceptance import Posterior
+from specpilot.controller.core.goodput import expected_tokens_curve
+from specpilot.controller.core.policy import ArmValue
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -104,7 +104,8 @@ class ClassView:
     offline: bool
     # Its share of the batch (decode request-steps); None before any of its traffic was measured.
     share: float | None
-    # While it speculates (controller.core.mix.ServedSpeedup): tokens per served verification
+    # While it speculates (specpilot.controller.core.mix.ServedSpeedup): tokens per served
+    # verification
     # step, and the measured speedup; None before any served speculative step.
     measured_tokens_per_step: float | None = None
     measured_speedup: float | None = None

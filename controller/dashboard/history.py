@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from controller.core.beta import credible_bounds_of
-from controller.core.snapshot import CoreSnapshot
+from specpilot.controller.core.beta import credible_bounds_of
+from specpilot.controller.core.snapshot import CoreSnapshot
 
 POSITIONS_KEPT = 4  # the chart draws the first four positions
 

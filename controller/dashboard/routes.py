@@ -19,7 +19,8 @@ live events, and the write controls.
     POST /api/overrides/clear     body: ClearOverrideRequest in the protobuf JSON mapping
 
 Reads need nothing; writes need ``Authorization: Bearer <token>`` (the policy API's token) and
-go through ``controller.server.policy_writes`` like the gRPC ones: 401 without it, 403 with a
+go through ``specpilot.controller.server.policy_writes`` like the gRPC ones: 401 without it, 403
+with a
 wrong one, 400 for a bad request, 503 when the state store did not take a fleet override; each
 attempt lands in the audit log. The token rides in a header, never a cookie, so another site
 cannot make the browser write (no CSRF).
@@ -40,22 +41,22 @@ from typing import Any
 from aiohttp import web
 from google.protobuf import json_format
 
-from controller.core.acceptance import CREDIBLE_LEVEL
-from controller.core.controller import ControllerCore
-from controller.dashboard.history import EstimateHistory
-from controller.server.explain import decision_text
-from controller.server.fleet import FleetSync
-from controller.server.hub import Hub
-from controller.server.policy_writes import AuditEntry, PolicyWriter, WriteRefused
-from controller.server.views import (
+from specpilot.contract.records import DecisionEvent
+from specpilot.controller.core.acceptance import CREDIBLE_LEVEL
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.dashboard.history import EstimateHistory
+from specpilot.controller.server.explain import decision_text
+from specpilot.controller.server.fleet import FleetSync
+from specpilot.controller.server.hub import Hub
+from specpilot.controller.server.policy_writes import AuditEntry, PolicyWriter, WriteRefused
+from specpilot.controller.server.views import (
     json_dumps,
     json_response,
     policy_json,
     to_json_dict,
 )
-from controller.store.base import StoreUnavailable
-from controller.wire import event_to_proto, recommendations_to_proto
-from specpilot.contract.records import DecisionEvent
+from specpilot.controller.store.base import StoreUnavailable
+from specpilot.controller.wire import event_to_proto, recommendations_to_proto
 from specpilot.v1 import policy_pb2
 
 log = logging.getLogger(__name__)

@@ -24,19 +24,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
 from grpc_reflection.v1alpha import reflection
 
-from controller.core.controller import ControllerCore
-from controller.core.published import epoch_at
-from controller.dashboard.routes import Dashboard
-from controller.metrics import Metrics
-from controller.server.engine_service import ClientCertificates, EngineService
-from controller.server.fleet import FleetIdentity, FleetSync
-from controller.server.http import make_app
-from controller.server.hub import Hub
-from controller.server.overload import LoopLag, ReportBudget
-from controller.server.policy_service import PolicyService
-from controller.server.policy_writes import AuditLog, PolicyWriter
-from controller.server.stubs import add_engine_service, add_policy_service
-from controller.settings import (
+from specpilot.contract.tls import ServerTLS, TLSError, server_tls
+from specpilot.contract.version import package_version
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.published import epoch_at
+from specpilot.controller.dashboard.routes import Dashboard
+from specpilot.controller.metrics import Metrics
+from specpilot.controller.server.engine_service import ClientCertificates, EngineService
+from specpilot.controller.server.fleet import FleetIdentity, FleetSync
+from specpilot.controller.server.http import make_app
+from specpilot.controller.server.hub import Hub
+from specpilot.controller.server.overload import LoopLag, ReportBudget
+from specpilot.controller.server.policy_service import PolicyService
+from specpilot.controller.server.policy_writes import AuditLog, PolicyWriter
+from specpilot.controller.server.stubs import add_engine_service, add_policy_service
+from specpilot.controller.settings import (
     FleetConfig,
     ServerConfig,
     Settings,
@@ -44,9 +46,7 @@ from controller.settings import (
     fleet_config,
     server_config,
 )
-from controller.store.base import StateStore
-from specpilot.contract.tls import ServerTLS, TLSError, server_tls
-from specpilot.contract.version import package_version
+from specpilot.controller.store.base import StateStore
 from specpilot.v1 import engine_pb2, policy_pb2
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ async def start_server(settings: Settings) -> RunningServer:
 
 def _open_store(fleet: FleetConfig) -> StateStore:
     """The configured shared store; ServeError for a URL it cannot use."""
-    from controller.store.redis_store import RedisStore  # redis-py only where configured
+    from specpilot.controller.store.redis_store import RedisStore  # redis-py only where configured
 
     if not fleet.state_store.startswith(("redis://", "rediss://", "redis+cluster://")):
         raise ServeError(f"state_store: expected \"memory\" or a redis://, rediss:// or "

@@ -16,15 +16,19 @@ from dataclasses import dataclass
 
 import grpc
 
-from controller.core.controller import ControllerCore
-from controller.metrics import Metrics, RejectReason
-from controller.server.auth import bearer_verdict, certificate_names, metadata_authorization
-from controller.server.hub import EngineSession, Hub
-from controller.server.overload import ReportBudget
-from controller.server.stubs import parse
-from controller.wire import hello_ack_to_proto
 from specpilot.contract.engine_stream import hello_from_proto, report_from_proto
 from specpilot.contract.records import ImplausibleInput, ReportRejected
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.metrics import Metrics, RejectReason
+from specpilot.controller.server.auth import (
+    bearer_verdict,
+    certificate_names,
+    metadata_authorization,
+)
+from specpilot.controller.server.hub import EngineSession, Hub
+from specpilot.controller.server.overload import ReportBudget
+from specpilot.controller.server.stubs import parse
+from specpilot.controller.wire import hello_ack_to_proto
 from specpilot.v1 import engine_pb2
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,13 @@
-"""The English of the core's numbers: an explanation (``controller.core.snapshot.Explanation``)
+"""The English of the core's numbers: an explanation
+(``specpilot.controller.core.snapshot.Explanation``)
 as the few sentences that ExplainDecision returns as ``text``, and a decision event, with the
 figures it was taken on, as the decision log's line (the dashboard, /api/decisions and
 ``specpilot policy watch``)."""
 
 from __future__ import annotations
 
-from controller.core.snapshot import Explanation
 from specpilot.contract.records import OFFLINE_PIN, ArmFigures, DecisionEvent, Reason
+from specpilot.controller.core.snapshot import Explanation
 
 
 def arm_label(draft: str, k: int) -> str:

@@ -2,7 +2,7 @@
 its step-cost evidence, what its engines achieve and its decisions to the state store, load the
 other sidecars' evidence (step costs from engines of the same type only) and the fleet's
 overrides into the core, and recompute the fleet's recommendations (which draft
-and which pool serve each class best; ``controller.core.recommend``); between rounds, a
+and which pool serve each class best; ``specpilot.controller.core.recommend``); between rounds, a
 subscription to override changes brings a fleet override set through any sidecar into force
 here within one report interval.
 
@@ -28,12 +28,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from controller.core.controller import ControllerCore
-from controller.core.fleet import EvidenceExport, fleet_evidence
-from controller.core.recommend import Recommendation, recommend
-from controller.metrics import Metrics
-from controller.store.base import StateStore, StoreUnavailable
 from specpilot.contract.records import DecisionEvent, Override
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.fleet import EvidenceExport, fleet_evidence
+from specpilot.controller.core.recommend import Recommendation, recommend
+from specpilot.controller.metrics import Metrics
+from specpilot.controller.store.base import StateStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 _MAX_BACKOFF_FACTOR = 16  # retries wait at most 16 flush intervals

@@ -1,6 +1,6 @@
 """The HTTP side: /metrics (Prometheus), /healthz, JSON views under /api (the fleet's
 recommendations, for a gateway to poll, at /api/recommendations) and the dashboard
-(``controller.dashboard.routes``: the page at / and its API).
+(``specpilot.controller.dashboard.routes``: the page at / and its API).
 
 The JSON is the protobuf JSON mapping of the same messages the policy API returns (field names as
 in the .proto; 64-bit integers as strings, as that mapping prescribes), so the dashboard and gRPC
@@ -14,12 +14,12 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from controller.core.controller import ControllerCore
-from controller.dashboard.routes import Dashboard
-from controller.metrics import Metrics
-from controller.server.fleet import FleetSync
-from controller.server.views import json_response, policy_json, to_json_dict
-from controller.wire import event_to_proto, recommendations_to_proto
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.dashboard.routes import Dashboard
+from specpilot.controller.metrics import Metrics
+from specpilot.controller.server.fleet import FleetSync
+from specpilot.controller.server.views import json_response, policy_json, to_json_dict
+from specpilot.controller.wire import event_to_proto, recommendations_to_proto
 
 # Most decision-log events one /api/decisions answer holds, and with ?text=1 (each rendered
 # line costs the loop 2-3 ms): past these a reader pages with ?offset=. The dashboard asks for

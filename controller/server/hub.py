@@ -24,12 +24,12 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from controller.core.controller import ControllerCore
-from controller.core.snapshot import concerns
-from controller.metrics import Metrics
-from controller.server.overload import ReportBudget
-from controller.wire import event_to_proto, policy_update_to_proto
 from specpilot.contract.records import DecisionEvent
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.snapshot import concerns
+from specpilot.controller.metrics import Metrics
+from specpilot.controller.server.overload import ReportBudget
+from specpilot.controller.wire import event_to_proto, policy_update_to_proto
 from specpilot.v1 import engine_pb2, policy_pb2
 
 T = TypeVar("T")

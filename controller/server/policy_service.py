@@ -1,7 +1,8 @@
 """specpilot.v1.PolicyService: read the policy and its estimates, override it, watch and explain.
 
 Writes need metadata ``authorization: Bearer <token>``: missing -> UNAUTHENTICATED, wrong ->
-PERMISSION_DENIED; the checks, the scopes and the audit log are ``controller.server.policy_writes``
+PERMISSION_DENIED; the checks, the scopes and the audit log are
+``specpilot.controller.server.policy_writes``
 (the dashboard's controls share them).
 """
 
@@ -12,14 +13,14 @@ from typing import Any, NoReturn
 
 import grpc
 
-from controller.core.controller import ControllerCore
-from controller.server.auth import metadata_authorization
-from controller.server.explain import explanation_text
-from controller.server.fleet import FleetSync
-from controller.server.hub import Hub, WatchersFull
-from controller.server.policy_writes import PolicyWriter, WriteRefused
-from controller.server.views import policy_response
-from controller.wire import explanation_to_proto, recommendations_to_proto
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.server.auth import metadata_authorization
+from specpilot.controller.server.explain import explanation_text
+from specpilot.controller.server.fleet import FleetSync
+from specpilot.controller.server.hub import Hub, WatchersFull
+from specpilot.controller.server.policy_writes import PolicyWriter, WriteRefused
+from specpilot.controller.server.views import policy_response
+from specpilot.controller.wire import explanation_to_proto, recommendations_to_proto
 from specpilot.v1 import policy_pb2
 
 Context = grpc.aio.ServicerContext[Any, Any]

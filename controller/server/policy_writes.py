@@ -4,7 +4,8 @@ the audit log.
 
 A write needs ``Bearer <token>`` (the gRPC metadata ``authorization``, or the HTTP header
 ``Authorization``): missing -> ``unauthenticated``, wrong -> ``permission_denied``; the token
-is compared in constant time (``controller.server.auth``). An override's scope is the pod (this
+is compared in constant time (``specpilot.controller.server.auth``). An override's scope is the pod
+(this
 controller) or the fleet (every controller of the model, through the state store); unspecified
 means the fleet where a shared store is configured.
 
@@ -22,15 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from controller.core.controller import ControllerCore
-from controller.metrics import Metrics
-from controller.server.auth import bearer_verdict
-from controller.server.fleet import FleetSync
-from controller.server.hub import Hub
-from controller.store.base import StoreUnavailable
-from controller.wire import override_from_proto, scope_from_proto
 from specpilot.contract.records import ALL_CLASSES, OverrideScope
 from specpilot.contract.validation import valid_class_name
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.metrics import Metrics
+from specpilot.controller.server.auth import bearer_verdict
+from specpilot.controller.server.fleet import FleetSync
+from specpilot.controller.server.hub import Hub
+from specpilot.controller.store.base import StoreUnavailable
+from specpilot.controller.wire import override_from_proto, scope_from_proto
 from specpilot.v1 import policy_pb2
 
 audit_log = logging.getLogger("specpilot.audit")

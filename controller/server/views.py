@@ -1,7 +1,8 @@
 """Read-side views of the core's snapshot as protobuf messages (and their JSON).
 
 The engine stream, the policy API and the HTTP JSON all render one ``CoreSnapshot`` through these
-functions and the converters in ``controller.wire``, so the three never disagree about what the
+functions and the converters in ``specpilot.controller.wire``, so the three never disagree about
+what the
 policy is.
 """
 
@@ -17,9 +18,9 @@ from aiohttp import web
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from controller.core.acceptance import CREDIBLE_LEVEL
-from controller.core.snapshot import AcceptanceEstimate, CoreSnapshot
-from controller.wire import EstimateValues, estimates_values, policy_response_to_proto
+from specpilot.controller.core.acceptance import CREDIBLE_LEVEL
+from specpilot.controller.core.snapshot import AcceptanceEstimate, CoreSnapshot
+from specpilot.controller.wire import EstimateValues, estimates_values, policy_response_to_proto
 from specpilot.v1 import policy_pb2
 
 

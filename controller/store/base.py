@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from controller.core.fleet import CostExport, EvidenceExport
-from controller.core.recommend import EngineOptions, Recommendation
 from specpilot.contract.records import DecisionEvent, Override
+from specpilot.controller.core.fleet import CostExport, EvidenceExport
+from specpilot.controller.core.recommend import EngineOptions, Recommendation
 
 
 class StoreUnavailable(RuntimeError):

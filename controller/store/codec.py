@@ -11,16 +11,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from controller.core.cost_model import CostEvidence
-from controller.core.fleet import CostExport, EvidenceEntry, EvidenceExport
-from controller.core.recommend import (
-    PLAIN,
-    SPECULATIVE,
-    DraftCurve,
-    EngineOptions,
-    Option,
-    Recommendation,
-)
 from specpilot.contract.records import (
     ArmFigures,
     Decision,
@@ -29,6 +19,16 @@ from specpilot.contract.records import (
     Override,
     OverrideScope,
     Reason,
+)
+from specpilot.controller.core.cost_model import CostEvidence
+from specpilot.controller.core.fleet import CostExport, EvidenceEntry, EvidenceExport
+from specpilot.controller.core.recommend import (
+    PLAIN,
+    SPECULATIVE,
+    DraftCurve,
+    EngineOptions,
+    Option,
+    Recommendation,
 )
 
 # Bumped when the stored shape changes; a record of another version is skipped, not misread.

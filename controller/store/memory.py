@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from controller.core.fleet import CostExport, EvidenceExport
-from controller.core.recommend import EngineOptions, Recommendation
 from specpilot.contract.records import DecisionEvent, Override, OverrideScope
+from specpilot.controller.core.fleet import CostExport, EvidenceExport
+from specpilot.controller.core.recommend import EngineOptions, Recommendation
 
 
 class MemoryStore:

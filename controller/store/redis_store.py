@@ -26,10 +26,11 @@ from redis import asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from controller.core.fleet import CostExport, EvidenceExport
-from controller.core.recommend import EngineOptions, Recommendation
-from controller.store.base import StoreUnavailable
-from controller.store.codec import (
+from specpilot.contract.records import DecisionEvent, Override
+from specpilot.controller.core.fleet import CostExport, EvidenceExport
+from specpilot.controller.core.recommend import EngineOptions, Recommendation
+from specpilot.controller.store.base import StoreUnavailable
+from specpilot.controller.store.codec import (
     StoredRecordError,
     costs_from_json,
     costs_to_json,
@@ -44,7 +45,6 @@ from controller.store.codec import (
     recommendation_from_json,
     recommendation_to_json,
 )
-from specpilot.contract.records import DecisionEvent, Override
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

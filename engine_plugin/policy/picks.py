@@ -14,7 +14,7 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from engine_plugin.policy.points import probe_point
+from specpilot.engine_plugin.policy.points import probe_point
 
 # Requests of a class looked at, lowest point first, for the one it scores each step.
 CLASS_SCAN = 8

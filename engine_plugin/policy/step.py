@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from engine_plugin.policy.view import Choice, ClassChoice, PolicyLookup, PolicyView
+from specpilot.engine_plugin.policy.view import Choice, ClassChoice, PolicyLookup, PolicyView
 
 
 class StepPolicy:

@@ -12,7 +12,8 @@ longer than the fail-static timeout, ``choice`` returns the engine's static conf
 
 Batch buckets: the view holds the plugin's one copy of the bucket bounds, the defaults until a
 HelloAck announces the controller's (``set_bucket_bounds``). Decisions are looked up and reports
-are bucketed (``engine_plugin.link``) with these bounds, through ``specpilot.contract.buckets``.
+are bucketed (``specpilot.engine_plugin.link``) with these bounds, through
+``specpilot.contract.buckets``.
 
 Probing: while a class runs no model draft (off, or on n-gram or suffix drafts) the controller
 may ask for a share ``probe_rate`` of its requests to run at ``probe_k`` with ``probe_draft``, so
@@ -34,7 +35,8 @@ Per-step composition (``PolicyUpdate.composition``, asked of engines that announ
 decisions are priced for the class mix the controller expects; ``PolicyLookup.compose`` re-picks,
 for the classes and counts of one step, the arms of the classes whose decision is a settled
 goodput choice, where that beats the decisions by the policy's margin
-(``engine_plugin.policy.compose.StepComposer``, its answers remembered per policy and step).
+(``specpilot.engine_plugin.policy.compose.StepComposer``, its answers remembered per policy and
+step).
 """
 
 from __future__ import annotations
@@ -47,12 +49,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine_plugin.policy.compose import StepComposer, adjustable
-from engine_plugin.policy.points import probe_point
 from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from specpilot.contract.classes import OTHER_CLASS
 from specpilot.contract.pricing import Composition
 from specpilot.contract.records import EngineDecision, PolicyUpdate
+from specpilot.engine_plugin.policy.compose import StepComposer, adjustable
+from specpilot.engine_plugin.policy.points import probe_point
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,6 @@ import numpy as np
 import pytest
 import yaml
 
-from controller.core.controller import ControllerCore
-from controller.metrics import Metrics
-from controller.server.app import start_server
-from controller.settings import core_config, load_settings
-from engine_plugin.config import PluginConfig
 from specpilot.contract.records import (
     AcceptanceRecord,
     DraftKind,
@@ -37,6 +32,11 @@ from specpilot.contract.records import (
     EngineReport,
     StepTimingRecord,
 )
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.metrics import Metrics
+from specpilot.controller.server.app import start_server
+from specpilot.controller.settings import core_config, load_settings
+from specpilot.engine_plugin.config import PluginConfig
 from tests.certs import make_pki
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,7 +182,7 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
     assert plugin_token["valueFrom"]["secretKeyRef"]["name"] == token_secret
     if not values["policyToken"]:
         assert set(secrets[0]["data"]) == {"token", "engine-token"}
-    assert "--scheduler-cls=engine_plugin.scheduler.SpecPilotScheduler" in engine["args"]
+    assert "--scheduler-cls=specpilot.engine_plugin.scheduler.SpecPilotScheduler" in engine["args"]
     config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
     settings = yaml.safe_load(config["data"]["specpilot.yaml"])
     assert settings["grpc_host"] == "0.0.0.0"

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import SpecCounters as SpecCounters
 from benchmarks.demo.engine import spec_counters as spec_counters
-from controller.core.controller import ControllerCore
-from engine_plugin.ngram import NGRAM_DRAFT
-from engine_plugin.worker_patch import is_decode_only
 from specpilot.contract.records import Override
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.engine_plugin.ngram import NGRAM_DRAFT
+from specpilot.engine_plugin.worker_patch import is_decode_only
 
 if TYPE_CHECKING:
     pass
@@ -63,7 +63,7 @@ class ModeDrafts:
                       for i in range(len(samples[0]))]
         self.prompt_len = prompt_len
 
-    name = NGRAM_DRAFT  # put in the n-gram draft's place (engine_plugin.deterministic)
+    name = NGRAM_DRAFT  # put in the n-gram draft's place (specpilot.engine_plugin.deterministic)
 
     def propose(self, req_id: str, tokens: Sequence[int], num_prompt_tokens: int, k: int
                 ) -> list[int]:
@@ -103,7 +103,7 @@ def assert_sampled_arm(llm: Any, arm: str, reference: list[list[int]], *, one_ho
     """Samples from ``llm`` under the policy in force are distributed as ``reference`` (the
     target's); with ``one_hot`` off (the control: deterministic ``rows`` verified against the
     drafter's probabilities) they must not be, or the check could not fail."""
-    from engine_plugin.worker_patch import mark_step
+    from specpilot.engine_plugin.worker_patch import mark_step
 
     pilot = pilot_of(llm)
     if not one_hot:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
-from engine_plugin.ngram import NGRAM_DRAFT
 from specpilot.contract.engine_stream import draft_kind_from_proto
 from specpilot.contract.records import DraftKind
+from specpilot.engine_plugin.ngram import NGRAM_DRAFT
 from tests.engine.harness import (
     SAMPLE_PROMPT,
     ModeDrafts,

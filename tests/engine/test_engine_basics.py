@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.demo.engine import llm_session
 from benchmarks.demo.tiny_models import TinyModels
-from engine_plugin import profile
+from specpilot.engine_plugin import profile
 from tests.engine.harness import spec_counters
 
 pytestmark = pytest.mark.engine

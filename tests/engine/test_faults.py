@@ -26,7 +26,7 @@ import pytest
 
 from benchmarks.demo.engine import llm_session
 from benchmarks.faults import PROMPTS, FaultRig, fault_rig
-from controller.core.published import EPOCH_SHIFT
+from specpilot.controller.core.published import EPOCH_SHIFT
 from tests.engine.harness import params, token_ids
 
 pytestmark = pytest.mark.engine

@@ -21,8 +21,8 @@ import pytest
 from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import ENGINE_ENV, SCHEDULER
 from benchmarks.real.server import free_port
-from controller.core.controller import ControllerCore
 from specpilot.contract.records import EngineReport, Override
+from specpilot.controller.core.controller import ControllerCore
 from tests.engine.harness import set_override
 
 pytestmark = pytest.mark.engine

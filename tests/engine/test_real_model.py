@@ -19,7 +19,7 @@ from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, p
 from benchmarks.real.models import RealModels, prepare_real_models
 from benchmarks.real.sharegpt import chat_ids
 from benchmarks.real.smollm2 import MARKER, SMOLLM2
-from engine_plugin.ngram import NGRAM_DRAFT
+from specpilot.engine_plugin.ngram import NGRAM_DRAFT
 from tests.engine.conftest import require_engine_deps
 from tests.engine.harness import (
     SAMPLE_PROMPT,

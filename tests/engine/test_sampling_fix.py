@@ -95,7 +95,7 @@ def _random_case(gen: Any, dtype: Any) -> tuple[Any, Any, Any, float, float, int
     "dtype", ["float32", "float64", "bfloat16", "int32", "int64"], ids=lambda d: d
 )
 def test_fix_matches_triton_kernel_semantics(dtype: str) -> None:
-    from engine_plugin.cpu_fix import expand_kernel_impl
+    from specpilot.engine_plugin.cpu_fix import expand_kernel_impl
 
     torch_dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(1234)
@@ -107,7 +107,7 @@ def test_fix_matches_triton_kernel_semantics(dtype: str) -> None:
 
 
 def test_fix_uses_only_the_first_batch_entries_and_keeps_the_rest() -> None:
-    from engine_plugin.cpu_fix import expand_kernel_impl
+    from specpilot.engine_plugin.cpu_fix import expand_kernel_impl
 
     # Persistent buffers longer than the batch, as vLLM passes them; temperature 0 -> 1.
     out = torch.full((8,), -1.0)
@@ -130,7 +130,7 @@ def _fresh_copy(module_name: str) -> ModuleType:
 
 def _require_cpu_vllm_032() -> None:
     require_engine_deps()
-    from engine_plugin.vllm_compat import is_cpu_platform, vllm_version
+    from specpilot.engine_plugin.vllm_compat import is_cpu_platform, vllm_version
 
     version = vllm_version() or ""
     if not is_cpu_platform() or not version.startswith("0.32."):
@@ -163,7 +163,7 @@ def test_install_routes_vllms_call_path_to_the_fix() -> None:
     from vllm.triton_utils.dispatcher import register_kernels
     from vllm.v1.sample import rejection_sampler
 
-    from engine_plugin import cpu_fix
+    from specpilot.engine_plugin import cpu_fix
 
     assert cpu_fix.install_cpu_rejection_sampler_fix() is True
     assert cpu_fix.install_cpu_rejection_sampler_fix() is True  # idempotent
@@ -206,7 +206,7 @@ def test_dispatcher_guard_survives_llvmlite() -> None:
     ffi = pytest.importorskip("llvmlite.binding.ffi")
     from vllm.triton_utils.dispatcher import register_kernels
 
-    from engine_plugin import cpu_fix
+    from specpilot.engine_plugin import cpu_fix
 
     assert not isinstance(vars(ffi.lib), dict)  # the attribute that breaks the scan
     pristine = _fresh_copy("vllm.triton_utils.dispatcher")
@@ -308,7 +308,7 @@ _PROBE_SCRIPT = textwrap.dedent(
     import json, sys
     import vllm.plugins
     from vllm import LLM, SamplingParams
-    from engine_plugin import cpu_fix
+    from specpilot.engine_plugin import cpu_fix
 
     result = {"installed_before_llm": cpu_fix.fix_installed()}
     target, engine_kwargs = sys.argv[1], json.loads(sys.argv[2])
@@ -344,7 +344,7 @@ def test_fix_takes_effect_when_installed_by_a_general_plugin(
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PROBE_PLUGIN}\nVersion: 0.0\n")
     (dist / "entry_points.txt").write_text(
         "[vllm.general_plugins]\n"
-        f"{PROBE_PLUGIN} = engine_plugin.cpu_fix:install_cpu_rejection_sampler_fix\n"
+        f"{PROBE_PLUGIN} = specpilot.engine_plugin.cpu_fix:install_cpu_rejection_sampler_fix\n"
     )
     env = dict(os.environ)
     env.update(ENGINE_ENV)

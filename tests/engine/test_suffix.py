@@ -19,10 +19,10 @@ import pytest
 
 from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
-from engine_plugin.ngram import NGRAM_DRAFT
-from engine_plugin.suffix import SUFFIX_DRAFT
 from specpilot.contract.engine_stream import draft_kind_from_proto
 from specpilot.contract.records import DraftKind, Override
+from specpilot.engine_plugin.ngram import NGRAM_DRAFT
+from specpilot.engine_plugin.suffix import SUFFIX_DRAFT
 from tests.engine.harness import (
     FAST_CONTROLLER,
     assert_sampled_arm,

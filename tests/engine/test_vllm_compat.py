@@ -1,4 +1,4 @@
-"""engine_plugin.vllm_compat: version gate, without importing vLLM."""
+"""specpilot.engine_plugin.vllm_compat: version gate, without importing vLLM."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine_plugin import vllm_compat
+from specpilot.engine_plugin import vllm_compat
 from tests.engine.conftest import REPO_ROOT, require_engine_deps
 
 CASES = [
@@ -43,7 +43,7 @@ def test_fallback_parser_agrees_with_packaging(version: str, supported: bool) ->
 
 def test_importing_does_not_import_vllm() -> None:
     code = (
-        "import sys, engine_plugin.vllm_compat as c; "
+        "import sys, specpilot.engine_plugin.vllm_compat as c; "
         "assert 'vllm' not in sys.modules, 'vllm imported'; "
         "c.vllm_version(); c.is_supported('0.32.0'); "
         "assert 'vllm' not in sys.modules, 'vllm imported'"
@@ -62,7 +62,7 @@ def test_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         assert vllm_compat.vllm_version() is None
         assert vllm_compat.is_cpu_platform() is False
-        from engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
+        from specpilot.engine_plugin.cpu_fix import install_cpu_rejection_sampler_fix
 
         assert install_cpu_rejection_sampler_fix() is False
     finally:
@@ -80,7 +80,7 @@ def test_installed_vllm_cpu() -> None:
 
 
 def test_every_vllm_object_the_plugin_relies_on_is_in_the_installed_vllm() -> None:
-    from engine_plugin.vllm_surface import FOUND, check_all
+    from specpilot.engine_plugin.vllm_surface import FOUND, check_all
 
     findings = check_all()
     assert len(findings) > 40  # the hooks and every protocol member
@@ -88,7 +88,7 @@ def test_every_vllm_object_the_plugin_relies_on_is_in_the_installed_vllm() -> No
 
 
 def test_the_surface_check_reports_missing_and_changed_objects() -> None:
-    from engine_plugin.vllm_surface import CHANGED, MISSING, Hook, check
+    from specpilot.engine_plugin.vllm_surface import CHANGED, MISSING, Hook, check
 
     sched = "vllm.v1.core.sched.scheduler:Scheduler"
     assert check(Hook(sched, "no_such_method", ("self",))).status == MISSING

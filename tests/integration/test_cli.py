@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller import cli
-from controller.server.app import RunningServer, start_server
-from controller.settings import load_settings, settings_reference
+from specpilot.controller import cli
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.settings import load_settings, settings_reference
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import DRAFT, EngineClient, report
 

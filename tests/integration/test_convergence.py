@@ -21,8 +21,8 @@ from benchmarks.synthetic_engine import (
     brute_force_goodputs,
     drive,
 )
-from controller.server.app import RunningServer, start_server
-from controller.settings import load_settings
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.settings import load_settings
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,9 @@ import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
 from benchmarks.demo.screenshot import chromium_path
-from controller.server.app import RunningServer, start_server
-from controller.server.stubs import async_policy_stub
-from controller.settings import load_settings
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.server.stubs import async_policy_stub
+from specpilot.controller.settings import load_settings
 from specpilot.v1 import policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN
 from tests.integration.engine_client import EngineClient, acceptance, hello, report

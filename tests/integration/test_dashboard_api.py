@@ -13,10 +13,10 @@ import aiohttp
 import grpc
 import pytest
 
-from controller.server import http as http_module
-from controller.server.app import RunningServer
-from controller.server.stubs import async_policy_stub
-from controller.server.views import to_json_dict
+from specpilot.controller.server import http as http_module
+from specpilot.controller.server.app import RunningServer
+from specpilot.controller.server.stubs import async_policy_stub
+from specpilot.controller.server.views import to_json_dict
 from specpilot.v1 import policy_pb2
 from tests.integration.conftest import TOKEN
 from tests.integration.engine_client import EngineClient, acceptance, report
@@ -187,8 +187,8 @@ async def test_the_page_and_only_its_own_files_are_served(server: RunningServer)
 
 
 async def test_with_a_shared_store_the_state_shows_the_fleet(redis: Any) -> None:
-    from controller.server.app import start_server
-    from controller.settings import load_settings
+    from specpilot.controller.server.app import start_server
+    from specpilot.controller.settings import load_settings
     from tests.integration.conftest import FAST_SETTINGS
 
     servers = [await start_server(load_settings(**{

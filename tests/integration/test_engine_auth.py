@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.server.app import ServeError, start_server
-from controller.settings import load_settings
+from specpilot.controller.server.app import ServeError, start_server
+from specpilot.controller.settings import load_settings
 from tests.integration.conftest import FAST_SETTINGS, snapshot
 from tests.integration.engine_client import EngineClient, acceptance, hello, report
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from benchmarks.redis_servers import RedisServer
-from controller.server.app import RunningServer, start_server
-from controller.server.stubs import async_policy_stub
-from controller.settings import load_settings
-from controller.store.redis_store import RedisStore
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.server.stubs import async_policy_stub
+from specpilot.controller.settings import load_settings
+from specpilot.controller.store.redis_store import RedisStore
 from specpilot.v1 import engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN
 from tests.integration.engine_client import DRAFT, EngineClient, acceptance, hello, report

@@ -35,14 +35,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from controller.core.controller import ControllerCore
-from controller.server.app import RECEIVE_LIMIT_FACTOR, RunningServer
-from controller.server.stubs import AsyncPolicyStub, async_policy_stub
-from controller.server.views import to_json_dict
-from controller.settings import core_config, load_settings
 from specpilot.contract.engine_stream import hello_from_proto, report_from_proto
 from specpilot.contract.records import ReportRejected
 from specpilot.contract.validation import MAX_BATCH_SIZE, valid_class_name
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.server.app import RECEIVE_LIMIT_FACTOR, RunningServer
+from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub
+from specpilot.controller.server.views import to_json_dict
+from specpilot.controller.settings import core_config, load_settings
 from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN
 from tests.integration.engine_client import DRAFT, VOCAB, EngineClient, hello, report

@@ -15,9 +15,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.scale import busy_stream, hello_request
-from controller.server.app import RunningServer, start_server
-from controller.server.stubs import async_policy_stub, engine_stub
-from controller.settings import ServerConfig, load_settings
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.server.stubs import async_policy_stub, engine_stub
+from specpilot.controller.settings import ServerConfig, load_settings
 from specpilot.v1 import engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS
 

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator, Awaitable
 import grpc
 import pytest
 
-from controller.server import hub as hub_module
-from controller.server.app import RunningServer, start_server
-from controller.server.stubs import AsyncPolicyStub, async_policy_stub
-from controller.settings import load_settings
-from controller.wire import event_to_proto
 from specpilot.contract.records import DecisionEvent
+from specpilot.controller.server import hub as hub_module
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub
+from specpilot.controller.settings import load_settings
+from specpilot.controller.wire import event_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import DRAFT, EngineClient, acceptance, report

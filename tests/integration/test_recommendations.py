@@ -19,11 +19,11 @@ import pytest
 
 from benchmarks.redis_servers import RedisServer
 from benchmarks.synthetic_engine import SyntheticEngine, TrueCost, brute_force_goodputs, drive
-from controller import cli
-from controller.server.app import RunningServer, start_server
-from controller.server.stubs import async_policy_stub
-from controller.settings import load_settings
-from controller.store.redis_store import RedisStore
+from specpilot.controller import cli
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.server.stubs import async_policy_stub
+from specpilot.controller.settings import load_settings
+from specpilot.controller.store.redis_store import RedisStore
 from specpilot.v1 import policy_pb2
 
 pytestmark = pytest.mark.integration

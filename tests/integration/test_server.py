@@ -21,11 +21,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from controller.core.cost_model import StepShape
-from controller.server.app import RunningServer
-from controller.server.stubs import async_policy_stub
 from specpilot.contract.buckets import batch_range
 from specpilot.contract.records import Override
+from specpilot.controller.core.cost_model import StepShape
+from specpilot.controller.server.app import RunningServer
+from specpilot.controller.server.stubs import async_policy_stub
 from specpilot.v1 import engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import (
@@ -235,8 +235,8 @@ async def test_classes_beyond_the_limit_fold_into_other(
 async def test_a_rogue_engine_cannot_keep_the_real_engines_classes_out() -> None:
     """The issue's case: a second stream filling 21 junk classes took every slot, the real
     engine's next class folded into "other", and the slots stayed taken after it left."""
-    from controller.server.app import start_server
-    from controller.settings import load_settings
+    from specpilot.controller.server.app import start_server
+    from specpilot.controller.settings import load_settings
 
     server = await start_server(load_settings(**{**FAST_SETTINGS, "max_classes": 16,
                                                  "class_idle_seconds": 0.5}))
@@ -464,8 +464,8 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
 
 
 async def test_a_silent_engine_is_dropped_after_the_timeout_and_a_reporting_one_stays() -> None:
-    from controller.server.app import start_server
-    from controller.settings import load_settings
+    from specpilot.controller.server.app import start_server
+    from specpilot.controller.settings import load_settings
 
     server = await start_server(load_settings(**{**FAST_SETTINGS,
                                                  "engine_silence_timeout_seconds": 0.4}))

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from benchmarks.redis_servers import RedisCluster, RedisServer
-from controller.core.cost_model import CostEvidence
-from controller.core.fleet import CostExport, EvidenceEntry, EvidenceExport
-from controller.core.recommend import (
+from specpilot.contract.records import Decision, DecisionEvent, Override, OverrideScope, Reason
+from specpilot.controller.core.cost_model import CostEvidence
+from specpilot.controller.core.fleet import CostExport, EvidenceEntry, EvidenceExport
+from specpilot.controller.core.recommend import (
     PLAIN,
     SPECULATIVE,
     DraftCurve,
@@ -22,11 +23,10 @@ from controller.core.recommend import (
     Option,
     Recommendation,
 )
-from controller.store.base import StateStore, StoreUnavailable
-from controller.store.codec import costs_to_json
-from controller.store.memory import MemoryStore
-from controller.store.redis_store import RedisStore, model_tag
-from specpilot.contract.records import Decision, DecisionEvent, Override, OverrideScope, Reason
+from specpilot.controller.store.base import StateStore, StoreUnavailable
+from specpilot.controller.store.codec import costs_to_json
+from specpilot.controller.store.memory import MemoryStore
+from specpilot.controller.store.redis_store import RedisStore, model_tag
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.controller_thread import ControllerThread
-from controller.server.app import RunningServer, ServeError, start_server
-from controller.server.stubs import async_policy_stub
-from controller.settings import load_settings
-from engine_plugin.link import ControllerLink
-from engine_plugin.policy.view import PolicyView
+from specpilot.controller.server.app import RunningServer, ServeError, start_server
+from specpilot.controller.server.stubs import async_policy_stub
+from specpilot.controller.settings import load_settings
+from specpilot.engine_plugin.link import ControllerLink
+from specpilot.engine_plugin.policy.view import PolicyView
 from specpilot.v1 import policy_pb2
 from tests.certs import PKI, KeyPair, make_pki
 from tests.integration.conftest import FAST_SETTINGS
@@ -318,7 +318,7 @@ def test_tls_failures_are_logged_once_and_never_reach_the_caller(
         caplog: pytest.LogCaptureFixture) -> None:
     engines = f"127.0.0.1:{mtls_controller.server.engine_grpc_port}"
     main = mtls_controller.target
-    with caplog.at_level(logging.DEBUG, logger="engine_plugin.link"):
+    with caplog.at_level(logging.DEBUG, logger="specpilot.engine_plugin.link"):
         cases = {
             "wrong CA": link_to(links, engines, tls_ca_file=str(pki.other_ca)),
             "no client certificate": link_to(links, engines, tls_ca_file=str(pki.ca)),
@@ -357,7 +357,7 @@ def _mentions(line: str, case: str) -> bool:
 
 
 def link_payload() -> Any:
-    from engine_plugin.policy.stats import StatsAggregator
+    from specpilot.engine_plugin.policy.stats import StatsAggregator
     agg = StatsAggregator()
     agg.record_verification("chat", DRAFT, 2, 1)
     return agg.drain(running_requests=1)

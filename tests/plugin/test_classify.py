@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine_plugin.classify import (
+from specpilot.engine_plugin.classify import (
     Classifier,
     ClassRule,
     load_rules,

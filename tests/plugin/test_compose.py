@@ -1,4 +1,4 @@
-"""Per-step arms from the step's classes and counts (engine_plugin.policy.compose), on the
+"""Per-step arms from the step's classes and counts (specpilot.engine_plugin.policy.compose), on the
 pricing of the simulator's `collapse` engine (tests.test_core_composition)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_plugin.policy.compose import OFF, StepComposer, adjustable, step_arms
 from specpilot.contract.pricing import Arm, Composition, DraftPricing, StepPricing
 from specpilot.contract.records import Reason
+from specpilot.engine_plugin.policy.compose import OFF, StepComposer, adjustable, step_arms
 from tests.test_core_composition import COMP
 
 
@@ -137,7 +137,7 @@ def test_the_composer_sums_classes_by_decision_and_searches_each_step_once(
     """Two classes on one decision (folded, or on the default) count as that decision's; the
     answer is what step_arms re-picks, nothing where the decisions stand or none is free; a
     step seen before is answered from memory until the memory is full."""
-    import engine_plugin.policy.compose as compose
+    import specpilot.engine_plugin.policy.compose as compose
 
     calls: list[dict[str, int]] = []
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_plugin.config import PluginConfig, settings_table
 from specpilot.contract.fielddocs import field_docs
+from specpilot.engine_plugin.config import PluginConfig, settings_table
 
 
 def test_defaults() -> None:
@@ -78,7 +78,7 @@ def test_backoff_bounds_are_related() -> None:
 
 
 def test_unknown_variable_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine_plugin.config"):
+    with caplog.at_level(logging.WARNING, logger="specpilot.engine_plugin.config"):
         PluginConfig.from_env({"SPECPILOT_PLUGIN_CONTROLER": "x:1"})
     assert "SPECPILOT_PLUGIN_CONTROLER: unknown" in caplog.text
 
@@ -96,7 +96,8 @@ def test_settings_table_in_the_docs_is_up_to_date() -> None:
     end = doc.index("<!-- end of generated settings -->")
     assert doc[begin:end] == settings_table(), (
         "docs/engine-plugin.md's settings table is stale: paste "
-        "`python -c 'from engine_plugin.config import settings_table as t; print(t(), end=\"\")'`")
+        "`python -c 'from specpilot.engine_plugin.config import settings_table as t; "
+        "print(t(), end=\"\")'`")
 
 
 def test_every_setting_has_one_docstring() -> None:

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from engine_plugin import ngram
-from engine_plugin.deterministic import Counterfactual
-from engine_plugin.ngram import NgramProposer
+from specpilot.engine_plugin import ngram
+from specpilot.engine_plugin.deterministic import Counterfactual
+from specpilot.engine_plugin.ngram import NgramProposer
 
 
 def test_a_proposal_is_scored_only_after_a_new_token() -> None:

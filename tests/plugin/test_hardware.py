@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine_plugin.config import PluginConfig
-from engine_plugin.hardware import describe_hardware
+from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.hardware import describe_hardware
 
 
 def _config(tp: int = 2, dtype: Any = torch.bfloat16) -> Any:

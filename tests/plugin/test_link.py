@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 
 from benchmarks.controller_thread import ControllerThread
-from controller.core.controller import ControllerCore
-from controller.core.snapshot import EngineView
-from controller.server import app
-from engine_plugin.config import PluginConfig
-from engine_plugin.link import (
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, HelloAck
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.snapshot import EngineView
+from specpilot.controller.server import app
+from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.link import (
     KEEPALIVE_OPTIONS,
     MAX_SHED_BACKOFF,
     SHED_RECOVERY,
@@ -30,9 +31,8 @@ from engine_plugin.link import (
     shed_backoff,
     shed_pause,
 )
-from engine_plugin.policy.stats import ReportPayload, StatsAggregator
-from engine_plugin.policy.view import Choice, PolicyView
-from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, HelloAck
+from specpilot.engine_plugin.policy.stats import ReportPayload, StatsAggregator
+from specpilot.engine_plugin.policy.view import Choice, PolicyView
 
 pytestmark = pytest.mark.integration
 
@@ -166,7 +166,7 @@ def test_backoff_is_exponential_with_full_jitter() -> None:
 def test_hello_then_policy_arrives_in_the_view(
     controller: ControllerThread, links: list[ControllerLink], caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="engine_plugin.link")
+    caplog.set_level(logging.INFO, logger="specpilot.engine_plugin.link")
     view = PolicyView(4, DRAFT, 30.0)
     acks: list[HelloAck] = []
     link = make_link(links, controller.target, view)
@@ -260,7 +260,7 @@ def test_rejected_report_is_logged_and_the_stream_stays(
     view = PolicyView(4, DRAFT, 30.0)
     link = make_link(links, controller.target, view)
     wait_for(lambda: link.connected, "the connection")
-    with caplog.at_level(logging.WARNING, logger="engine_plugin.link"):
+    with caplog.at_level(logging.WARNING, logger="specpilot.engine_plugin.link"):
         link.submit(payload((1, 1), draft="mismatched"))  # a draft the controller refused
         wait_for(lambda: link.reports_rejected == 1, "the rejection")
     assert "rejected report 1" in caplog.text and "unknown draft 'mismatched'" in caplog.text
@@ -405,7 +405,7 @@ def test_refused_hello_is_an_error_and_retried(
     good = hello()
     # The controller refuses the hello: drafts[0].max_k must be >= 1.
     bad = replace(good, drafts=(replace(good.drafts[0], max_k=0), *good.drafts[1:]))
-    with caplog.at_level(logging.DEBUG, logger="engine_plugin.link"):
+    with caplog.at_level(logging.DEBUG, logger="specpilot.engine_plugin.link"):
         link = ControllerLink(controller.target, bad, view, cfg, rng=random.Random(0))
         links.append(link)
         wait_for(lambda: sum("still unreachable" in r.message for r in caplog.records) >= 2,
@@ -440,7 +440,7 @@ def test_the_link_presents_its_token_and_a_wrong_one_is_refused(
         good = make_link(links, guarded.target, token="engine-secret-42")
         wait_for(lambda: good.connected, "the link with the token")
         bad = make_link(links, guarded.target, token="guessed")
-        with caplog.at_level(logging.ERROR, logger="engine_plugin.link"):
+        with caplog.at_level(logging.ERROR, logger="specpilot.engine_plugin.link"):
             wait_for(lambda: "PERMISSION_DENIED" in caplog.text, "the refusal logged")
         assert not bad.connected and good.connected
     finally:

@@ -11,17 +11,17 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.demo.engine import put_policy
-from engine_plugin import pilot as pilot_module
-from engine_plugin.classify import Classifier
-from engine_plugin.config import PluginConfig
-from engine_plugin.ngram import NGRAM_DRAFT
-from engine_plugin.pilot import EngineSpec, Pilot, announce
-from engine_plugin.policy.picks import COUNTERFACTUAL_CLASS_PICKS, score_point
-from engine_plugin.policy.view import Choice
-from engine_plugin.suffix import SUFFIX_DRAFT
-from engine_plugin.vocab import TokenizerLike, vocab_hash
 from specpilot.contract.engine_stream import policy_update_from_proto
 from specpilot.contract.records import DraftKind, DraftSpec
+from specpilot.engine_plugin import pilot as pilot_module
+from specpilot.engine_plugin.classify import Classifier
+from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.ngram import NGRAM_DRAFT
+from specpilot.engine_plugin.pilot import EngineSpec, Pilot, announce
+from specpilot.engine_plugin.policy.picks import COUNTERFACTUAL_CLASS_PICKS, score_point
+from specpilot.engine_plugin.policy.view import Choice
+from specpilot.engine_plugin.suffix import SUFFIX_DRAFT
+from specpilot.engine_plugin.vocab import TokenizerLike, vocab_hash
 from specpilot.v1 import engine_pb2
 
 

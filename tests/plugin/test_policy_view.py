@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from engine_plugin.policy.points import probe_point
-from engine_plugin.policy.view import PROBE_EPOCH_SECONDS, Choice, PolicyView
 from specpilot.contract.engine_stream import policy_update_from_proto
+from specpilot.engine_plugin.policy.points import probe_point
+from specpilot.engine_plugin.policy.view import PROBE_EPOCH_SECONDS, Choice, PolicyView
 from specpilot.v1 import common_pb2, engine_pb2
 
 BOUNDS = (1, 4, 16)  # buckets 0: 1, 1: 2..4, 2: 5..16, 3: 17+

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_plugin import profile
-from engine_plugin.profile import (
+from specpilot.engine_plugin import profile
+from specpilot.engine_plugin.profile import (
     PROFILE_BATCH_SIZES,
     PROFILE_KS,
     RawProfile,

@@ -1,5 +1,6 @@
 """The aggregator against hand-computed histograms and sums; reset on drain; bad input is
-counted and left out; the report (the core's record, made a message by controller.wire) passes the
+counted and left out; the report (the core's record, made a message by specpilot.controller.wire)
+passes the
 controller's own validation."""
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ import math
 
 import pytest
 
-from engine_plugin.policy.stats import BatchStepSums, ReportPayload, StatsAggregator
 from specpilot.contract.engine_stream import report_from_proto, report_to_proto
 from specpilot.contract.records import (
     AcceptanceRecord,
@@ -18,6 +18,7 @@ from specpilot.contract.records import (
     StepTimingRecord,
 )
 from specpilot.contract.validation import check_report
+from specpilot.engine_plugin.policy.stats import BatchStepSums, ReportPayload, StatsAggregator
 
 
 class FakeClock:

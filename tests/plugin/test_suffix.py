@@ -1,4 +1,5 @@
-"""The plugin's suffix draft (``engine_plugin.suffix``) on arctic-inference's real suffix trees:
+"""The plugin's suffix draft (``specpilot.engine_plugin.suffix``) on arctic-inference's real suffix
+trees:
 proposals from the request's own prompt and from earlier requests' responses, a rewritten token
 list, the engine's settings, and counterfactual scoring."""
 
@@ -6,8 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engine_plugin.deterministic import Counterfactual
-from engine_plugin.suffix import SuffixProposer, SuffixTrees, suffix_available
+from specpilot.engine_plugin.deterministic import Counterfactual
+from specpilot.engine_plugin.suffix import SuffixProposer, SuffixTrees, suffix_available
 
 PATTERN = [10, 11, 12, 13, 14, 15, 16, 17]
 

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
-from engine_plugin.vocab import first_differences, vocab_hash  # noqa: E402
+from specpilot.engine_plugin.vocab import first_differences, vocab_hash  # noqa: E402
 
 WORDS = ["the", "cat", "sat", "on", "mat", "dog", "ran", "far"]
 

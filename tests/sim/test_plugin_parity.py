@@ -1,6 +1,6 @@
 """The simulator's specpilot and the engine plugin apply one policy the same way: for the same
 request ids, in the same probe epoch, the same requests probe and the same requests are scored
-counterfactually (one hash, one pick rule: ``engine_plugin.policy``)."""
+counterfactually (one hash, one pick rule: ``specpilot.engine_plugin.policy``)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.scenario import Scenario
 from benchmarks.sim.specpilot_policy import SpecPilotPolicy
 from benchmarks.sim.step import StepView
-from engine_plugin.classify import Classifier
-from engine_plugin.config import PluginConfig
-from engine_plugin.ngram import NGRAM_DRAFT
-from engine_plugin.pilot import EngineSpec, Pilot, announce
-from engine_plugin.policy.points import probe_point
-from engine_plugin.policy.view import PROBE_EPOCH_SECONDS, PolicyView
 from specpilot.contract.engine_stream import policy_update_from_proto
 from specpilot.contract.records import DraftKind, PolicyUpdate
+from specpilot.engine_plugin.classify import Classifier
+from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.ngram import NGRAM_DRAFT
+from specpilot.engine_plugin.pilot import EngineSpec, Pilot, announce
+from specpilot.engine_plugin.policy.points import probe_point
+from specpilot.engine_plugin.policy.view import PROBE_EPOCH_SECONDS, PolicyView
 from specpilot.v1 import engine_pb2
 from tests.plugin.test_pilot import _Params, _Request, load
 

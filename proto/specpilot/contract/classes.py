@@ -1,7 +1,7 @@
 """Traffic-class names the system reserves, and the one rule that folds classes beyond a limit.
 
 ``default`` is the class of a request nothing else names; ``other`` is where names beyond the
-class limit go. The engine plugin (``engine_plugin.classify``) and the controller's core
+class limit go. The engine plugin (``specpilot.engine_plugin.classify``) and the controller's core
 (``ControllerCore.ingest``) fold with the same rule, so an engine with the controller's limit
 never sends a name the controller would have to fold.
 """

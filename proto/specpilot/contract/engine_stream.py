@@ -1,7 +1,7 @@
 """The engine stream's converters, protobuf <-> contract records: one function per message and
 direction, nothing else. The plugin and the controller's engine service both use these; what the
 controller builds from its own state (the HelloAck, the policy of a read model) it encodes in
-``controller.wire``, and the plugin decodes here (``controller_message_from_proto``).
+``specpilot.controller.wire``, and the plugin decodes here (``controller_message_from_proto``).
 
 Conversion is structural only; validation stays with the records' checks
 (``specpilot.contract.validation``), so the server, the simulator and the tests reject the same

@@ -1,6 +1,6 @@
 """What a step is priced with: the one step-pricing formula, the layout of its weights as a
 vector, and the per-step pricing the controller sends with a policy, which the plugin's half of
-the policy (``engine_plugin.policy.compose``) re-picks per step from.
+the policy (``specpilot.engine_plugin.policy.compose``) re-picks per step from.
 
     t = base + per_sequence x B + per_token x T + sum_j above_j x max(0, T - knot_j)
         + sum_d (fixed_d x drafting_d + per_pass_d x passes_d + per_token_d x tokens_d)
@@ -56,7 +56,8 @@ class DraftPricing:
 
 @dataclass(frozen=True)
 class StepPricing:
-    """The step-cost model by its posterior mean weights (``controller.core.cost_model``), as
+    """The step-cost model by its posterior mean weights (``specpilot.controller.core.cost_model``),
+    as
     plain numbers (the formula above; seconds)."""
 
     base_seconds: float

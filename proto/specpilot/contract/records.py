@@ -1,6 +1,7 @@
 """The wire's records: plain data the engine plugin sends and receives and the controller's core
 consumes and produces. No I/O, no protobuf: the edges convert (``specpilot.contract.
-engine_stream``, ``controller.wire``), the simulator and the tests build these directly."""
+engine_stream``, ``specpilot.controller.wire``), the simulator and the tests build these
+directly."""
 
 from __future__ import annotations
 
@@ -236,7 +237,7 @@ class ArmFigures:
     goodput: float
     speedup: float  # ratio to no speculation, never below 0
     # Position 1 of the draft: (posterior mean, half-width of the credible interval at
-    # controller.core.acceptance.CREDIBLE_LEVEL); None with speculation off, and while the
+    # specpilot.controller.core.acceptance.CREDIBLE_LEVEL); None with speculation off, and while the
     # draft has no acceptance evidence (the arm is priced on the prior).
     acceptance: tuple[float, float] | None = None
 
