@@ -118,8 +118,7 @@ class EngineStream:
     until it is taken, a shed one again after ``pause``: the controller's
     ``ReportResult.retry_after_seconds``, or with ``backoff`` the plugin's pause (the report
     ``interval`` x ``specpilot.engine_plugin.link.shed_backoff``'s factor, ``shed_pause`` after a
-    shed
-    report)."""
+    shed report)."""
 
     def __init__(self, target: str, hello: engine_pb2.ConnectRequest | bytes, *,
                  backoff: bool = False, interval: float = 1.0) -> None:

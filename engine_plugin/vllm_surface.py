@@ -3,12 +3,11 @@ check of them against the vLLM installed in this interpreter.
 
 Two sources, so the list cannot drift from the code: the ``Protocol``s of
 :mod:`specpilot.engine_plugin.vllm_types` (what the pilot reads and writes), each mapped here to the
-vLLM
-class that implements it, and :data:`HOOKS` (what the scheduler subclasses override and the
+vLLM class that implements it, and :data:`HOOKS` (what the scheduler subclasses override and the
 worker-side patches and the start-up profile wrap or call, with the leading parameters they rely
 on). ``python -m specpilot.engine_plugin.vllm_surface`` prints the table (found / missing /
-changed); the
-CPU build's run is a test, the GPU build's is ``make check-vllm-gpu`` (in its own environment).
+changed); the CPU build's run is a test, the GPU build's is ``make check-vllm-gpu`` (in its own
+environment).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Beta quantiles and credible intervals (``specpilot.controller.core.beta``) against a
-high-resolution
-reference and closed forms."""
+high-resolution reference and closed forms."""
 
 from __future__ import annotations
 

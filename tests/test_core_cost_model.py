@@ -183,8 +183,7 @@ def test_a_zero_sample_scale_prices_by_the_means() -> None:
     assert model.draw(np.random.default_rng(0)) is model.mean
 
 
-# --- shared evidence (specpilot.controller.core.fleet.fleet_costs)
-# -------------------------------------
+# --- shared evidence (specpilot.controller.core.fleet.fleet_costs) --------------------------------
 
 def _fitted(seed: int = 0, reports: int = 200) -> StepCostModel:
     rng = np.random.default_rng(seed)

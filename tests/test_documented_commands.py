@@ -7,8 +7,7 @@ snippet; a snippet's ``# = COMMAND`` comment documents an equivalent command, ch
 
 - ``specpilot CMD [SUB] ...``: ``--help`` of the command exits 0 and its usage names it (run
   in-process through ``specpilot.controller.cli.main``, the function the ``specpilot`` script runs);
-  when
-  the snippet is an invocation (a code-block line, or any snippet with options) and has no
+  when the snippet is an invocation (a code-block line, or any snippet with options) and has no
   placeholder syntax (``|``, ``...``, ``[``), the whole argument list also parses.
 - ``python SCRIPT ...``: the script exists, ``python SCRIPT --help`` exits 0 naming it, and every
   option the snippet passes is in that help.

@@ -12,8 +12,7 @@ then fails with "Stat logging disabled").
 Several engines one after another in one process work when each is shut down
 (:func:`llm_session` / :func:`shutdown_llm`) and the CPU fix is installed
 (:func:`specpilot.engine_plugin.cpu_fix.install_cpu_rejection_sampler_fix`: without its dispatcher
-guard,
-any engine built after an n-gram engine fails in vLLM 0.32's kernel registration).
+guard, any engine built after an n-gram engine fails in vLLM 0.32's kernel registration).
 """
 
 from __future__ import annotations

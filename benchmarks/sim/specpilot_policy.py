@@ -2,9 +2,8 @@
 module.
 
 The adapter plays the plugin's part with the plugin's objects (``specpilot.engine_plugin.policy``;
-nothing
-of the plugin or the controller is re-implemented): the policy reaches a ``PolicyView`` as the
-message the server sends, each step is resolved through a ``StepPolicy`` (lookup, probes,
+nothing of the plugin or the controller is re-implemented): the policy reaches a ``PolicyView`` as
+the message the server sends, each step is resolved through a ``StepPolicy`` (lookup, probes,
 per-step re-picks), the requests scored counterfactually with the n-gram draft are the
 ``CounterfactualPicks``, and what the simulated engine measured goes through a
 ``StatsAggregator`` into the report that every report interval of simulated time is handed to
@@ -47,10 +46,10 @@ _VOCAB = "simulated-vocabulary"
 def start_up_profile(info: EngineInfo, cost: StepCost,
                      scale: tuple[float, float] = (1.0, 1.0)) -> tuple[StepProfile, ...]:
     """What the plugin's start-up profile would send for this engine
-    (``specpilot.engine_plugin.profile``:
-    the same batch sizes and K, uniform decode steps, the first model draft running K passes),
-    timed by the scenario's step cost without noise (the plugin keeps the fastest of five),
-    times ``scale`` (without speculation, with): a real profile's bias."""
+    (``specpilot.engine_plugin.profile``: the same batch sizes and K, uniform decode steps, the
+    first model draft running K passes), timed by the scenario's step cost without noise (the plugin
+    keeps the fastest of five), times ``scale`` (without speculation, with): a real profile's
+    bias."""
     model = next((d for d, m in enumerate(info.draft_is_model) if m), None)
     out = []
     for b in (b for b in PROFILE_BATCH_SIZES if b <= info.max_batch):
@@ -96,8 +95,7 @@ class SpecPilotPolicy:
         self._fail_static = server_config(self.settings).fail_static_timeout_seconds
         drafter = info.drafts[info.primary_draft]
         # The plugin's objects, as specpilot.engine_plugin.pilot wires them, on the simulated clock;
-        # the
-        # bucket bounds are the controller's, as its HelloAck announces them.
+        # the bucket bounds are the controller's, as its HelloAck announces them.
         self.view = PolicyView(
             static_k=info.max_k, static_draft=drafter,
             fail_static_timeout_seconds=self._fail_static,

@@ -133,8 +133,7 @@ class AcceptanceEstimator:
         # Since when |z| has stayed above the drift threshold, per key.
         self._drift_since: dict[tuple[str, str], float] = {}
         # The other sidecars' evidence (specpilot.controller.core.fleet), as of ``_fleet_at``: added
-        # to
-        # the posterior, never to the change detector (each sidecar detects its own changes).
+        # to the posterior, never to the change detector (each sidecar detects its own changes).
         self._fleet: dict[tuple[str, str], tuple[FloatArray, FloatArray]] = {}
         self._fleet_at = 0.0
 

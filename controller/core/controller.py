@@ -205,8 +205,7 @@ class ControllerCore:
         """The fleet layer as last set, by class."""
         return self._overrides.fleet()
 
-    # --- the fleet (specpilot.controller.core.fleet_exchange)
-    # -------------------------------------------
+    # --- the fleet (specpilot.controller.core.fleet_exchange) -------------------------------------
     @property
     def evidence_half_life(self) -> float:
         """Half-life of acceptance evidence, seconds: the fleet decays exports with it too."""
@@ -238,8 +237,7 @@ class ControllerCore:
         return engine_options(self.config, self._engines, self._classes, self._evidence,
                               sidecar, now)
 
-    # --- read model (specpilot.controller.core.read_model)
-    # --------------------------------------------
+    # --- read model (specpilot.controller.core.read_model) ----------------------------------------
     @property
     def version(self) -> int:
         """Version of the policy: moves when a decide round changed what engines must apply."""

@@ -437,8 +437,7 @@ class StepCostModel:
         """Decayed number of this model's own observed steps (0 before any data)."""
         return self._own.steps
 
-    # --- sharing (specpilot.controller.core.fleet)
-    # ----------------------------------------------------
+    # --- sharing (specpilot.controller.core.fleet) ------------------------------------------------
     def export(self, now: float) -> CostEvidence:
         """This model's own evidence, decayed to ``now`` (never the fleet's)."""
         f = 1.0

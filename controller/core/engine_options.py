@@ -1,8 +1,7 @@
 """What this controller's engines achieve, for the fleet's recommendations
 (``specpilot.controller.core.recommend``): per batch bucket, the goodput with speculation off and,
-per class
-and draft with evidence, the goodput at that draft's best K. Posterior means and mean costs, the
-class alone in the batch; draws nothing, so deciding is unaffected.
+per class and draft with evidence, the goodput at that draft's best K. Posterior means and mean
+costs, the class alone in the batch; draws nothing, so deciding is unaffected.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """What this controller gives the fleet of one model and takes from it
-(``specpilot.controller.core.fleet``):
-its own acceptance and step-cost evidence, exported and restored after a restart, and the other
-sidecars' evidence added to its posteriors.
+(``specpilot.controller.core.fleet``): its own acceptance and step-cost evidence, exported and
+restored after a restart, and the other sidecars' evidence added to its posteriors.
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ expected speedup, the "losing by means" test and explanations. On top of the arg
 A bucket is decided in two small stages, ``choose`` (the arm) then ``with_probe`` (the probe).
 Neither prices anything: the context carries the step seconds they read, computed before each
 stage by the decider (``specpilot.controller.core.prices``; ``unpriced_decision`` and
-``probe_curves`` say
-what a stage will read).
+``probe_curves`` say what a stage will read).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """What the policy prices a class's arms with: step seconds as arrays, computed before it runs.
 
 Why: the policy (``specpilot.controller.core.policy``) is a pure function of its context. The
-decider prices
-the steps it will score (``price_steps``, from the step-cost model's mean and from a decide
-round's draw of its weights) and the policy reads arrays: it calls nothing, and a test hands it
-prices from a toy cost function the same way.
+decider prices the steps it will score (``price_steps``, from the step-cost model's mean and from a
+decide round's draw of its weights) and the policy reads arrays: it calls nothing, and a test hands
+it prices from a toy cost function the same way.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Reads of the core's state: the frozen snapshot (``specpilot.controller.core.snapshot``) and the
-cheaper
-calls that answer one question each (a decision, an estimate, engines' report ages, the cost
+cheaper calls that answer one question each (a decision, an estimate, engines' report ages, the cost
 model's fit), so that no reader reaches into a part's state.
 """
 

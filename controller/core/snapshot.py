@@ -105,8 +105,7 @@ class ClassView:
     # Its share of the batch (decode request-steps); None before any of its traffic was measured.
     share: float | None
     # While it speculates (specpilot.controller.core.mix.ServedSpeedup): tokens per served
-    # verification
-    # step, and the measured speedup; None before any served speculative step.
+    # verification step, and the measured speedup; None before any served speculative step.
     measured_tokens_per_step: float | None = None
     measured_speedup: float | None = None
 

@@ -20,9 +20,8 @@ live events, and the write controls.
 
 Reads need nothing; writes need ``Authorization: Bearer <token>`` (the policy API's token) and
 go through ``specpilot.controller.server.policy_writes`` like the gRPC ones: 401 without it, 403
-with a
-wrong one, 400 for a bad request, 503 when the state store did not take a fleet override; each
-attempt lands in the audit log. The token rides in a header, never a cookie, so another site
+with a wrong one, 400 for a bad request, 503 when the state store did not take a fleet override;
+each attempt lands in the audit log. The token rides in a header, never a cookie, so another site
 cannot make the browser write (no CSRF).
 """
 

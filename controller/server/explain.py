@@ -1,8 +1,7 @@
 """The English of the core's numbers: an explanation
-(``specpilot.controller.core.snapshot.Explanation``)
-as the few sentences that ExplainDecision returns as ``text``, and a decision event, with the
-figures it was taken on, as the decision log's line (the dashboard, /api/decisions and
-``specpilot policy watch``)."""
+(``specpilot.controller.core.snapshot.Explanation``) as the few sentences that ExplainDecision
+returns as ``text``, and a decision event, with the figures it was taken on, as the decision log's
+line (the dashboard, /api/decisions and ``specpilot policy watch``)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Writes need metadata ``authorization: Bearer <token>``: missing -> UNAUTHENTICATED, wrong ->
 PERMISSION_DENIED; the checks, the scopes and the audit log are
-``specpilot.controller.server.policy_writes``
-(the dashboard's controls share them).
+``specpilot.controller.server.policy_writes`` (the dashboard's controls share them).
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ the audit log.
 A write needs ``Bearer <token>`` (the gRPC metadata ``authorization``, or the HTTP header
 ``Authorization``): missing -> ``unauthenticated``, wrong -> ``permission_denied``; the token
 is compared in constant time (``specpilot.controller.server.auth``). An override's scope is the pod
-(this
-controller) or the fleet (every controller of the model, through the state store); unspecified
+(this controller) or the fleet (every controller of the model, through the state store); unspecified
 means the fleet where a shared store is configured.
 
 The audit log is one JSON line per attempt on the ``specpilot.audit`` logger (ship it with the

@@ -2,8 +2,7 @@
 
 The engine stream, the policy API and the HTTP JSON all render one ``CoreSnapshot`` through these
 functions and the converters in ``specpilot.controller.wire``, so the three never disagree about
-what the
-policy is.
+what the policy is.
 """
 
 from __future__ import annotations

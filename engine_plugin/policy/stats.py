@@ -5,8 +5,8 @@ The scheduler records, per request and step, how many of the k verified drafts w
 finished request a summary (``record_finished``). ``drain`` returns the interval's aggregates as
 a plain frozen ``ReportPayload`` and starts a new interval; ``ReportPayload.report`` turns a
 payload into the core's ``EngineReport`` record on the sender thread, where
-``specpilot.controller.wire``
-makes the message of it, so no protobuf is built in the scheduler loop.
+``specpilot.controller.wire`` makes the message of it, so no protobuf is built in the scheduler
+loop.
 
 The hot-path methods cost a dict lookup and a few integer additions. Input that the controller
 would reject (k out of range, accepted > k, an unknown draft, an invalid class name, negative

@@ -1,6 +1,5 @@
 """specpilot.engine_plugin.worker_patch without an engine: the rows rejection sampling sees, the
-skip rule,
-and the guard that finds vLLM 0.32's internals."""
+skip rule, and the guard that finds vLLM 0.32's internals."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The aggregator against hand-computed histograms and sums; reset on drain; bad input is
 counted and left out; the report (the core's record, made a message by specpilot.controller.wire)
-passes the
-controller's own validation."""
+passes the controller's own validation."""
 
 from __future__ import annotations
 

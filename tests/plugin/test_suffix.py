@@ -1,7 +1,6 @@
 """The plugin's suffix draft (``specpilot.engine_plugin.suffix``) on arctic-inference's real suffix
-trees:
-proposals from the request's own prompt and from earlier requests' responses, a rewritten token
-list, the engine's settings, and counterfactual scoring."""
+trees: proposals from the request's own prompt and from earlier requests' responses, a rewritten
+token list, the engine's settings, and counterfactual scoring."""
 
 from __future__ import annotations
 

@@ -57,8 +57,7 @@ class DraftPricing:
 @dataclass(frozen=True)
 class StepPricing:
     """The step-cost model by its posterior mean weights (``specpilot.controller.core.cost_model``),
-    as
-    plain numbers (the formula above; seconds)."""
+    as plain numbers (the formula above; seconds)."""
 
     base_seconds: float
     seconds_per_sequence: float
