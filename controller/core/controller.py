@@ -53,6 +53,7 @@ from specpilot.controller.core.fleet_exchange import FleetExchange
 from specpilot.controller.core.joint import JointSearch
 from specpilot.controller.core.mix import Arm
 from specpilot.controller.core.overrides import Overrides
+from specpilot.controller.core.parts import CoreParts
 from specpilot.controller.core.published import PublishedPolicy
 from specpilot.controller.core.read_model import ReadModel
 from specpilot.controller.core.recommend import EngineOptions
@@ -73,11 +74,11 @@ class ControllerCore:
                                   self._evidence)
         contexts = Contexts(config, rng, self._engines, self._classes, self._overrides,
                             self._evidence, self._joint)
-        self._decider = Decider(config, self._engines, self._classes, self._overrides,
-                                self._evidence, self._joint, contexts, self._published)
+        parts = CoreParts(config, self._engines, self._classes, self._overrides, self._evidence,
+                          self._joint, contexts, self._published)
+        self._decider = Decider(parts)
         self._fleet = FleetExchange(config, self._engines, self._classes, self._evidence)
-        self._read = ReadModel(config, self._engines, self._classes, self._overrides,
-                               self._evidence, self._joint, contexts, self._published)
+        self._read = ReadModel(parts)
 
     @property
     def epoch(self) -> int:

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from specpilot.contract.pricing import Composition, moved
 from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Reason
-from specpilot.controller.core.class_table import ClassState, ClassTable
-from specpilot.controller.core.config import CoreConfig
-from specpilot.controller.core.context import Contexts, Running
-from specpilot.controller.core.engines import EngineRegistry
-from specpilot.controller.core.evidence import Evidence, MeanCurves
-from specpilot.controller.core.joint import JointSearch
-from specpilot.controller.core.overrides import Overrides
+from specpilot.controller.core.class_table import ClassState
+from specpilot.controller.core.context import Running
+from specpilot.controller.core.evidence import MeanCurves
+from specpilot.controller.core.parts import CoreParts
 from specpilot.controller.core.policy import (
     ClassContext,
     choose,
@@ -25,7 +22,6 @@ from specpilot.controller.core.policy import (
     priced_batch,
     with_probe,
 )
-from specpilot.controller.core.published import PublishedPolicy
 
 # A probe share that moved by less than this factor is not worth a new policy version.
 _PROBE_RATE_MATERIAL_FACTOR = 1.25
@@ -38,50 +34,42 @@ _COMPOSITION_TOLERANCE = 0.01
 
 
 class Decider:
-    def __init__(self, config: CoreConfig, engines: EngineRegistry, classes: ClassTable,
-                 overrides: Overrides, evidence: Evidence, joint: JointSearch,
-                 contexts: Contexts, published: PublishedPolicy) -> None:
-        self._config = config
-        self._engines = engines
-        self._classes = classes
-        self._overrides = overrides
-        self._evidence = evidence
-        self._joint = joint
-        self._contexts = contexts
-        self._published = published
+    def __init__(self, parts: CoreParts) -> None:
+        self._parts = parts
 
     def refresh_joint(self, now: float, max_buckets: int) -> None:
         """Rerun the joint search for at most ``max_buckets`` of the stalest buckets."""
-        self._joint.refresh(self._engines.drafts(), now, self._evidence.mean_curves(now),
+        parts = self._parts
+        parts.joint.refresh(parts.engines.drafts(), now, parts.evidence.mean_curves(now),
                             max_buckets)
 
     def decide(self, now: float, joint: bool = True) -> list[DecisionEvent]:
         """Re-decide, publish and return the events for choices that changed. ``joint=False``
         leaves the joint search's refresh to ``refresh_joint``."""
-        drafts = self._engines.drafts()
-        if not drafts and not len(self._engines):
+        drafts = self._parts.engines.drafts()
+        if not drafts and not len(self._parts.engines):
             return []
         events: list[DecisionEvent] = []
         material = False
-        curves = self._evidence.mean_curves(now)
+        curves = self._parts.evidence.mean_curves(now)
         if joint:
-            self._joint.refresh(drafts, now, curves)
-        drawn = self._contexts.draw_costs()
+            self._parts.joint.refresh(drafts, now, curves)
+        drawn = self._parts.contexts.draw_costs()
         # The classes as they run, per bucket (``Contexts.others``); a decision the round
         # changes is priced again, so later classes see it.
         running: Running = {}
-        for name, state in self._classes:
+        for name, state in self._parts.classes:
             if self._holds(name, state, drafts):
-                self._contexts.draw_held(name, drafts, now)
+                self._parts.contexts.draw_held(name, drafts, now)
                 continue
-            ctx = self._contexts.build(name, state, drafts, now, curves, drawn, running)
+            ctx = self._parts.contexts.build(name, state, drafts, now, curves, drawn, running)
             material |= self._decide_class(ctx, state, now, curves, running, events)
         composition = self._compose(drafts, curves)
-        if moved(self._published.composition, composition, self._priced_batch_sizes(),
-                 self._config.policy.max_k, _COMPOSITION_TOLERANCE):
-            self._published.composition = composition
+        if moved(self._parts.published.composition, composition, self._priced_batch_sizes(),
+                 self._parts.config.policy.max_k, _COMPOSITION_TOLERANCE):
+            self._parts.published.composition = composition
             material = True
-        return self._published.publish(events, material)
+        return self._parts.published.publish(events, material)
 
     def _decide_class(self, ctx: ClassContext, state: ClassState, now: float,
                       curves: MeanCurves, running: Running, events: list[DecisionEvent]
@@ -89,9 +77,9 @@ class Decider:
         """Decide the class of ``ctx`` with the policy's two stages (the arms a probe reads
         priced in between), keep what changed in ``state`` and ``running``, and add an event
         for each new choice to ``events``; whether an engine must hear of a change."""
-        policy, name = self._config.policy, ctx.traffic_class
+        policy, name = self._parts.config.policy, ctx.traffic_class
         choices = [choose(ctx, policy, bucket) for bucket in ctx.buckets]
-        ctx = self._contexts.priced_for_probes(ctx, choices)
+        ctx = self._parts.contexts.priced_for_probes(ctx, choices)
         material = False
         for bucket, choice in zip(ctx.buckets, choices, strict=True):
             new = with_probe(ctx, policy, bucket, choice)
@@ -106,14 +94,14 @@ class Decider:
             state.decisions[new.bucket] = new
             state.decided_at[new.bucket] = now
             if name in running.get(new.bucket, {}):
-                o = self._contexts.running(name, running[new.bucket][name].share, new.bucket,
+                o = self._parts.contexts.running(name, running[new.bucket][name].share, new.bucket,
                                            ctx.drafts, curves)
                 if o is not None:
                     running[new.bucket][name] = o
             if new.same_choice(old):
                 continue
             state.changed_at[new.bucket] = now
-            ctx = self._contexts.priced_at(ctx, priced_batch(ctx, bucket))
+            ctx = self._parts.contexts.priced_at(ctx, priced_batch(ctx, bucket))
             events.append(DecisionEvent(
                 0, now, new, old, decision_figures(ctx, policy, bucket, new, old)))
         state.change_pending = False
@@ -124,19 +112,20 @@ class Decider:
         ``decide_bucket`` does for a settled bucket without new evidence): no override, no
         detected change, not offline, and each bucket settled (on an arm the connected engines
         offer) and not fresh."""
-        if (state.change_pending or not drafts or name in self._config.offline_classes
-                or self._overrides.in_force(name) is not None):
+        if (state.change_pending or not drafts or name in self._parts.config.offline_classes
+                or self._parts.overrides.in_force(name) is not None):
             return False
-        for b in range(self._config.n_buckets):
+        for b in range(self._parts.config.n_buckets):
             d = state.decisions.get(b)
             if (d is None or d.reason in (Reason.WARMUP, Reason.OVERRIDE)
-                    or self._contexts.fresh(state, b) or not offered(drafts, d)):
+                    or self._parts.contexts.fresh(state, b) or not offered(drafts, d)):
                 return False
         return True
 
     def _priced_batch_sizes(self) -> list[int]:
-        loads = self._evidence.loads
-        return sorted({max(1, round(loads.batch_size(b))) for b in range(self._config.n_buckets)})
+        loads = self._parts.evidence.loads
+        return sorted({max(1, round(loads.batch_size(b)))
+                       for b in range(self._parts.config.n_buckets)})
 
     def _compose(self, drafts: tuple[DraftSpec, ...], curves: MeanCurves) -> Composition | None:
         """What engines that re-pick arms per step price a step with (``step_composition``):
@@ -144,19 +133,20 @@ class Decider:
         largest shares, per draft they have evidence for. None when no connected engine can
         use it, or when a per-request engine's drafter runs whatever K is chosen (a per-step
         re-pick then saves verification only)."""
-        if not self._engines.any_step_composition() or self._engines.sunk_draft() is not None:
+        engines = self._parts.engines
+        if not engines.any_step_composition() or engines.sunk_draft() is not None:
             return None
-        shares = self._evidence.mix.shares()
-        estimator, max_k = self._evidence.estimator, self._config.policy.max_k
-        names = sorted(self._classes.names(), key=lambda c: (-shares.get(c, 0.0), c))
+        shares = self._parts.evidence.mix.shares()
+        estimator, max_k = self._parts.evidence.estimator, self._parts.config.policy.max_k
+        names = sorted(self._parts.classes.names(), key=lambda c: (-shares.get(c, 0.0), c))
         expected: dict[tuple[str, str], tuple[float, ...]] = {}
         for name in names[:COMPOSITION_MAX_CLASSES]:
             for d in drafts:
                 if estimator.has_data(name, d.name):
                     curve = curves(name, d.name)[: min(max_k, d.max_k) + 1]
                     expected[(name, d.name)] = tuple(float(x) for x in curve)
-        return Composition(self._evidence.cost.mean.pricing(), expected,
-                           self._config.policy.composition_margin)
+        return Composition(self._parts.evidence.cost.mean.pricing(), expected,
+                           self._parts.config.policy.composition_margin)
 
 
 def _material(old: Decision | None, new: Decision) -> bool:

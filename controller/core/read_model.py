@@ -7,17 +7,10 @@ from __future__ import annotations
 
 from specpilot.contract.pricing import StepPricing
 from specpilot.contract.records import Decision, DraftSpec, Reason
-from specpilot.controller.core.class_table import ClassTable
-from specpilot.controller.core.config import CoreConfig
-from specpilot.controller.core.context import Contexts
 from specpilot.controller.core.cost_model import StepShape
-from specpilot.controller.core.engines import EngineRegistry
-from specpilot.controller.core.evidence import Evidence
-from specpilot.controller.core.joint import JointSearch
 from specpilot.controller.core.mix import Arm
-from specpilot.controller.core.overrides import Overrides
+from specpilot.controller.core.parts import CoreParts
 from specpilot.controller.core.policy import arm_values
-from specpilot.controller.core.published import PublishedPolicy
 from specpilot.controller.core.snapshot import (
     AcceptanceEstimate,
     ClassView,
@@ -28,55 +21,46 @@ from specpilot.controller.core.snapshot import (
 
 
 class ReadModel:
-    def __init__(self, config: CoreConfig, engines: EngineRegistry, classes: ClassTable,
-                 overrides: Overrides, evidence: Evidence, joint: JointSearch,
-                 contexts: Contexts, published: PublishedPolicy) -> None:
-        self._config = config
-        self._engines = engines
-        self._classes = classes
-        self._overrides = overrides
-        self._evidence = evidence
-        self._joint = joint
-        self._contexts = contexts
-        self._published = published
+    def __init__(self, parts: CoreParts) -> None:
+        self._parts = parts
 
     def decision(self, traffic_class: str, bucket: int) -> Decision | None:
-        state = self._classes.get(traffic_class)
+        state = self._parts.classes.get(traffic_class)
         return state.decisions.get(bucket) if state else None
 
     def default_decisions(self) -> list[Decision]:
         """What an engine applies to a class the controller has not seen yet: the warm-up K."""
-        drafts = self._engines.drafts()
-        k = min(self._config.policy.warmup_k, drafts[0].max_k) if drafts else 0
+        drafts = self._parts.engines.drafts()
+        k = min(self._parts.config.policy.warmup_k, drafts[0].max_k) if drafts else 0
         return [Decision("", b, drafts[0].name if k else "", k, Reason.WARMUP)
-                for b in range(self._config.n_buckets)]
+                for b in range(self._parts.config.n_buckets)]
 
     def report_ages(self, now: float) -> dict[str, float]:
         """Seconds since each connected engine's last report (or its hello), by engine id."""
-        return self._engines.report_ages(now)
+        return self._parts.engines.report_ages(now)
 
     def cost_fit(self) -> StepPricing:
         """The step-cost model's posterior-mean weights (what a composition carries)."""
-        return self._evidence.cost.mean.pricing()
+        return self._parts.evidence.cost.mean.pricing()
 
     def priced_drafts(self) -> tuple[str, ...]:
         """Model drafts the step-cost model holds columns for, the longest-held first."""
-        return self._evidence.cost.drafts
+        return self._parts.evidence.cost.drafts
 
     def predicted_seconds(self, shape: StepShape) -> float:
         """The cost model's mean time of one step of ``shape`` (as a report's is predicted)."""
-        return self._evidence.cost.predict(shape)
+        return self._parts.evidence.cost.predict(shape)
 
     def joint_arms(self) -> dict[int, dict[str, Arm]]:
         """Per bucket the joint search ran for, every class's arm in the best batch."""
-        return self._joint.arms()
+        return self._parts.joint.arms()
 
     def estimate(self, traffic_class: str, draft: str, now: float,
                  positions: int | None = None) -> AcceptanceEstimate:
         """The acceptance posterior of (class, draft) as of ``now``: the bare prior when no
         report named it. ``positions`` shown: the estimator's max K unless given, never more
         than it tracks (a draft may announce a longer K than the controller considers)."""
-        estimator = self._evidence.estimator
+        estimator = self._parts.evidence.estimator
         post = estimator.posterior(traffic_class, draft, now)
         tracked = post.alpha.size
         return AcceptanceEstimate(
@@ -94,16 +78,16 @@ class ReadModel:
     def explain(self, traffic_class: str, bucket: int, now: float) -> Explanation:
         """The numbers behind the decision of one (class, bucket). KeyError naming what is
         unknown. (Its context takes Thompson draws like a decision's, though it shows means.)"""
-        state = self._classes.get(traffic_class)
+        state = self._parts.classes.get(traffic_class)
         if state is None:
             raise KeyError(f"unknown class {traffic_class!r}")
-        n_buckets = self._config.n_buckets
+        n_buckets = self._parts.config.n_buckets
         if not 0 <= bucket < n_buckets:
             raise KeyError(f"batch bucket {bucket} outside 0..{n_buckets - 1}")
-        ctx = self._contexts.build(traffic_class, state, self._engines.drafts(), now,
-                                   self._evidence.mean_curves(now), every_bucket=True)
-        batch = self._evidence.loads.batch_size(bucket)
-        max_k = self._config.policy.max_k
+        ctx = self._parts.contexts.build(traffic_class, state, self._parts.engines.drafts(), now,
+                                   self._parts.evidence.mean_curves(now), every_bucket=True)
+        batch = self._parts.evidence.loads.batch_size(bucket)
+        max_k = self._parts.config.policy.max_k
         arms = tuple(arm_values(ctx, batch, ctx.mean_rates, max_k))
         rates = tuple((d.name, tuple(float(r) for r in ctx.mean_rates[d.name][: d.max_k]))
                       for d in ctx.drafts)
@@ -113,22 +97,22 @@ class ReadModel:
     def snapshot(self, now: float) -> CoreSnapshot:
         """The whole state as of ``now``, frozen (posteriors decay with time, so ``now``
         matters for the estimates and the engines' report ages)."""
-        drafts = self._engines.drafts()
-        with_evidence = self._evidence.estimator.keys()
-        shares = self._evidence.mix.shares()
-        served = self._evidence.served
+        drafts = self._parts.engines.drafts()
+        with_evidence = self._parts.evidence.estimator.keys()
+        shares = self._parts.evidence.mix.shares()
+        served = self._parts.evidence.served
         classes = tuple(
             ClassView(
                 name=name,
-                decisions=tuple(d for _, d in sorted(self._classes[name].decisions.items())),
+                decisions=tuple(d for _, d in sorted(self._parts.classes[name].decisions.items())),
                 estimates=self._estimates(name, drafts, with_evidence, now),
-                overrides=tuple(self._overrides.covering(name)),
-                offline=name in self._config.offline_classes,
+                overrides=tuple(self._parts.overrides.covering(name)),
+                offline=name in self._parts.config.offline_classes,
                 share=shares.get(name),
                 measured_tokens_per_step=served.tokens_per_step(name),
                 measured_speedup=served.speedup(name),
             )
-            for name in self._classes.names()
+            for name in self._parts.classes.names()
         )
         engines = tuple(
             EngineView(
@@ -141,23 +125,23 @@ class ReadModel:
                 last_sequence=e.last_sequence,
                 policy_version_applied=e.policy_version_applied,
                 hardware=e.hello.hardware,
-                versions_behind=self._published.versions_behind(e.policy_version_applied),
+                versions_behind=self._parts.published.versions_behind(e.policy_version_applied),
             )
-            for engine_id, e in self._engines
+            for engine_id, e in self._parts.engines
         )
         return CoreSnapshot(
             at=now,
-            version=self._published.version,
+            version=self._parts.published.version,
             classes=classes,
             engines=engines,
-            overrides=self._overrides.all(),
+            overrides=self._parts.overrides.all(),
             default_decisions=tuple(self.default_decisions()),
-            log=self._published.log,
-            batch_bucket_upper_bounds=self._config.batch_bucket_upper_bounds,
-            measured_buckets=self._evidence.loads.measured(),
-            offline_classes=self._config.offline_classes,
-            max_classes=self._config.max_classes,
-            composition=self._published.composition,
+            log=self._parts.published.log,
+            batch_bucket_upper_bounds=self._parts.config.batch_bucket_upper_bounds,
+            measured_buckets=self._parts.evidence.loads.measured(),
+            offline_classes=self._parts.config.offline_classes,
+            max_classes=self._parts.config.max_classes,
+            composition=self._parts.published.composition,
         )
 
     def _estimates(self, name: str, drafts: tuple[DraftSpec, ...],
@@ -167,5 +151,5 @@ class ReadModel:
         positions = {d.name: d.max_k for d in drafts}
         for cls, draft in with_evidence:
             if cls == name:
-                positions.setdefault(draft, self._config.estimator.max_k)
+                positions.setdefault(draft, self._parts.config.estimator.max_k)
         return tuple(self.estimate(name, draft, now, k) for draft, k in positions.items())
