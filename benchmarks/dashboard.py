@@ -17,19 +17,15 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+import aiohttp
+from playwright.async_api import async_playwright
 
-import aiohttp  # noqa: E402
-from playwright.async_api import async_playwright  # noqa: E402
-
-from benchmarks.demo.screenshot import chromium_path  # noqa: E402
-from specpilot.contract.records import (  # noqa: E402
+from benchmarks.demo.screenshot import chromium_path
+from specpilot.contract.records import (
     AcceptanceRecord,
     DraftKind,
     DraftSpec,
@@ -37,8 +33,8 @@ from specpilot.contract.records import (  # noqa: E402
     EngineReport,
     Override,
 )
-from specpilot.controller.server.app import RunningServer, start_server  # noqa: E402
-from specpilot.controller.settings import load_settings  # noqa: E402
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.settings import load_settings
 
 SIZES = {"small": (3, 100), "large": (50, 10_000)}  # classes, decision-log entries
 

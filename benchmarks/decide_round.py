@@ -21,17 +21,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
-
-from specpilot.contract.records import (  # noqa: E402
+from specpilot.contract.records import (
     AcceptanceRecord,
     DraftKind,
     DraftSpec,
@@ -39,9 +35,11 @@ from specpilot.contract.records import (  # noqa: E402
     EngineReport,
     StepTimingRecord,
 )
-from specpilot.controller.core import mix  # noqa: E402
-from specpilot.controller.core.controller import ControllerCore  # noqa: E402
-from specpilot.controller.settings import core_config, load_settings  # noqa: E402
+from specpilot.controller.core import mix
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.settings import core_config, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MAX_K = 8
 RECORDS_PER_REPORT = 512

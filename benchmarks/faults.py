@@ -44,12 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if __name__ == "__main__":  # run as a script: the flood child
-    sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+import grpc
+import yaml
 
-import grpc  # noqa: E402
-import yaml  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SPECPILOT = str(Path(sys.executable).with_name("specpilot"))
 STARTUP_SECONDS = 30.0

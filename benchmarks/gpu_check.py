@@ -32,7 +32,11 @@ from typing import Any
 SCHEDULERS = "specpilot.engine_plugin.scheduler"
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# Runs from a copied checkout too (a GPU machine), where the editable installs point elsewhere:
+# the tools and the package specpilot (proto/specpilot) from this tree.
+sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT), str(ROOT / "proto"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef",

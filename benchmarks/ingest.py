@@ -25,11 +25,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
-
-from benchmarks.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
-from specpilot.contract.records import (  # noqa: E402
+from benchmarks.synthetic_engine import SyntheticEngine, TrueCost
+from specpilot.contract.records import (
     AcceptanceRecord,
     DraftKind,
     DraftSpec,
@@ -38,11 +35,13 @@ from specpilot.contract.records import (  # noqa: E402
     RequestSummaryRecord,
     StepTimingRecord,
 )
-from specpilot.controller.core.controller import ControllerCore  # noqa: E402
-from specpilot.controller.server.app import start_server  # noqa: E402
-from specpilot.controller.server.stubs import engine_stub  # noqa: E402
-from specpilot.controller.settings import core_config, load_settings  # noqa: E402
-from specpilot.v1 import engine_pb2  # noqa: E402
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.server.app import start_server
+from specpilot.controller.server.stubs import engine_stub
+from specpilot.controller.settings import core_config, load_settings
+from specpilot.v1 import engine_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CLASSES = [f"class-{i}" for i in range(8)]
 # A flipping report whose policy change has not come after this long moved no decision.

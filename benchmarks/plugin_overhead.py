@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+
 
 # libgomp's spinning worker threads fight the Python thread for 2 cores: without this, steps of the
 # same work vary from ~15 ms to ~600 ms on this machine. Must be set before torch is imported.

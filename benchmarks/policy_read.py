@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -39,16 +38,12 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
+import aiohttp
+import grpc
 import numpy as np
 import numpy.typing as npt
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
-
-import aiohttp  # noqa: E402
-import grpc  # noqa: E402
-
-from benchmarks.sidecar_memory import (  # noqa: E402
+from benchmarks.sidecar_memory import (
     MAX_CLASSES_BOUND,
     MAX_K,
     _class_names,
@@ -57,19 +52,19 @@ from benchmarks.sidecar_memory import (  # noqa: E402
     hello,
     timings,
 )
-from specpilot.contract import engine_stream  # noqa: E402
-from specpilot.contract.validation import MAX_DRAFTS  # noqa: E402
-from specpilot.controller import wire  # noqa: E402
-from specpilot.controller.core.acceptance import CREDIBLE_LEVEL  # noqa: E402
-from specpilot.controller.core.beta import credible_bounds  # noqa: E402
-from specpilot.controller.core.controller import ControllerCore  # noqa: E402
-from specpilot.controller.core.snapshot import AcceptanceEstimate, CoreSnapshot  # noqa: E402
-from specpilot.controller.dashboard import routes  # noqa: E402
-from specpilot.controller.server import views  # noqa: E402
-from specpilot.controller.server.app import RunningServer, start_server  # noqa: E402
-from specpilot.controller.server.stubs import async_policy_stub  # noqa: E402
-from specpilot.controller.settings import load_settings  # noqa: E402
-from specpilot.v1 import engine_pb2, policy_pb2  # noqa: E402
+from specpilot.contract import engine_stream
+from specpilot.contract.validation import MAX_DRAFTS
+from specpilot.controller import wire
+from specpilot.controller.core.acceptance import CREDIBLE_LEVEL
+from specpilot.controller.core.beta import credible_bounds
+from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.core.snapshot import AcceptanceEstimate, CoreSnapshot
+from specpilot.controller.dashboard import routes
+from specpilot.controller.server import views
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.server.stubs import async_policy_stub
+from specpilot.controller.settings import load_settings
+from specpilot.v1 import engine_pb2, policy_pb2
 
 FloatArray = npt.NDArray[np.float64]
 LEVEL = CREDIBLE_LEVEL

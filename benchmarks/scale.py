@@ -46,19 +46,18 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+from benchmarks.ingest import realistic_report
+from benchmarks.plots import plots_available, pyplot, save_figure
+from benchmarks.synthetic_engine import SyntheticEngine, TrueCost
+from specpilot.contract import engine_stream
+from specpilot.contract.records import DraftKind, DraftSpec, EngineHello
+from specpilot.controller.server.app import start_server
+from specpilot.controller.server.stubs import engine_stub
+from specpilot.controller.settings import load_settings
+from specpilot.engine_plugin.link import shed_backoff, shed_pause
+from specpilot.v1 import engine_pb2
 
-from benchmarks.ingest import realistic_report  # noqa: E402
-from benchmarks.plots import plots_available, pyplot, save_figure  # noqa: E402
-from benchmarks.synthetic_engine import SyntheticEngine, TrueCost  # noqa: E402
-from specpilot.contract import engine_stream  # noqa: E402
-from specpilot.contract.records import DraftKind, DraftSpec, EngineHello  # noqa: E402
-from specpilot.controller.server.app import start_server  # noqa: E402
-from specpilot.controller.server.stubs import engine_stub  # noqa: E402
-from specpilot.controller.settings import load_settings  # noqa: E402
-from specpilot.engine_plugin.link import shed_backoff, shed_pause  # noqa: E402
-from specpilot.v1 import engine_pb2  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 OFFERED_RATES = (64, 256, 512, 1024, 1536)  # reports/s over all engines
 CONNECT = f"/{engine_pb2.DESCRIPTOR.services_by_name['EngineService'].full_name}/Connect"

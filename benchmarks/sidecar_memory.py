@@ -48,28 +48,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+import aiohttp
+import grpc
+import yaml
 
-import aiohttp  # noqa: E402
-import grpc  # noqa: E402
-import yaml  # noqa: E402
-
-from benchmarks.faults import ControllerProcess  # noqa: E402
-from benchmarks.scale import EngineStream  # noqa: E402
-from specpilot.contract.validation import (  # noqa: E402
+from benchmarks.faults import ControllerProcess
+from benchmarks.scale import EngineStream
+from specpilot.contract.validation import (
     MAX_CLASS_NAME_LENGTH,
     MAX_DRAFTS,
     MAX_HARDWARE_CHARS,
     MAX_ID_CHARS,
     MAX_PROFILE_POINTS,
 )
-from specpilot.controller.core.overrides import MAX_NOTE_CHARS  # noqa: E402
-from specpilot.controller.server.app import STREAM_QUEUE_LIMIT  # noqa: E402
-from specpilot.controller.server.policy_writes import AUDIT_LOG_SIZE  # noqa: E402
-from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub  # noqa: E402
-from specpilot.controller.settings import SETTINGS  # noqa: E402
-from specpilot.v1 import common_pb2, engine_pb2, policy_pb2  # noqa: E402
+from specpilot.controller.core.overrides import MAX_NOTE_CHARS
+from specpilot.controller.server.app import STREAM_QUEUE_LIMIT
+from specpilot.controller.server.policy_writes import AUDIT_LOG_SIZE
+from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub
+from specpilot.controller.settings import SETTINGS
+from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TOKEN = "memory-bench-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -40,17 +40,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
-
-from benchmarks.demo.engine import apply_engine_env  # noqa: E402
-from benchmarks.faults import (  # noqa: E402
+from benchmarks.demo.engine import apply_engine_env
+from benchmarks.faults import (
     FAST_SETTINGS,
     PROMPTS,
     FaultRig,
     fault_rig,
     reference_outputs,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KINDS = ("sigstop", "overload", "cut", "sigterm", "sigkill")
 # Where each fault's "back to normal" time is in its result.

@@ -19,15 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
-
-from benchmarks.sim import policies  # noqa: E402
-from benchmarks.sim.engine import SimEngine  # noqa: E402
-from benchmarks.sim.scenario import Scenario, load_scenario  # noqa: E402
-from benchmarks.sim.specpilot_policy import SpecPilotPolicy  # noqa: E402
-from specpilot.contract.records import DecisionEvent, Reason  # noqa: E402
-from specpilot.controller.core.fleet import EvidenceExport, fleet_evidence  # noqa: E402
+from benchmarks.sim import policies
+from benchmarks.sim.engine import SimEngine
+from benchmarks.sim.scenario import Scenario, load_scenario
+from benchmarks.sim.specpilot_policy import SpecPilotPolicy
+from specpilot.contract.records import DecisionEvent, Reason
+from specpilot.controller.core.fleet import EvidenceExport, fleet_evidence
 
 DEFAULT_SCENARIOS = ("stationary-mixed", "five-classes", "h100-70b-8b", "flat-high")
 FIRST_SECONDS = 60.0
