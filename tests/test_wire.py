@@ -12,6 +12,7 @@ from specpilot.contract import engine_stream
 from specpilot.contract.records import (
     AcceptanceRecord,
     ArmFigures,
+    ConfidenceRecord,
     Decision,
     DecisionEvent,
     DecisionFigures,
@@ -54,6 +55,8 @@ REPORT = EngineReport(
     finished=(RequestSummaryRecord("chat", "d1", 11, 22, 33, 30, 0.75),),
     step_timings=(StepTimingRecord(2, "d1", 2, 10, 40, 120, 80, 0.5),),
     records_dropped=6, running_requests=7,
+    confidence=(ConfidenceRecord("chat", "d1", 2, (1, 2, 3, 4, 5, 6, 7, 8),
+                                 (1, 1, 2, 3, 4, 5, 6, 7), transformed=True),),
 )
 
 
@@ -71,7 +74,8 @@ def test_hello_round_trip() -> None:
 
 
 def test_report_round_trip() -> None:
-    for record in (REPORT, *REPORT.acceptance, *REPORT.finished, *REPORT.step_timings):
+    for record in (REPORT, *REPORT.acceptance, *REPORT.finished, *REPORT.step_timings,
+                   *REPORT.confidence):
         _no_defaults(record)
     msg = engine_stream.report_to_proto(REPORT)
     assert msg.acceptance[0].steps_by_accepted == [3, 4, 5]

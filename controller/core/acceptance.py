@@ -119,6 +119,10 @@ class EstimatorConfig:
     the sample size; this only keeps a handful of tries from flagging), and the evidence per
     position a flagged change keeps of the fast estimate. Low enough that a draft seen only
     through probes, a few tries a second, can still flag a recovery."""
+    calibration_prior_tries: float = tunable(4.0, gt=0)
+    """Weight of a confidence-calibration cell's prior (the class's acceptance at the cell's
+    position), in tries: how many counted tokens of one confidence bucket move the cell halfway
+    to what they show."""
 
 
 class AcceptanceEstimator:
@@ -180,8 +184,15 @@ class AcceptanceEstimator:
 
         The caller validates (K <= max_k, non-negative counts) before calling.
         """
-        cfg = self.config
         tries, accepts = position_counts(steps_by_accepted)
+        return self.observe_tries(traffic_class, draft, tries, accepts, now)
+
+    def observe_tries(self, traffic_class: str, draft: str, tries: FloatArray,
+                      accepts: FloatArray, now: float) -> bool:
+        """Add ``tries`` and ``accepts`` of the first ``len(tries)`` positions (or cells: the
+        confidence calibration keeps one per position and confidence bucket); return True when
+        this observation flagged a change."""
+        cfg = self.config
         k = tries.size
         key = (traffic_class, draft)
         slow = self._slow.setdefault(key, _Evidence.empty(cfg.max_k, now))

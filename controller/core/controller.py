@@ -40,6 +40,7 @@ from specpilot.contract.records import (
     ReportRejected,
 )
 from specpilot.contract.validation import check_hello, check_report
+from specpilot.controller.core.calibration import CalibrationTable
 from specpilot.controller.core.class_table import ClassTable
 from specpilot.controller.core.config import CoreConfig
 from specpilot.controller.core.context import Contexts
@@ -151,7 +152,8 @@ class ControllerCore:
                      engine.last_sequence, engine.hello.max_batch_size)
         # Class mapping is decided before any state changes, in report order.
         names = [r.traffic_class for r in report.acceptance] + [
-            r.traffic_class for r in report.finished]
+            r.traffic_class for r in report.finished] + [
+            r.traffic_class for r in report.confidence]
         mapping, admitted, evicted = self._classes.admit(engine_id, names, len(self._engines),
                                                          self._overrides)
         # --- apply (nothing below can fail) ---
@@ -270,6 +272,10 @@ class ControllerCore:
 
     def explain(self, traffic_class: str, bucket: int, now: float) -> Explanation:
         return self._read.explain(traffic_class, bucket, now)
+
+    def calibration(self, traffic_class: str, draft: str, now: float,
+                    transformed: bool = False) -> CalibrationTable:
+        return self._read.calibration(traffic_class, draft, now, transformed)
 
     def report_ages(self, now: float) -> dict[str, float]:
         """Seconds since each connected engine's last report, by engine id (no snapshot)."""

@@ -21,6 +21,7 @@ from specpilot.contract.records import (
     StepPrediction,
 )
 from specpilot.controller.core.acceptance import AcceptanceEstimator
+from specpilot.controller.core.calibration import ConfidenceCalibration
 from specpilot.controller.core.class_table import ClassTable
 from specpilot.controller.core.config import CoreConfig
 from specpilot.controller.core.cost_model import StepCostModel, StepShape
@@ -53,6 +54,7 @@ class Evidence:
     def __init__(self, config: CoreConfig, engines: EngineRegistry) -> None:
         self._engines = engines
         self.estimator = AcceptanceEstimator(config.estimator)
+        self.calibration = ConfidenceCalibration(config.estimator)
         self.mix = ClassMix(config.traffic_half_life_seconds)
         self.served = ServedSpeedup(config.traffic_half_life_seconds)
         self.cost = StepCostModel(
@@ -113,10 +115,12 @@ class Evidence:
         self.cost.forget_drafts(names)
         for name in names:
             self.estimator.forget_draft(name)
+            self.calibration.forget_draft(name)
 
     def forget_class(self, name: str) -> None:
         """The class's estimates, share of the mix and measured speedup."""
         self.estimator.forget_class(name)
+        self.calibration.forget_class(name)
         self.mix.forget(name)
         self.served.forget(name)
 
@@ -134,6 +138,9 @@ class Evidence:
                 changes.append((cls, rec.draft))
             if sum(rec.steps_by_accepted):
                 state.evidence_at = now
+        for conf in report.confidence:
+            # The calibration refines the class's acceptance; its changes re-decide nothing yet.
+            self.calibration.observe(conf, mapping[conf.traffic_class], now)
         # The batch mix in decode request-steps: verification steps as they happen for classes
         # that speculate, finished requests' output - accepted (each step emits its accepted
         # drafts plus one token) for classes that do not.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from specpilot.contract.pricing import StepPricing
 from specpilot.contract.records import Decision, DraftSpec, Reason
+from specpilot.controller.core.calibration import CalibrationTable
 from specpilot.controller.core.cost_model import StepShape
 from specpilot.controller.core.mix import Arm
 from specpilot.controller.core.parts import CoreParts
@@ -74,6 +75,14 @@ class ReadModel:
             changes_detected=estimator.changes_detected(traffic_class, draft),
             has_evidence=estimator.has_data(traffic_class, draft),
         )
+
+    def calibration(self, traffic_class: str, draft: str, now: float,
+                    transformed: bool = False) -> CalibrationTable:
+        """P(accept | position, confidence bucket) of (class, draft) as of ``now``, each cell's
+        prior the class's posterior mean acceptance at its position."""
+        evidence = self._parts.evidence
+        class_accept = evidence.estimator.posterior(traffic_class, draft, now).mean
+        return evidence.calibration.table(traffic_class, draft, class_accept, now, transformed)
 
     def explain(self, traffic_class: str, bucket: int, now: float) -> Explanation:
         """The numbers behind the decision of one (class, bucket). KeyError naming what is

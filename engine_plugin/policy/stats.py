@@ -1,12 +1,13 @@
 """Per-interval aggregates of what the engine measured, for one report.
 
 The scheduler records, per request and step, how many of the k verified drafts were accepted
-(``record_verification``), per step the batch size, tokens and wall time (``record_step``), and per
-finished request a summary (``record_finished``). ``drain`` returns the interval's aggregates as
-a plain frozen ``ReportPayload`` and starts a new interval; ``ReportPayload.report`` turns a
-payload into the core's ``EngineReport`` record on the sender thread, where
-``specpilot.controller.wire`` makes the message of it, so no protobuf is built in the scheduler
-loop.
+(``record_verification``) and, where the drafter says how confident it was in each token, the
+verified tokens by confidence bucket (``record_confidences``), per step the batch size, tokens
+and wall time (``record_step``), and per finished request a summary (``record_finished``).
+``drain`` returns the interval's aggregates as a plain frozen ``ReportPayload`` and starts a
+new interval; ``ReportPayload.report`` turns a payload into the core's ``EngineReport`` record on
+the sender thread, where the link makes the message of it, so no protobuf is built in the
+scheduler loop.
 
 The hot-path methods cost a dict lookup and a few integer additions. Input that the controller
 would reject (k out of range, accepted > k, an unknown draft, an invalid class name, negative
@@ -29,14 +30,16 @@ from __future__ import annotations
 import math
 import operator
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from specpilot.contract.buckets import bucket_of
+from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS, confidence_bucket
 
 # The wire's records as plain dataclasses: the same ones the controller's core ingests.
 from specpilot.contract.records import (
     AcceptanceRecord,
+    ConfidenceRecord,
     EngineReport,
     RequestSummaryRecord,
     StepTimingRecord,
@@ -75,16 +78,18 @@ class ReportPayload:
     ignored_records: int = 0
     # Finished summaries left out because the interval held more than ``max_finished``.
     dropped_records: int = 0
+    confidence: tuple[ConfidenceRecord, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not (self.acceptance or self.step_sums or self.finished)
+        return not (self.acceptance or self.step_sums or self.finished or self.confidence)
 
     @property
     def record_count(self) -> int:
-        """Records in this payload (histograms, step sums, finished summaries): what dropping
-        it loses."""
-        return len(self.acceptance) + len(self.step_sums) + len(self.finished)
+        """Records in this payload (histograms, step sums, finished summaries, confidence
+        counts): what dropping it loses."""
+        return (len(self.acceptance) + len(self.step_sums) + len(self.finished)
+                + len(self.confidence))
 
     def step_timings(self, bucket_bounds: tuple[int, ...]) -> tuple[StepTimingRecord, ...]:
         """Step sums per (batch bucket, draft, K) under ``bucket_bounds``, ordered by bucket,
@@ -119,6 +124,7 @@ class ReportPayload:
             records_dropped=records_dropped + self.dropped_records,
             # A uint32 on the wire.
             running_requests=min(max(self.running_requests, 0), _MAX_UINT32),
+            confidence=self.confidence,
         )
 
     def histogram(self, traffic_class: str, draft: str, k: int,
@@ -161,6 +167,8 @@ class StatsAggregator:
         self._clock = clock
         self._valid_classes: set[str] = set()
         self._acc: dict[tuple[str, str, int, bool], list[int]] = {}
+        # (class, draft, position, transformed) -> tried per bucket, then accepted per bucket
+        self._conf: dict[tuple[str, str, int, bool], list[int]] = {}
         # (batch size, draft, k) -> [steps, sum verified tokens, sum draft tokens, sum seconds]
         self._steps: dict[tuple[int, str, int], list[float]] = {}
         self._finished: list[RequestSummaryRecord] = []
@@ -183,6 +191,32 @@ class StatsAggregator:
                 hist[accepted] += 1
             else:
                 self._ignored += 1
+        except Exception:
+            self._ignored += 1
+
+    def record_confidences(self, traffic_class: str, draft: str, confidences: Sequence[float],
+                           accepted: int, transformed: bool = False) -> None:
+        """One request in one step: the draft's confidence in each token it proposed (position
+        1 first) and how many of them the target accepted. Positions up to the first rejected
+        one were verified; the rest never were and are not counted (censored). ``transformed``:
+        the request's sampling is transformed by the target (penalties, logit bias, structured
+        output)."""
+        try:
+            if not 0 <= accepted <= len(confidences) or len(confidences) > self.max_k:
+                self._ignored += 1
+                return
+            buckets = [confidence_bucket(q) for q in confidences[:accepted + 1]]
+            for position, bucket in enumerate(buckets, start=1):
+                key = (traffic_class, draft, position, bool(transformed))
+                counts = self._conf.get(key)
+                if counts is None:
+                    counts = self._new_confidence(key)
+                    if counts is None:
+                        self._ignored += 1
+                        return
+                counts[bucket] += 1
+                if position <= accepted:
+                    counts[N_CONFIDENCE_BUCKETS + bucket] += 1
         except Exception:
             self._ignored += 1
 
@@ -234,6 +268,7 @@ class StatsAggregator:
         """The interval's aggregates; the counts start again from zero."""
         now = self._clock()
         acc, self._acc = self._acc, {}
+        conf, self._conf = self._conf, {}
         steps, self._steps = self._steps, {}
         finished, self._finished = self._finished, []
         ignored, self._ignored = self._ignored, 0
@@ -262,8 +297,13 @@ class StatsAggregator:
             running = max(0, operator.index(running_requests))
         except TypeError:
             running = 0
+        confidence = tuple(
+            ConfidenceRecord(cls, draft, position, tuple(counts[:N_CONFIDENCE_BUCKETS]),
+                             tuple(counts[N_CONFIDENCE_BUCKETS:]), transformed)
+            for (cls, draft, position, transformed), counts in sorted(conf.items())
+        )
         return ReportPayload(acceptance, sums, tuple(finished), running, interval, ignored,
-                             dropped)
+                             dropped, confidence)
 
     # --- first sight of a key (validation happens here, once per key and interval) -----------
     def _class_ok(self, name: str) -> bool:
@@ -291,6 +331,15 @@ class StatsAggregator:
         hist = [0] * (k + 1)
         self._acc[(traffic_class, draft, k, bool(counterfactual))] = hist
         return hist
+
+    def _new_confidence(self, key: tuple[str, str, int, bool]) -> list[int] | None:
+        traffic_class, draft, _, _ = key
+        if (not self._class_ok(traffic_class) or not self._draft_ok(draft, allow_empty=False)
+                or len(self._conf) >= self.max_keys):
+            return None
+        counts = [0] * (2 * N_CONFIDENCE_BUCKETS)
+        self._conf[key] = counts
+        return counts
 
     def _new_step(self, batch_size: int, draft: str, k: int) -> list[float] | None:
         batch_size, k = operator.index(batch_size), operator.index(k)

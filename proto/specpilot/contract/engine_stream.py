@@ -22,6 +22,7 @@ from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
 from specpilot.contract.records import (
     AcceptanceRecord,
     ArmFigures,
+    ConfidenceRecord,
     Decision,
     DecisionFigures,
     DraftKind,
@@ -123,6 +124,14 @@ def acceptance_to_proto(rec: AcceptanceRecord) -> engine_pb2.AcceptanceCounts:
     return _mirror_to_proto(engine_pb2.AcceptanceCounts, rec)
 
 
+def confidence_from_proto(msg: engine_pb2.ConfidenceCounts) -> ConfidenceRecord:
+    return _mirror_from_proto(ConfidenceRecord, msg)
+
+
+def confidence_to_proto(rec: ConfidenceRecord) -> engine_pb2.ConfidenceCounts:
+    return _mirror_to_proto(engine_pb2.ConfidenceCounts, rec)
+
+
 def summary_from_proto(msg: engine_pb2.RequestSummary) -> RequestSummaryRecord:
     return _mirror_from_proto(RequestSummaryRecord, msg)
 
@@ -210,6 +219,7 @@ def report_from_proto(msg: engine_pb2.EngineReport) -> EngineReport:
         step_timings=tuple(step_timing_from_proto(t) for t in msg.step_timings),
         records_dropped=msg.records_dropped,
         running_requests=msg.running_requests,
+        confidence=tuple(confidence_from_proto(c) for c in msg.confidence),
     )
 
 
@@ -223,6 +233,7 @@ def report_to_proto(report: EngineReport) -> engine_pb2.EngineReport:
         step_timings=[step_timing_to_proto(t) for t in report.step_timings],
         records_dropped=report.records_dropped,
         running_requests=report.running_requests,
+        confidence=[confidence_to_proto(c) for c in report.confidence],
     )
 
 

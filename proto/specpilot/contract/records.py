@@ -128,6 +128,23 @@ class StepTimingRecord:
 
 
 @dataclass(frozen=True)
+class ConfidenceRecord:
+    """The drafted tokens of one (class, draft) at one position that the target verified (every
+    earlier position accepted: later ones are censored, never counted as rejected), by the
+    draft's confidence bucket (``specpilot.contract.confidence``), and how many it accepted.
+    ``transformed``: tokens of requests whose sampling the target transforms (penalties, logit
+    bias, structured output), whose acceptance the draft's confidence does not predict alike:
+    calibrated apart from the class's other requests."""
+
+    traffic_class: str
+    draft: str
+    position: int  # 1-based
+    tried_by_bucket: tuple[int, ...]
+    accepted_by_bucket: tuple[int, ...]
+    transformed: bool = False
+
+
+@dataclass(frozen=True)
 class EngineReport:
     sequence: int
     interval_seconds: float
@@ -137,6 +154,7 @@ class EngineReport:
     step_timings: tuple[StepTimingRecord, ...] = ()
     records_dropped: int = 0
     running_requests: int = 0
+    confidence: tuple[ConfidenceRecord, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import re
 
+from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
 from specpilot.contract.records import (
+    ConfidenceRecord,
     DraftSpec,
     EngineHello,
     EngineReport,
@@ -74,6 +76,30 @@ def _counts(values: tuple[int, ...], where: str, names: tuple[str, ...] | None =
     if values and (min(values) < 0 or max(values) > MAX_STEPS_PER_RECORD):
         for i, v in enumerate(values):
             _non_negative(v, f"{where}[{i}]" if names is None else f"{where}.{names[i]}")
+
+
+def _check_confidence(rec: ConfidenceRecord, where: str, drafts: dict[str, DraftSpec],
+                      engine_max_k: int) -> None:
+    if not valid_class_name(rec.traffic_class):
+        check_class_name(rec.traffic_class, f"{where}.traffic_class")
+    spec = drafts.get(rec.draft)
+    if spec is None:
+        raise ReportRejected(f"{where}.draft: unknown draft {rec.draft!r}")
+    limit = min(engine_max_k, spec.max_k)
+    if not 1 <= rec.position <= limit:
+        raise ReportRejected(f"{where}.position: {rec.position} outside 1..{limit} for draft "
+                             f"{rec.draft!r}")
+    for name in ("tried_by_bucket", "accepted_by_bucket"):
+        counts = getattr(rec, name)
+        if len(counts) != N_CONFIDENCE_BUCKETS:
+            raise ReportRejected(f"{where}.{name}: {len(counts)} entries, expected one per "
+                                 f"confidence bucket ({N_CONFIDENCE_BUCKETS})")
+        _counts(counts, f"{where}.{name}")
+    for b, (tried, accepted) in enumerate(zip(rec.tried_by_bucket, rec.accepted_by_bucket,
+                                              strict=True)):
+        if accepted > tried:
+            raise ReportRejected(f"{where}.accepted_by_bucket[{b}]: {accepted} accepted of "
+                                 f"{tried} tried")
 
 
 def check_hello(hello: EngineHello) -> None:
@@ -162,7 +188,8 @@ def check_report(
                                f"applied {last_sequence or 0} (at most {MAX_SEQUENCE_STEP})")
     # An idle link's heartbeat (no records) covers no interval; a report with data covers one
     # (of any length: an engine idle for hours reports its first step after them).
-    carries = bool(report.acceptance or report.finished or report.step_timings)
+    carries = bool(report.acceptance or report.finished or report.step_timings
+                   or report.confidence)
     if not (math.isfinite(report.interval_seconds)
             and (report.interval_seconds > 0 if carries else report.interval_seconds >= 0)):
         raise ImplausibleInput(f"interval_seconds: must be finite and "
@@ -190,6 +217,8 @@ def check_report(
                 f"expected k+1 = {rec.k + 1}"
             )
         _counts(rec.steps_by_accepted, f"{where}.steps_by_accepted")
+    for i, conf in enumerate(report.confidence):
+        _check_confidence(conf, f"confidence[{i}]", drafts, engine_max_k)
     for i, req in enumerate(report.finished):
         if not valid_class_name(req.traffic_class):
             check_class_name(req.traffic_class, f"finished[{i}].traffic_class")

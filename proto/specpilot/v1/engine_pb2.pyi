@@ -172,7 +172,7 @@ class StepTiming(_message.Message):
     def __init__(self, batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., steps: _Optional[int] = ..., sum_batch_size: _Optional[int] = ..., sum_verified_tokens: _Optional[int] = ..., sum_draft_tokens: _Optional[int] = ..., sum_step_seconds: _Optional[float] = ...) -> None: ...
 
 class EngineReport(_message.Message):
-    __slots__ = ("sequence", "interval_seconds", "policy_version", "acceptance", "finished", "step_timings", "records_dropped", "running_requests")
+    __slots__ = ("sequence", "interval_seconds", "policy_version", "acceptance", "finished", "step_timings", "records_dropped", "running_requests", "confidence")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class EngineReport(_message.Message):
     STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     RECORDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     interval_seconds: float
     policy_version: int
@@ -189,7 +190,24 @@ class EngineReport(_message.Message):
     step_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
     records_dropped: int
     running_requests: int
-    def __init__(self, sequence: _Optional[int] = ..., interval_seconds: _Optional[float] = ..., policy_version: _Optional[int] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceCounts, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., records_dropped: _Optional[int] = ..., running_requests: _Optional[int] = ...) -> None: ...
+    confidence: _containers.RepeatedCompositeFieldContainer[ConfidenceCounts]
+    def __init__(self, sequence: _Optional[int] = ..., interval_seconds: _Optional[float] = ..., policy_version: _Optional[int] = ..., acceptance: _Optional[_Iterable[_Union[AcceptanceCounts, _Mapping]]] = ..., finished: _Optional[_Iterable[_Union[RequestSummary, _Mapping]]] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., records_dropped: _Optional[int] = ..., running_requests: _Optional[int] = ..., confidence: _Optional[_Iterable[_Union[ConfidenceCounts, _Mapping]]] = ...) -> None: ...
+
+class ConfidenceCounts(_message.Message):
+    __slots__ = ("traffic_class", "draft", "position", "tried_by_bucket", "accepted_by_bucket", "transformed")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TRIED_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BY_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORMED_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    draft: str
+    position: int
+    tried_by_bucket: _containers.RepeatedScalarFieldContainer[int]
+    accepted_by_bucket: _containers.RepeatedScalarFieldContainer[int]
+    transformed: bool
+    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., position: _Optional[int] = ..., tried_by_bucket: _Optional[_Iterable[int]] = ..., accepted_by_bucket: _Optional[_Iterable[int]] = ..., transformed: _Optional[bool] = ...) -> None: ...
 
 class ReportResult(_message.Message):
     __slots__ = ("sequence", "accepted", "code", "reason", "folded_classes", "retry_after_seconds")
