@@ -78,14 +78,20 @@ def _counts(values: tuple[int, ...], where: str, names: tuple[str, ...] | None =
             _non_negative(v, f"{where}[{i}]" if names is None else f"{where}.{names[i]}")
 
 
+def _max_k_of(traffic_class: str, draft: str, where: str, drafts: dict[str, DraftSpec],
+              engine_max_k: int) -> int:
+    """Check a record's class name and draft; the largest K the record may name."""
+    if not valid_class_name(traffic_class):
+        check_class_name(traffic_class, f"{where}.traffic_class")
+    spec = drafts.get(draft)
+    if spec is None:
+        raise ReportRejected(f"{where}.draft: unknown draft {draft!r}")
+    return min(engine_max_k, spec.max_k)
+
+
 def _check_confidence(rec: ConfidenceRecord, where: str, drafts: dict[str, DraftSpec],
                       engine_max_k: int) -> None:
-    if not valid_class_name(rec.traffic_class):
-        check_class_name(rec.traffic_class, f"{where}.traffic_class")
-    spec = drafts.get(rec.draft)
-    if spec is None:
-        raise ReportRejected(f"{where}.draft: unknown draft {rec.draft!r}")
-    limit = min(engine_max_k, spec.max_k)
+    limit = _max_k_of(rec.traffic_class, rec.draft, where, drafts, engine_max_k)
     if not 1 <= rec.position <= limit:
         raise ReportRejected(f"{where}.position: {rec.position} outside 1..{limit} for draft "
                              f"{rec.draft!r}")
@@ -203,12 +209,7 @@ def check_report(
                                f"0..{MAX_STEPS_PER_RECORD}")
     for i, rec in enumerate(report.acceptance):
         where = f"acceptance[{i}]"
-        if not valid_class_name(rec.traffic_class):
-            check_class_name(rec.traffic_class, f"{where}.traffic_class")
-        spec = drafts.get(rec.draft)
-        if spec is None:
-            raise ReportRejected(f"{where}.draft: unknown draft {rec.draft!r}")
-        limit = min(engine_max_k, spec.max_k)
+        limit = _max_k_of(rec.traffic_class, rec.draft, where, drafts, engine_max_k)
         if not 1 <= rec.k <= limit:
             raise ReportRejected(f"{where}.k: {rec.k} outside 1..{limit} for draft {rec.draft!r}")
         if len(rec.steps_by_accepted) != rec.k + 1:
