@@ -65,6 +65,25 @@ class _Request:
     # drafter's K and the cut of its drafts read the same choice at no second lookup.
     choice: Choice = _NO_CHOICE
     choice_from: PolicyLookup | None = None
+    # The target transforms the request's sampling: its confidences are calibrated apart.
+    transformed: bool = False
+    # The drafter's confidence in each of the drafts the request verifies next (model drafters
+    # that report them; None otherwise, or once the drafts were substituted).
+    confidences: Sequence[float] | None = None
+
+
+def transforms_sampling(request: RequestLike) -> bool:
+    """Whether the target's sampling of ``request`` is transformed (penalties, logit bias,
+    allowed or banned tokens, a minimum length, structured output): the draft never sees it,
+    so its confidence overstates what the target accepts."""
+    params = request.sampling_params
+    if request.use_structured_output:
+        return True
+    if params is None:
+        return False
+    return bool(params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0 or params.min_tokens or params.logit_bias
+                or params.allowed_token_ids or params.bad_words)
 
 
 @dataclass(frozen=True)
@@ -305,7 +324,8 @@ class Pilot:
             request.max_tokens,
         )
         self._forget(request.request_id)  # the same id again: counted once
-        self.requests[request.request_id] = _Request(traffic_class)
+        self.requests[request.request_id] = _Request(traffic_class,
+                                                     transformed=transforms_sampling(request))
         self._count_class(traffic_class, 1)
         if self.counterfactual:
             self.picks.add(request.request_id, traffic_class)
@@ -364,15 +384,22 @@ class Pilot:
             state.choice, state.choice_from = choice, lookup
         return choice
 
-    def on_drafts(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
-                  batch_size: int, batch_k: int | None) -> None:
+    def on_drafts(self, requests: Mapping[str, RequestLike], req_ids: Sequence[str],
+                  batch_size: int, batch_k: int | None,
+                  confidences: Sequence[Sequence[float]] | None = None) -> None:
         """After the drafter proposed: cut each request's drafts to its K, or substitute a
         deterministic draft's (n-gram, suffix) where the policy picks one.
 
         Drafts are only ever lengthened by substitution in ``batch_max`` mode, where the drafter
         skipped the passes such requests do not need, and never beyond the configured
         K (what the engine sized its buffers for). Any deterministic draft keeps the output
-        distribution exactly the target's."""
+        distribution exactly the target's. ``confidences``: the drafter's probability of each
+        token it proposed, per request in ``req_ids`` order, where it reports them."""
+        if confidences is not None and len(confidences) == len(req_ids):
+            states = self.requests
+            for req_id, row in zip(req_ids, confidences, strict=True):
+                if (state := states.get(req_id)) is not None:
+                    state.confidences = row
         lengthen = self.config.k_mode == "batch_max"
         lookup = self._lookup(batch_size)
         uniform = self.step.uniform(lookup, self._class_counts)
@@ -410,6 +437,8 @@ class Pilot:
                                                           request.num_prompt_tokens, k)
                 self._substituted.add(req_id)
                 self._ask(state, draft, k, request.spec_token_ids)
+                if state is not None:
+                    state.confidences = None  # not the drafter's tokens any more
             else:
                 if variable:
                     self._ask(state, drafter, min(want, self._drafter_k), proposed)
@@ -492,6 +521,11 @@ class Pilot:
                 draft = state.draft = drafter
                 if variable:
                     drafted = max(drafted, state.asked_k)
+                elif state.confidences is not None:
+                    self.stats.record_confidences(state.traffic_class, draft,
+                                                  state.confidences[:drafted], accepted,
+                                                  state.transformed)
+            state.confidences = None
             record(state.traffic_class, draft, drafted, accepted)
             state.drafted += drafted
             state.accepted += accepted

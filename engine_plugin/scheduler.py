@@ -27,6 +27,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.draft_confidence import CONFIDENCE_ATTR
 from specpilot.engine_plugin.pilot import EngineSpec, Pilot
 from specpilot.engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
 from specpilot.engine_plugin.vllm_types import VllmConfigLike
@@ -114,8 +115,9 @@ class _PilotScheduler(Scheduler):
         # batch_wide: every request runs the step's K; otherwise each is cut to its own.
         uniform = pilot is not None and pilot.config.k_mode == "batch_wide"
         batch, batch_k = len(self.running), (self._batch_k() if uniform else None)
+        confidences = getattr(draft_token_ids, CONFIDENCE_ATTR, None)
         self._guard(lambda p: p.on_drafts(self.requests, draft_token_ids.req_ids, batch,
-                                          batch_k))
+                                          batch_k, confidences))
 
     def shutdown(self) -> None:
         self._guard(lambda p: p.close())

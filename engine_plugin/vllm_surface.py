@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 
 from specpilot.engine_plugin import vllm_types
+from specpilot.engine_plugin.draft_confidence import NEEDED as CONFIDENCE_METHODS
 from specpilot.engine_plugin.worker_patch import _NEEDED as RUNNER_METHODS
 
 FOUND, MISSING, CHANGED = "found", "missing", "changed"
@@ -38,6 +39,7 @@ class Hook:
 
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 
 HOOKS: tuple[Hook, ...] = (
     # The scheduler subclasses (engine_plugin/scheduler.py): overridden or read.
@@ -58,6 +60,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.config:SchedulerConfig", "get_scheduler_cls", ("self",), "profile.py"),
     # The worker-side patches (engine_plugin/worker_patch.py) and the start-up profile.
     *(Hook(_RUNNER, name, params, "worker_patch.py") for name, params in RUNNER_METHODS),
+    *(Hook(path, name, params, "draft_confidence.py")
+      for path, name, params in CONFIDENCE_METHODS),
+    Hook(_PROPOSER, "use_local_argmax_reduction", (), "draft_confidence.py"),
+    Hook(_PROPOSER, "use_heterogeneous_vocab", (), "draft_confidence.py"),
     Hook(_RUNNER, "_draft_probs", (), "worker_patch.py"),
     Hook(_RUNNER, "_draft_prob_req_ids", (), "worker_patch.py"),
     Hook(_RUNNER, "input_batch", (), "worker_patch.py"),

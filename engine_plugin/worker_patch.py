@@ -1,5 +1,6 @@
 """Worker-side patches of vLLM's model runner: no drafter tax, exact n-gram rows under
-probabilistic drafting.
+probabilistic drafting (and, installed with them, the draft-confidence capture:
+``draft_confidence``).
 
 The scheduler (scheduler.py) marks each ``SchedulerOutput`` it builds (:func:`mark_step`); the
 worker reads the marks. In-process the worker sees the same object; across processes the marks
@@ -41,6 +42,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from specpilot.engine_plugin.draft_confidence import install_confidence_capture
 from specpilot.engine_plugin.vllm_compat import is_supported, method_parameters, vllm_version
 
 if TYPE_CHECKING:
@@ -245,6 +247,7 @@ def install_worker_patches() -> bool:
                 method = getattr(runner, name)
                 if not getattr(method, _PATCHED, False):
                     setattr(runner, name, wrap(method))
+            install_confidence_capture()
             if not _state.get("announced"):
                 _state["announced"] = True
                 log.info("specpilot: installed the worker patches (idle drafter skip, one-hot "

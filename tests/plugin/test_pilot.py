@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.demo.engine import put_policy
 from specpilot.contract.engine_stream import policy_update_from_proto
-from specpilot.contract.records import DraftKind, DraftSpec
+from specpilot.contract.records import ConfidenceRecord, DraftKind, DraftSpec
 from specpilot.engine_plugin import pilot as pilot_module
 from specpilot.engine_plugin.classify import Classifier
 from specpilot.engine_plugin.config import PluginConfig
@@ -148,6 +148,13 @@ def test_the_policy_is_looked_up_once_per_batch_size_and_step(
 
 
 class _Params:
+    """vLLM's SamplingParams as far as the pilot reads them: a class, the rest at defaults."""
+
+    presence_penalty = frequency_penalty = 0.0
+    repetition_penalty = 1.0
+    min_tokens = 0
+    logit_bias = allowed_token_ids = bad_words = None
+
     def __init__(self, traffic_class: str) -> None:
         self.extra_args = {"traffic_class": traffic_class}
 
@@ -440,3 +447,69 @@ def test_a_model_drafter_is_scored_as_it_drafted() -> None:
     # Control: a model drafter's proposal is what the engine verifies, K as drafted (an empty
     # one is no step of speculation at all); the rule above would have put all three under K=4.
     assert _verified(DraftKind.MODEL) == {2: (0, 0, 1), 4: (0, 1, 0, 0, 0)}
+
+
+def _confidence_step(cuts: Mapping[str, tuple[str, int]],
+                     transformed: bool = False) -> tuple[ConfidenceRecord, ...]:
+    """One step on a model drafter that proposed 4 tokens to each of two requests of class "a"
+    with the drafter's confidences, under ``cuts`` (the policy), verified with 2 and 0 accepted:
+    the confidence records reported."""
+    e = _native_engine(DraftKind.MODEL)
+    config = PluginConfig(k_mode="per_request", suffix_drafts=False)
+    pilot = Pilot(e, config, Classifier(), announce(e, config, load))
+    requests = _batch(pilot, ["a", "a"])
+    if transformed:
+        for r in requests.values():
+            pilot.requests[r.request_id].transformed = True
+    _policy(pilot, cuts)
+    pilot.on_schedule_start()
+    confidences = [[0.99, 0.9, 0.5, 0.1], [0.3, 0.95, 0.95, 0.95]]
+    pilot.on_drafts(requests, list(requests), 2, None, confidences)  # type: ignore[arg-type]
+    proposals = {i: list(r.spec_token_ids) for i, r in requests.items()}
+    scheduled = {i: 1 + len(p) for i, p in proposals.items()}
+    output = SimpleNamespace(
+        num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={i: p for i, p in proposals.items() if p},
+        num_invalid_spec_tokens=None, num_spec_tokens_to_schedule=4)
+    sampled = SimpleNamespace(req_id_to_index={"r0": 0, "r1": 1},
+                              sampled_token_ids=[[*proposals["r0"][:2], 9], [9]])
+    pilot.on_output(output, sampled)
+    payload = pilot.stats.drain(running_requests=2)
+    pilot.close()
+    return payload.confidence
+
+
+def test_the_drafters_confidences_are_counted_at_the_k_verified() -> None:
+    from specpilot.contract.confidence import confidence_bucket as b
+
+    records = _confidence_step({"a": ("draft", 3)})  # cut to K=3: the 4th is never verified
+    got = {(r.position, r.transformed): (r.tried_by_bucket, r.accepted_by_bucket)
+           for r in records}
+    assert set(got) == {(1, False), (2, False), (3, False)}
+    tried = {p: {i: n for i, n in enumerate(t) if n} for (p, _), (t, _) in got.items()}
+    accepted = {p: {i: n for i, n in enumerate(a) if n} for (p, _), (_, a) in got.items()}
+    # r0 accepted 2 of 3 (positions 1, 2 accepted, 3 tried); r1 accepted none (position 1 tried)
+    assert tried == {1: {b(0.99): 1, b(0.3): 1}, 2: {b(0.9): 1}, 3: {b(0.5): 1}}
+    assert accepted == {1: {b(0.99): 1}, 2: {b(0.9): 1}, 3: {}}
+    assert all(r.transformed for r in _confidence_step({"a": ("draft", 3)}, transformed=True))
+
+
+def test_substituted_drafts_report_no_confidence() -> None:
+    # The plugin's n-gram tokens replace the drafter's: its confidences say nothing of them.
+    assert _confidence_step({"a": (NGRAM_DRAFT, 3)}) == ()
+
+
+def test_transformed_sampling_is_recognised_on_vllms_own_parameters() -> None:
+    from vllm import SamplingParams
+
+    def transformed(params: SamplingParams, structured: bool = False) -> bool:
+        request = SimpleNamespace(sampling_params=params, use_structured_output=structured)
+        return pilot_module.transforms_sampling(request)
+
+    assert not transformed(SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8))
+    for params in (SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=0.1),
+                   SamplingParams(repetition_penalty=1.1), SamplingParams(min_tokens=4),
+                   SamplingParams(logit_bias={5: 2.0}), SamplingParams(allowed_token_ids=[1, 2]),
+                   SamplingParams(bad_words=["x"])):
+        assert transformed(params), params
+    assert transformed(SamplingParams(), structured=True)
