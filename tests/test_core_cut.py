@@ -32,18 +32,22 @@ def _decision(k: int, speedup: float) -> Decision:
 
 
 def test_min_survival_is_the_extra_seconds_of_a_token_times_the_steps_rate() -> None:
-    def seconds(batch: float, verified: float) -> float:
-        return 0.010 + 0.0002 * batch + 0.001 * verified
+    def seconds(batch: int, draft: str, k: int) -> float:
+        return 0.010 + 0.0002 * batch + 0.001 * batch * (1 + k) + (0.002 * k if draft else 0)
 
     got = min_survival(8.0, [(_decision(3, 2.0), 0.75), (_decision(1, 1.5), 0.25)], seconds)
-    # A token adds 1 ms to a step whose rate is 8 sequences x speedup 1.875 / t(8, 8).
-    rate = 8 * (0.75 * 2.0 + 0.25 * 1.5) / seconds(8, 8)
-    assert got == pytest.approx(0.001 * rate)
-    # Free verification (a flat price) cuts nothing; a dearer token needs a likelier one.
-    assert min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, v: 0.02) == 0.0
-    dear = min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, v: 0.01 + 0.004 * v)
-    cheap = min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, v: 0.01 + 0.001 * v)
+    # Mean K 2.5: K 2 -> 3 for 8 sequences costs 8 ms of verification + 2 ms of the draft's
+    # pass, 1.25 ms a sequence; the step's rate is 8 x speedup 1.875 / t(8, off).
+    rate = 8 * (0.75 * 2.0 + 0.25 * 1.5) / seconds(8, "", 0)
+    assert got == pytest.approx((0.010 / 8) * rate)
+    # Free verification (a flat price) cuts nothing; a dearer token needs a likelier one; a
+    # bucket where nothing speculates has nothing to cut.
+    flat = min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, d, k: 0.02)
+    assert flat == 0.0
+    dear = min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, d, k: 0.01 + 0.004 * k)
+    cheap = min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, d, k: 0.01 + 0.001 * k)
     assert dear > cheap > 0
+    assert min_survival(8.0, [(_decision(0, 1.0), 1.0)], seconds) == 0.0
 
 
 def _core(**settings: Any) -> ControllerCore:

@@ -164,8 +164,11 @@ class ReadModel:
             for d in view.decisions:
                 by_bucket.setdefault(d.bucket, []).append((d, view.share or 0.0))
 
-        def seconds(batch_size: float, verified: float) -> float:
-            return evidence.cost.predict(StepShape(batch_size, verified, "", 0.0, 0.0))
+        def seconds(batch_size: int, draft: str, k: int) -> float:
+            try:
+                return evidence.predicted_step_seconds(batch_size, draft, k)
+            except KeyError:  # a draft no connected engine offers any more
+                return evidence.predicted_step_seconds(batch_size, "", 0)
 
         rows = []
         for name in self._parts.classes.names():
