@@ -43,6 +43,20 @@ class ConfidenceModel:
         return TokenSlots(draft, q, p)
 
 
+def survival(acceptance: FloatArray) -> FloatArray:
+    """[request, position] probability that every draft up to the position is accepted."""
+    return np.asarray(np.cumprod(acceptance, axis=1), dtype=np.float64)
+
+
+def top_slots(survival: FloatArray, budget: int) -> IntArray:
+    """Per request, how many of the ``budget`` slots with the highest survival probability
+    ([request, position], falling along a request) are its own: a prefix of its drafts."""
+    winners = np.argsort(-survival.ravel(), kind="stable")[:budget]
+    admitted = np.zeros(survival.size, dtype=bool)
+    admitted[winners] = True
+    return np.asarray(admitted.reshape(survival.shape).sum(axis=1), dtype=np.int64)
+
+
 def reads_confidence(policy: Policy) -> bool:
     """Whether the engine should draw token slots for ``policy``'s steps."""
     return bool(getattr(policy, "reads_confidence", False))
