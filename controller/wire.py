@@ -22,6 +22,7 @@ from specpilot.contract.engine_stream import (
     decision_to_proto,
     figures_from_proto,
     figures_to_proto,
+    token_cut_to_proto,
 )
 from specpilot.contract.records import (
     Decision,
@@ -172,6 +173,8 @@ def policy_update_to_proto(
     )
     if snap.composition is not None:
         msg.composition.CopyFrom(composition_to_proto(snap.composition))
+    if snap.cut is not None:
+        msg.cut.CopyFrom(token_cut_to_proto(snap.cut))
     return msg
 
 

@@ -24,6 +24,7 @@ from specpilot.engine_plugin.deterministic import Counterfactual, DeterministicD
 from specpilot.engine_plugin.hardware import describe_hardware
 from specpilot.engine_plugin.link import ControllerLink
 from specpilot.engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
+from specpilot.engine_plugin.policy.cut import cut_length
 from specpilot.engine_plugin.policy.picks import CounterfactualPicks
 from specpilot.engine_plugin.policy.stats import StatsAggregator
 from specpilot.engine_plugin.policy.step import StepPolicy, drafter_k
@@ -408,7 +409,8 @@ class Pilot:
         variable = self.engine.drafter_kind in (DraftKind.NGRAM, DraftKind.SUFFIX)
         if (not variable and uniform is not None and uniform.draft == self.engine.drafter
                 and uniform.draft in self.drafts_allowed and uniform.k >= self._drafter_k
-                and (batch_k is None or batch_k == uniform.k)):
+                and (batch_k is None or batch_k == uniform.k)
+                and not (batch_k is None and confidences is not None and lookup.cuts())):
             # Every request wants the drafter's tokens at no fewer than it drafted: nothing to
             # cut, and the drafter's tokens replace any substituted ones put there before. (Every
             # request a step drafts for has a state, so its class is among the counted ones.)
@@ -425,6 +427,11 @@ class Pilot:
             choice = self._choice(req_id, lookup)
             want = choice.k if batch_k is None else batch_k
             state = states.get(req_id)
+            if (batch_k is None and state is not None and state.confidences is not None
+                    and choice.draft == drafter
+                    and (cut := lookup.cut(state.traffic_class, drafter,
+                                           state.transformed)) is not None):
+                want = cut_length(state.confidences[:min(want, len(proposed))], *cut)
             proposer = deterministic.get(choice.draft)
             if proposer is not None:
                 room = (self.engine.max_k if lengthen and not request.use_structured_output

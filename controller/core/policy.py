@@ -107,6 +107,11 @@ class PolicyConfig:
     offline_mode: Literal["pin_off", "goodput"] = tunable("pin_off")
     """pin_off: offline classes never speculate. goodput: decided by the same goodput math at the
     largest batch bucket (offline work runs at full load)."""
+    token_cut: bool = tunable(True)
+    """Engines cut each request's drafts at the first token whose chance of surviving
+    verification, by the draft's confidence calibrated per class, does not pay for verifying it
+    at the step's batch size (only shortening what the class's decision allows; only for drafts
+    whose confidences engines count)."""
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ model's fit), so that no reader reaches into a part's state.
 from __future__ import annotations
 
 from specpilot.contract.pricing import StepPricing
-from specpilot.contract.records import Decision, DraftSpec, Reason
+from specpilot.contract.records import CalibrationRows, Decision, DraftSpec, Reason, TokenCut
 from specpilot.controller.core.calibration import CalibrationTable
 from specpilot.controller.core.cost_model import StepShape
+from specpilot.controller.core.cut import token_cut
 from specpilot.controller.core.mix import Arm
 from specpilot.controller.core.parts import CoreParts
 from specpilot.controller.core.policy import arm_values
@@ -151,7 +152,32 @@ class ReadModel:
             offline_classes=self._parts.config.offline_classes,
             max_classes=self._parts.config.max_classes,
             composition=self._parts.published.composition,
+            cut=self._token_cut(classes, now) if self._parts.config.policy.token_cut else None,
         )
+
+    def _token_cut(self, classes: tuple[ClassView, ...], now: float) -> TokenCut:
+        """What engines cut drafts with (``cut``), from the decisions of ``classes`` and the
+        calibrations of the (class, draft) pairs whose confidences were counted."""
+        evidence, config = self._parts.evidence, self._parts.config
+        by_bucket: dict[int, list[tuple[Decision, float]]] = {}
+        for view in classes:
+            for d in view.decisions:
+                by_bucket.setdefault(d.bucket, []).append((d, view.share or 0.0))
+
+        def seconds(batch_size: float, verified: float) -> float:
+            return evidence.cost.predict(StepShape(batch_size, verified, "", 0.0, 0.0))
+
+        rows = []
+        for name in self._parts.classes.names():
+            for draft in (d.name for d in self._parts.engines.drafts()):
+                for transformed in (False, True):
+                    if evidence.calibration.has_data(name, draft, transformed):
+                        table = self.calibration(name, draft, now, transformed)
+                        rows.append(CalibrationRows(name, draft, transformed,
+                                                    table.accept.shape[0],
+                                                    tuple(table.accept.ravel().tolist())))
+        sizes = [evidence.loads.batch_size(b) for b in range(config.n_buckets)]
+        return token_cut(sizes, by_bucket, seconds, rows)
 
     def _estimates(self, name: str, drafts: tuple[DraftSpec, ...],
                    with_evidence: list[tuple[str, str]], now: float

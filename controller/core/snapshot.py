@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from specpilot.contract.pricing import Composition
-from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Override
+from specpilot.contract.records import Decision, DecisionEvent, DraftSpec, Override, TokenCut
 from specpilot.controller.core.acceptance import Posterior
 from specpilot.controller.core.goodput import expected_tokens_curve
 from specpilot.controller.core.policy import ArmValue
@@ -156,6 +156,8 @@ class CoreSnapshot:
     max_classes: int
     # What engines that re-pick arms per step price a step with (None: no engine can).
     composition: Composition | None = None
+    # What engines cut each request's drafts with, token by token (None: the cut is off).
+    cut: TokenCut | None = None
     # The batch buckets in which an engine has timed a decode step; the others' decisions come
     # from the priors alone.
     measured_buckets: tuple[int, ...] = ()

@@ -52,8 +52,9 @@ from typing import NamedTuple
 from specpilot.contract.buckets import DEFAULT_BUCKET_BOUNDS, bucket_of, check_bucket_bounds
 from specpilot.contract.classes import OTHER_CLASS
 from specpilot.contract.pricing import Composition
-from specpilot.contract.records import EngineDecision, PolicyUpdate
+from specpilot.contract.records import CalibrationRows, EngineDecision, PolicyUpdate
 from specpilot.engine_plugin.policy.compose import StepComposer, adjustable
+from specpilot.engine_plugin.policy.cut import CutTable
 from specpilot.engine_plugin.policy.points import probe_point
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class _Policy:
     defaults: dict[int, _Entry]
     # The policy's per-step pricing with the re-picks it answered (None: not sent, or unusable).
     composer: StepComposer | None = None
+    # What each request's drafts are cut with, token by token (None: not sent, or unusable).
+    cut: CutTable | None = None
 
 
 # Probed requests are redrawn this often, seconds (a few dozen verification steps of a request).
@@ -142,6 +145,7 @@ class PolicyView:
         self._folded: frozenset[str] = frozenset()
         self._step_draw = step_draw
         self._composition_refused = False  # logged once
+        self._cut_refused = False  # logged once
 
     # --- writers (sender thread) ---------------------------------------------------------------
     def apply(self, update: PolicyUpdate) -> None:
@@ -153,7 +157,8 @@ class PolicyView:
             self._timeout = timeout
         composition = self._composition(update)
         self._policy = _Policy(update.version, decisions, defaults,
-                               StepComposer(composition) if composition is not None else None)
+                               StepComposer(composition) if composition is not None else None,
+                               self._cut(update))
         self.heard_from_controller()
 
     def _composition(self, update: PolicyUpdate) -> Composition | None:
@@ -164,6 +169,20 @@ class PolicyView:
                         "decisions as they are", update.composition_error)
             self._composition_refused = True
         return update.composition
+
+    def _cut(self, update: PolicyUpdate) -> CutTable | None:
+        """The update's token cut, or None (not sent, or unusable: logged once, and drafts are
+        cut to the decisions' K only)."""
+        if update.cut is None:
+            return None
+        try:
+            return CutTable(update.cut)
+        except ValueError as exc:
+            if not self._cut_refused:
+                log.warning("specpilot: the policy's token cut is unusable (%s); cutting drafts "
+                            "to the decisions' K only", exc)
+                self._cut_refused = True
+            return None
 
     def set_bucket_bounds(self, bounds: Iterable[int]) -> None:
         """Bucket bounds from the HelloAck; ValueError (and no change) if bad."""
@@ -315,6 +334,29 @@ class PolicyLookup:
             return first
         except Exception:
             log.debug("policy lookup failed", exc_info=True)
+            return None
+
+    def cuts(self) -> bool:
+        """Whether the policy cuts any request's drafts token by token."""
+        policy = self._policy
+        return policy is not None and policy.cut is not None and policy.cut.any_rows
+
+    def cut(self, traffic_class: str, draft: str, transformed: bool
+            ) -> tuple[CalibrationRows, float] | None:
+        """The calibration rows of a request's (class, draft) and the survival its tokens must
+        reach in this lookup's bucket; None where the policy cuts nothing for them. A class
+        folded into "other" is cut as "other". Never raises."""
+        try:
+            policy = self._policy
+            if policy is None or policy.cut is None:
+                return None
+            name = OTHER_CLASS if traffic_class in self._folded else traffic_class
+            rows = policy.cut.rows(name, draft, transformed)
+            if rows is None or self._bucket >= len(policy.cut.min_survival):
+                return None
+            return rows, policy.cut.min_survival[self._bucket]
+        except Exception:
+            log.debug("token cut lookup failed; no cut", exc_info=True)
             return None
 
     def compose(self, counts: Mapping[str, int], batch_size: int) -> dict[str, Choice]:

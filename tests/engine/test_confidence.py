@@ -85,3 +85,56 @@ def test_the_heads_confidences_reach_the_calibration_and_change_no_token(
     assert (exact.accept[0][seen] - bucket_midpoints()[seen]).max() > 0.4
     both = seen & (hot_table.tries[0] >= 10)
     assert both.any() and (hot_table.accept[0][both] < exact.accept[0][both] - 0.3).all()
+
+
+def test_the_token_cut_keeps_greedy_outputs_and_the_sampled_distribution(
+        tiny_models: Any) -> None:
+    """A cut that stops every request after two of its four drafts (acceptance 0.7 per token,
+    survival 0.7 then 0.49, then 0.34 below the 0.4 asked): each verification checks two
+    drafts, greedy outputs are the target's alone and the T=0.8 samples are distributed as the
+    target's. The control: the same check tells the target's samples at T=1.2 apart."""
+    from benchmarks.demo.distribution import compare_samples
+    from specpilot.contract.classes import DEFAULT_CLASS
+    from specpilot.contract.records import CalibrationRows, EngineDecision, PolicyUpdate, TokenCut
+    from tests.engine.harness import (
+        N_SAMPLES,
+        SAMPLE_PROMPT,
+        SAMPLE_TOKENS,
+        differing_positions,
+        pilot_of,
+        samples_of,
+        sampling,
+        spec_counters,
+    )
+
+    spec = {"method": "eagle", "model": str(tiny_models.exact_eagle), "num_speculative_tokens": 4}
+    with llm_session(tiny_models.exact_target) as plain:
+        baseline = token_ids(plain.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
+                                            use_tqdm=False))
+        reference = samples_of(plain)
+        hotter = token_ids(plain.generate([SAMPLE_PROMPT] * N_SAMPLES, [
+            replace_temperature(p, 1.2) for p in sampling(0.8, N_SAMPLES, SAMPLE_TOKENS, 500)],
+            use_tqdm=False))
+    with plugin_environment({"ngram_drafts": "false"}), \
+            llm_session(tiny_models.exact_target, spec, SCHEDULER) as llm:
+        pilot = pilot_of(llm)
+        drafter, buckets = pilot.engine.drafter, len(pilot.view.bucket_bounds) + 1
+        rows = CalibrationRows(DEFAULT_CLASS, drafter, False, 4, (0.7,) * (4 * 8))
+        pilot.view.apply(PolicyUpdate(
+            7, tuple(EngineDecision(DEFAULT_CLASS, b, drafter, 4) for b in range(buckets)),
+            fail_static_timeout_seconds=1e9, cut=TokenCut((0.4,) * buckets, (rows,))))
+        before = spec_counters(llm)
+        out = token_ids(llm.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
+                                     use_tqdm=False))
+        used = spec_counters(llm) - before
+        samples = samples_of(llm)
+    assert out == baseline
+    assert used.drafts > 0 and used.draft_tokens == 2 * used.drafts
+    assert differing_positions(reference, samples) == []
+    assert any(not compare_samples([s[p] for s in reference], [s[p] for s in hotter]).same
+               for p in range(1, SAMPLE_TOKENS))  # the control
+
+
+def replace_temperature(params: Any, temperature: float) -> Any:
+    params.temperature = temperature
+    return params

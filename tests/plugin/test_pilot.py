@@ -12,7 +12,15 @@ import pytest
 
 from benchmarks.demo.engine import put_policy
 from specpilot.contract.engine_stream import policy_update_from_proto
-from specpilot.contract.records import ConfidenceRecord, DraftKind, DraftSpec
+from specpilot.contract.records import (
+    CalibrationRows,
+    ConfidenceRecord,
+    DraftKind,
+    DraftSpec,
+    EngineDecision,
+    PolicyUpdate,
+    TokenCut,
+)
 from specpilot.engine_plugin import pilot as pilot_module
 from specpilot.engine_plugin.classify import Classifier
 from specpilot.engine_plugin.config import PluginConfig
@@ -449,8 +457,8 @@ def test_a_model_drafter_is_scored_as_it_drafted() -> None:
     assert _verified(DraftKind.MODEL) == {2: (0, 0, 1), 4: (0, 1, 0, 0, 0)}
 
 
-def _confidence_step(cuts: Mapping[str, tuple[str, int]],
-                     transformed: bool = False) -> tuple[ConfidenceRecord, ...]:
+def _confidence_step(cuts: Mapping[str, tuple[str, int]], transformed: bool = False,
+                     token_cut: TokenCut | None = None) -> tuple[ConfidenceRecord, ...]:
     """One step on a model drafter that proposed 4 tokens to each of two requests of class "a"
     with the drafter's confidences, under ``cuts`` (the policy), verified with 2 and 0 accepted:
     the confidence records reported."""
@@ -462,6 +470,10 @@ def _confidence_step(cuts: Mapping[str, tuple[str, int]],
         for r in requests.values():
             pilot.requests[r.request_id].transformed = True
     _policy(pilot, cuts)
+    if token_cut is not None:
+        pilot.view.apply(PolicyUpdate(2, tuple(
+            EngineDecision("a", b, draft, k) for b in range(len(pilot.view.bucket_bounds) + 1)
+            for draft, k in [cuts["a"]]), fail_static_timeout_seconds=1e9, cut=token_cut))
     pilot.on_schedule_start()
     confidences = [[0.99, 0.9, 0.5, 0.1], [0.3, 0.95, 0.95, 0.95]]
     pilot.on_drafts(requests, list(requests), 2, None, confidences)  # type: ignore[arg-type]
@@ -513,3 +525,22 @@ def test_transformed_sampling_is_recognised_on_vllms_own_parameters() -> None:
                    SamplingParams(bad_words=["x"])):
         assert transformed(params), params
     assert transformed(SamplingParams(), structured=True)
+
+
+def test_the_token_cut_shortens_each_requests_drafts_by_their_confidences() -> None:
+    """r0's tokens at 0.99 and 0.9 survive (0.95, then 0.95 x 0.9), its third at 0.5 does not
+    (x 0.2); r1's first token at 0.3 already falls short: it verifies none. Decided K=4."""
+    from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
+    from specpilot.contract.confidence import confidence_bucket as b
+
+    accept = [0.2] * N_CONFIDENCE_BUCKETS
+    accept[b(0.99)], accept[b(0.9)] = 0.95, 0.9
+    rows = CalibrationRows("a", "draft", False, 4, tuple(accept * 4))
+    records = _confidence_step({"a": ("draft", 4)},
+                               token_cut=TokenCut((0.5,) * 9, (rows,)))
+    tried = {r.position: sum(r.tried_by_bucket) for r in records}
+    # r0 verified 2 (both accepted, as the step's output says: 2 accepted), r1 none.
+    assert tried == {1: 1, 2: 1}
+    # The control: without the cut both verify their 4 (r0 up to its rejection, r1 its first).
+    assert {r.position: sum(r.tried_by_bucket)
+            for r in _confidence_step({"a": ("draft", 4)})} == {1: 2, 2: 1, 3: 1}

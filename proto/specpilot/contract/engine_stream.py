@@ -22,6 +22,7 @@ from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
 from specpilot.contract.records import (
     AcceptanceRecord,
     ArmFigures,
+    CalibrationRows,
     ConfidenceRecord,
     Decision,
     DecisionFigures,
@@ -38,6 +39,7 @@ from specpilot.contract.records import (
     RequestSummaryRecord,
     StepProfile,
     StepTimingRecord,
+    TokenCut,
 )
 from specpilot.v1 import common_pb2, engine_pb2
 
@@ -368,6 +370,7 @@ def policy_update_from_proto(msg: engine_pb2.PolicyUpdate) -> PolicyUpdate:
             composition = composition_from_proto(msg.composition)
         except ValueError as exc:
             error = str(exc)
+    cut = token_cut_from_proto(msg.cut) if msg.HasField("cut") else None
     return PolicyUpdate(
         version=msg.version,
         decisions=tuple(engine_decision_from_proto(d) for d in msg.decisions),
@@ -375,7 +378,19 @@ def policy_update_from_proto(msg: engine_pb2.PolicyUpdate) -> PolicyUpdate:
         fail_static_timeout_seconds=msg.fail_static_timeout_seconds,
         composition=composition,
         composition_error=error,
+        cut=cut,
     )
+
+
+def token_cut_to_proto(cut: TokenCut) -> engine_pb2.TokenCut:
+    return engine_pb2.TokenCut(
+        min_survival=list(cut.min_survival),
+        calibrations=[_mirror_to_proto(engine_pb2.CalibrationRows, c) for c in cut.calibrations])
+
+
+def token_cut_from_proto(msg: engine_pb2.TokenCut) -> TokenCut:
+    return TokenCut(tuple(msg.min_survival),
+                    tuple(_mirror_from_proto(CalibrationRows, c) for c in msg.calibrations))
 
 
 def controller_message_from_proto(msg: engine_pb2.ConnectResponse

@@ -228,6 +228,32 @@ class EngineDecision:
 
 
 @dataclass(frozen=True)
+class CalibrationRows:
+    """P(accept) of the tokens of one (class, draft), requests with transformed sampling or the
+    others, by position (rows, 1..``positions``) and the draft's confidence bucket (columns,
+    ``specpilot.contract.confidence``), row-major."""
+
+    traffic_class: str
+    draft: str
+    transformed: bool
+    positions: int
+    accept: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class TokenCut:
+    """What an engine cuts each request's drafts with, token by token: it verifies a drafted
+    token only while the chance that it and every token before it are accepted (its survival,
+    by the calibration of the request's class and draft) reaches the step's ``min_survival``:
+    the seconds one more verified token adds to a step at the bucket's batch size, times the
+    tokens per second such a step yields. Per batch bucket; ``calibrations`` for the (class,
+    draft) pairs whose confidences were counted (the others are never cut)."""
+
+    min_survival: tuple[float, ...]
+    calibrations: tuple[CalibrationRows, ...] = ()
+
+
+@dataclass(frozen=True)
 class PolicyUpdate:
     """A policy as an engine receives it: every (class, bucket) decision, the defaults per
     bucket, the fail-static timeout, and the per-step pricing (None: not sent, or unusable,
@@ -239,6 +265,7 @@ class PolicyUpdate:
     fail_static_timeout_seconds: float = 0.0
     composition: Composition | None = None
     composition_error: str = ""
+    cut: TokenCut | None = None
 
 
 @dataclass(frozen=True)

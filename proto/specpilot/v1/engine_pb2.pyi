@@ -226,18 +226,42 @@ class ReportResult(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., accepted: _Optional[bool] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., folded_classes: _Optional[_Iterable[str]] = ..., retry_after_seconds: _Optional[float] = ...) -> None: ...
 
 class PolicyUpdate(_message.Message):
-    __slots__ = ("version", "decisions", "default_decisions", "fail_static_timeout_seconds", "composition")
+    __slots__ = ("version", "decisions", "default_decisions", "fail_static_timeout_seconds", "composition", "cut")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     FAIL_STATIC_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPOSITION_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     version: int
     decisions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Decision]
     default_decisions: _containers.RepeatedCompositeFieldContainer[_common_pb2.Decision]
     fail_static_timeout_seconds: float
     composition: Composition
-    def __init__(self, version: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., default_decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., fail_static_timeout_seconds: _Optional[float] = ..., composition: _Optional[_Union[Composition, _Mapping]] = ...) -> None: ...
+    cut: TokenCut
+    def __init__(self, version: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., default_decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., fail_static_timeout_seconds: _Optional[float] = ..., composition: _Optional[_Union[Composition, _Mapping]] = ..., cut: _Optional[_Union[TokenCut, _Mapping]] = ...) -> None: ...
+
+class TokenCut(_message.Message):
+    __slots__ = ("min_survival", "calibrations")
+    MIN_SURVIVAL_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATIONS_FIELD_NUMBER: _ClassVar[int]
+    min_survival: _containers.RepeatedScalarFieldContainer[float]
+    calibrations: _containers.RepeatedCompositeFieldContainer[CalibrationRows]
+    def __init__(self, min_survival: _Optional[_Iterable[float]] = ..., calibrations: _Optional[_Iterable[_Union[CalibrationRows, _Mapping]]] = ...) -> None: ...
+
+class CalibrationRows(_message.Message):
+    __slots__ = ("traffic_class", "draft", "transformed", "positions", "accept")
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORMED_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    traffic_class: str
+    draft: str
+    transformed: bool
+    positions: int
+    accept: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., transformed: _Optional[bool] = ..., positions: _Optional[int] = ..., accept: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Composition(_message.Message):
     __slots__ = ("pricing", "expected_tokens", "margin")
