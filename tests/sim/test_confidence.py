@@ -4,7 +4,6 @@ runs do not move, vllm-adaptive follows vLLM's rules, the per-token oracle is th
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,7 @@ from benchmarks.sim.vllm_adaptive import (
 from tests.sim.conftest import scenario_data
 
 SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios"
-OLD_FIGURES = Path(__file__).with_name("old_figures.json")
-# The scenarios and policies whose figures old_figures.json pins (recorded before confidence).
+# The policies that never read a token's confidence.
 OLD_POLICIES = ["off", "static:all", "batch-table", "hf-heuristic", "sglang-adaptive",
                 "banditspec-ucb", "trtllm-threshold", "specpilot", "oracle"]
 OLD_PHASE_SECONDS = 8.0
@@ -101,19 +99,27 @@ def test_the_engine_accepts_by_the_tokens_own_acceptance() -> None:
     assert abs(rate(2.0, True) - blind) < 0.015
 
 
-def test_old_scenarios_figures_are_unchanged_for_every_existing_policy() -> None:
-    """Tokens and steps of short runs, as recorded before per-token confidence existed. A change
-    of the true step cost moves them on purpose: then rewrite old_figures.json from a run of the
-    same loop (and say so in the commit)."""
-    pinned = json.loads(OLD_FIGURES.read_text(encoding="utf-8"))
-    got: dict[str, list[int]] = {}
-    for name in ("load-ramp", "stationary-mixed"):
-        s = _shortened(load_scenario(SUITE / f"{name}.yaml"), OLD_PHASE_SECONDS)
+def test_policies_that_ignore_confidence_run_alike_whatever_the_confidence_model() -> None:
+    """The tokens' confidences are drawn from a stream of their own and only for the policies
+    that read them: every other policy runs to the token alike under any confidence model (so
+    old scenarios keep their figures). The control: vLLM's adaptive verification, which reads
+    them, runs differently once the draft is over-confident and noisy."""
+    base = _shortened(load_scenario(SUITE / "load-ramp.yaml"), OLD_PHASE_SECONDS)
+    odd = base.model_copy(update={"classes": [
+        c.model_copy(update={"confidence": c.confidence.model_copy(
+            update={"bias": 2.0, "noise": 2.0, "concentration": 0.5})})
+        for c in base.classes]})
+
+    def runs(s: Scenario, names: list[str]) -> dict[str, tuple[int, int]]:
         engine = SimEngine(s)
-        for policy in policies.expand(OLD_POLICIES, engine):
+        out = {}
+        for policy in policies.expand(names, engine):
             run = engine.run(policies.build(policy, engine))
-            got[f"{name}/{policy}"] = [run.tokens, run.steps]
-    assert got == pinned
+            out[policy] = (run.tokens, run.steps)
+        return out
+
+    assert runs(base, OLD_POLICIES) == runs(odd, OLD_POLICIES)
+    assert runs(base, ["vllm-adaptive"]) != runs(odd, ["vllm-adaptive"])  # the control
 
 
 def f64(x: Any) -> FloatArray:
