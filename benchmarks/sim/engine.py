@@ -9,7 +9,8 @@ many sequential passes as the largest K asked of it in the step, and proposes su
 
 Requests are drawn from their own random stream, so request i has the same class, lengths and
 difficulty under every policy (in closed loop it arrives when a slot frees, so its arrival time
-depends on the policy). Acceptance draws and step noise come from a second stream.
+depends on the policy). Acceptance draws and step noise come from a second stream; per-token
+confidence, for the policies that read it, from a third (benchmarks/sim/confidence.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from benchmarks.sim.confidence import ConfidenceModel, reads_confidence
 from benchmarks.sim.scenario import Scenario
 from benchmarks.sim.step import (
     NO_DRAFT,
@@ -36,6 +38,7 @@ from benchmarks.sim.step import (
     Policy,
     StepOutcome,
     StepView,
+    TokenSlots,
 )
 from benchmarks.sim.truth import AcceptanceTruth, StepCost
 
@@ -347,6 +350,7 @@ class SimEngine:
         self.truth = AcceptanceTruth(scenario)
         self.cost = StepCost.from_scenario(scenario)
         self.ngram = next((i for i, m in enumerate(self.info.draft_is_model) if not m), None)
+        self.confidence = ConfidenceModel(scenario)
 
     def run(self, policy: Policy, progress: ProgressFn | None = None) -> RunResult:
         """Run ``policy`` for the scenario's duration; ``progress`` gets the simulated time about
@@ -355,6 +359,7 @@ class SimEngine:
         rng = np.random.default_rng([self.seed, 3])
         # Counterfactual draws have their own stream: scoring them must not shift the others.
         cf_rng = np.random.default_rng([self.seed, 4])
+        conf_rng = np.random.default_rng([self.seed, 5]) if reads_confidence(policy) else None
         reqs = _Admission(self.s, _Traffic(self.s, self.seed), self.info.max_batch)
         tally = _Tally.empty(self.s)
         now, last_progress = 0.0, 0.0
@@ -363,7 +368,7 @@ class SimEngine:
             if not reqs.running:
                 now = reqs.idle_until()
                 continue
-            now = self._step(policy, now, reqs, tally, rng, cf_rng)
+            now = self._step(policy, now, reqs, tally, rng, cf_rng, conf_rng)
             if progress is not None and now - last_progress >= 1.0:
                 last_progress = now
                 progress(min(now, self.s.duration_seconds))
@@ -374,31 +379,36 @@ class SimEngine:
             idle_decision_changes=getattr(policy, "idle_decision_changes", None))
 
     def _step(self, policy: Policy, now: float, reqs: _Admission, tally: _Tally,
-              rng: np.random.Generator, cf_rng: np.random.Generator) -> float:
+              rng: np.random.Generator, cf_rng: np.random.Generator,
+              conf_rng: np.random.Generator | None) -> float:
         """One engine step from ``now`` on the running requests: plan, assign, verify, charge,
         emit, retire, count, tell the policy. Returns the time the step ends."""
-        plan = self._plan(now, reqs.running)
-        draft, k, score = self._assign(policy, plan.view)
+        plan = self._plan(now, reqs.running, conf_rng)
+        draft, k, score, drafted = self._assign(policy, plan.view)
         decoding, cls = plan.decoding, plan.view.classes
         accepted = np.zeros(len(decoding), dtype=np.int64)
         spec = np.flatnonzero(k > 0)
         if spec.size:
-            accepted[spec] = self._accepted(rng, now, plan, spec, draft[spec], k[spec])
+            accepted[spec] = self._accepted(rng, now, plan, spec, draft[spec], k[spec],
+                                            plan.view.slots)
         cf: IntArray | None = None
         if score is not None and self.ngram is not None:
             cf = self._counterfactual(cf_rng, now, plan, score, self.ngram)
-        charge = self._charge(rng, plan, draft, k)
+        charge = self._charge(rng, plan, draft, k, drafted)
         t_end = now + charge.seconds
         emitted = self._emit(plan, k, accepted, reqs.phase, tally)
         done = reqs.retire(t_end, tally)
         tally.step(now, reqs.phase, plan.view.batch_size, cls, k, accepted, emitted)
-        policy.observe(StepOutcome(plan.view, Assignment(draft, k), charge.seconds, accepted,
+        policy.observe(StepOutcome(plan.view, Assignment(draft, k, drafted=drafted[1]),
+                                   charge.seconds, accepted,
                                    emitted, charge.verified, charge.passes, charge.draft_tokens,
                                    done, cf))
         return t_end
 
-    def _plan(self, now: float, running: list[_Request]) -> _Plan:
-        """Decode first, prefill chunks in the budget left (as vLLM's V1 scheduler does)."""
+    def _plan(self, now: float, running: list[_Request],
+              conf_rng: np.random.Generator | None = None) -> _Plan:
+        """Decode first, prefill chunks in the budget left (as vLLM's V1 scheduler does); token
+        slots of the engine's first draft when ``conf_rng`` is given."""
         decoding = [r for r in running if r.prefill_left == 0]
         ids = np.fromiter((r.rid for r in decoding), dtype=np.int64, count=len(decoding))
         cls = np.fromiter((r.cls for r in decoding), dtype=np.int64, count=len(decoding))
@@ -411,26 +421,40 @@ class SimEngine:
                 prefill.append((r, chunk))
                 prefill_room -= chunk
         prefill_tokens = sum(c for _, c in prefill)
-        view = StepView(now, len(decoding) + len(prefill), prefill_tokens, ids, cls)
+        slots = None
+        if conf_rng is not None:
+            draft = self.info.primary_draft
+            offsets = np.array([r.offset for r in decoding])
+            rates = self.truth.request_rates(now, cls, np.full(cls.size, draft), offsets)
+            slots = self.confidence.draw(conf_rng, draft, cls, rates)
+        view = StepView(now, len(decoding) + len(prefill), prefill_tokens, ids, cls, slots)
         return _Plan(decoding, prefill, view)
 
     def _assign(self, policy: Policy, view: StepView
-                ) -> tuple[IntArray, IntArray, BoolArray | None]:
-        """The policy's (draft, K) per decoding request, K clipped to [0, max_k], and the
-        requests it scores counterfactually: RuntimeError for K > 0 without a draft."""
+                ) -> tuple[IntArray, IntArray, BoolArray | None, tuple[IntArray, IntArray]]:
+        """The policy's (draft, K) per decoding request, K clipped to [0, max_k], the
+        requests it scores counterfactually, and what was drafted (draft, tokens proposed, at
+        least K): RuntimeError for K > 0 without a draft."""
         a = policy.assign(view)
         k = np.clip(a.k, 0, self.info.max_k)
         draft = np.where(k > 0, a.draft, NO_DRAFT)
         if np.any((draft == NO_DRAFT) & (k > 0)):
             raise RuntimeError(f"policy {policy.name}: K > 0 without a draft")
-        return draft, k, a.score
+        if a.drafted is None:
+            return draft, k, a.score, (draft, k)
+        proposed = np.clip(a.drafted, k, self.info.max_k)
+        return draft, k, a.score, (np.where(proposed > 0, a.draft, NO_DRAFT), proposed)
 
     def _accepted(self, gen: np.random.Generator, now: float, plan: _Plan, idx: IntArray,
-                  draft: IntArray, k: IntArray | None) -> IntArray:
+                  draft: IntArray, k: IntArray | None, slots: TokenSlots | None = None
+                  ) -> IntArray:
         """Drafts accepted for decoding requests ``idx`` (each with ``draft``, proposing ``k``;
-        None: max_k), drawn position by position from their true rates until the first miss."""
+        None: max_k), drawn position by position from their true rates until the first miss;
+        with ``slots``, from their tokens' own acceptance where they use the slots' draft."""
         offsets = np.array([plan.decoding[i].offset for i in idx])
         rates = self.truth.request_rates(now, plan.view.classes[idx], draft, offsets)
+        if slots is not None:
+            rates = np.where((draft == slots.draft)[:, None], slots.acceptance[idx], rates)
         ok = gen.random(rates.shape) < rates
         if k is not None:
             ok &= np.arange(self.info.max_k)[None, :] < k[:, None]
@@ -447,14 +471,15 @@ class SimEngine:
         return cf
 
     def _charge(self, rng: np.random.Generator, plan: _Plan, draft: IntArray,
-                k: IntArray) -> _Charge:
-        """The true step cost: a model draft runs as many sequential passes as the largest K asked
-        of it and proposes sum(K) tokens; the target verifies 1 + K per decoding request plus the
-        prefill chunks."""
+                k: IntArray, drafted: tuple[IntArray, IntArray]) -> _Charge:
+        """The true step cost: a model draft runs as many sequential passes as the most tokens it
+        proposed to one sequence (``drafted``: per request the draft and its tokens) and
+        proposes their sum; the target verifies 1 + K per decoding request plus the prefill
+        chunks."""
         passes = np.zeros(len(self.info.drafts), dtype=np.int64)
         dtok = np.zeros(len(self.info.drafts), dtype=np.int64)
         for d in range(len(self.info.drafts)):
-            mine = k[draft == d]
+            mine = drafted[1][drafted[0] == d]
             if mine.size:
                 passes[d], dtok[d] = int(mine.max()), int(mine.sum())
         verified = int(len(plan.decoding) + k.sum()) + plan.view.prefill_tokens

@@ -9,7 +9,10 @@
     banditspec-ucb      UCB over K with a tokens/s reward
     trtllm-threshold    static K, off for good below a rolling acceptance threshold
     specpilot           the real controller core behind the plugin's report path
-    oracle              the ground-truth ceiling
+    oracle              the ground-truth ceiling (per class)
+    vllm-adaptive[:K]   vLLM's adaptive verification: draft K (default max K), verify the
+                        slots of highest survival under a profiled budget, calibrated online
+    per-token-oracle    the ceiling with per-token confidence: each token's true acceptance
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.oracle import Oracle
 from benchmarks.sim.specpilot_policy import SpecPilotPolicy, start_up_profile
 from benchmarks.sim.step import Policy
+from benchmarks.sim.token_oracle import PerTokenOracle
+from benchmarks.sim.vllm_adaptive import VLLMAdaptive
 
 ADAPTIVE = ("batch-table", "hf-heuristic", "sglang-adaptive", "banditspec-ucb",
             "trtllm-threshold", "specpilot")
@@ -106,4 +111,12 @@ def build(name: str, engine: SimEngine) -> Policy:
                                start_up_profile(info, engine.cost, s.engine.profile_scale))
     if name == "oracle":
         return Oracle(info, engine.truth, engine.cost)
+    if name == "per-token-oracle":
+        return PerTokenOracle(info, engine.cost)
+    if name == "vllm-adaptive" or name.startswith("vllm-adaptive:"):
+        k_text = name.removeprefix("vllm-adaptive").removeprefix(":") or str(info.max_k)
+        if not k_text.isdigit() or not 1 <= int(k_text) <= info.max_k:
+            raise ValueError(f"policy {name!r}: expected vllm-adaptive:K, K in 1..{info.max_k}")
+        return VLLMAdaptive(info, engine.cost, int(k_text), s.engine.max_batched_tokens,
+                            s.engine.profile_scale[1])
     raise ValueError(f"unknown policy {name!r}; see `specpilot simulate --help`")

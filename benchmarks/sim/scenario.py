@@ -76,6 +76,24 @@ class DraftSpec(_Strict):
         return self
 
 
+class ConfidenceSpec(_Strict):
+    """How each drafted token's confidence relates to its true acceptance: the token's acceptance
+    probability p is drawn around its position's rate (a Beta with that mean, so the rates above
+    are kept), and the draft's confidence in it is logit(q) = logit(p) + bias + noise x N(0, 1)."""
+
+    concentration: float = Field(
+        2.0, gt=0, le=1000, description="Beta concentration of a token's acceptance probability "
+        "around its position's rate: low, tokens differ a lot and confidence tells them apart; "
+        "high, every token of a position is alike.")
+    bias: float = Field(
+        0.0, ge=-10, le=10, description="Logit of the draft's confidence minus that of the true "
+        "acceptance: above 0 the draft is over-confident, as for requests whose sampling the "
+        "target transforms (penalties, logit bias, structured output).")
+    noise: float = Field(
+        0.5, ge=0, le=10, description="Standard deviation of the logit noise between the "
+        "draft's confidence and the true acceptance.")
+
+
 class ClassSpec(_Strict):
     name: str = Field(description="Traffic class name.")
     share: float = Field(gt=0, description="Relative share of new requests.")
@@ -89,6 +107,9 @@ class ClassSpec(_Strict):
     offline: bool = Field(False, description="Batch work the operator marks offline.")
     acceptance: dict[str, Acceptance] = Field(
         description="Per draft: conditional acceptance by position (number or list).")
+    confidence: ConfidenceSpec = Field(
+        default_factory=ConfidenceSpec, description="Per-token confidence of the model drafts "
+        "(the engine's first draft), around the acceptance above.")
 
     @model_validator(mode="after")
     def _name(self) -> ClassSpec:

@@ -33,6 +33,16 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class TokenSlots:
+    """Per decoding request (the view's order) and position 1..max_k, for one draft: drawn only
+    for policies that set ``reads_confidence`` (benchmarks/sim/confidence.py)."""
+
+    draft: int
+    confidence: FloatArray  # q: what the draft says of its token; any policy may read it
+    acceptance: FloatArray  # p: the token's true acceptance probability; only an oracle may
+
+
+@dataclass(frozen=True)
 class StepView:
     """The step about to run. Arrays are per decoding request (prefilling ones never draft)."""
 
@@ -41,16 +51,20 @@ class StepView:
     prefill_tokens: int
     request_ids: IntArray
     classes: IntArray
+    slots: TokenSlots | None = None
 
 
 @dataclass(frozen=True)
 class Assignment:
     """Per decoding request: the draft index (NO_DRAFT for none) and K (0 = no speculation), and
-    whether the step scores it counterfactually with the n-gram draft (None: none)."""
+    whether the step scores it counterfactually with the n-gram draft (None: none), and how many
+    tokens the draft proposed (None: K; more than K when the engine drafts first and verifies
+    a cut, as vLLM's adaptive verification does: the step pays for every proposed token)."""
 
     draft: IntArray
     k: IntArray
     score: BoolArray | None = None
+    drafted: IntArray | None = None
 
     @classmethod
     def uniform(cls, n: int, draft: int, k: int) -> Assignment:
@@ -92,6 +106,8 @@ class StepOutcome:
 
 
 class Policy(Protocol):
+    """A policy may also set ``reads_confidence = True`` to get token slots in its views."""
+
     name: str
 
     def assign(self, view: StepView) -> Assignment: ...
