@@ -37,7 +37,9 @@ from specpilot.engine_plugin.suffix import (
     suffix_available,
 )
 from specpilot.engine_plugin.vllm_types import (
+    CachedRequestDataLike,
     ModelRunnerOutputLike,
+    NewRequestDataLike,
     RequestLike,
     SchedulerOutputLike,
     VllmConfigLike,
@@ -85,6 +87,18 @@ def transforms_sampling(request: RequestLike) -> bool:
     return bool(params.presence_penalty or params.frequency_penalty
                 or params.repetition_penalty != 1.0 or params.min_tokens or params.logit_bias
                 or params.allowed_token_ids or params.bad_words)
+
+
+def step_context_tokens(output: SchedulerOutputLike) -> int:
+    """The context a step's attention reads: over its requests, the tokens each one's KV cache
+    held when the step was scheduled (vLLM advances ``num_computed_tokens`` right after, so the
+    request objects already count the step's own tokens; the output keeps the values before).
+    0 (unknown) where the output does not say."""
+    cached: CachedRequestDataLike | None = getattr(output, "scheduled_cached_reqs", None)
+    new: Sequence[NewRequestDataLike] = getattr(output, "scheduled_new_reqs", ())
+    if cached is None:
+        return 0
+    return int(sum(cached.num_computed_tokens)) + sum(r.num_computed_tokens for r in new)
 
 
 @dataclass(frozen=True)
@@ -356,6 +370,7 @@ class Pilot:
         """The K the drafter drafts this step in the batch modes (``drafter_k``); in
         ``batch_max`` the arms of settled classes are first re-picked for the classes and counts
         of this step."""
+        running = list(running)
         ids = [r.request_id for r in running]
         if not ids:
             return self.view.static_k
@@ -366,7 +381,9 @@ class Pilot:
                 state = self.requests.get(req_id)
                 name = state.traffic_class if state is not None else DEFAULT_CLASS
                 counts[name] = counts.get(name, 0) + 1
-            self.step.compose(lookup, counts, len(ids))
+            # The KV each sequence holds before the step its drafts are verified in.
+            context = sum(r.num_computed_tokens for r in running) / len(ids)
+            self.step.compose(lookup, counts, len(ids), context)
         return drafter_k([self._choice(req_id, lookup) for req_id in ids], self.config.k_mode,
                          self.deterministic)
 
@@ -544,7 +561,8 @@ class Pilot:
             # The drafter drafted k passes for every sequence (cuts come after drafting).
             k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
             self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,
-                                   k * batch, self.engine.drafter if k else "", k, seconds)
+                                   k * batch, self.engine.drafter if k else "", k, seconds,
+                                   step_context_tokens(scheduler_output))
 
     def after_output(self, requests: Mapping[str, RequestLike], req_ids: Collection[str],
                      running: int) -> None:

@@ -83,6 +83,8 @@ HOOKS: tuple[Hook, ...] = (
 PROTOCOLS: dict[type, str] = {
     vllm_types.RequestLike: "vllm.v1.request:Request",
     vllm_types.SchedulerOutputLike: "vllm.v1.core.sched.output:SchedulerOutput",
+    vllm_types.NewRequestDataLike: "vllm.v1.core.sched.output:NewRequestData",
+    vllm_types.CachedRequestDataLike: "vllm.v1.core.sched.output:CachedRequestData",
     vllm_types.ModelRunnerOutputLike: "vllm.v1.outputs:ModelRunnerOutput",
     vllm_types.SamplingParamsLike: "vllm.sampling_params:SamplingParams",
     vllm_types.LoRARequestLike: "vllm.lora.request:LoRARequest",

@@ -65,6 +65,9 @@ class RequestLike(Protocol):
     def all_token_ids(self) -> Sequence[int]: ...
     @property
     def is_prefill_chunk(self) -> bool: ...
+    # Tokens in the request's KV cache (the context its next step's attention reads).
+    @property
+    def num_computed_tokens(self) -> int: ...
     @property
     def use_structured_output(self) -> bool: ...
     # Wall-clock time (time.time()) the request arrived, seconds.
@@ -88,6 +91,25 @@ class SchedulerOutputLike(Protocol):
     # Drafts per sequence the drafter was asked for (the largest K scheduled).
     @property
     def num_spec_tokens_to_schedule(self) -> int: ...
+    # The step's requests with the tokens their KV caches held when it was scheduled.
+    @property
+    def scheduled_new_reqs(self) -> Sequence[NewRequestDataLike]: ...
+    @property
+    def scheduled_cached_reqs(self) -> CachedRequestDataLike: ...
+
+
+class NewRequestDataLike(Protocol):
+    """``vllm.v1.core.sched.output.NewRequestData``."""
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+class CachedRequestDataLike(Protocol):
+    """``vllm.v1.core.sched.output.CachedRequestData``."""
+
+    @property
+    def num_computed_tokens(self) -> Sequence[int]: ...
 
 
 class ModelRunnerOutputLike(Protocol):

@@ -31,26 +31,31 @@ def test_the_one_formula_prices_the_cost_models_mean_everywhere() -> None:
     rng = np.random.default_rng(1)
     for _ in range(50):
         b, k = int(rng.integers(1, 33)), int(rng.integers(0, 5))
-        shape = StepShape(b, b * (1 + k), "m" if k else "", k, b * k)
-        model.observe(shape, 0.02 + 1e-4 * b * (1 + k) + 0.003 * k + rng.normal(0, 1e-4), 3, 0.0)
+        context = float(rng.integers(10, 1000))
+        shape = StepShape(b, b * (1 + k), "m" if k else "", k, b * k, context)
+        model.observe(shape, 0.02 + 1e-4 * b * (1 + k) + 0.003 * k + 1e-8 * context * b * (1 + k)
+                      + rng.normal(0, 1e-4), 3, 0.0)
     mean = model.mean
     p = mean.pricing()
     verified = np.array([4.0, 40.0, 100.0, 400.0])
     passes = {"m": np.array([0.0, 1.0, 3.0, 4.0]), "m2": np.array([2.0, 0.0, 0.0, 1.0])}
     tokens = {"m": np.array([0.0, 8.0, 48.0, 128.0]), "m2": np.array([8.0, 0.0, 0.0, 32.0])}
     drafting = {d: (x > 0).astype(float) for d, x in passes.items()}
+    assert p.seconds_per_context_token > 0
+    context = 300.0
     want = (p.base_seconds + p.seconds_per_sequence * 12.0 + p.seconds_per_token * verified
+            + p.seconds_per_context_token * context * verified
             + sum(a * np.maximum(0.0, verified - knot)
                   for knot, a in zip(p.knot_tokens, p.seconds_per_token_above, strict=True))
             + sum(d.fixed_seconds * drafting[name] + d.seconds_per_pass * passes[name]
                   + d.seconds_per_token * tokens[name] for name, d in p.drafts.items()))
-    assert np.allclose(p.seconds(12.0, verified, passes, tokens), want, rtol=1e-12)
-    assert np.allclose(mean.predict_mixed(12.0, verified, drafting, passes, tokens), want,
-                       rtol=1e-12)
+    assert np.allclose(p.seconds(12.0, verified, passes, tokens, context), want, rtol=1e-12)
+    assert np.allclose(mean.predict_mixed(12.0, verified, drafting, passes, tokens,
+                                          context_tokens=context), want, rtol=1e-12)
     for name, b, k in (("m", 1, 0), ("m", 8, 3), ("m2", 32, 4), ("m2", 64, 2)):
-        row = model.features(StepShape(b, b * (1 + k), name if k else "", k, b * k))
+        row = model.features(StepShape(b, b * (1 + k), name if k else "", k, b * k, context))
         priced = p.seconds(b, np.array([b * (1.0 + k)]), {name: np.array([float(k)])},
-                           {name: np.array([b * float(k)])})
+                           {name: np.array([b * float(k)])}, context)
         assert float(row @ mean.theta) == pytest.approx(float(priced[0]), rel=1e-12)
 
 
@@ -70,6 +75,12 @@ def test_moved_sees_curves_and_prices_not_noise() -> None:
     fewer = Composition(COMP.pricing, {k: v for k, v in COMP.expected_tokens.items()
                                        if k[0] == "chat"}, 0.01)
     assert moved(COMP, fewer, [8], 4, 0.01)
+    # A context slope moves prices only where the steps read context.
+    attentive = Composition(StepPricing(0.022, 1e-4, 2e-5, (64,), (1.6e-4,),
+                                        {"m": DraftPricing(0.0, 0.0039, 2e-5)}, 1e-7),
+                            COMP.expected_tokens, 0.01)
+    assert not moved(COMP, attentive, [8], 4, 0.01)
+    assert moved(COMP, attentive, [8], 4, 0.01, {8: 1000.0})
 
 
 def test_bad_numbers_are_refused_naming_what() -> None:

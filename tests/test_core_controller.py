@@ -95,6 +95,12 @@ BAD_REPORTS = {
         0, "d", 3, 0, 100, 400, 300, 3.0),)),
     "interval 0": replace(_good(), interval_seconds=0.0),
     "records dropped 2^64-1": replace(_good(), records_dropped=2**64 - 1),
+    "nan context": replace(_good(), step_timings=(StepTimingRecord(
+        0, "d", 3, 100, 100, 400, 300, 3.0, float("nan")),)),  # type: ignore[arg-type]
+    "negative context": replace(_good(), step_timings=(StepTimingRecord(
+        0, "d", 3, 100, 100, 400, 300, 3.0, -5),)),
+    "more context than sequences x the longest window": replace(_good(), step_timings=(
+        StepTimingRecord(0, "d", 3, 100, 100, 400, 300, 3.0, 100 * 2**24 + 1),)),
 }
 
 EXPECTED_FIELD = {
@@ -114,6 +120,9 @@ EXPECTED_FIELD = {
     "sums without steps": "step_timings[0]: sums without steps",
     "interval 0": "interval_seconds",
     "records dropped 2^64-1": "records_dropped",
+    "nan context": "step_timings[0].sum_context_tokens: must be a finite",
+    "negative context": "step_timings[0].sum_context_tokens: must be a whole number",
+    "more context than sequences x the longest window": "step_timings[0].sum_context_tokens",
 }
 IMPLAUSIBLE = {k for k in BAD_REPORTS if k.startswith(("a step", "more", "sums", "interval",
                                                          "records"))}
@@ -806,3 +815,29 @@ def test_the_composition_goes_to_engines_that_repick_and_moves_with_the_evidence
         other.ingest("e1", _good(1), now=1.0)
         other.decide(now=1.0)
         assert other.snapshot(1.0).composition is None
+
+
+def test_a_bucket_takes_a_shorter_k_when_its_contexts_grow_long() -> None:
+    """Under a cost whose context term is large (attention over 2,000 tokens a sequence costs
+    each verified token ~2 ms here), long contexts make the verified tokens of K=4 cost more
+    than its accepted drafts give: the bucket the steps ran in goes to a shorter K. The
+    control: the same evidence at 50 tokens a sequence keeps a long K (4 or more)."""
+    def decided_k(context: int) -> int:
+        core = _core(cost_prior_seconds_per_context_token=1e-6, cost_prior_sample_scale=0.0)
+        b = core.config.bucket_of(16)
+        for seq in range(1, 21):
+            report = EngineReport(
+                sequence=seq, interval_seconds=1.0, policy_version=0,
+                acceptance=(AcceptanceRecord("code", "d", 4, (5, 5, 10, 20, 160)),),
+                # One step: it sets the bucket's context and barely moves the fit.
+                step_timings=(StepTimingRecord(b, "d", 4, 1, 16, 16 * 5, 16 * 4,
+                                               core.predicted_step_seconds(16, "d", 4),
+                                               16 * context),))
+            core.ingest("e1", report, now=float(seq))
+            core.decide(now=float(seq))
+        decision = core.decision("code", b)
+        assert decision is not None
+        return decision.k
+
+    assert decided_k(50) >= 4
+    assert decided_k(2000) < 4

@@ -72,7 +72,7 @@ def test_new_drafts_keep_the_evidence_so_far() -> None:
         model.observe(StepShape.for_arm(8, 0, "", False), 0.05, 100, now=0.0)
     before = model.predict_arm(8, 0, "", False)
     model.ensure_drafts(["d", "other"])
-    assert model.n_features == 3 + len(KNOTS) + 2 * 3  # fixed, per pass, per token per draft
+    assert model.n_features == 4 + len(KNOTS) + 2 * 3  # fixed, per pass, per token per draft
     assert model.predict_arm(8, 0, "", False) == pytest.approx(before, rel=1e-6)
 
 
@@ -265,3 +265,70 @@ def test_cost_evidence_that_is_not_sound_is_refused(damage: str) -> None:
         steps = -1.0
     with pytest.raises(ValueError, match="cost evidence"):
         CostEvidence(ev.drafts, ev.knots, info, times, ev.squared_times, ev.reports, steps)
+
+
+# --- context length -----------------------------------------------------------------------------
+_CONTEXT_SLOPE = 4e-8  # seconds per context token a verified token attends to
+
+
+def _context_truth(batch: int, k: int, context: float) -> float:
+    return _truth(batch, k) + _CONTEXT_SLOPE * context * batch * (1 + k)
+
+
+def _fit_context_steps(model: StepCostModel, with_context: bool) -> None:
+    """Synthetic timed steps over batch sizes, K and contexts of 50-1,600 tokens; the context
+    column is fed only ``with_context`` (else the shapes say 0: unknown)."""
+    rng = np.random.default_rng(3)
+    for b in (1, 4, 8, 16, 32):
+        for k in range(5):
+            for context in (50.0, 200.0, 800.0, 1600.0):
+                shape = StepShape.for_arm(b, k, "d", True,
+                                          context_tokens=context if with_context else 0.0)
+                t = _context_truth(b, k, context) * (1 + 0.01 * rng.standard_normal())
+                model.observe(shape, t, 50, now=0.0)
+
+
+def test_the_fit_recovers_a_known_context_slope_and_leaving_it_out_fits_worse() -> None:
+    from specpilot.contract.pricing import CONTEXT_COLUMN
+
+    model = _model()
+    _fit_context_steps(model, with_context=True)
+    assert model.theta[CONTEXT_COLUMN] == pytest.approx(_CONTEXT_SLOPE, rel=0.05)
+    blind = _model()
+    _fit_context_steps(blind, with_context=False)  # the control: the column is left out
+
+    def worst_error(m: StepCostModel, priced_context: bool) -> float:
+        return max(abs(m.predict_arm(b, k, "d", True, context_tokens=c if priced_context else 0.0)
+                       / _context_truth(b, k, c) - 1)
+                   for b in (4, 32) for k in (0, 4) for c in (50.0, 1600.0))
+
+    assert worst_error(model, True) < 0.03
+    assert worst_error(blind, False) > 3 * worst_error(model, True)
+
+
+def test_steps_without_context_do_not_move_the_context_column() -> None:
+    from specpilot.contract.pricing import CONTEXT_COLUMN
+
+    prior = CostPrior(ridge_tokens=64, seconds_per_context_token=1e-8)
+    model = _model(prior)
+    before = float(model.theta[CONTEXT_COLUMN])
+    _fit_context_steps(model, with_context=False)  # older plugins: context 0, unknown
+    assert float(model.theta[CONTEXT_COLUMN]) == pytest.approx(before, rel=1e-9)
+    # ... and the other weights still learn from them (the base takes the mean context's cost).
+    assert model.predict_arm(16, 0, "", False, context_tokens=0.0) == pytest.approx(
+        _context_truth(16, 0, 50.0) + _CONTEXT_SLOPE * 16 * 500, rel=0.1)
+    # The control: the same steps with their context move it to the truth.
+    seen = _model(prior)
+    _fit_context_steps(seen, with_context=True)
+    assert float(seen.theta[CONTEXT_COLUMN]) == pytest.approx(_CONTEXT_SLOPE, rel=0.05)
+
+
+def test_arms_are_priced_at_the_context_their_batch_size_runs_at() -> None:
+    model = StepCostModel(KNOTS, CostPrior(ridge_tokens=64, seconds_per_context_token=1e-7),
+                          1e9, [1, 2, 4, 8, 16, 32, 64], 6,
+                          context_at=lambda batch: 1000.0 if batch > 8 else 0.0)
+    short = model.predict_curve(4, "", False, 0)[0]
+    assert short == pytest.approx(model.predict_curve(4, "", False, 0, context_tokens=0.0)[0])
+    long = model.predict_curve(16, "", False, 0)[0]
+    assert long - model.predict_curve(16, "", False, 0, context_tokens=0.0)[0] == pytest.approx(
+        1e-7 * 1000 * 16, rel=1e-6)

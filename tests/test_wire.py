@@ -46,14 +46,14 @@ HELLO = EngineHello(
     ngram_counterfactual=True, step_probes=True, step_composition=True, engine_version="0.9",
     plugin_version="0.1",
     max_batch_size=256,
-    step_profile=(StepProfile(16, 16, "", 0, 0.004), StepProfile(16, 48, "d1", 2, 0.009)),
+    step_profile=(StepProfile(16, 16, "", 0, 0.004), StepProfile(16, 48, "d1", 2, 0.009, 384)),
     hardware="NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16",
 )
 REPORT = EngineReport(
     sequence=9, interval_seconds=1.5, policy_version=4,
     acceptance=(AcceptanceRecord("chat", "d1", 2, (3, 4, 5), counterfactual=True),),
     finished=(RequestSummaryRecord("chat", "d1", 11, 22, 33, 30, 0.75),),
-    step_timings=(StepTimingRecord(2, "d1", 2, 10, 40, 120, 80, 0.5),),
+    step_timings=(StepTimingRecord(2, "d1", 2, 10, 40, 120, 80, 0.5, 40 * 600),),
     records_dropped=6, running_requests=7,
     confidence=(ConfidenceRecord("chat", "d1", 2, (1, 2, 3, 4, 5, 6, 7, 8),
                                  (1, 1, 2, 3, 4, 5, 6, 7), transformed=True),),
@@ -189,7 +189,7 @@ def test_composition_round_trip_and_refusal() -> None:
 
     comp = Composition(
         StepPricing(0.02, 1e-4, 2e-5, (64, 256), (1e-4, 3e-4),
-                    {"d1": DraftPricing(5e-4, 4e-3, 2e-5)}),
+                    {"d1": DraftPricing(5e-4, 4e-3, 2e-5)}, 3e-8),
         {("chat", "d1"): (1.0, 1.7, 2.2), ("chat", "ng"): (1.0, 1.1)}, 0.01)
     msg = engine_pb2.Composition.FromString(
         engine_stream.composition_to_proto(comp).SerializeToString())

@@ -1,11 +1,12 @@
 """Step-time model: seconds per engine step as a function of batch size, verified tokens and draft
 work, fitted online from the engine's step timings.
 
-    t = c0 + c_B * B + c_T * T + sum_j c_j * max(0, T - knot_j)
+    t = c0 + c_B * B + c_T * T + sum_j c_j * max(0, T - knot_j) + c_L * L * T
         + sum_d (f_d * [d drafts] + p_d * passes_d + q_d * draft_tokens_d)
 
 (the formula, and the layout of its weights as one vector, are ``specpilot.contract.pricing``'s)
-where B is the batch size, T the tokens the target verifies (B plus the drafts), the hinge terms
+where B is the batch size, T the tokens the target verifies (B plus the drafts), L the mean
+context per sequence (the KV tokens each verified token attends to), the hinge terms
 let the slope per token rise where the step turns from memory-bound to compute-bound, and each
 model draft d adds a fixed cost whenever it drafts at all (its input preparation, the rejection
 sampler's set-up, the bookkeeping of a speculative step: on this CPU about 2.5 ms at batch 1, as
@@ -24,13 +25,14 @@ fleet's (``specpilot.controller.core.fleet.fleet_costs``), and what a model expo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from specpilot.contract.pricing import (
+    CONTEXT_COLUMN,
     MIN_STEP_SECONDS,
     DraftPricing,
     FloatArray,
@@ -46,6 +48,9 @@ _RIDGE = 1e-9  # keeps the information matrix invertible for features no design 
 _JITTER = 1e-10
 # Virtual reports behind the prior noise level: the noise estimate follows the data quickly.
 _NOISE_PRIOR_REPORTS = 2.0
+# The context the prior's virtual steps are read at for the context column's own weight,
+# tokens per sequence: a few hundred, where attention starts to matter.
+_PRIOR_CONTEXT_TOKENS = 512.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,11 @@ class CostPrior:
     """Prior model-draft time per sequential draft pass, seconds."""
     draft_seconds_per_token: float = tunable(1e-5, ge=0)
     """Prior model-draft time per proposed token, seconds."""
+    seconds_per_context_token: float = tunable(0.0, ge=0)
+    """Prior step time per context token a verified token attends to (a step's verified
+    tokens times its mean KV length per sequence), seconds. 0: context is free until timings
+    that carry it (or a start-up profile at two context lengths) show otherwise; the prior on it
+    is independent of the other weights, so steps reported without context never move it."""
     strength_steps: float = tunable(20.0, gt=0)
     """Weight of the cost prior, in equivalent observed steps (spread over every batch bucket
     and K). Not lighter: the start-up profile's speculative points are low (see
@@ -228,11 +238,13 @@ class StepShape:
     draft: str = ""
     draft_passes: float = 0.0
     draft_tokens: float = 0.0
+    context_tokens: float = 0.0  # mean KV length per sequence before the step; 0: unknown
 
     @classmethod
     def for_arm(cls, batch_size: int, k: int, draft: str, draft_is_model: bool,
-                sunk_draft: SunkDraft | None = None) -> StepShape:
-        """A step in which every one of ``batch_size`` sequences verifies K drafts of ``draft``.
+                sunk_draft: SunkDraft | None = None, context_tokens: float = 0.0) -> StepShape:
+        """A step in which every one of ``batch_size`` sequences verifies K drafts of ``draft``,
+        each over ``context_tokens`` of context.
 
         ``sunk_draft`` (name, passes): a model drafter that runs every step whatever K is chosen
         (an engine in per-request K mode only cuts drafts after drafting them).
@@ -240,10 +252,10 @@ class StepShape:
         tokens = batch_size * (1 + k)
         if sunk_draft is not None:
             name, passes = sunk_draft
-            return cls(batch_size, tokens, name, passes, batch_size * passes)
+            return cls(batch_size, tokens, name, passes, batch_size * passes, context_tokens)
         if k == 0 or not draft_is_model:
-            return cls(batch_size, tokens)
-        return cls(batch_size, tokens, draft, k, batch_size * k)
+            return cls(batch_size, tokens, context_tokens=context_tokens)
+        return cls(batch_size, tokens, draft, k, batch_size * k, context_tokens)
 
 
 class PricedCosts:
@@ -254,7 +266,7 @@ class PricedCosts:
     def __init__(self, model: StepCostModel, theta: FloatArray) -> None:
         self._model = model
         self.theta = theta
-        self._curve_cache: dict[tuple[int, str, int, SunkDraft | None], FloatArray] = {}
+        self._curve_cache: dict[tuple[int, str, int, SunkDraft | None, float], FloatArray] = {}
         self._arrays: PricingArrays | None = None
 
     def predict(self, shape: StepShape) -> float:
@@ -262,19 +274,25 @@ class PricedCosts:
 
     def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
                       drafting: dict[str, FloatArray], passes: dict[str, FloatArray],
-                      draft_tokens: dict[str, FloatArray]) -> FloatArray:
+                      draft_tokens: dict[str, FloatArray], *,
+                      context_tokens: float | None = None) -> FloatArray:
         """Step seconds of mixed steps, one per entry of ``verified_tokens``; ``drafting``,
         ``passes`` and ``draft_tokens`` give each model draft's chance of running at all, its
         (expected) passes and its proposed tokens per entry. Drafts without a cost column
-        (n-gram, unknown) cost nothing."""
+        (n-gram, unknown) cost nothing. ``context_tokens`` per sequence; None: the context
+        steps of this batch size run at (``StepCostModel.context_at``)."""
         if self._arrays is None:
             self._arrays = self._model.columns.arrays(self.theta)
+        if context_tokens is None:
+            context_tokens = self._model.context_at(batch_size)
         return self._arrays.seconds_by_name(batch_size, verified_tokens, passes, draft_tokens,
-                                            drafting)
+                                            drafting, context_tokens)
 
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
-                    sunk_draft: SunkDraft | None = None) -> float:
-        return float(self.predict_curve(batch_size, draft, draft_is_model, k, sunk_draft)[k])
+                    sunk_draft: SunkDraft | None = None,
+                    context_tokens: float | None = None) -> float:
+        return float(self.predict_curve(batch_size, draft, draft_is_model, k, sunk_draft,
+                                        context_tokens)[k])
 
     def pricing(self) -> StepPricing:
         """These weights as plain coefficients (what an engine prices its steps with:
@@ -282,14 +300,18 @@ class PricedCosts:
         return self._model.columns.pricing(self.theta)
 
     def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool, max_k: int,
-                      sunk_draft: SunkDraft | None = None) -> FloatArray:
-        """Step seconds for K = 0..max_k with ``draft`` at ``batch_size`` (read-only array)."""
-        key = (batch_size, draft if draft_is_model else "", max_k, sunk_draft)
+                      sunk_draft: SunkDraft | None = None,
+                      context_tokens: float | None = None) -> FloatArray:
+        """Step seconds for K = 0..max_k with ``draft`` at ``batch_size`` (read-only array),
+        each sequence over ``context_tokens`` (None: ``StepCostModel.context_at``)."""
+        context = (self._model.context_at(batch_size) if context_tokens is None
+                   else context_tokens)
+        key = (batch_size, draft if draft_is_model else "", max_k, sunk_draft, context)
         curve = self._curve_cache.get(key)
         if curve is None:
             xs = np.array([
                 self._model.features(
-                    StepShape.for_arm(batch_size, k, draft, draft_is_model, sunk_draft))
+                    StepShape.for_arm(batch_size, k, draft, draft_is_model, sunk_draft, context))
                 for k in range(max_k + 1)])
             # More verified tokens never make a step faster: the running maximum keeps a noisy or
             # extrapolated fit (or a draw) from rewarding longer drafts with cheaper steps.
@@ -307,10 +329,14 @@ class StepCostModel:
         half_life_seconds: float,
         design_batch_sizes: Sequence[int],
         design_max_k: int,
+        context_at: Callable[[float], float] | None = None,
     ) -> None:
         if prior.ridge_tokens not in knots:
             raise ValueError("prior ridge_tokens must be one of the knots")
         self.prior = prior
+        # The mean context per sequence steps of a batch size run at (what arms are priced at
+        # unless a call names one); None: 0, context unpriced.
+        self.context_at: Callable[[float], float] = context_at or (lambda _batch: 0.0)
         self.half_life_seconds = half_life_seconds
         self._design_batch_sizes = list(design_batch_sizes)
         self._design_max_k = design_max_k
@@ -335,7 +361,8 @@ class StepCostModel:
 
     def features(self, shape: StepShape) -> FloatArray:
         return self.columns.features(shape.batch_size, shape.verified_tokens, shape.draft,
-                                     shape.draft_passes, shape.draft_tokens)
+                                     shape.draft_passes, shape.draft_tokens,
+                                     shape.context_tokens)
 
     def _prior_theta(self) -> FloatArray:
         p = self.prior
@@ -344,7 +371,8 @@ class StepCostModel:
         draft = DraftPricing(p.draft_seconds_fixed, p.draft_seconds_per_pass,
                              p.draft_seconds_per_token)
         return self.columns.weights(p.base_seconds, 0.0, p.seconds_per_token, above,
-                                    dict.fromkeys(self.drafts, draft))
+                                    dict.fromkeys(self.drafts, draft),
+                                    p.seconds_per_context_token)
 
     def _rebuild_prior(self) -> None:
         """Prior information = ``strength_steps`` virtual steps spread over a design of shapes."""
@@ -356,8 +384,15 @@ class StepCostModel:
         ]
         xs = np.array([self.features(s) for s in shapes])
         w = self.prior.strength_steps / len(shapes)
+        # The context column's prior is its own (the design's shapes read it at
+        # _PRIOR_CONTEXT_TOKENS, uncoupled from the other weights): a step reported without
+        # context (feature 0) then never moves it through the prior's correlations.
+        xs[:, CONTEXT_COLUMN] = _PRIOR_CONTEXT_TOKENS * xs[:, 2]
         scale = np.maximum(np.abs(xs).max(axis=0), 1.0)
+        context = xs[:, CONTEXT_COLUMN].copy()
+        xs[:, CONTEXT_COLUMN] = 0.0
         self._prior_a = w * xs.T @ xs + _RIDGE * np.diag(scale**2)
+        self._prior_a[CONTEXT_COLUMN, CONTEXT_COLUMN] += w * float(context @ context)
         self._prior_b = self._prior_a @ self._prior_centre()
         self._invalidate()
 
@@ -530,16 +565,21 @@ class StepCostModel:
 
     def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
                       drafting: dict[str, FloatArray], passes: dict[str, FloatArray],
-                      draft_tokens: dict[str, FloatArray]) -> FloatArray:
+                      draft_tokens: dict[str, FloatArray], *,
+                      context_tokens: float | None = None) -> FloatArray:
         return self.mean.predict_mixed(batch_size, verified_tokens, drafting, passes,
-                                       draft_tokens)
+                                       draft_tokens, context_tokens=context_tokens)
 
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
-                    sunk_draft: SunkDraft | None = None) -> float:
-        return self.mean.predict_arm(batch_size, k, draft, draft_is_model, sunk_draft)
+                    sunk_draft: SunkDraft | None = None,
+                    context_tokens: float | None = None) -> float:
+        return self.mean.predict_arm(batch_size, k, draft, draft_is_model, sunk_draft,
+                                     context_tokens)
 
     def predict_curve(self, batch_size: int, draft: str, draft_is_model: bool, max_k: int,
-                      sunk_draft: SunkDraft | None = None) -> FloatArray:
+                      sunk_draft: SunkDraft | None = None,
+                      context_tokens: float | None = None) -> FloatArray:
         """Step seconds for K = 0..max_k with ``draft`` at ``batch_size`` by the posterior mean
         (read-only array)."""
-        return self.mean.predict_curve(batch_size, draft, draft_is_model, max_k, sunk_draft)
+        return self.mean.predict_curve(batch_size, draft, draft_is_model, max_k, sunk_draft,
+                                       context_tokens)

@@ -65,8 +65,10 @@ class Decider:
             ctx = self._parts.contexts.build(name, state, drafts, now, curves, drawn, running)
             material |= self._decide_class(ctx, state, now, curves, running, events)
         composition = self._compose(drafts, curves)
-        if moved(self._parts.published.composition, composition, self._priced_batch_sizes(),
-                 self._parts.config.policy.max_k, _COMPOSITION_TOLERANCE):
+        sizes = self._priced_batch_sizes()
+        if moved(self._parts.published.composition, composition, sizes,
+                 self._parts.config.policy.max_k, _COMPOSITION_TOLERANCE,
+                 {b: self._parts.evidence.loads.context_at(b) for b in sizes}):
             self._parts.published.composition = composition
             material = True
         return self._parts.published.publish(events, material)

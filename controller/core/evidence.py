@@ -57,17 +57,18 @@ class Evidence:
         self.calibration = ConfidenceCalibration(config.estimator)
         self.mix = ClassMix(config.traffic_half_life_seconds)
         self.served = ServedSpeedup(config.traffic_half_life_seconds)
+        # Per bucket: the batch size and context its decode steps ran at (what its decisions
+        # are priced at), and when an engine last reported such steps.
+        self.loads = BucketLoads(config.batch_bucket_upper_bounds,
+                                 config.traffic_half_life_seconds)
         self.cost = StepCostModel(
             config.cost_knots_tokens,
             config.cost_prior,
             config.cost_half_life_seconds,
             [config.bucket_batch_size(b) for b in range(config.n_buckets)],
             config.policy.max_k,
+            self.loads.context_at,
         )
-        # Per bucket: the batch size its decode steps ran at (what its decisions are priced
-        # at), and when an engine last reported such steps.
-        self.loads = BucketLoads(config.batch_bucket_upper_bounds,
-                                 config.traffic_half_life_seconds)
         self._bucket_seen: dict[int, float] = {}
         self._profile_weight = config.cost_prior.profile_weight_steps
 
@@ -98,7 +99,7 @@ class Evidence:
         are skipped (their passes have no cost column)."""
         self.cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
         points = [(StepShape(p.batch_size, p.verified_tokens, p.draft, p.draft_passes,
-                             p.batch_size * p.draft_passes), p.seconds)
+                             p.batch_size * p.draft_passes, p.context_tokens), p.seconds)
                   for p in hello.step_profile
                   if not p.draft or (p.draft in accepted
                                      and accepted[p.draft].kind is DraftKind.MODEL)]
@@ -197,10 +198,13 @@ class Evidence:
                 draft=st.draft if is_model else "",
                 draft_passes=float(st.k) if is_model and st.sum_draft_tokens > 0 else 0.0,
                 draft_tokens=st.sum_draft_tokens / st.steps if is_model else 0.0,
+                # 0 (unknown, from older plugins) leaves the context column unread.
+                context_tokens=st.sum_context_tokens / st.sum_batch_size,
             )
             measured = st.sum_step_seconds / st.steps
             self._bucket_seen[st.batch_bucket] = now
-            self.loads.observe(st.batch_bucket, st.steps, st.sum_batch_size, now)
+            self.loads.observe(st.batch_bucket, st.steps, st.sum_batch_size, now,
+                               st.sum_context_tokens)
             predictions.append(StepPrediction(st.batch_bucket, st.k, st.steps,
                                               self.cost.predict(shape), measured))
             learnt.append((shape, measured, st.steps))

@@ -11,6 +11,7 @@ offline pins are left as decided: they exist to learn or because an operator sai
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping
 
 import numpy as np
@@ -21,6 +22,8 @@ from specpilot.contract.records import Reason
 OFF: Arm = ("", 0)
 # Coordinate-ascent sweeps over the adjustable classes of a step (it stops when none moves).
 _SWEEPS = 2
+# Context grid points per doubling that a step's context is priced at (``StepComposer``).
+_CONTEXT_GRID = 8
 
 
 class ClassArms:
@@ -55,12 +58,14 @@ def adjustable(reason: Reason | None, probing: bool) -> bool:
 
 def step_arms(comp: Composition, counts: Mapping[str, int], arms: Mapping[str, Arm],
               free: Collection[str], batch_size: float,
-              options: Mapping[str, ClassArms] | None = None) -> dict[str, Arm]:
+              options: Mapping[str, ClassArms] | None = None,
+              context_tokens: float = 0.0) -> dict[str, Arm]:
     """The arm of every class in the step: ``arms`` (each class's decision; every class in
     ``counts`` must have one), with the classes in ``free`` re-picked for the step's
     ``counts`` (decoding sequences per class) where that beats the decisions' tokens per
     second by ``comp.margin``. ``batch_size``: the step's sequences (what the cost model's
-    per-sequence term prices). ``options``: ``class_arms(comp)``, where the caller keeps it."""
+    per-sequence term prices). ``options``: ``class_arms(comp)``, where the caller keeps it.
+    ``context_tokens``: the step's mean context per sequence (what its context term prices)."""
     live = [c for c, n in counts.items() if n > 0]
     if options is None:
         options = class_arms(comp)
@@ -98,7 +103,7 @@ def step_arms(comp: Composition, counts: Mapping[str, int], arms: Mapping[str, A
     def rate() -> float:
         tokens, verified, passes, dtok = others(None)
         return float(tokens / p.seconds(batch_size, np.array([verified]), passes[None, :],
-                                        dtok[None, :])[0])
+                                        dtok[None, :], context_tokens)[0])
 
     def ascend() -> float:
         """Best responses class by class (most sequences first) until none moves."""
@@ -109,7 +114,7 @@ def step_arms(comp: Composition, counts: Mapping[str, int], arms: Mapping[str, A
                 tokens, verified, passes, dtok = others(c)
                 rates = (tokens + n * o.values) / p.seconds(
                     batch_size, verified + n * (1.0 + o.ks), np.maximum(passes, o.passes),
-                    dtok + n * o.passes)
+                    dtok + n * o.passes, context_tokens)
                 best = int(np.argmax(rates))
                 if rates[best] > rates[at[c]] * (1.0 + 1e-9):
                     at[c] = best
@@ -150,18 +155,24 @@ class StepComposer:
         self._cache_size = cache_size
         self._cache: dict[tuple[object, ...], dict[str, Arm]] = {}
 
-    def repick(self, step: Iterable[StepClass], batch_size: int) -> dict[str, Arm]:
+    def repick(self, step: Iterable[StepClass], batch_size: int,
+               context_tokens: float = 0.0) -> dict[str, Arm]:
         """The decision classes whose arm this step re-picks, with that arm (empty where the
-        decisions stand); ``batch_size``: the step's sequences."""
-        key = (batch_size, tuple(sorted(step)))
+        decisions stand); ``batch_size``: the step's sequences, ``context_tokens`` their mean
+        context (priced on a grid of ~9% steps, so steps of nearly the same context share one
+        answer: contexts grow every step)."""
+        grid = round(_CONTEXT_GRID * math.log2(1.0 + max(context_tokens, 0.0)))
+        key = (batch_size, grid, tuple(sorted(step)))
         changed = self._cache.get(key)
         if changed is None:
             if len(self._cache) >= self._cache_size:
                 self._cache.clear()
-            changed = self._cache[key] = self._search(key[1], batch_size)
+            changed = self._cache[key] = self._search(key[2], batch_size,
+                                                      2.0 ** (grid / _CONTEXT_GRID) - 1.0)
         return changed
 
-    def _search(self, step: Iterable[StepClass], batch_size: int) -> dict[str, Arm]:
+    def _search(self, step: Iterable[StepClass], batch_size: int,
+                context_tokens: float) -> dict[str, Arm]:
         counts: dict[str, int] = {}
         arms: dict[str, Arm] = {}
         free: set[str] = set()
@@ -172,5 +183,6 @@ class StepComposer:
                 free.add(name)
         if not free:
             return {}
-        chosen = step_arms(self.composition, counts, arms, free, batch_size, self.options)
+        chosen = step_arms(self.composition, counts, arms, free, batch_size, self.options,
+                           context_tokens)
         return {c: a for c, a in chosen.items() if a != arms[c]}

@@ -61,6 +61,7 @@ class BatchStepSums:
     sum_verified_tokens: int
     sum_draft_tokens: int
     sum_step_seconds: float
+    sum_context_tokens: int = 0  # 0: unknown
 
 
 @dataclass(frozen=True)
@@ -97,15 +98,19 @@ class ReportPayload:
         merged: dict[tuple[int, str, int], list[float]] = {}
         for s in self.step_sums:
             m = merged.setdefault((bucket_of(bucket_bounds, s.batch_size), s.draft, s.k),
-                                  [0, 0, 0, 0, 0.0])
+                                  [0, 0, 0, 0, 0.0, 0, 0])
             m[0] += s.steps
             m[1] += s.steps * s.batch_size
             m[2] += s.sum_verified_tokens
             m[3] += s.sum_draft_tokens
             m[4] += s.sum_step_seconds
+            m[5] += s.sum_context_tokens
+            m[6] += s.sum_context_tokens == 0  # sums of steps whose context is unknown
+        # A bucket's context is known only if every one of its steps' was: a sum that left
+        # some out would read as shorter contexts than ran.
         return tuple(
             StepTimingRecord(bucket, draft, k, int(m[0]), int(m[1]), int(m[2]), int(m[3]),
-                             float(m[4]))
+                             float(m[4]), 0 if m[6] else int(m[5]))
             for (bucket, draft, k), m in sorted(merged.items())
         )
 
@@ -221,10 +226,11 @@ class StatsAggregator:
             self._ignored += 1
 
     def record_step(self, batch_size: int, verified_tokens: int, draft_tokens: int, draft: str,
-                    k: int, seconds: float) -> None:
+                    k: int, seconds: float, context_tokens: int = 0) -> None:
         """One engine step: ``batch_size`` sequences, ``verified_tokens`` tokens verified by the
         target (one per sequence plus its drafts), ``draft_tokens`` proposed by the drafter, the
-        largest K scheduled, and the step's wall time including drafting, seconds."""
+        largest K scheduled, the step's wall time including drafting, seconds, and the tokens
+        its sequences' KV caches held before it, summed (0: unknown)."""
         try:
             sums = self._steps.get((batch_size, draft, k))
             if sums is None:
@@ -232,11 +238,14 @@ class StatsAggregator:
                 if sums is None:
                     self._ignored += 1
                     return
-            if verified_tokens >= batch_size and draft_tokens >= 0 and 0.0 <= seconds < _INF:
+            if (verified_tokens >= batch_size and draft_tokens >= 0 and 0.0 <= seconds < _INF
+                    and type(context_tokens) is int and context_tokens >= 0):
                 sums[0] += 1
                 sums[1] += verified_tokens
                 sums[2] += draft_tokens
                 sums[3] += seconds
+                sums[4] += context_tokens
+                sums[5] += context_tokens == 0
             else:
                 self._ignored += 1
         except Exception:
@@ -282,15 +291,18 @@ class StatsAggregator:
         )
         # With k = 0 no draft runs, whatever the caller named: merge those keys.
         merged: dict[tuple[int, str, int], list[float]] = {}
-        for (batch, draft, k), (n, verified, drafted, seconds) in steps.items():
+        for (batch, draft, k), (n, verified, drafted, seconds, context, unknown) in steps.items():
             if n:
-                m = merged.setdefault((batch, draft if k else "", k), [0, 0, 0, 0.0])
+                m = merged.setdefault((batch, draft if k else "", k), [0, 0, 0, 0.0, 0, 0])
                 m[0] += n
                 m[1] += verified
                 m[2] += drafted
                 m[3] += seconds
+                m[4] += context
+                m[5] += unknown
         sums = tuple(
-            BatchStepSums(batch, draft, k, int(m[0]), int(m[1]), int(m[2]), float(m[3]))
+            BatchStepSums(batch, draft, k, int(m[0]), int(m[1]), int(m[2]), float(m[3]),
+                          0 if m[5] else int(m[4]))
             for (batch, draft, k), m in sorted(merged.items())
         )
         try:
@@ -347,6 +359,7 @@ class StatsAggregator:
                 or not self._draft_ok(draft, allow_empty=True)
                 or len(self._steps) >= self.max_keys):
             return None
-        sums: list[float] = [0, 0, 0, 0.0]
+        # steps, verified, drafted, seconds, context, steps of unknown context
+        sums: list[float] = [0, 0, 0, 0.0, 0, 0]
         self._steps[(batch_size, draft, k)] = sums
         return sums

@@ -42,11 +42,12 @@ class StepPolicy:
             lookup = self._lookups[batch_size] = self._view.lookup(batch_size)
         return lookup
 
-    def compose(self, lookup: PolicyLookup, counts: Mapping[str, int], batch_size: int) -> None:
+    def compose(self, lookup: PolicyLookup, counts: Mapping[str, int], batch_size: int,
+                context_tokens: float = 0.0) -> None:
         """Re-pick under ``lookup``, for the rest of the step, the arms of the settled classes
-        for a step of ``batch_size`` sequences, ``counts`` per traffic class
-        (``PolicyLookup.compose``)."""
-        self._composed = lookup.compose(counts, batch_size)
+        for a step of ``batch_size`` sequences, ``counts`` per traffic class, over
+        ``context_tokens`` of context each on average (``PolicyLookup.compose``)."""
+        self._composed = lookup.compose(counts, batch_size, context_tokens)
         self._classes.clear()
 
     @property

@@ -359,10 +359,12 @@ class PolicyLookup:
             log.debug("token cut lookup failed; no cut", exc_info=True)
             return None
 
-    def compose(self, counts: Mapping[str, int], batch_size: int) -> dict[str, Choice]:
-        """For a step whose decoding sequences number ``counts`` per traffic class: the classes
-        whose arm the policy's composition re-picks for this step, with their choice (empty
-        without a composition, or where the decisions stand). Never raises."""
+    def compose(self, counts: Mapping[str, int], batch_size: int,
+                context_tokens: float = 0.0) -> dict[str, Choice]:
+        """For a step whose decoding sequences number ``counts`` per traffic class, over
+        ``context_tokens`` of context each on average: the classes whose arm the policy's
+        composition re-picks for this step, with their choice (empty without a composition, or
+        where the decisions stand). Never raises."""
         try:
             policy = self._policy
             if policy is None or policy.composer is None:
@@ -370,7 +372,7 @@ class PolicyLookup:
             entries = {c: e for c in counts if (e := self._entry(c)[0]) is not None}
             changed = policy.composer.repick(
                 ((e.traffic_class, (e.choice.draft, e.choice.k), e.adjustable, counts[c])
-                 for c, e in entries.items()), batch_size)
+                 for c, e in entries.items()), batch_size, context_tokens)
             out = {}
             for c, e in entries.items():
                 if (arm := changed.get(e.traffic_class)) is not None:

@@ -219,7 +219,7 @@ async def test_engine_options_round_trip_and_age_out(
 
 
 def _costs(sidecar: str, at: float, scale: float = 1.0) -> CostExport:
-    n = 3 + 2 + 3  # two knots, one draft
+    n = 4 + 2 + 3  # the target's four columns (context among them), two knots, one draft
     x = np.arange(1.0, n + 1)
     return CostExport(sidecar, at, "gpu tp1 pp1 bfloat16", CostEvidence(
         ("d",), (16, 32), scale * np.outer(x, x), np.asarray(scale * 0.01 * x), scale * 1e-4,

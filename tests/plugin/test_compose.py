@@ -170,3 +170,24 @@ def test_only_settled_goodput_choices_are_repicked() -> None:
         assert not adjustable(reason, probing=False)
 
 
+
+
+def test_a_step_over_long_contexts_is_priced_at_its_own_context() -> None:
+    """The same step under a pricing whose context term is large (0.5 us per context token a
+    verified token attends to): at 50 tokens a sequence chat keeps the model draft's verified
+    tokens at K=3; at 4,000 each verified token costs 2 ms more and chat leaves K=3 for
+    fewer verified tokens. The composer prices on the step's context alike."""
+    p = COMP.pricing
+    comp = Composition(StepPricing(p.base_seconds, p.seconds_per_sequence, p.seconds_per_token,
+                                   p.knot_tokens, p.seconds_per_token_above, p.drafts, 5e-7),
+                       COMP.expected_tokens, COMP.margin)
+    arms = {"chat": ("m", 3), "docs": OFF}
+    counts = {"chat": 8}
+    short = step_arms(comp, counts, arms, {"chat"}, 8, context_tokens=50.0)
+    long = step_arms(comp, counts, arms, {"chat"}, 8, context_tokens=4000.0)
+    assert short["chat"] == ("m", 3)  # the control
+    assert long["chat"][1] < 3
+    composer = StepComposer(comp)
+    step = [("chat", ("m", 3), True, 8)]
+    assert composer.repick(step, 8, 50.0) == {}
+    assert composer.repick(step, 8, 4000.0) == {"chat": long["chat"]}

@@ -126,6 +126,7 @@ class _Request:
         self.all_token_ids = [1, 2, 3, 4]
         self.spec_token_ids = [5, 6, 7, 8]
         self.is_prefill_chunk = self.use_structured_output = False
+        self.num_computed_tokens = 4
 
     def is_finished(self) -> bool:
         return False
@@ -544,3 +545,55 @@ def test_the_token_cut_shortens_each_requests_drafts_by_their_confidences() -> N
     # The control: without the cut both verify their 4 (r0 up to its rejection, r1 its first).
     assert {r.position: sum(r.tried_by_bucket)
             for r in _confidence_step({"a": ("draft", 4)})} == {1: 2, 2: 1, 3: 1}
+
+
+def test_a_decode_steps_timing_carries_the_context_its_requests_held() -> None:
+    """The step's context is what its requests' KV caches held when it was scheduled, as the
+    SchedulerOutput keeps it (vLLM advances the request objects' counts right after
+    scheduling). The control: an output that does not say reports 0, unknown."""
+    config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
+
+    def step_context(with_counts: bool) -> tuple[int, int]:
+        pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+        requests = _batch(pilot, ["a", "a", "a"])
+        pilot.on_schedule_start()
+        fields: dict[str, object] = {}
+        if with_counts:
+            fields = {"scheduled_cached_reqs": SimpleNamespace(num_computed_tokens=[40, 70, 90]),
+                      "scheduled_new_reqs": []}
+        output = SimpleNamespace(
+            num_scheduled_tokens=dict.fromkeys(requests, 1), total_num_scheduled_tokens=3,
+            scheduled_spec_decode_tokens={}, num_invalid_spec_tokens=None,
+            num_spec_tokens_to_schedule=0, **fields)
+        sampled = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(requests)},
+                                  sampled_token_ids=[[9], [9], [9]])
+        pilot.on_output(output, sampled)
+        (sums,) = pilot.stats.drain(running_requests=3).step_sums
+        pilot.close()
+        return sums.steps, sums.sum_context_tokens
+
+    assert step_context(True) == (1, 200)
+    assert step_context(False) == (1, 0)
+
+
+def test_batch_max_prices_a_step_at_its_requests_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-step re-pick is asked with the mean KV length of the step's requests."""
+    from specpilot.engine_plugin.policy.step import StepPolicy
+
+    pilot = Pilot(engine(), PluginConfig(k_mode="batch_max"), Classifier(),
+                  announce(engine(), PluginConfig(k_mode="batch_max"), load))
+    requests = _batch(pilot, ["a", "b"])
+    requests["r0"].num_computed_tokens, requests["r1"].num_computed_tokens = 100, 300
+    seen: list[float] = []
+    real = StepPolicy.compose
+
+    def compose(self: StepPolicy, lookup: object, counts: Mapping[str, int], batch_size: int,
+                context_tokens: float = 0.0) -> None:
+        seen.append(context_tokens)
+        real(self, lookup, counts, batch_size, context_tokens)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StepPolicy, "compose", compose)
+    pilot.on_schedule_start()
+    pilot.batch_k(requests.values())  # type: ignore[arg-type]
+    pilot.close()
+    assert seen == [200.0]

@@ -205,3 +205,31 @@ def test_heartbeat_is_an_empty_report() -> None:
     assert report.interval_seconds == 0.0
     assert report.running_requests == 2**32 - 1  # clamped to the wire's uint32
     assert report_to_proto(report).running_requests == 2**32 - 1
+
+
+def test_step_sums_carry_the_context_read_and_unknown_stays_unknown() -> None:
+    """Each step's context (its sequences' KV lengths before it, summed) is summed per batch
+    size and bucket, and reaches the report. A bucket where some step's context was unknown (0)
+    reports 0, never a sum that would read as shorter contexts than ran."""
+    agg = StatsAggregator(max_k=4, drafts={"d"})
+    agg.record_step(3, 9, 6, "d", 2, 0.02, 3 * 500)
+    agg.record_step(4, 12, 8, "d", 2, 0.03, 4 * 700)
+    agg.record_step(40, 40, 0, "", 0, 0.05, 40 * 100)
+    agg.record_step(40, 40, 0, "", 0, 0.05)  # unknown
+    p = agg.drain(running_requests=0)
+    assert [s.sum_context_tokens for s in p.step_sums] == [1500, 2800, 0]
+    timings = p.step_timings((1, 4, 16))
+    assert [(t.batch_bucket, t.sum_context_tokens) for t in timings] == [(1, 4300), (3, 0)]
+    report = p.report(1, 0, 0, (1, 4, 16))
+    drafts = {"d": DraftSpec("d", DraftKind.MODEL, 4)}
+    back = report_from_proto(report_to_proto(report))
+    assert back.step_timings[0].sum_context_tokens == 4300
+    check_report(back, drafts, engine_max_k=4, n_buckets=4, last_sequence=0)
+
+
+@pytest.mark.parametrize("context", [-1, 1.5, math.nan])
+def test_a_step_with_a_bad_context_is_counted_and_ignored(context: object) -> None:
+    agg = StatsAggregator(max_k=4, drafts={"d"})
+    agg.record_step(4, 8, 4, "d", 1, 0.01, context)  # type: ignore[arg-type]
+    p = agg.drain(0)
+    assert p.step_sums == () and p.ignored_records == 1

@@ -73,6 +73,10 @@ class BucketLoads:
     64, where K=1 no longer pays: specpilot switched speculation off there and finished at 0.94
     of static K=1. A bucket never seen keeps the upper bound (the cautious end: larger batches
     speculate less).
+
+    And the context they run at: the decayed mean KV length per sequence of the timed steps
+    that carried one (``context_per_sequence``; 0 where none did), so a bucket's arms are priced
+    at the contexts its steps read.
     """
 
     def __init__(self, bounds: tuple[int, ...], half_life_seconds: float) -> None:
@@ -80,17 +84,36 @@ class BucketLoads:
         self._half_life = half_life_seconds
         self._steps: dict[int, float] = {}
         self._batch_sum: dict[int, float] = {}
+        # Sequence-steps that carried their context, and that context's sum (decayed alike).
+        self._context_batch: dict[int, float] = {}
+        self._context_sum: dict[int, float] = {}
         self._at: dict[int, float] = {}
 
-    def observe(self, bucket: int, steps: float, sum_batch_size: float, now: float) -> None:
-        """``steps`` decode steps in ``bucket`` whose batch sizes sum to ``sum_batch_size``."""
+    def observe(self, bucket: int, steps: float, sum_batch_size: float, now: float,
+                sum_context_tokens: float = 0.0) -> None:
+        """``steps`` decode steps in ``bucket`` whose batch sizes sum to ``sum_batch_size`` and
+        whose sequences' contexts sum to ``sum_context_tokens`` (0: unknown, left out of the
+        mean context)."""
         if steps <= 0:
             return
         at = self._at.get(bucket)
         f = 1.0 if at is None or now <= at else float(2.0 ** (-(now - at) / self._half_life))
         self._steps[bucket] = self._steps.get(bucket, 0.0) * f + steps
         self._batch_sum[bucket] = self._batch_sum.get(bucket, 0.0) * f + sum_batch_size
+        known = sum_batch_size if sum_context_tokens > 0 else 0.0
+        self._context_batch[bucket] = self._context_batch.get(bucket, 0.0) * f + known
+        self._context_sum[bucket] = (self._context_sum.get(bucket, 0.0) * f
+                                     + max(sum_context_tokens, 0.0))
         self._at[bucket] = now if at is None else max(at, now)
+
+    def context_per_sequence(self, bucket: int) -> float:
+        """The bucket's mean context per sequence, tokens (0: no step carried one)."""
+        known = self._context_batch.get(bucket, 0.0)
+        return self._context_sum[bucket] / known if known > 0 else 0.0
+
+    def context_at(self, batch_size: float) -> float:
+        """``context_per_sequence`` of the bucket of ``batch_size``."""
+        return self.context_per_sequence(bucket_of(self._bounds, max(1, round(batch_size))))
 
     def measured(self) -> tuple[int, ...]:
         """The buckets in which a decode step was timed, ascending."""

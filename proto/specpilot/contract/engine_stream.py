@@ -179,7 +179,8 @@ def hello_from_proto(msg: engine_pb2.EngineHello) -> EngineHello:
         plugin_version=msg.plugin_version,
         max_batch_size=msg.max_batch_size,
         step_profile=tuple(
-            StepProfile(p.batch_size, p.verified_tokens, p.draft, p.draft_passes, p.seconds)
+            StepProfile(p.batch_size, p.verified_tokens, p.draft, p.draft_passes, p.seconds,
+                        p.context_tokens)
             for p in msg.step_profile),
         hardware=msg.hardware,
     )
@@ -205,7 +206,8 @@ def hello_to_proto(hello: EngineHello) -> engine_pb2.EngineHello:
         max_batch_size=hello.max_batch_size,
         step_profile=[
             engine_pb2.StepProfile(batch_size=p.batch_size, verified_tokens=p.verified_tokens,
-                                   draft=p.draft, draft_passes=p.draft_passes, seconds=p.seconds)
+                                   draft=p.draft, draft_passes=p.draft_passes, seconds=p.seconds,
+                                   context_tokens=p.context_tokens)
             for p in hello.step_profile],
         hardware=hello.hardware,
     )
@@ -338,6 +340,7 @@ def composition_to_proto(c: Composition) -> engine_pb2.Composition:
             base_seconds=p.base_seconds, seconds_per_sequence=p.seconds_per_sequence,
             seconds_per_token=p.seconds_per_token, knot_tokens=p.knot_tokens,
             seconds_per_token_above=p.seconds_per_token_above,
+            seconds_per_context_token=p.seconds_per_context_token,
             drafts=[engine_pb2.DraftPricing(draft=name, fixed_seconds=d.fixed_seconds,
                                             seconds_per_pass=d.seconds_per_pass,
                                             seconds_per_token=d.seconds_per_token)
@@ -356,7 +359,7 @@ def composition_from_proto(msg: engine_pb2.Composition) -> Composition:
         p.base_seconds, p.seconds_per_sequence, p.seconds_per_token, tuple(p.knot_tokens),
         tuple(p.seconds_per_token_above),
         {d.draft: DraftPricing(d.fixed_seconds, d.seconds_per_pass, d.seconds_per_token)
-         for d in p.drafts})
+         for d in p.drafts}, p.seconds_per_context_token)
     return Composition(pricing, {(e.traffic_class, e.draft): tuple(e.by_k)
                                  for e in msg.expected_tokens}, msg.margin)
 

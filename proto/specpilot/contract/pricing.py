@@ -3,9 +3,11 @@ vector, and the per-step pricing the controller sends with a policy, which the p
 the policy (``specpilot.engine_plugin.policy.compose``) re-picks per step from.
 
     t = base + per_sequence x B + per_token x T + sum_j above_j x max(0, T - knot_j)
+        + per_context x L x T
         + sum_d (fixed_d x drafting_d + per_pass_d x passes_d + per_token_d x tokens_d)
 
-B is the batch's sequences, T the tokens the target verifies, and per model draft d its chance
+B is the batch's sequences, T the tokens the target verifies, L the mean tokens a sequence's KV
+cache holds before the step (its context: 0 where unknown), and per model draft d its chance
 of drafting at all in the step (1 or 0 for one step), its sequential passes and its proposed
 tokens (deterministic drafts cost nothing here). Seconds, never below ``MIN_STEP_SECONDS``. The
 controller's cost model fits the weights as one vector (``StepColumns``) and prices mixed
@@ -38,8 +40,14 @@ import numpy.typing as npt
 FloatArray = npt.NDArray[np.float64]
 Arm = tuple[str, int]  # (draft, K); ("", 0) is off
 MIN_STEP_SECONDS = 1e-6
-# Columns of the target's terms before the hinges: base, batch size, verified tokens.
-TARGET_COLUMNS = 3
+# Columns of the target's terms before the hinges: base, batch size, verified tokens, context.
+TARGET_COLUMNS = 4
+# The context column's feature is L x T, the KV tokens all verified positions attend to: each
+# verified position of a sequence attends to that sequence's whole context, so attention's work
+# grows with both, and a longer draft (T) costs more the longer the contexts are. A column on
+# the context alone (sum_ctx, read once per sequence) would price K=0 alike but leave the
+# marginal cost of a verified token independent of context, which is what decides K.
+CONTEXT_COLUMN = 3
 # Columns per model draft: drafts at all (0/1, or the share of steps drafting), sequential
 # passes, proposed tokens.
 DRAFT_COLUMNS = 3
@@ -65,29 +73,33 @@ class StepPricing:
     knot_tokens: tuple[int, ...]
     seconds_per_token_above: tuple[float, ...]
     drafts: Mapping[str, DraftPricing] = field(default_factory=dict)
+    # Per context token a verified token attends to (the L x T term).
+    seconds_per_context_token: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.knot_tokens) != len(self.seconds_per_token_above):
             raise ValueError("step pricing: one slope per knot")
         numbers = [self.base_seconds, self.seconds_per_sequence, self.seconds_per_token,
-                   *self.knot_tokens, *self.seconds_per_token_above,
+                   self.seconds_per_context_token, *self.knot_tokens, *self.seconds_per_token_above,
                    *(x for d in self.drafts.values() for x in (
                        d.fixed_seconds, d.seconds_per_pass, d.seconds_per_token))]
         if not all(math.isfinite(x) for x in numbers):
             raise ValueError("step pricing: numbers must be finite")
 
     def seconds(self, batch_size: float, verified_tokens: FloatArray,
-                passes: Mapping[str, FloatArray], draft_tokens: Mapping[str, FloatArray]
-                ) -> FloatArray:
+                passes: Mapping[str, FloatArray], draft_tokens: Mapping[str, FloatArray],
+                context_tokens: float = 0.0) -> FloatArray:
         """Step seconds, one per entry of ``verified_tokens``; ``passes`` and ``draft_tokens``
         per model draft (entries aligned with ``verified_tokens``; a draft with 0 passes does
-        not draft). Drafts without pricing cost nothing."""
-        return self.arrays.seconds_by_name(batch_size, verified_tokens, passes, draft_tokens)
+        not draft), ``context_tokens`` per sequence. Drafts without pricing cost nothing."""
+        return self.arrays.seconds_by_name(batch_size, verified_tokens, passes, draft_tokens,
+                                           context_tokens=context_tokens)
 
     @cached_property
     def arrays(self) -> PricingArrays:
         return PricingArrays(
-            np.array([self.base_seconds, self.seconds_per_sequence, self.seconds_per_token]),
+            np.array([self.base_seconds, self.seconds_per_sequence, self.seconds_per_token,
+                      self.seconds_per_context_token]),
             np.array(self.knot_tokens, dtype=np.float64), np.array(self.seconds_per_token_above),
             tuple(self.drafts),
             np.array([[d.fixed_seconds, d.seconds_per_pass, d.seconds_per_token]
@@ -96,7 +108,8 @@ class StepPricing:
 
 class PricingArrays:
     """The weights as arrays, model drafts by column (``index[name]``): the one place the
-    formula is written. ``target``: base, per-sequence and per-token seconds; ``above``: the
+    formula is written. ``target``: base, per-sequence, per-token and per-context-token
+    seconds; ``above``: the
     slope above each knot; ``draft_weights``: per draft, its fixed, per-pass and per-token
     seconds. Read at each call (views of a weight vector follow it)."""
 
@@ -113,11 +126,13 @@ class PricingArrays:
 
     def mixed_seconds(self, batch_size: float, verified: FloatArray,
                       drafting: FloatArray | npt.NDArray[np.bool_], passes: FloatArray,
-                      draft_tokens: FloatArray) -> FloatArray:
+                      draft_tokens: FloatArray, context_tokens: float = 0.0) -> FloatArray:
         """Step seconds, one per entry of ``verified``; ``drafting`` (each draft's chance of
-        drafting at all), ``passes`` and ``draft_tokens`` as (entries x drafts)."""
-        base, per_sequence, per_token = self.target
-        t = (base + per_sequence * batch_size + per_token * verified
+        drafting at all), ``passes`` and ``draft_tokens`` as (entries x drafts);
+        ``context_tokens``: the mean context per sequence."""
+        base, per_sequence, per_token, per_context = self.target
+        per_verified = per_token + per_context * context_tokens
+        t = (base + per_sequence * batch_size + per_verified * verified
              + np.maximum(0.0, verified[:, None] - self.knots[None, :]) @ self.above)
         for i in range(self.n):
             t = t + self.fixed[i] * drafting[:, i]
@@ -126,14 +141,16 @@ class PricingArrays:
         return np.asarray(np.maximum(t, MIN_STEP_SECONDS), dtype=np.float64)
 
     def seconds(self, batch_size: float, verified: FloatArray, passes: FloatArray,
-                draft_tokens: FloatArray) -> FloatArray:
+                draft_tokens: FloatArray, context_tokens: float = 0.0) -> FloatArray:
         """``mixed_seconds`` of steps in which a draft drafts exactly where it runs passes."""
-        return self.mixed_seconds(batch_size, verified, passes > 0, passes, draft_tokens)
+        return self.mixed_seconds(batch_size, verified, passes > 0, passes, draft_tokens,
+                                  context_tokens)
 
     def seconds_by_name(self, batch_size: float, verified_tokens: npt.ArrayLike,
                         passes: Mapping[str, npt.ArrayLike],
                         draft_tokens: Mapping[str, npt.ArrayLike],
-                        drafting: Mapping[str, npt.ArrayLike] | None = None) -> FloatArray:
+                        drafting: Mapping[str, npt.ArrayLike] | None = None,
+                        context_tokens: float = 0.0) -> FloatArray:
         """``mixed_seconds`` with each draft's figures by name (entries aligned with
         ``verified_tokens``); ``drafting`` None: a draft drafts where it runs passes. Drafts
         without a column cost nothing."""
@@ -146,12 +163,13 @@ class PricingArrays:
                     into[:, i] = x
         if drafting is None:
             by_drafting[:] = by_pass > 0
-        return self.mixed_seconds(batch_size, v, by_drafting, by_pass, by_token)
+        return self.mixed_seconds(batch_size, v, by_drafting, by_pass, by_token, context_tokens)
 
 
 class StepColumns:
-    """The weights as one vector, as the cost model fits them: base, batch, tokens, one hinge
-    per knot, then ``DRAFT_COLUMNS`` per model draft in ``drafts`` order."""
+    """The weights as one vector, as the cost model fits them: base, batch, tokens, context
+    (``CONTEXT_COLUMN``), one hinge per knot, then ``DRAFT_COLUMNS`` per model draft in
+    ``drafts`` order."""
 
     def __init__(self, knots: Sequence[int], drafts: Sequence[str]) -> None:
         self.knots = np.asarray(knots, dtype=np.float64)
@@ -166,14 +184,17 @@ class StepColumns:
         return range(first, first + DRAFT_COLUMNS)
 
     def features(self, batch_size: float, verified_tokens: float, draft: str = "",
-                 draft_passes: float = 0.0, draft_tokens: float = 0.0) -> FloatArray:
+                 draft_passes: float = 0.0, draft_tokens: float = 0.0,
+                 context_tokens: float = 0.0) -> FloatArray:
         """The row of a step of this mean shape: its seconds are the row times the weights.
         ``draft``: the model draft that runs ``draft_passes`` (a mean below 1: the share of
-        steps drafting) and proposes ``draft_tokens``; a draft without columns costs nothing."""
+        steps drafting) and proposes ``draft_tokens``; a draft without columns costs nothing.
+        ``context_tokens``: the mean context per sequence (0: unknown, the column not read)."""
         x = np.zeros(self.size)
         x[0] = 1.0
         x[1] = batch_size
         x[2] = verified_tokens
+        x[CONTEXT_COLUMN] = context_tokens * verified_tokens
         x[TARGET_COLUMNS : self.n_target] = np.maximum(0.0, verified_tokens - self.knots)
         if draft in self.index and draft_passes > 0:
             col = self.draft_columns(self.index[draft]).start
@@ -183,10 +204,11 @@ class StepColumns:
         return x
 
     def weights(self, base: float, per_sequence: float, per_token: float,
-                above: Sequence[float], drafts: Mapping[str, DraftPricing]) -> FloatArray:
+                above: Sequence[float], drafts: Mapping[str, DraftPricing],
+                per_context_token: float = 0.0) -> FloatArray:
         """A weight vector in these columns: the terms of ``StepPricing`` (``drafts`` must
         price every draft of the columns), unchecked."""
-        return np.array([base, per_sequence, per_token, *above,
+        return np.array([base, per_sequence, per_token, per_context_token, *above,
                          *(x for d in (drafts[name] for name in self.drafts)
                            for x in (d.fixed_seconds, d.seconds_per_pass, d.seconds_per_token))],
                         dtype=np.float64)
@@ -198,7 +220,7 @@ class StepColumns:
             w[0], w[1], w[2], tuple(int(k) for k in self.knots),
             tuple(w[TARGET_COLUMNS : self.n_target]),
             {name: DraftPricing(*(w[c] for c in self.draft_columns(i)))
-             for i, name in enumerate(self.drafts)})
+             for i, name in enumerate(self.drafts)}, w[CONTEXT_COLUMN])
 
     def arrays(self, weights: FloatArray) -> PricingArrays:
         """A weight vector in these columns as ``PricingArrays`` (views of it)."""
@@ -236,11 +258,13 @@ class Composition:
 
 
 def moved(old: Composition | None, new: Composition | None, batch_sizes: Collection[int],
-          max_k: int, tolerance: float) -> bool:
+          max_k: int, tolerance: float,
+          context_tokens: Mapping[int, float] | None = None) -> bool:
     """Whether ``new`` prices steps differently enough from ``old`` to be worth sending: a
     curve added or gone, an E(K) or the step time of some arm at one of ``batch_sizes`` (every
-    sequence on one model draft at K = 0..``max_k``) moved by more than ``tolerance``
-    (relative), or the margin changed."""
+    sequence on one model draft at K = 0..``max_k``, over ``context_tokens[b]`` of context
+    each, 0 where not given) moved by more than ``tolerance`` (relative), or the margin
+    changed."""
     if old is None or new is None:
         return old is not new
     if old.margin != new.margin or old.expected_tokens.keys() != new.expected_tokens.keys():
@@ -254,10 +278,11 @@ def moved(old: Composition | None, new: Composition | None, batch_sizes: Collect
     for b in batch_sizes:
         shapes: list[tuple[dict[str, FloatArray], dict[str, FloatArray]]] = [({}, {})]
         shapes += [({d: ks}, {d: b * ks}) for d in new.pricing.drafts]
+        context = (context_tokens or {}).get(b, 0.0)
         for passes, tokens in shapes:
             verified = b * (1.0 + ks)
-            t_new = new.pricing.seconds(b, verified, passes, tokens)
-            t_old = old.pricing.seconds(b, verified, passes, tokens)
+            t_new = new.pricing.seconds(b, verified, passes, tokens, context)
+            t_old = old.pricing.seconds(b, verified, passes, tokens, context)
             if np.any(np.abs(t_new - t_old) > tolerance * t_old):
                 return True
     return False

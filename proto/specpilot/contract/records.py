@@ -59,13 +59,16 @@ class DraftSpec:
 class StepProfile:
     """One step shape timed at engine start-up: ``batch_size`` sequences, ``verified_tokens``
     verified by the target over the step, ``draft_passes`` sequential passes of model draft
-    ``draft`` ("" = none), ``seconds`` its wall time (the fastest of a few repeats)."""
+    ``draft`` ("" = none), ``seconds`` its wall time (the fastest of a few repeats),
+    ``context_tokens`` what each sequence's KV cache held before the step (0: not profiled by
+    context)."""
 
     batch_size: int
     verified_tokens: int
     draft: str
     draft_passes: int
     seconds: float
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,9 @@ class StepTimingRecord:
     sum_verified_tokens: int
     sum_draft_tokens: int
     sum_step_seconds: float
+    # Over the steps' sequences, the tokens each one's KV cache held before the step (what the
+    # step's attention reads); 0 = unknown (older plugins), never a real step's.
+    sum_context_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ MAX_STEP_SECONDS = MAX_PROFILE_SECONDS
 # Sequence numbers advance by at most this much per report (an engine's reports never skip
 # millions; a jump to 2^64-1 would refuse every later one).
 MAX_SEQUENCE_STEP = 1_000_000
+# Tokens one sequence's KV cache holds: 2^24 (16.8M) is above any model's context window.
+MAX_CONTEXT_TOKENS = 1 << 24
 # Identifiers and versions: short strings (they are echoed into logs, metrics and the store).
 MAX_ID_CHARS = 256
 
@@ -163,6 +165,19 @@ def check_hello(hello: EngineHello) -> None:
                 f"{where}: batch_size {p.batch_size}, verified_tokens {p.verified_tokens}, "
                 f"draft_passes {p.draft_passes}: at most the engine's max batch size "
                 f"{batch_limit}, batch_size x (1 + max K {hello.max_k}) and max K")
+        _context_tokens(p.context_tokens, 1, f"{where}.context_tokens")
+
+
+def _context_tokens(value: object, sequences: int, where: str) -> None:
+    """A context sum over ``sequences`` sequence-steps: a whole number of tokens, at most
+    ``MAX_CONTEXT_TOKENS`` a sequence (0 = unknown)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ReportRejected(f"{where}: must be a finite count of tokens, got {value!r}")
+    if not (isinstance(value, int | float) and value == int(value) and value >= 0):
+        raise ReportRejected(f"{where}: must be a whole number of tokens >= 0, got {value!r}")
+    if value > sequences * MAX_CONTEXT_TOKENS:
+        raise ImplausibleInput(f"{where}: {int(value)} tokens over {sequences} sequence-steps, "
+                               f"above {MAX_CONTEXT_TOKENS} a sequence")
 
 
 _SUMMARY_COUNTS = ("prompt_tokens", "output_tokens", "drafted_tokens", "accepted_tokens")
@@ -253,6 +268,7 @@ def check_report(
         _plausible_timing(st.steps, st.sum_batch_size, st.sum_verified_tokens,
                           st.sum_draft_tokens, st.sum_step_seconds, engine_max_k, batch_limit,
                           where)
+        _context_tokens(st.sum_context_tokens, st.sum_batch_size, f"{where}.sum_context_tokens")
 
 
 def _plausible_timing(steps: int, batch: int, verified: int, drafted: int, seconds: float,
