@@ -28,6 +28,7 @@ batch after the first pass; at decode batch sizes a pass is latency-bound, so th
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -45,6 +46,10 @@ log = logging.getLogger("specpilot.plugin")
 
 PROFILE_BATCH_SIZES = (1, 16, 32)
 PROFILE_KS = (0, 1, 2, 4)
+# The long context the ends of the profile are timed again at, tokens a sequence (capped by the
+# model's length): the dummy steps' own context is ~0, so the cost model's context column is
+# identified before traffic only with a second length.
+PROFILE_CONTEXT_TOKENS = 512
 _REPEATS = 5
 _WARM_UPS = 2  # first calls allocate, and the first shapes also wake the thread pool
 # A shape whose timed calls add up to this many seconds stops repeating after two: on a CPU the
@@ -66,12 +71,13 @@ def profile_shapes(max_seqs: int, max_k: int, max_tokens: int) -> list[tuple[int
 
 @dataclass(frozen=True)
 class RawProfile:
-    """What the worker measured. ``steps``: (batch, K, seconds) of whole dummy decode steps, the
-    drafter (if any) running all ``drafter_passes`` of its passes; ``pass_seconds``: (verified
-    tokens, seconds of one drafter pass)."""
+    """What the worker measured. ``steps``: (batch, K, seconds, context) of whole dummy decode
+    steps, the drafter (if any) running all ``drafter_passes`` of its passes, each sequence over
+    ``context`` tokens of KV; ``pass_seconds``: (verified tokens, seconds of one drafter
+    pass)."""
 
     drafter_passes: int
-    steps: tuple[tuple[int, int, float], ...]
+    steps: tuple[tuple[int, int, float, int], ...]
     pass_seconds: tuple[tuple[int, float], ...]
 
 
@@ -119,7 +125,7 @@ def _take_hand_off(data_parallel_rank: int) -> RawProfile | None:
             data = json.load(f)
         return RawProfile(
             int(data["drafter_passes"]),
-            tuple((int(b), int(k), float(s)) for b, k, s in data["steps"]),
+            tuple((int(b), int(k), float(s), int(c)) for b, k, s, c in data["steps"]),
             tuple((int(t), float(s)) for t, s in data["pass_seconds"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("specpilot: the start-up step profile could not be read from %s (%s); the "
@@ -155,21 +161,32 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
     model_drafter = drafter is not None and hasattr(drafter, "dummy_run") and (
         spec.uses_draft_model() or spec.use_eagle())
     max_seqs = int(runner.scheduler_config.max_num_seqs)
+    shapes = [(b, k, 0) for b, k in profile_shapes(max_seqs, passes, int(runner.max_num_tokens))]
+    max_len = int(getattr(runner, "max_model_len", 0) or 0)
+    if "profile_seq_lens" in inspect.signature(runner._dummy_run).parameters and max_len:
+        # After the ends of K at short context (the first shapes), the same at a long one.
+        ends = 2 * len({b for b, _, _ in shapes})
+        long = [(b, k, min(PROFILE_CONTEXT_TOKENS, max_len - 1 - k))
+                for b, k, _ in shapes[:ends]]
+        shapes = shapes[:ends] + [s for s in long if s[2] > 0] + shapes[ends:]
     started = time.perf_counter()
-    steps: list[tuple[int, int, float]] = []
+    steps: list[tuple[int, int, float, int]] = []
     pass_seconds: dict[int, float] = {}
     saved_q = runner.uniform_decode_query_len
     rng = torch.get_rng_state()
     try:
         with torch.inference_mode():
-            for b, k in profile_shapes(max_seqs, passes, int(runner.max_num_tokens)):
+            for b, k, context in shapes:
                 if time.perf_counter() - started > budget_seconds:
                     break
                 tokens = b * (1 + k)
                 runner.uniform_decode_query_len = 1 + k
+                # Each dummy sequence's length: its context and the step's own tokens.
+                lengths = {"profile_seq_lens": context + 1 + k} if context else {}
                 steps.append((b, k, _min_seconds(partial(
-                    runner._dummy_run, tokens, uniform_decode=True, force_attention=True))))
-                if model_drafter and passes:
+                    runner._dummy_run, tokens, uniform_decode=True, force_attention=True,
+                    **lengths)), context))
+                if model_drafter and passes and tokens not in pass_seconds:
                     pass_seconds[tokens] = _min_seconds(partial(
                         drafter.dummy_run, tokens, use_cudagraphs=False)) / passes
     finally:
@@ -189,15 +206,16 @@ def step_profile(drafter: str, data_parallel_rank: int = 0) -> tuple[StepProfile
         return ()
     per_pass = dict(raw.pass_seconds)
     out = []
-    for b, k, seconds in raw.steps:
+    for b, k, seconds, context in raw.steps:
         tokens = b * (1 + k)
         if raw.drafter_passes and tokens not in per_pass:
             continue
         target_alone = seconds - raw.drafter_passes * per_pass.get(tokens, 0.0)
         if raw.drafter_passes and drafter and k:
-            out.append(StepProfile(b, tokens, drafter, k, target_alone + k * per_pass[tokens]))
+            out.append(StepProfile(b, tokens, drafter, k, target_alone + k * per_pass[tokens],
+                                   context))
         else:
-            out.append(StepProfile(b, tokens, "", 0, target_alone))
+            out.append(StepProfile(b, tokens, "", 0, target_alone, context))
     return tuple(p for p in out if p.seconds > 0)
 
 

@@ -32,7 +32,8 @@ def test_no_profile_means_an_empty_field(measured: None) -> None:
 
 def test_passes_beyond_k_are_taken_off_the_measured_step(measured: None) -> None:
     # Dummy steps run all 4 drafter passes: 2 ms a pass at these sizes.
-    profile._measured = RawProfile(4, ((1, 0, 0.010), (1, 2, 0.012)), ((1, 0.002), (3, 0.002)))
+    profile._measured = RawProfile(4, ((1, 0, 0.010, 0), (1, 2, 0.012, 0)),
+                                   ((1, 0.002), (3, 0.002)))
     got = {(p.batch_size, p.draft_passes): p for p in step_profile("d")}
     assert got[(1, 0)].draft == "" and got[(1, 0)].seconds == pytest.approx(0.002)
     assert got[(1, 2)].draft == "d" and got[(1, 2)].verified_tokens == 3
@@ -40,7 +41,7 @@ def test_passes_beyond_k_are_taken_off_the_measured_step(measured: None) -> None
 
 
 def test_without_a_model_drafter_every_point_is_the_target_alone(measured: None) -> None:
-    profile._measured = RawProfile(0, ((16, 0, 0.004), (16, 2, 0.006)), ())
+    profile._measured = RawProfile(0, ((16, 0, 0.004, 0), (16, 2, 0.006, 0)), ())
     assert [(p.verified_tokens, p.draft, p.draft_passes) for p in step_profile("")] == [
         (16, "", 0), (48, "", 0)]
 
@@ -55,3 +56,33 @@ def test_shapes_go_breadth_first_so_a_short_budget_still_reaches_both_ends() -> 
     assert profile_shapes(max_seqs=16, max_k=2, max_tokens=40) == [
         (1, 0), (16, 0), (1, 2), (1, 1), (16, 1)]
     assert profile_shapes(max_seqs=8, max_k=0, max_tokens=8192) == [(1, 0)]
+
+
+class _Runner:
+    """The parts of a vLLM model runner ``take_profile`` reads (no drafter)."""
+
+    speculative_config = None
+    scheduler_config = type("S", (), {"max_num_seqs": 32})()
+    max_num_tokens = 8192
+    max_model_len = 300
+    uniform_decode_query_len = 1
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int | None]] = []
+
+    def _dummy_run(self, num_tokens: int, uniform_decode: bool = False,
+                   force_attention: bool = False, profile_seq_lens: int | None = None) -> None:
+        self.calls.append((num_tokens, profile_seq_lens))
+
+
+def test_the_ends_are_timed_again_at_a_long_context(measured: None) -> None:
+    """No speculation at every batch size is timed at the dummy's own context and again at a
+    long one (capped by the model's length), so the cost model's context column is identified
+    before traffic; the hello's points say which context each ran at."""
+    runner = _Runner()
+    raw = profile.take_profile(runner, budget_seconds=60.0)
+    assert [(b, k, c) for b, k, _, c in raw.steps] == [
+        (1, 0, 0), (16, 0, 0), (32, 0, 0), (1, 0, 299), (16, 0, 299), (32, 0, 299)]
+    assert (16, 300) in runner.calls and (16, None) in runner.calls
+    profile._measured = raw
+    assert sorted({p.context_tokens for p in step_profile("")}) == [0, 299]
