@@ -5,7 +5,9 @@ vLLM's model drafters (EAGLE heads, draft models: ``SpecDecodeBaseProposer``) dr
 with ``_sample_draft_tokens``: greedy drafting takes the argmax of the logits
 (``_greedy_sample``), probabilistic drafting samples from probabilities it also returns. The
 wrappers note, per position, the probability of the proposed token (under greedy drafting the
-largest one); ``propose`` gathers one step's positions as a (requests x K) tensor; the runner's
+largest one), in the steps specpilot's scheduler marked (:func:`capture`, called by the runner's
+``propose_draft_token_ids`` wrapper in ``worker_patch``: a plain vLLM scheduler's steps cost
+nothing); the step's positions are gathered as a (requests x K) tensor and the runner's
 ``take_draft_token_ids`` attaches them, as plain lists in the rows' order, to the
 ``DraftTokenIds`` it returns (:data:`CONFIDENCE_ATTR`: a plain instance attribute, which
 survives pickling to another process). Reading the logits changes no token. Drafters with local
@@ -19,7 +21,8 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from specpilot.engine_plugin.vllm_compat import method_parameters
@@ -29,8 +32,8 @@ log = logging.getLogger("specpilot.plugin")
 CONFIDENCE_ATTR = "specpilot_draft_confidences"
 """On a DraftTokenIds: per request (``req_ids`` order), the draft's probability of each token it
 proposed, position 1 first."""
-_NOTES = "_specpilot_confidence_notes"  # on a proposer: this propose's per-position tensors
-_LAST = "_specpilot_last_confidences"  # on a proposer: the last propose's (requests x K)
+_NOTES = "_specpilot_confidence_notes"  # on a proposer: the capture's per-position tensors
+_LAST = "_specpilot_last_confidences"  # on a proposer: the last capture's (requests x K)
 _PATCHED = "__specpilot_confidence__"
 _announced: list[bool] = []  # the warning below, once per process
 
@@ -40,7 +43,6 @@ RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 NEEDED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (PROPOSER, "_greedy_sample", ("self", "hidden_states")),
     (PROPOSER, "_sample_draft_tokens", ("self", "hidden_states", "sampling_metadata")),
-    (PROPOSER, "propose", ("self", "num_speculative_tokens")),
     (RUNNER, "take_draft_token_ids", ("self",)),
 )
 
@@ -59,9 +61,11 @@ def _wrap_greedy_sample(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, hidden_states)
         import torch
 
-        # vLLM's own default branch (the argmax of the logits), with the logits kept.
+        # vLLM's own default branch (the argmax of the logits), with the logits kept: the
+        # largest probability is exp(max - logsumexp), no softmax over the vocabulary stored.
         logits = self.model.compute_logits(hidden_states)
-        _note(self, torch.softmax(logits.float(), dim=-1).amax(dim=-1))
+        top = logits.amax(dim=-1).float()
+        _note(self, torch.exp(top - torch.logsumexp(logits.float(), dim=-1)))
         return logits.argmax(dim=-1)
 
     setattr(_greedy_sample, _PATCHED, True)
@@ -81,25 +85,23 @@ def _wrap_sample_draft_tokens(original: Callable[..., Any]) -> Callable[..., Any
     return _sample_draft_tokens
 
 
-def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
-        setattr(self, _NOTES, [])
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            notes = getattr(self, _NOTES, None) or []
-            setattr(self, _NOTES, None)
-            rows = {tuple(n.shape) for n in notes}
-            last = None
-            if len(rows) == 1 and len(next(iter(rows))) == 1:  # one value per request and position
-                import torch
+@contextmanager
+def capture(drafter: Any) -> Iterator[None]:
+    """Note the confidences of the positions ``drafter`` drafts inside the block, and keep them,
+    one row per request, for the runner's next ``take_draft_token_ids`` (nothing kept where the
+    positions do not line up: a drafter that drafts all positions in one pass)."""
+    setattr(drafter, _NOTES, [])
+    try:
+        yield
+    finally:
+        notes = getattr(drafter, _NOTES, None) or []
+        setattr(drafter, _NOTES, None)
+        last = None
+        if len({tuple(n.shape) for n in notes}) == 1 and notes[0].dim() == 1:
+            import torch
 
-                last = torch.stack(notes, dim=1)
-            setattr(self, _LAST, last)
-
-    setattr(propose, _PATCHED, True)
-    return propose
+            last = torch.stack(notes, dim=1)
+        setattr(drafter, _LAST, last)
 
 
 def _wrap_take(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,7 +123,6 @@ def _wrap_take(original: Callable[..., Any]) -> Callable[..., Any]:
 _WRAPPERS: Mapping[tuple[str, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     (PROPOSER, "_greedy_sample"): _wrap_greedy_sample,
     (PROPOSER, "_sample_draft_tokens"): _wrap_sample_draft_tokens,
-    (PROPOSER, "propose"): _wrap_propose,
     (RUNNER, "take_draft_token_ids"): _wrap_take,
 }
 

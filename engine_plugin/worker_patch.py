@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from specpilot.engine_plugin.draft_confidence import install_confidence_capture
+from specpilot.engine_plugin.draft_confidence import capture, install_confidence_capture
 from specpilot.engine_plugin.vllm_compat import is_supported, method_parameters, vllm_version
 
 if TYPE_CHECKING:
@@ -145,7 +145,10 @@ def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
         except Exception:  # a layout we did not expect: run the drafter, as vLLM would
             skip = False
         if not skip:
-            return original(self, scheduler_output, *args, **kwargs)
+            if not hasattr(scheduler_output, SKIP_ATTR):  # not specpilot's scheduler
+                return original(self, scheduler_output, *args, **kwargs)
+            with capture(self.drafter):
+                return original(self, scheduler_output, *args, **kwargs)
         self._draft_probs = None
         self._draft_prob_req_ids = None
         return [[] for _ in self.input_batch.req_ids]

@@ -64,7 +64,7 @@ def _confidences(core: ControllerCore) -> None:
 
 
 def test_the_snapshot_carries_calibrations_only_where_confidences_were_counted() -> None:
-    core = _core()
+    core = _core(token_cut=True)
     core.decide(1.0)
     cut = core.snapshot(1.0).cut
     assert cut is not None and cut.calibrations == ()
@@ -75,11 +75,11 @@ def test_the_snapshot_carries_calibrations_only_where_confidences_were_counted()
     assert (rows.traffic_class, rows.draft, rows.transformed) == ("chat", "d", True)
     assert len(rows.accept) == rows.positions * N_CONFIDENCE_BUCKETS
     assert rows.accept[0] == pytest.approx(core.calibration("chat", "d", 2.0, True).accept[0, 0])
-    assert _core(token_cut=False).snapshot(1.0).cut is None  # the setting turns it off
+    assert _core().snapshot(1.0).cut is None  # off by default
 
 
 def test_the_cut_crosses_the_wire() -> None:
-    core = _core()
+    core = _core(token_cut=True)
     _confidences(core)
     snap = core.snapshot(2.0)
     back = engine_stream.policy_update_from_proto(wire.policy_update_to_proto(snap, 30.0))

@@ -51,6 +51,7 @@ def engine_info(s: Scenario) -> EngineInfo:
         max_k=s.engine.max_k,
         max_batch=s.engine.max_batch,
         offline=tuple(c.offline for c in s.classes),
+        transformed=tuple(c.confidence.transformed for c in s.classes),
     )
 
 

@@ -92,6 +92,11 @@ class ConfidenceSpec(_Strict):
     noise: float = Field(
         0.5, ge=0, le=10, description="Standard deviation of the logit noise between the "
         "draft's confidence and the true acceptance.")
+    transformed: bool = Field(
+        False, description="The target transforms the class's sampling (penalties, logit bias, "
+        "structured output): an engine plugin sees it on each request and counts and cuts its "
+        "confidences apart from untransformed requests'. Changes no token's acceptance or "
+        "confidence (that is bias's part).")
 
 
 class ClassSpec(_Strict):

@@ -7,8 +7,13 @@ the message the server sends, each step is resolved through a ``StepPolicy`` (lo
 per-step re-picks), the requests scored counterfactually with the n-gram draft are the
 ``CounterfactualPicks``, and what the simulated engine measured goes through a
 ``StatsAggregator`` into the report that every report interval of simulated time is handed to
-``ControllerCore.ingest``, followed by ``decide``, as the server does. What is left here is the
-simulated engine's side: its request ids as keys, its arrays, and its clock.
+``ControllerCore.ingest``, followed by ``decide``, as the server does. With a model draft first
+it reads the tokens' confidences (``reads_confidence``), as the plugin does where the drafter
+reports them: it counts each verified token's confidence beside its acceptance
+(``StatsAggregator.record_confidences``, censored after the first rejection) and cuts each
+request's drafts with the policy's ``TokenCut`` (``PolicyLookup.cut``, ``cut_length``); the
+drafter's passes are paid for the decided K, the cut ones only are verified. What is left here is
+the simulated engine's side: its request ids as keys, its arrays, and its clock.
 """
 
 from __future__ import annotations
@@ -25,18 +30,26 @@ from benchmarks.sim.step import (
     IntArray,
     StepOutcome,
     StepView,
+    TokenSlots,
 )
 from benchmarks.sim.truth import StepCost
 from specpilot.contract.engine_stream import policy_update_from_proto
-from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, StepProfile
+from specpilot.contract.records import (
+    CalibrationRows,
+    DraftKind,
+    DraftSpec,
+    EngineHello,
+    StepProfile,
+)
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.settings import core_config, load_settings, server_config
 from specpilot.controller.wire import policy_update_to_proto
 from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.policy.cut import cut_length
 from specpilot.engine_plugin.policy.picks import CounterfactualPicks
 from specpilot.engine_plugin.policy.stats import StatsAggregator
 from specpilot.engine_plugin.policy.step import StepPolicy
-from specpilot.engine_plugin.policy.view import Choice, PolicyView
+from specpilot.engine_plugin.policy.view import Choice, PolicyLookup, PolicyView
 from specpilot.engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
 
 ENGINE_ID = "sim-engine-0"
@@ -65,12 +78,18 @@ def start_up_profile(info: EngineInfo, cost: StepCost,
 
 
 class SpecPilotPolicy:
+    """``read_confidence``: the drafter reports its tokens' confidences (only a model draft,
+    the engine's first, can; off: the plugin on a drafter that does not)."""
+
     name = "specpilot"
 
     def __init__(self, info: EngineInfo, settings_overrides: dict[str, Any], seed: int,
                  report_interval_seconds: float,
-                 step_profile: tuple[StepProfile, ...] = ()) -> None:
+                 step_profile: tuple[StepProfile, ...] = (),
+                 read_confidence: bool = True) -> None:
         self.info = info
+        self.reads_confidence = read_confidence and info.draft_is_model[info.primary_draft]
+        self._transformed = info.transformed or (False,) * len(info.classes)
         offline = [c for c, off in zip(info.classes, info.offline, strict=True) if off]
         overrides = dict(settings_overrides)
         overrides["offline_classes"] = sorted(set(overrides.get("offline_classes", [])) |
@@ -154,7 +173,27 @@ class SpecPilotPolicy:
                 probed = [i for i in mine if resolved.probed(str(view.request_ids[i]))]
                 k[probed] = resolved.probe_choice.k
                 draft[probed] = self._index(resolved.probe_choice)
-        return Assignment(draft, k, self._scored(view, draft))
+        if view.slots is None or not lookup.cuts():
+            return Assignment(draft, k, self._scored(view, draft))
+        return Assignment(draft, self._cut(view.slots, view.classes, lookup, draft, k),
+                          self._scored(view, draft), drafted=k)
+
+    def _cut(self, slots: TokenSlots, classes: IntArray, lookup: PolicyLookup,
+             draft: IntArray, k: IntArray) -> IntArray:
+        """The verified K of each request: its drafts cut as the plugin's ``on_drafts`` cuts the
+        drafter's tokens (those of the engine's drafter only, each request's first K of them),
+        from the class's calibration and the bucket's ``min_survival``."""
+        names, transformed = self.info.classes, self._transformed
+        drafter = self.info.drafts[slots.draft]
+        cut = k.copy()
+        of_class: dict[int, tuple[CalibrationRows, float] | None] = {}
+        for i in np.flatnonzero((draft == slots.draft) & (k > 0)).tolist():
+            c = int(classes[i])
+            if c not in of_class:
+                of_class[c] = lookup.cut(names[c], drafter, transformed[c])
+            if (rows := of_class[c]) is not None:
+                cut[i] = cut_length(slots.confidence[i, :k[i]].tolist(), *rows)
+        return cut
 
     def _index(self, choice: Choice) -> int:
         return self._draft_index[choice.draft] if choice.k else NO_DRAFT
@@ -184,6 +223,8 @@ class SpecPilotPolicy:
                                      o.assignment.k[spec].tolist(), o.accepted[spec].tolist(),
                                      strict=True):
             record(names[c], drafts[d], k, accepted)
+        if o.view.slots is not None:
+            self._record_confidences(o, o.view.slots, spec)
         if o.counterfactual_accepted is not None and self.ngram is not None:
             scored = np.flatnonzero(o.counterfactual_accepted >= 0)
             for c, accepted in zip(cls[scored].tolist(),
@@ -202,6 +243,18 @@ class SpecPilotPolicy:
         now = o.view.now + o.seconds
         if now - self._last_report >= self.interval:
             self._report(now, running=o.view.batch_size)
+
+    def _record_confidences(self, o: StepOutcome, slots: TokenSlots, spec: IntArray) -> None:
+        """As the plugin's ``on_output``: the drafter's confidence in each token a request
+        verified, beside how many the target accepted (the stats censor after the first
+        rejection); transformed requests apart."""
+        names, transformed = self.info.classes, self._transformed
+        drafter, record = self.info.drafts[slots.draft], self.stats.record_confidences
+        mine = spec[o.assignment.draft[spec] == slots.draft]
+        for i, c, k, accepted in zip(mine.tolist(), o.view.classes[mine].tolist(),
+                                     o.assignment.k[mine].tolist(), o.accepted[mine].tolist(),
+                                     strict=True):
+            record(names[c], drafter, slots.confidence[i, :k].tolist(), accepted, transformed[c])
 
     def _record_step(self, o: StepOutcome) -> None:
         """The step under the model draft with the most passes, and its passes (the drafter's K)

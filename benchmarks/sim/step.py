@@ -25,6 +25,9 @@ class EngineInfo:
     max_k: int
     max_batch: int
     offline: tuple[bool, ...]
+    # Per class: the target transforms its sampling (what a plugin sees on each request); none
+    # where empty.
+    transformed: tuple[bool, ...] = ()
 
     @property
     def primary_draft(self) -> int:

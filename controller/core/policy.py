@@ -107,11 +107,13 @@ class PolicyConfig:
     offline_mode: Literal["pin_off", "goodput"] = tunable("pin_off")
     """pin_off: offline classes never speculate. goodput: decided by the same goodput math at the
     largest batch bucket (offline work runs at full load)."""
-    token_cut: bool = tunable(True)
+    token_cut: bool = tunable(False)
     """Engines cut each request's drafts at the first token whose chance of surviving
     verification, by the draft's confidence calibrated per class, does not pay for verifying it
     at the step's batch size (only shortening what the class's decision allows; only for drafts
-    whose confidences engines count)."""
+    whose confidences engines count). Off by default: where verification is compute-bound the
+    price of one more token is read at the decisions' full draft length and the cut can remove
+    every draft the decision still pays the drafter for (docs/engine-plugin.md)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from benchmarks.sim import policies
 from benchmarks.sim.confidence import ConfidenceModel
 from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.scenario import Scenario, load_scenario, parse_scenario
+from benchmarks.sim.specpilot_policy import SpecPilotPolicy
 from benchmarks.sim.step import EngineInfo, FloatArray, StepView, TokenSlots
 from benchmarks.sim.token_oracle import PerTokenOracle
 from benchmarks.sim.truth import AcceptanceTruth, StepCost
@@ -26,9 +27,10 @@ from benchmarks.sim.vllm_adaptive import (
 from tests.sim.conftest import scenario_data
 
 SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "scenarios"
-# The policies that never read a token's confidence.
+# The policies that never read a token's confidence (specpilot does, where its drafter is a model:
+# checked here with its reading off, as on a drafter that reports none).
 OLD_POLICIES = ["off", "static:all", "batch-table", "hf-heuristic", "sglang-adaptive",
-                "banditspec-ucb", "trtllm-threshold", "specpilot", "oracle"]
+                "banditspec-ucb", "trtllm-threshold", "oracle"]
 OLD_PHASE_SECONDS = 8.0
 
 
@@ -114,12 +116,19 @@ def test_policies_that_ignore_confidence_run_alike_whatever_the_confidence_model
         engine = SimEngine(s)
         out = {}
         for policy in policies.expand(names, engine):
-            run = engine.run(policies.build(policy, engine))
+            built = policies.build(policy, engine)
+            if isinstance(built, SpecPilotPolicy):
+                built.reads_confidence = False
+            run = engine.run(built)
             out[policy] = (run.tokens, run.steps)
         return out
 
-    assert runs(base, OLD_POLICIES) == runs(odd, OLD_POLICIES)
-    assert runs(base, ["vllm-adaptive"]) != runs(odd, ["vllm-adaptive"])  # the control
+    assert runs(base, [*OLD_POLICIES, "specpilot"]) == runs(odd, [*OLD_POLICIES, "specpilot"])
+    # The controls: the policies that read the confidences run differently.
+    assert runs(base, ["vllm-adaptive"]) != runs(odd, ["vllm-adaptive"])
+    engine = SimEngine(odd)
+    reading = engine.run(policies.build("specpilot", engine))
+    assert (reading.tokens, reading.steps) != runs(odd, ["specpilot"])["specpilot"]
 
 
 def f64(x: Any) -> FloatArray:
@@ -240,3 +249,106 @@ def test_the_per_token_oracle_is_the_ceiling() -> None:
         for name in policies.expand(names, engine):
             run = engine.run(policies.build(name, engine))
             assert run.throughput <= ceiling, (seed, name, run.throughput, ceiling)
+
+
+def _counted(policy: SpecPilotPolicy, names: tuple[str, ...]) -> dict[str, list[int]]:
+    """Per class: the drafts the drafter proposed and those verified, as ``policy`` assigns."""
+    counts = {c: [0, 0] for c in names}
+    assign = policy.assign
+
+    def counting(view: StepView) -> Any:
+        a = assign(view)
+        drafted = a.k if a.drafted is None else a.drafted
+        for c, name in enumerate(names):
+            mine = view.classes == c
+            counts[name][0] += int(drafted[mine].sum())
+            counts[name][1] += int(a.k[mine].sum())
+        return a
+
+    policy.assign = counting  # type: ignore[method-assign]
+    return counts
+
+
+def _reports(policy: SpecPilotPolicy) -> list[Any]:
+    """The reports ``policy`` hands its controller core, as they come."""
+    reports: list[Any] = []
+    ingest = policy.core.ingest
+
+    def kept(engine_id: str, report: Any, now: float) -> Any:
+        reports.append(report)
+        return ingest(engine_id, report, now)
+
+    policy.core.ingest = kept  # type: ignore[method-assign]
+    return reports
+
+
+def _cut_mix() -> Scenario:
+    """The token cut on (it is off by default). Verifying costs (0.2 ms a token on a 10 ms
+    step): "sure" is 0.95 at every position, every token alike; "mixed" is 0.7 of tokens that
+    are either sure or hopeless, its draft's confidence telling them apart."""
+    return parse_scenario(scenario_data(
+        engine={"max_k": 4, "max_batch": 16},
+        cost={"base_ms": 10, "per_sequence_ms": 0.1, "per_token_ms": 0.2, "ridge_tokens": 10_000,
+              "per_token_above_ridge_ms": 0.2, "noise": 0.0},
+        drafts=[{"name": "small", "kind": "model", "per_pass_ms": 1.0, "per_token_ms": 0.01}],
+        classes=[
+            {"name": "sure", "share": 0.5, "prompt_tokens": 50, "output_tokens": [200, 400],
+             "spread": 0.0, "acceptance": {"small": 0.95},
+             "confidence": {"concentration": 1000, "noise": 0.1}},
+            {"name": "mixed", "share": 0.5, "prompt_tokens": 50, "output_tokens": [200, 400],
+             "spread": 0.0, "acceptance": {"small": 0.7},
+             "confidence": {"concentration": 0.3, "noise": 0.1}},
+        ],
+        load=[{"duration_seconds": 40, "concurrency": 8}],
+        specpilot={"token_cut": True}))
+
+
+def test_specpilot_counts_the_confidences_it_verified_and_cuts_a_low_calibration() -> None:
+    s = _cut_mix()
+    engine = SimEngine(s)
+    policy = policies.build("specpilot", engine)
+    assert isinstance(policy, SpecPilotPolicy) and policy.reads_confidence
+    reports = _reports(policy)
+    counts = _counted(policy, engine.info.classes)
+    engine.run(policy)
+    counted = {(r.traffic_class, r.draft, r.transformed) for rep in reports
+               for r in rep.confidence}
+    assert counted == {("sure", "small", False), ("mixed", "small", False)}
+    # Position 1 of every verification is counted, and no later position more often.
+    first = sum(sum(r.tried_by_bucket) for rep in reports for r in rep.confidence
+                if r.position == 1)
+    assert first > 1000
+    # The cut: the mixed class, whose hopeless tokens its draft's confidence tells apart,
+    # verifies a far smaller share of the drafts it drafted than the sure one.
+    sure, mixed = counts["sure"], counts["mixed"]
+    assert sure[0] > 1000 and mixed[0] > 1000, counts
+    assert mixed[1] / mixed[0] < sure[1] / sure[0] - 0.2, counts
+
+
+def test_specpilot_without_confidences_counts_none_and_cuts_nothing() -> None:
+    engine = SimEngine(_cut_mix())
+    policy = policies.build("specpilot", engine)
+    assert isinstance(policy, SpecPilotPolicy)
+    policy.reads_confidence = False
+    reports = _reports(policy)
+    counts = _counted(policy, engine.info.classes)
+    engine.run(policy)
+    assert reports and not any(rep.confidence for rep in reports)
+    assert all(drafted == verified and drafted > 1000 for drafted, verified in counts.values())
+
+
+def test_a_transformed_class_is_counted_apart() -> None:
+    data = scenario_data(classes=[
+        {"name": "easy", "share": 0.5, "prompt_tokens": [50, 200], "output_tokens": [50, 200],
+         "acceptance": {"small": 0.9, "ngram": 0.2}},
+        {"name": "hard", "share": 0.5, "prompt_tokens": [50, 200], "output_tokens": [50, 200],
+         "acceptance": {"small": 0.6, "ngram": 0.05},
+         "confidence": {"bias": 1.5, "transformed": True}}],
+        load=[{"duration_seconds": 10, "concurrency": 4}])
+    engine = SimEngine(parse_scenario(data))
+    policy = policies.build("specpilot", engine)
+    assert isinstance(policy, SpecPilotPolicy)
+    reports = _reports(policy)
+    engine.run(policy)
+    assert {(r.traffic_class, r.transformed) for rep in reports for r in rep.confidence} == {
+        ("easy", False), ("hard", True)}
