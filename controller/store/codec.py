@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from specpilot.contract.pricing import CONTEXT_COLUMN
 from specpilot.contract.records import (
     ArmFigures,
     Decision,
@@ -33,6 +34,9 @@ from specpilot.controller.core.recommend import (
 
 # Bumped when the stored shape changes; a record of another version is skipped, not misread.
 FORMAT = 1
+# Step-cost records: 2 since the cost model's context column (each vector one longer, the column
+# at CONTEXT_COLUMN); format-1 records are read by inserting it empty.
+COSTS_FORMAT = 2
 T = TypeVar("T")
 
 
@@ -40,18 +44,21 @@ class StoredRecordError(ValueError):
     """A stored record could not be read; the message says why (the record is skipped)."""
 
 
-def _dump(fields: dict[str, Any]) -> str:
+def _dump(fields: dict[str, Any], fmt: int = FORMAT) -> str:
     """One record: its fields and the format, compact; ValueError for a number not finite."""
-    return json.dumps({"format": FORMAT, **fields}, separators=(",", ":"), allow_nan=False)
+    return json.dumps({"format": fmt, **fields}, separators=(",", ":"), allow_nan=False)
 
 
-def _parse(text: str | bytes, what: str, build: Callable[[dict[str, Any]], T]) -> T:
-    """``build`` on the fields of a stored ``what`` record of this format; StoredRecordError
-    for anything else (a missing field, a wrong type or a failed check inside ``build``)."""
+def _parse(text: str | bytes, what: str, build: Callable[[dict[str, Any]], T],
+           formats: tuple[int, ...] = (FORMAT,)) -> T:
+    """``build`` on the fields of a stored ``what`` record of one of ``formats``;
+    StoredRecordError for anything else (a missing field, a wrong type or a failed check inside
+    ``build``)."""
     try:
         raw: Any = json.loads(text)
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise StoredRecordError(f"not a {what} record of format {FORMAT}")
+        if not isinstance(raw, dict) or raw.get("format") not in formats:
+            raise StoredRecordError(
+                f"not a {what} record of format {' or '.join(map(str, formats))}")
         return build(raw)
     except StoredRecordError:
         raise
@@ -95,12 +102,14 @@ def costs_to_json(export: CostExport) -> str:
         "information_upper": ev.information[np.triu_indices(ev.weighted_times.size)].tolist(),
         "weighted_times": ev.weighted_times.tolist(),
         "squared_times": ev.squared_times, "reports": ev.reports, "steps": ev.steps,
-    })
+    }, COSTS_FORMAT)
 
 
 def costs_from_json(text: str | bytes) -> CostExport:
-    """StoredRecordError for anything but a well-formed step-cost export of this format (finite
-    numbers, an information matrix of the size its knots and drafts give)."""
+    """StoredRecordError for anything but a well-formed step-cost export (finite numbers, an
+    information matrix of the size its knots and drafts give). A format-1 record (from before
+    the context column) comes back with that column empty: its steps were reported without
+    context, which is what an empty column says, so the migration is exact."""
     def build(raw: dict[str, Any]) -> CostExport:
         times = np.asarray(raw["weighted_times"], dtype=np.float64)
         upper = np.asarray(raw["information_upper"], dtype=np.float64)
@@ -111,6 +120,10 @@ def costs_from_json(text: str | bytes) -> CostExport:
         information = np.zeros((n, n))
         information[np.triu_indices(n)] = upper
         information = information + np.triu(information, 1).T
+        if raw["format"] == 1:
+            times = np.insert(times, CONTEXT_COLUMN, 0.0)
+            information = np.insert(np.insert(information, CONTEXT_COLUMN, 0.0, axis=0),
+                                    CONTEXT_COLUMN, 0.0, axis=1)
         evidence = CostEvidence(
             tuple(str(d) for d in raw["drafts"]), tuple(int(k) for k in raw["knots"]),
             information, times,
@@ -118,7 +131,7 @@ def costs_from_json(text: str | bytes) -> CostExport:
             _finite(raw["steps"], "steps"))
         return CostExport(str(raw["sidecar"]), _finite(raw["at"], "at"), str(raw["hardware"]),
                           evidence)
-    return _parse(text, "step-cost", build)
+    return _parse(text, "step-cost", build, (1, COSTS_FORMAT))
 
 
 def override_to_json(ov: Override) -> str:

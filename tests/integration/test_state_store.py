@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks.redis_servers import RedisCluster, RedisServer
+from specpilot.contract.pricing import CONTEXT_COLUMN
 from specpilot.contract.records import Decision, DecisionEvent, Override, OverrideScope, Reason
 from specpilot.controller.core.cost_model import CostEvidence
 from specpilot.controller.core.fleet import CostExport, EvidenceEntry, EvidenceExport
@@ -252,3 +253,50 @@ async def test_step_cost_exports_round_trip_and_age_out(
     await store.put_costs(model, _costs("a", 102.0), ttl_seconds=0.05)
     await asyncio.sleep(0.2)
     assert [c.sidecar for c in await store.costs(model, since=0.0)] == ["b"]
+
+
+def _format_1_costs_json(sidecar: str, context_column: bool = False) -> str:
+    """A step-cost record as stored before the context column: format 1, the target's three
+    columns (base, batch, tokens), two knots, one draft; with ``context_column`` a format-1
+    record of today's length, which no writer made."""
+    raw = json.loads(costs_to_json(_costs(sidecar, 100.0)))
+    if not context_column:
+        n = len(raw["weighted_times"]) - 1
+        x = np.delete(np.arange(1.0, n + 2), CONTEXT_COLUMN)
+        raw["information_upper"] = np.outer(x, x)[np.triu_indices(n)].tolist()
+        raw["weighted_times"] = (0.01 * x).tolist()
+    raw["format"] = 1
+    return json.dumps(raw)
+
+
+async def test_a_step_cost_record_from_before_the_context_column_is_read_with_it_empty(
+        redis_server: RedisServer) -> None:
+    """Older sidecars' (and a restart's) stored step costs have one column fewer: they are
+    migrated exactly (their steps carried no context, so the column is all zero), the other
+    numbers in their places; a record of an unknown format, or a format-1 record of the new
+    length, is skipped, never misread."""
+    store = RedisStore.from_url(redis_server.url)
+    tag = model_tag("old-costs")
+    try:
+        for sidecar in ("a", "b", "c", "d"):
+            await store.put_evidence("old-costs", _export(sidecar, 100.0, 1.0), ttl_seconds=60)
+        await store.put_costs("old-costs", _costs("a", 100.0), ttl_seconds=60)
+        redis_server.cli("SET", f"specpilot:{tag}:costs:b", _format_1_costs_json("b"))
+        redis_server.cli("SET", f"specpilot:{tag}:costs:c",
+                         _format_1_costs_json("c", context_column=True))
+        future = json.loads(costs_to_json(_costs("d", 100.0)))
+        future["format"] = 99
+        redis_server.cli("SET", f"specpilot:{tag}:costs:d", json.dumps(future))
+        got = {c.sidecar: c.evidence for c in await store.costs("old-costs", since=0.0)}
+        assert sorted(got) == ["a", "b"]
+        old, new = got["b"], got["a"]
+        assert np.all(old.information[CONTEXT_COLUMN] == 0.0)
+        assert np.all(old.information[:, CONTEXT_COLUMN] == 0.0)
+        assert old.weighted_times[CONTEXT_COLUMN] == 0.0
+        rest = np.delete(np.arange(new.weighted_times.size), CONTEXT_COLUMN)
+        assert np.array_equal(old.information[np.ix_(rest, rest)],
+                              new.information[np.ix_(rest, rest)])
+        assert np.array_equal(old.weighted_times[rest], new.weighted_times[rest])
+        assert (old.drafts, old.knots, old.steps) == (new.drafts, new.knots, new.steps)
+    finally:
+        await store.close()
