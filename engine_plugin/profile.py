@@ -69,6 +69,20 @@ def profile_shapes(max_seqs: int, max_k: int, max_tokens: int) -> list[tuple[int
     return [(b, k) for k in by_priority for b in batches if b * (1 + k) <= max_tokens]
 
 
+def profile_plan(max_seqs: int, max_k: int, max_tokens: int,
+                 max_len: int) -> list[tuple[int, int, int]]:
+    """(batch size, K, context tokens a sequence) in the order the profile times them: the
+    ``profile_shapes`` at no context, the ends of K (the first of them) again at
+    ``PROFILE_CONTEXT_TOKENS`` right after them (capped so a sequence fits ``max_len``; 0: the
+    runner cannot time a context, none added)."""
+    shapes = [(b, k, 0) for b, k in profile_shapes(max_seqs, max_k, max_tokens)]
+    if not max_len:
+        return shapes
+    ends = 2 * len({b for b, _, _ in shapes})
+    long = [(b, k, min(PROFILE_CONTEXT_TOKENS, max_len - 1 - k)) for b, k, _ in shapes[:ends]]
+    return shapes[:ends] + [s for s in long if s[2] > 0] + shapes[ends:]
+
+
 @dataclass(frozen=True)
 class RawProfile:
     """What the worker measured. ``steps``: (batch, K, seconds, context) of whole dummy decode
@@ -161,14 +175,10 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
     model_drafter = drafter is not None and hasattr(drafter, "dummy_run") and (
         spec.uses_draft_model() or spec.use_eagle())
     max_seqs = int(runner.scheduler_config.max_num_seqs)
-    shapes = [(b, k, 0) for b, k in profile_shapes(max_seqs, passes, int(runner.max_num_tokens))]
-    max_len = int(getattr(runner, "max_model_len", 0) or 0)
-    if "profile_seq_lens" in inspect.signature(runner._dummy_run).parameters and max_len:
-        # After the ends of K at short context (the first shapes), the same at a long one.
-        ends = 2 * len({b for b, _, _ in shapes})
-        long = [(b, k, min(PROFILE_CONTEXT_TOKENS, max_len - 1 - k))
-                for b, k, _ in shapes[:ends]]
-        shapes = shapes[:ends] + [s for s in long if s[2] > 0] + shapes[ends:]
+    # Runners whose dummy steps cannot be given a context are timed at none only.
+    max_len = (int(getattr(runner, "max_model_len", 0) or 0)
+               if "profile_seq_lens" in inspect.signature(runner._dummy_run).parameters else 0)
+    shapes = profile_plan(max_seqs, passes, int(runner.max_num_tokens), max_len)
     started = time.perf_counter()
     steps: list[tuple[int, int, float, int]] = []
     pass_seconds: dict[int, float] = {}

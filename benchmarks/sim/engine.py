@@ -68,6 +68,14 @@ class _Request:
     drafted: int = 0
     accepted: int = 0
 
+    @property
+    def context(self) -> int:
+        """The tokens its KV cache holds: the prompt prefilled so far, then every generated
+        token but the newest (the next step computes its KV)."""
+        if self.prefill_left:
+            return self.prompt - self.prefill_left
+        return self.prompt + max(self.output - self.remaining - 1, 0)
+
 
 class _Traffic:
     """Request i's attributes, identical for every policy run on the same scenario and seed."""
@@ -422,13 +430,17 @@ class SimEngine:
                 prefill.append((r, chunk))
                 prefill_room -= chunk
         prefill_tokens = sum(c for _, c in prefill)
+        contexts = np.fromiter((r.context for r in decoding), dtype=np.int64,
+                               count=len(decoding))
+        context_tokens = int(contexts.sum()) + sum(r.context for r, _ in prefill)
         slots = None
         if conf_rng is not None:
             draft = self.info.primary_draft
             offsets = np.array([r.offset for r in decoding])
             rates = self.truth.request_rates(now, cls, np.full(cls.size, draft), offsets)
             slots = self.confidence.draw(conf_rng, draft, cls, rates)
-        view = StepView(now, len(decoding) + len(prefill), prefill_tokens, ids, cls, slots)
+        view = StepView(now, len(decoding) + len(prefill), prefill_tokens, ids, cls, slots,
+                        contexts, context_tokens)
         return _Plan(decoding, prefill, view)
 
     def _assign(self, policy: Policy, view: StepView
@@ -476,7 +488,7 @@ class SimEngine:
         """The true step cost: a model draft runs as many sequential passes as the most tokens it
         proposed to one sequence (``drafted``: per request the draft and its tokens) and
         proposes their sum; the target verifies 1 + K per decoding request plus the prefill
-        chunks."""
+        chunks, each token over its sequence's context."""
         passes = np.zeros(len(self.info.drafts), dtype=np.int64)
         dtok = np.zeros(len(self.info.drafts), dtype=np.int64)
         for d in range(len(self.info.drafts)):
@@ -484,7 +496,12 @@ class SimEngine:
             if mine.size:
                 passes[d], dtok[d] = int(mine.max()), int(mine.sum())
         verified = int(len(plan.decoding) + k.sum()) + plan.view.prefill_tokens
-        seconds = self.cost.seconds(plan.view.batch_size, verified, passes, dtok)
+        reads = 0.0
+        if self.cost.per_context_token:
+            assert plan.view.contexts is not None
+            reads = float(np.dot(1 + k, plan.view.contexts)
+                          + sum(chunk * r.context for r, chunk in plan.prefill))
+        seconds = self.cost.seconds(plan.view.batch_size, verified, passes, dtok, reads)
         if self.cost.noise:
             seconds *= float(np.exp(self.cost.noise * rng.standard_normal()))
         return _Charge(seconds, verified, passes, dtok)

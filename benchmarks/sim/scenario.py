@@ -60,6 +60,11 @@ class CostSpec(_Strict):
     ridge_tokens: int = Field(ge=1, description="Tokens per step where compute starts to bind.")
     per_token_above_ridge_ms: float = Field(
         ge=0, description="Extra per token beyond the ridge, ms.")
+    per_context_token_ms: float = Field(
+        0.0, ge=0, description="Added per context token a token of the step attends to, ms: "
+        "each verified or prefilled token reads its sequence's KV cache as it was before the "
+        "step (prompt plus generated tokens), so a sequence verifying 1 + K tokens over L of "
+        "context adds (1 + K) x L times this. 0: context is free.")
     noise: float = Field(0.03, ge=0, le=1, description="Log-normal sigma of step-time noise.")
 
 

@@ -4,16 +4,16 @@ module.
 The adapter plays the plugin's part with the plugin's objects (``specpilot.engine_plugin.policy``;
 nothing of the plugin or the controller is re-implemented): the policy reaches a ``PolicyView`` as
 the message the server sends, each step is resolved through a ``StepPolicy`` (lookup, probes,
-per-step re-picks), the requests scored counterfactually with the n-gram draft are the
-``CounterfactualPicks``, and what the simulated engine measured goes through a
-``StatsAggregator`` into the report that every report interval of simulated time is handed to
-``ControllerCore.ingest``, followed by ``decide``, as the server does. With a model draft first
-it reads the tokens' confidences (``reads_confidence``), as the plugin does where the drafter
-reports them: it counts each verified token's confidence beside its acceptance
-(``StatsAggregator.record_confidences``, censored after the first rejection) and cuts each
-request's drafts with the policy's ``TokenCut`` (``PolicyLookup.cut``, ``cut_length``); the
-drafter's passes are paid for the decided K, the cut ones only are verified. What is left here is
-the simulated engine's side: its request ids as keys, its arrays, and its clock.
+per-step re-picks, priced at the step's context), the requests scored counterfactually with the
+n-gram draft are the ``CounterfactualPicks``, and what the simulated engine measured (its steps'
+context among it) goes through a ``StatsAggregator`` into the report that every report interval of
+simulated time is handed to ``ControllerCore.ingest``, followed by ``decide``, as the server does.
+With a model draft first it reads the tokens' confidences (``reads_confidence``), as the plugin does
+where the drafter reports them: it counts each verified token's confidence beside its acceptance
+(``StatsAggregator.record_confidences``, censored after the first rejection) and cuts each request's
+drafts with the policy's ``TokenCut`` (``PolicyLookup.cut``, ``cut_length``); the drafter's passes
+are paid for the decided K, the cut ones only are verified. What is left here is the simulated
+engine's side: its request ids as keys, its arrays, and its clock.
 """
 
 from __future__ import annotations
@@ -50,44 +50,53 @@ from specpilot.engine_plugin.policy.picks import CounterfactualPicks
 from specpilot.engine_plugin.policy.stats import StatsAggregator
 from specpilot.engine_plugin.policy.step import StepPolicy
 from specpilot.engine_plugin.policy.view import Choice, PolicyLookup, PolicyView
-from specpilot.engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
+from specpilot.engine_plugin.profile import profile_plan
 
 ENGINE_ID = "sim-engine-0"
 _VOCAB = "simulated-vocabulary"
+# The simulated target's context limit, tokens: longer than any profiled context.
+_MAX_MODEL_LEN = 1 << 20
 
 
-def start_up_profile(info: EngineInfo, cost: StepCost,
-                     scale: tuple[float, float] = (1.0, 1.0)) -> tuple[StepProfile, ...]:
+def start_up_profile(info: EngineInfo, cost: StepCost, max_tokens: int,
+                     scale: tuple[float, float] = (1.0, 1.0),
+                     by_context: bool = True) -> tuple[StepProfile, ...]:
     """What the plugin's start-up profile would send for this engine
-    (``specpilot.engine_plugin.profile``: the same batch sizes and K, uniform decode steps, the
-    first model draft running K passes), timed by the scenario's step cost without noise (the plugin
-    keeps the fastest of five), times ``scale`` (without speculation, with): a real profile's
-    bias."""
+    (``specpilot.engine_plugin.profile``: its ``profile_plan`` of uniform decode steps, the ends
+    of K again over a long context, the first model draft running K passes), timed by the
+    scenario's step cost without noise (the plugin keeps the fastest of five), times ``scale``
+    (without speculation, with): a real profile's bias. ``by_context`` off: a runner that cannot
+    time a context (no long-context points)."""
     model = next((d for d, m in enumerate(info.draft_is_model) if m), None)
     out = []
-    for b in (b for b in PROFILE_BATCH_SIZES if b <= info.max_batch):
-        for k in (k for k in PROFILE_KS if k <= info.max_k and (k == 0 or model is not None)):
-            passes = np.zeros(len(info.drafts))
-            draft_tokens = np.zeros(len(info.drafts))
-            if k and model is not None:
-                passes[model], draft_tokens[model] = k, k * b
-            seconds = cost.seconds(b, b * (1 + k), passes, draft_tokens) * scale[1 if k else 0]
-            out.append(StepProfile(b, b * (1 + k), info.drafts[model] if k and model is not None
-                                   else "", k, seconds))
+    max_k = info.max_k if model is not None else 0
+    max_len = _MAX_MODEL_LEN if by_context else 0
+    for b, k, context in profile_plan(info.max_batch, max_k, max_tokens, max_len):
+        passes = np.zeros(len(info.drafts))
+        draft_tokens = np.zeros(len(info.drafts))
+        if k and model is not None:
+            passes[model], draft_tokens[model] = k, k * b
+        seconds = cost.seconds(b, b * (1 + k), passes, draft_tokens,
+                               b * (1 + k) * context) * scale[1 if k else 0]
+        out.append(StepProfile(b, b * (1 + k), info.drafts[model] if k and model is not None
+                               else "", k, seconds, context))
     return tuple(out)
 
 
 class SpecPilotPolicy:
     """``read_confidence``: the drafter reports its tokens' confidences (only a model draft,
-    the engine's first, can; off: the plugin on a drafter that does not)."""
+    the engine's first, can; off: the plugin on a drafter that does not). ``read_context``
+    off: an engine whose plugin reports no context (0, unknown: the cost model's context column
+    stays at its prior) and composes its steps without one."""
 
     name = "specpilot"
 
     def __init__(self, info: EngineInfo, settings_overrides: dict[str, Any], seed: int,
                  report_interval_seconds: float,
                  step_profile: tuple[StepProfile, ...] = (),
-                 read_confidence: bool = True) -> None:
+                 read_confidence: bool = True, read_context: bool = True) -> None:
         self.info = info
+        self.reads_context = read_context
         self.reads_confidence = read_confidence and info.draft_is_model[info.primary_draft]
         self._transformed = info.transformed or (False,) * len(info.classes)
         offline = [c for c, off in zip(info.classes, info.offline, strict=True) if off]
@@ -162,7 +171,9 @@ class SpecPilotPolicy:
         lookup = step.lookup(view.batch_size)
         counts = np.bincount(view.classes, minlength=len(names))
         present = np.flatnonzero(counts)
-        step.compose(lookup, {names[c]: int(counts[c]) for c in present}, view.batch_size)
+        context = view.context_tokens / view.batch_size if self.reads_context else 0.0
+        step.compose(lookup, {names[c]: int(counts[c]) for c in present}, view.batch_size,
+                     context)
         k = np.zeros(view.classes.size, dtype=np.int64)
         draft = np.full(view.classes.size, NO_DRAFT, dtype=np.int64)
         for c in present:
@@ -262,12 +273,14 @@ class SpecPilotPolicy:
         info = self.info
         model = [d for d in range(len(info.drafts)) if info.draft_is_model[d] and o.draft_passes[d]]
         top = max(model, key=lambda d: o.draft_passes[d]) if model else None
+        context = o.view.context_tokens if self.reads_context else 0
         if top is None:
-            self.stats.record_step(o.view.batch_size, o.verified_tokens, 0, "", 0, o.seconds)
+            self.stats.record_step(o.view.batch_size, o.verified_tokens, 0, "", 0, o.seconds,
+                                   context)
         else:
             self.stats.record_step(o.view.batch_size, o.verified_tokens,
                                    int(o.draft_tokens[top]), info.drafts[top],
-                                   int(o.draft_passes[top]), o.seconds)
+                                   int(o.draft_passes[top]), o.seconds, context)
 
     def _report(self, now: float, running: int) -> None:
         self._now = now

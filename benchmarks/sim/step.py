@@ -55,6 +55,12 @@ class StepView:
     request_ids: IntArray
     classes: IntArray
     slots: TokenSlots | None = None
+    # Per decoding request: the tokens its KV cache holds before the step (prompt and generated
+    # tokens, the newest one aside: the step computes it); None where not given.
+    contexts: IntArray | None = None
+    # Over every sequence of the step, prefilling ones included: the same, summed (what the
+    # engine plugin reports as a step's context).
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)

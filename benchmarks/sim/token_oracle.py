@@ -33,28 +33,32 @@ class PerTokenOracle:
     def observe(self, outcome: StepOutcome) -> None:
         return None
 
-    def _curves(self, survival: FloatArray, batch: int,
-                prefill: int) -> list[tuple[FloatArray, FloatArray]]:
-        """Per P = 0..max_k: expected tokens and seconds for B = 0..n x P best slots."""
+    def _curves(self, survival: FloatArray, batch: int, prefill: int,
+                context: float) -> list[tuple[FloatArray, FloatArray]]:
+        """Per P = 0..max_k: expected tokens and seconds for B = 0..n x P best slots, every
+        decoding request over ``context`` tokens of context."""
         n, d = survival.shape[0], self.info.primary_draft if survival.size else 0
         out = []
         for passes in range(survival.shape[1] + 1):
             scores = np.sort(survival[:, :passes].ravel())[::-1]
             tokens = n + np.concatenate(([0.0], np.cumsum(scores)))
             b = np.arange(tokens.size)
-            seconds = (self.cost.target_seconds(batch, n + prefill + b)
+            seconds = (self.cost.target_seconds(batch, n + prefill + b, context * (n + b))
                        + (self.cost.draft_per_pass[d] * passes if passes else 0.0)
                        + self.cost.draft_per_token[d] * b)
             out.append((tokens, seconds))
         return out
 
-    def plan(self, survival: FloatArray, batch: int, prefill: int) -> tuple[int, int]:
-        """The (passes, budget) of the step's best allocation."""
+    def plan(self, survival: FloatArray, batch: int, prefill: int,
+             context: float = 0.0) -> tuple[int, int]:
+        """The (passes, budget) of the step's best allocation; ``context``: the decoding
+        requests' mean (a slot is priced at it: exact when their contexts are equal)."""
         lam = 0.0
         if prefill:
-            lam = max(float(np.max(t / s)) for t, s in self._curves(survival, batch, 0))
+            lam = max(float(np.max(t / s)) for t, s in self._curves(survival, batch, 0, context))
         best, choice = -np.inf, (0, 0)
-        for passes, (tokens, seconds) in enumerate(self._curves(survival, batch, prefill)):
+        for passes, (tokens, seconds) in enumerate(self._curves(survival, batch, prefill,
+                                                                context)):
             value = tokens - lam * seconds if lam > 0 else tokens / seconds
             b = int(np.argmax(value))
             if value[b] > best:
@@ -65,7 +69,9 @@ class PerTokenOracle:
         slots = view.slots
         assert slots is not None, "the engine draws token slots for per-token-oracle"
         surv = survival(slots.acceptance)
-        passes, budget = self.plan(surv, view.batch_size, view.prefill_tokens)
+        context = (float(view.contexts.mean())
+                   if view.contexts is not None and view.contexts.size else 0.0)
+        passes, budget = self.plan(surv, view.batch_size, view.prefill_tokens, context)
         k = top_slots(surv[:, :passes], budget) if passes else np.zeros(
             view.request_ids.size, dtype=np.int64)
         return Assignment(np.full(k.size, slots.draft, dtype=np.int64), k)

@@ -49,6 +49,7 @@ class StepCost:
     noise: float
     draft_per_pass: FloatArray  # per draft (0 for n-gram)
     draft_per_token: FloatArray
+    per_context_token: float = 0.0  # per context token a step's token attends to
 
     @classmethod
     def from_scenario(cls, s: Scenario) -> StepCost:
@@ -56,21 +57,26 @@ class StepCost:
         return cls(c.base_ms / 1e3, c.per_sequence_ms / 1e3, c.per_token_ms / 1e3, c.ridge_tokens,
                    c.per_token_above_ridge_ms / 1e3, c.noise,
                    np.array([d.per_pass_ms / 1e3 for d in s.drafts]),
-                   np.array([d.per_token_ms / 1e3 for d in s.drafts]))
+                   np.array([d.per_token_ms / 1e3 for d in s.drafts]),
+                   c.per_context_token_ms / 1e3)
 
-    def target_seconds(self, batch: float, tokens: npt.ArrayLike) -> FloatArray:
+    def target_seconds(self, batch: float, tokens: npt.ArrayLike,
+                       context_reads: npt.ArrayLike = 0.0) -> FloatArray:
+        """``context_reads``: over the step's tokens, the context each attends to, summed."""
         t = np.asarray(tokens, dtype=np.float64)
         return np.asarray(self.base + self.per_sequence * batch + self.per_token * t
-                          + self.per_token_above_ridge * np.maximum(0.0, t - self.ridge_tokens),
+                          + self.per_token_above_ridge * np.maximum(0.0, t - self.ridge_tokens)
+                          + self.per_context_token * np.asarray(context_reads, dtype=np.float64),
                           dtype=np.float64)
 
     def seconds(self, batch: int, tokens: int, passes: npt.ArrayLike,
-                draft_tokens: npt.ArrayLike) -> float:
-        """Noise-free seconds of a step with ``tokens`` target tokens, and per draft the number of
-        sequential passes and of proposed tokens."""
+                draft_tokens: npt.ArrayLike, context_reads: float = 0.0) -> float:
+        """Noise-free seconds of a step with ``tokens`` target tokens attending to
+        ``context_reads`` context tokens in all, and per draft the number of sequential passes
+        and of proposed tokens."""
         drafting = float(np.dot(self.draft_per_pass, passes) + np.dot(self.draft_per_token,
                                                                          draft_tokens))
-        return float(self.target_seconds(batch, tokens)) + drafting
+        return float(self.target_seconds(batch, tokens, context_reads)) + drafting
 
 
 class AcceptanceTruth:

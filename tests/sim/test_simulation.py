@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from benchmarks.sim import policies
 from benchmarks.sim.engine import SimEngine
@@ -40,38 +41,46 @@ def test_speculation_raises_tokens_per_step_as_acceptance_says() -> None:
     assert rate is not None and abs(rate - (expected - 1) / 4) < 0.02
 
 
-def brute_force(oracle: Oracle, counts: np.ndarray, batch: int, now: float = 0.0) -> float:
-    """Best expected tokens/s over every combination of arms, straight from the definitions."""
+def brute_force(oracle: Oracle, counts: np.ndarray, batch: int, now: float = 0.0,
+                context: np.ndarray | None = None) -> float:
+    """Best expected tokens/s over every combination of arms, straight from the definitions
+    (``context``: per class, its requests' context summed)."""
     curves = oracle.truth.expected_curves(now, running=True)
     cost = oracle.cost
     best = 0.0
     live = [c for c in range(counts.size) if counts[c]]
     for arms in itertools.product(range(oracle.arm_k.size), repeat=len(live)):
-        tokens, verified = 0.0, 0
+        tokens, verified, reads = 0.0, 0, 0.0
         passes = np.zeros(len(oracle.info.drafts))
         dtok = np.zeros(len(oracle.info.drafts))
         for c, a in zip(live, arms, strict=True):
             k, d = int(oracle.arm_k[a]), int(oracle.arm_draft[a])
             tokens += counts[c] * (curves[c, d, k] if k else 1.0)
             verified += counts[c] * (1 + k)
+            reads += (1 + k) * (0.0 if context is None else context[c])
             if k:
                 passes[d] = max(passes[d], k)
                 dtok[d] += counts[c] * k
-        best = max(best, tokens / cost.seconds(batch, verified, passes, dtok))
+        best = max(best, tokens / cost.seconds(batch, verified, passes, dtok, reads))
     return best
 
 
-def test_oracle_finds_the_joint_optimum(tiny: Scenario) -> None:
-    engine = SimEngine(tiny)
+@pytest.mark.parametrize("per_context_token_ms", [0.0, 2e-4])
+def test_oracle_finds_the_joint_optimum(per_context_token_ms: float) -> None:
+    data = scenario_data()
+    data["cost"] = {**data["cost"], "per_context_token_ms": per_context_token_ms}
+    engine = SimEngine(parse_scenario(data))
     oracle = policies.build("oracle", engine)
     assert isinstance(oracle, Oracle)
-    for counts in ([1, 0], [2, 1], [5, 9], [16, 0]):
+    for counts, mean_context in (([1, 0], [0, 0]), ([2, 1], [128, 4096]),
+                                 ([5, 9], [8192, 256]), ([16, 0], [2048, 0])):
         c = np.array(counts, dtype=np.int64)
-        arms = oracle.best_arms(0.0, c, int(c.sum()), 0)
+        context = np.asarray(c * np.array(mean_context), dtype=np.float64)
+        arms = oracle.best_arms(0.0, c, int(c.sum()), 0, context)
         curves = engine.truth.expected_curves(0.0, running=True)
         values = np.array([oracle._class_arm_values(curves, i) for i in range(2)])
-        got = oracle._responses(c, arms, values, 0, int(c.sum()), 0, 0.0)[arms[0]]
-        assert abs(got - brute_force(oracle, c, int(c.sum()))) < 1e-9 * got
+        got = oracle._responses(c, context, arms, values, 0, int(c.sum()), 0, 0.0)[arms[0]]
+        assert abs(got - brute_force(oracle, c, int(c.sum()), context=context)) < 1e-9 * got
 
 
 def test_the_oracle_is_not_beaten_beyond_noise(tiny: Scenario) -> None:
