@@ -79,14 +79,14 @@ def start_up_profile(info: EngineInfo, cost: StepCost,
 
 class SpecPilotPolicy:
     """``read_confidence``: the drafter reports its tokens' confidences (only a model draft,
-    the engine's first, can; off: the plugin on a drafter that does not)."""
-
-    name = "specpilot"
+    the engine's first, can; off: the plugin on a drafter that does not). ``name``: what its
+    runs are called."""
 
     def __init__(self, info: EngineInfo, settings_overrides: dict[str, Any], seed: int,
                  report_interval_seconds: float,
                  step_profile: tuple[StepProfile, ...] = (),
-                 read_confidence: bool = True) -> None:
+                 read_confidence: bool = True, name: str = "specpilot") -> None:
+        self.name = name
         self.info = info
         self.reads_confidence = read_confidence and info.draft_is_model[info.primary_draft]
         self._transformed = info.transformed or (False,) * len(info.classes)
