@@ -88,6 +88,19 @@ def test_the_cut_never_asks_more_than_the_decisions_own_survival() -> None:
         min_survival(8.0, decided, gentle))
 
 
+def test_nothing_is_cut_where_the_drafts_verification_is_inside_the_decisions_margin() -> None:
+    # One sequence verifying 3 drafts at 10 us each: 30 us of a 20 ms step, 0.15%. The price
+    # alone would cut the least likely tokens; under a 2% margin nothing is.
+    decided = [(_decision(3, 2.0), 1.0)]
+    price = _hinge(1e-5, 10_000, 0.0)
+    assert min_survival(1.0, decided, price) > 0.0
+    assert min_survival(1.0, decided, price, min_gain=0.02) == 0.0
+    # A batch whose drafts' verification is a fifth of the step is cut at its price.
+    dear = _hinge(1e-4, 10_000, 0.0)
+    assert min_survival(64.0, decided, dear, min_gain=0.02) == pytest.approx(
+        min_survival(64.0, decided, dear)) != 0.0
+
+
 def _core(**settings: Any) -> ControllerCore:
     core = ControllerCore(core_config(load_settings(**settings)), np.random.default_rng(0))
     core.connect_engine(HELLO, now=0.0)

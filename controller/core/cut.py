@@ -25,7 +25,11 @@ of its mean acceptance up to K): a request whose tokens are as likely as the cla
 K its decision paid the drafter for, and only the less likely ones are shortened. (A decision
 that pays its drafter while the cut would verify nothing contradicts itself; this cap rules it
 out whatever the cost model's error.) Calibrations hold a prior at the class's acceptance, so
-a confidence bucket counted rarely reads about the class's mean and is not cut either.
+a confidence bucket counted rarely reads about the class's mean and is not cut either. And
+where verifying every decided draft takes less of the step than the gain a decision needs over
+no speculation (``min_speedup``), the most the cut could save is inside the cost model's error,
+and what it costs is not: each cut moves the evidence the decisions learn from (the steps'
+verified tokens, the class's acceptance). Nothing is cut there.
 
 Pure: the step prices and the class's acceptance come in as functions.
 """
@@ -45,9 +49,10 @@ DecisionSurvival = Callable[[Decision], "float | None"]
 
 def min_survival(batch_size: float, decisions: Iterable[tuple[Decision, float]],
                  seconds: VerifySeconds,
-                 survival: DecisionSurvival = lambda d: None) -> float:
+                 survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0) -> float:
     """The survival a token must reach to be verified at ``batch_size``, for the bucket's
-    ``decisions`` with their classes' weights (shares of the batch)."""
+    ``decisions`` with their classes' weights (shares of the batch); 0 (nothing cut) where
+    verifying all their drafts takes less than ``min_gain`` of the step (a fraction)."""
     weighted = [(d, w) for d, w in decisions if w > 0]
     speculating = [d for d, w in weighted if d.k > 0 and d.draft]
     if not speculating:
@@ -58,7 +63,10 @@ def min_survival(batch_size: float, decisions: Iterable[tuple[Decision, float]],
     batch = max(1, round(batch_size))
     plain = seconds(batch, batch)
     drafts = batch * mean_k
-    per_slot = max(seconds(batch, batch + drafts) - plain, 0.0) / drafts
+    full = seconds(batch, batch + drafts)
+    if full - plain <= min_gain * full:
+        return 0.0
+    per_slot = (full - plain) / drafts
     threshold = per_slot * batch * max(speedup, 1.0) / plain
     caps = [s for d in speculating if (s := survival(d)) is not None]
     return min([threshold, *caps])
@@ -67,9 +75,9 @@ def min_survival(batch_size: float, decisions: Iterable[tuple[Decision, float]],
 def token_cut(batch_sizes: Iterable[float],
               decisions_by_bucket: Mapping[int, list[tuple[Decision, float]]],
               seconds: VerifySeconds, calibrations: Iterable[CalibrationRows],
-              survival: DecisionSurvival = lambda d: None) -> TokenCut:
+              survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0) -> TokenCut:
     """The cut of every bucket (``batch_sizes`` in bucket order)."""
     return TokenCut(
-        tuple(min_survival(b, decisions_by_bucket.get(i, []), seconds, survival)
+        tuple(min_survival(b, decisions_by_bucket.get(i, []), seconds, survival, min_gain)
               for i, b in enumerate(batch_sizes)),
         tuple(calibrations))

@@ -187,7 +187,8 @@ class ReadModel:
                                                     table.accept.shape[0],
                                                     tuple(table.accept.ravel().tolist())))
         sizes = [evidence.loads.batch_size(b) for b in range(config.n_buckets)]
-        return token_cut(sizes, by_bucket, seconds, rows, survival)
+        return token_cut(sizes, by_bucket, seconds, rows, survival,
+                         config.policy.min_speedup - 1.0)
 
     def _estimates(self, name: str, drafts: tuple[DraftSpec, ...],
                    with_evidence: list[tuple[str, str]], now: float
