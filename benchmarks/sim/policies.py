@@ -9,7 +9,9 @@
     banditspec-ucb      UCB over K with a tokens/s reward
     trtllm-threshold    static K, off for good below a rolling acceptance threshold
     specpilot           the real controller core behind the plugin's report path
-    specpilot-no-context  the same with a plugin that reports no context (older plugins)
+    specpilot-cut       specpilot with its per-token cut on (``token_cut``), whatever the
+                        scenario or the default says; ``specpilot-nocut``: with it off
+    specpilot-no-context  specpilot with a plugin that reports no context (older plugins)
     oracle              the ground-truth ceiling (per class)
     vllm-adaptive[:K]   vLLM's adaptive verification: draft K (default max K), verify the
                         slots of highest survival under a profiled budget, calibrated online
@@ -40,6 +42,8 @@ from benchmarks.sim.vllm_adaptive import VLLMAdaptive
 ADAPTIVE = ("batch-table", "hf-heuristic", "sglang-adaptive", "banditspec-ucb",
             "trtllm-threshold", "specpilot")
 DEFAULT_POLICIES = ("off", "static:all", *ADAPTIVE, "oracle")
+# specpilot's spellings: its token cut as the scenario or the default sets it, forced on, off.
+_SPECPILOT_CUT = {"specpilot": None, "specpilot-cut": True, "specpilot-nocut": False}
 SPECPILOT_NO_CONTEXT = "specpilot-no-context"
 
 
@@ -108,16 +112,16 @@ def build(name: str, engine: SimEngine) -> Policy:
         # The static K it guards: what the tuned table gives a single request.
         return TRTLLMThreshold(info, max(1, BatchTable(info, table).k_for(1)),
                                s.baselines.acceptance_threshold, s.baselines.acceptance_window)
-    if name in ("specpilot", SPECPILOT_NO_CONTEXT):
-        # The variant: a plugin that reports no context (the cost model's column unused).
-        by_context = name == "specpilot"
-        policy = SpecPilotPolicy(info, s.specpilot, engine.seed,
-                                 s.engine.report_interval_seconds,
-                                 start_up_profile(info, engine.cost, s.engine.max_batched_tokens,
-                                                  s.engine.profile_scale, by_context),
-                                 read_context=by_context)
-        policy.name = name
-        return policy
+    if name in _SPECPILOT_CUT or name == SPECPILOT_NO_CONTEXT:
+        settings = dict(s.specpilot)
+        if (cut := _SPECPILOT_CUT.get(name)) is not None:
+            settings["token_cut"] = cut
+        # The no-context variant: a plugin that reports none (the cost model's column unread).
+        by_context = name != SPECPILOT_NO_CONTEXT
+        return SpecPilotPolicy(info, settings, engine.seed, s.engine.report_interval_seconds,
+                               start_up_profile(info, engine.cost, s.engine.max_batched_tokens,
+                                                s.engine.profile_scale, by_context),
+                               name=name, read_context=by_context)
     if name == "oracle":
         return Oracle(info, engine.truth, engine.cost)
     if name == "per-token-oracle":
