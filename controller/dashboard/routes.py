@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import secrets
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from specpilot.contract.records import DecisionEvent
 from specpilot.controller.core.acceptance import CREDIBLE_LEVEL
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.dashboard.history import EstimateHistory
+from specpilot.controller.metrics import Metrics
 from specpilot.controller.server.explain import decision_text
 from specpilot.controller.server.fleet import FleetSync
 from specpilot.controller.server.hub import Hub
@@ -64,11 +66,73 @@ _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 HEARTBEAT_SECONDS = 5.0
 HISTORY_INTERVAL_SECONDS = 15.0
 HISTORY_SAMPLES = 240  # an hour of samples per class
-# Events a page may fall behind before its stream is closed (it reconnects and reloads).
-EVENT_QUEUE_LIMIT = 5000
 AUDIT_SHOWN = 50
 _STATUS = {"unauthenticated": 401, "permission_denied": 403, "invalid": 400, "unavailable": 503}
-_Item = tuple[str, Any]  # (event name, payload); ("close", None) ends a stream
+
+
+@dataclasses.dataclass(frozen=True)
+class EventStreamLimits:
+    """What the event streams may hold (the settings of the same names)."""
+
+    max_streams: int  # max_event_streams
+    per_client: int  # event_streams_per_client
+    buffer_bytes: int  # event_stream_buffer_bytes
+
+
+def _frame(event: str, data: Any) -> bytes:
+    return f"event: {event}\ndata: {json_dumps(data)}\n\n".encode()
+
+
+class EventStream:
+    """One /api/events client: the frames waiting for it, at most ``limit`` bytes with what its
+    socket has not sent yet. Producers never wait on it: a frame that does not fit drops the
+    stream (its connection is aborted, so the writer waiting on the socket ends too)."""
+
+    def __init__(self, remote: str, transport: asyncio.BaseTransport | None, limit: int) -> None:
+        self.remote, self._limit = remote, limit
+        self._transport = transport if isinstance(transport, asyncio.WriteTransport) else None
+        self._chunks: list[bytes] = []
+        self._queued = 0
+        self._wake = asyncio.Event()
+        self.closed = False
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None:  # the kernel's share bounded too (it would hold megabytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limit)
+
+    def offer(self, frame: bytes) -> bool:
+        """Queue ``frame``; False (and the stream aborted) when it does not fit."""
+        if self.closed:
+            return False
+        unsent = self._transport.get_write_buffer_size() if self._transport else 0
+        if self._queued + len(frame) + unsent > self._limit:
+            self.close()
+            if self._transport is not None:
+                self._transport.abort()
+            return False
+        self._chunks.append(frame)
+        self._queued += len(frame)
+        self._wake.set()
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake.set()
+
+    async def next(self, timeout: float) -> bytes | None:
+        """Every frame waiting, as one write; b"" after ``timeout`` with none; None once
+        closed."""
+        if not self._chunks and not self.closed:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                return b""
+        self._wake.clear()
+        if self.closed:
+            return None
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._queued = 0
+        return data
 
 
 def _finite_number(text: str) -> float:
@@ -89,14 +153,20 @@ def _strict_json(text: str) -> Any:
 
 
 class Dashboard:
+    # The reads that dashboard_read_token guards.
+    READ_PATHS = frozenset({"/api/dashboard", "/api/events", "/api/history",
+                            "/api/fleet/decisions"})
+
     def __init__(self, core: ControllerCore, hub: Hub, writer: PolicyWriter,
-                 clock: Callable[[], float], fleet: FleetSync | None) -> None:
+                 clock: Callable[[], float], fleet: FleetSync | None, metrics: Metrics,
+                 limits: EventStreamLimits) -> None:
         self._core, self._hub, self._writer, self._clock, self._fleet = (
             core, hub, writer, clock, fleet)
+        self._metrics, self._limits = metrics, limits
         # A new value per process: the page tells a restart from a reconnect by it.
         self.instance = secrets.token_hex(8)
         self.started_at = clock()
-        self._streams: set[asyncio.Queue[_Item]] = set()
+        self._streams: set[EventStream] = set()
         self.history = EstimateHistory(HISTORY_SAMPLES, CREDIBLE_LEVEL)
 
     # --- reads ----------------------------------------------------------------------------------
@@ -148,57 +218,69 @@ class Dashboard:
         task.cancel()
 
     # --- live events ----------------------------------------------------------------------------
-    def _offer(self, item: _Item) -> None:
-        for queue in list(self._streams):
-            if queue.qsize() >= EVENT_QUEUE_LIMIT:
-                self._streams.discard(queue)
-                queue.put_nowait(("close", None))  # it reconnects and reloads
-            else:
-                queue.put_nowait(item)
+    def _offer(self, frame: bytes) -> None:
+        """Hand one rendered frame to every stream (never waits: a stream that cannot take it
+        is dropped)."""
+        for stream in list(self._streams):
+            if not stream.offer(frame):
+                self._streams.discard(stream)
+                self._metrics.event_stream_dropped()
 
     def _on_decisions(self, events: list[DecisionEvent]) -> None:
-        self._offer(("decisions", events))
+        if self._streams:  # rendered once, whatever the number of streams; not at all for none
+            self._offer(b"".join(_frame("decision", self.event_json(e)) for e in events))
 
     def _on_audit(self, entry: AuditEntry) -> None:
-        self._offer(("audit", dataclasses.asdict(entry)))
+        if self._streams:
+            self._offer(_frame("audit", dataclasses.asdict(entry)))
+
+    def _admit(self, remote: str) -> web.Response | None:
+        """None when a new stream from ``remote`` may open; else the refusal."""
+        limits = self._limits
+        if len(self._streams) >= limits.max_streams:
+            self._metrics.http_refused("event_streams")
+            return json_response({"error": f"{len(self._streams)} event streams are open, the "
+                                           "most at once (max_event_streams); retry later"},
+                                 status=503, headers={"Retry-After": "5"})
+        if sum(s.remote == remote for s in self._streams) >= limits.per_client:
+            self._metrics.http_refused("per_client")
+            return json_response({"error": f"this client holds {limits.per_client} event "
+                                           "streams, the most one may (event_streams_per_client)"},
+                                 status=429, headers={"Retry-After": "5"})
+        return None
 
     async def events(self, request: web.Request) -> web.StreamResponse:
+        remote = request.remote or "?"
+        refused = self._admit(remote)
+        if refused is not None:
+            return refused
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-
-        async def send(event: str, data: Any) -> None:
-            await resp.write(f"event: {event}\ndata: {json_dumps(data)}\n\n".encode())
-
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._streams.add(queue)
+        stream = EventStream(remote, request.transport, self._limits.buffer_bytes)
+        self._streams.add(stream)
         try:
-            await resp.write(b"retry: 1000\n\n")  # the browser's reconnect delay, ms
-            await send("hello", {"instance": self.instance, "version": self._core.version})
-            while True:
-                try:
-                    name, payload = await asyncio.wait_for(queue.get(), HEARTBEAT_SECONDS)
-                except TimeoutError:
-                    await send("tick", {"version": self._core.version, "at": self._clock()})
-                    continue
-                if name == "close":
-                    break
-                if name == "decisions":
-                    for e in payload:
-                        await send("decision", self.event_json(e))
-                else:
-                    await send(name, payload)
+            await resp.write(b"retry: 1000\n\n"  # the browser's reconnect delay, ms
+                             + _frame("hello", {"instance": self.instance,
+                                                "version": self._core.version}))
+            while (data := await stream.next(HEARTBEAT_SECONDS)) is not None:
+                await resp.write(data or _frame("tick", {"version": self._core.version,
+                                                         "at": self._clock()}))
         except ConnectionError:
-            pass  # the page went away
+            pass  # the page went away, or the stream was dropped
         finally:
-            self._streams.discard(queue)
+            self._streams.discard(stream)
         return resp
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
 
     async def close_streams(self, _: web.Application) -> None:
         """End every event stream (server shutdown: the pages reconnect to the next one)."""
-        for queue in list(self._streams):
-            queue.put_nowait(("close", None))
+        for stream in list(self._streams):
+            stream.close()
         self._streams.clear()
 
     # --- writes ---------------------------------------------------------------------------------
