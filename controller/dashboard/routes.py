@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).with_name("static")
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 HEARTBEAT_SECONDS = 5.0
+SWEEP_SECONDS = 1.0  # how soon a stream whose client left frees its slot
 HISTORY_INTERVAL_SECONDS = 15.0
 HISTORY_SAMPLES = 240  # an hour of samples per class
 AUDIT_SHOWN = 50
@@ -118,14 +119,15 @@ class EventStream:
         self.closed = True
         self._wake.set()
 
-    async def next(self, timeout: float) -> bytes | None:
-        """Every frame waiting, as one write; b"" after ``timeout`` with none; None once
-        closed."""
+    @property
+    def gone(self) -> bool:
+        """Whether its connection has ended (aiohttp does not end a handler for that)."""
+        return self._transport is None or self._transport.is_closing()
+
+    async def next(self) -> bytes | None:
+        """Every frame waiting, as one write; None once closed."""
         if not self._chunks and not self.closed:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                return b""
+            await self._wake.wait()
         self._wake.clear()
         if self.closed:
             return None
@@ -264,14 +266,32 @@ class Dashboard:
             await resp.write(b"retry: 1000\n\n"  # the browser's reconnect delay, ms
                              + _frame("hello", {"instance": self.instance,
                                                 "version": self._core.version}))
-            while (data := await stream.next(HEARTBEAT_SECONDS)) is not None:
-                await resp.write(data or _frame("tick", {"version": self._core.version,
-                                                         "at": self._clock()}))
+            while (data := await stream.next()) is not None:
+                await resp.write(data)
         except ConnectionError:
             pass  # the page went away, or the stream was dropped
         finally:
             self._streams.discard(stream)
         return resp
+
+    async def _stream_upkeep(self, _: web.Application) -> AsyncIterator[None]:
+        """While the server runs (aiohttp cleanup context): every SWEEP_SECONDS free the
+        streams whose client left; every HEARTBEAT_SECONDS send them all one tick."""
+        async def upkeep() -> None:
+            since_tick = 0.0
+            while True:
+                await asyncio.sleep(SWEEP_SECONDS)
+                for stream in [s for s in self._streams if s.gone]:
+                    stream.close()
+                    self._streams.discard(stream)
+                since_tick += SWEEP_SECONDS
+                if since_tick >= HEARTBEAT_SECONDS and self._streams:
+                    since_tick = 0.0
+                    self._offer(_frame("tick", {"version": self._core.version,
+                                                "at": self._clock()}))
+        task = asyncio.create_task(upkeep())
+        yield
+        task.cancel()
 
     @property
     def open_streams(self) -> int:
@@ -345,6 +365,7 @@ class Dashboard:
         self._writer.audit.on_entry(self._on_audit)
         app.on_shutdown.append(self.close_streams)
         app.cleanup_ctx.append(self._sample_history)
+        app.cleanup_ctx.append(self._stream_upkeep)
         app.router.add_get("/", self.page)
         app.router.add_get("/static/{name}", self.asset)
         app.router.add_get("/api/dashboard", self.dashboard_state)
