@@ -165,11 +165,10 @@ class ServerConfig:
     every name."""
     http_max_connections: int = tunable(2048, ge=16, le=65536)
     """HTTP connections open at once; one more is closed as soon as it is accepted."""
-    http_header_timeout_seconds: float = tunable(10.0, gt=0)
-    """A new HTTP connection that has not sent a whole request head within this long is
-    closed, seconds (a half-open or trickling client holds nothing longer)."""
     http_idle_timeout_seconds: float = tunable(15.0, gt=0)
-    """A kept-alive HTTP connection idle this long between requests is closed, seconds."""
+    """An HTTP connection that has not sent a whole request head for this long is closed,
+    seconds: a new one that sends nothing or trickles its head (half-open), and a kept-alive
+    one idle between requests. A request in progress (an event stream) is not cut."""
     fail_static_timeout_seconds: float = tunable(30.0, gt=0)
     """Engines fall back to their static config after this long without hearing from the
     controller, seconds."""
