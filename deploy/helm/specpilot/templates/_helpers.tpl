@@ -112,6 +112,11 @@ extended resource's request must equal its limit). */}}
         secretKeyRef:
           name: {{ include "specpilot.tokenSecret" . }}
           key: {{ .Values.policyToken.engineKey }}
+    - name: SPECPILOT_DASHBOARD_READ_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ include "specpilot.tokenSecret" . }}
+          key: {{ .Values.policyToken.readKey }}
     - name: SPECPILOT_SIDECAR_ID
       valueFrom:
         fieldRef:
