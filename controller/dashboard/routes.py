@@ -18,11 +18,14 @@ live events, and the write controls.
     POST /api/overrides           body: SetOverrideRequest in the protobuf JSON mapping
     POST /api/overrides/clear     body: ClearOverrideRequest in the protobuf JSON mapping
 
-Reads need nothing; writes need ``Authorization: Bearer <token>`` (the policy API's token) and
-go through ``specpilot.controller.server.policy_writes`` like the gRPC ones: 401 without it, 403
-with a wrong one, 400 for a bad request, 503 when the state store did not take a fleet override;
-each attempt lands in the audit log. The token rides in a header, never a cookie, so another site
-cannot make the browser write (no CSRF).
+Reads need nothing, or ``dashboard_read_token`` where it is set (``http_guard``); event streams
+are capped (``max_event_streams``, ``event_streams_per_client``), each event is rendered once
+for all of them, and a stream with ``event_stream_buffer_bytes`` unsent is dropped (the page
+reconnects and reloads). Writes need ``Authorization: Bearer <token>`` (the policy API's
+token) and go through ``specpilot.controller.server.policy_writes`` like the gRPC ones: 401
+without it, 403 with a wrong one, 400 for a bad request, 503 when the state store did not take
+a fleet override; each attempt lands in the audit log. The token rides in a header, never a
+cookie, so another site cannot make the browser write (no CSRF).
 """
 
 from __future__ import annotations
