@@ -68,6 +68,8 @@ STATIC_DIR = Path(__file__).with_name("static")
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 HEARTBEAT_SECONDS = 5.0
 SWEEP_SECONDS = 1.0  # how soon a stream whose client left frees its slot
+FLUSH_SECONDS = 0.1  # how long new frames wait to be sent with those after them
+FLUSH_SLICE = 32  # stream writers woken per loop turn
 HISTORY_INTERVAL_SECONDS = 15.0
 HISTORY_SAMPLES = 240  # an hour of samples per class
 AUDIT_SHOWN = 50
@@ -115,8 +117,12 @@ class EventStream:
             return False
         self._chunks.append(frame)
         self._queued += len(frame)
-        self._wake.set()
-        return True
+        return True  # its writer is woken by the dashboard's flusher (``wake``)
+
+    def wake(self) -> None:
+        """Let its writer send what is queued."""
+        if self._chunks:
+            self._wake.set()
 
     def close(self) -> None:
         self.closed = True
@@ -172,6 +178,7 @@ class Dashboard:
         self.instance = secrets.token_hex(8)
         self.started_at = clock()
         self._streams: set[EventStream] = set()
+        self._queued = asyncio.Event()  # frames wait for the flusher
         self.history = EstimateHistory(HISTORY_SAMPLES, CREDIBLE_LEVEL)
 
     # --- reads ----------------------------------------------------------------------------------
@@ -225,11 +232,27 @@ class Dashboard:
     # --- live events ----------------------------------------------------------------------------
     def _offer(self, frame: bytes) -> None:
         """Hand one rendered frame to every stream (never waits: a stream that cannot take it
-        is dropped)."""
+        is dropped); the flusher wakes their writers."""
         for stream in list(self._streams):
             if not stream.offer(frame):
                 self._streams.discard(stream)
                 self._metrics.event_stream_dropped()
+        self._queued.set()
+
+    async def _flush(self) -> None:
+        """Wake the writers of streams with frames queued, FLUSH_SLICE per loop turn, at most
+        once per FLUSH_SECONDS: a burst of decisions costs each stream one write, and a
+        thousand streams never hold the loop in one piece (health checks and engine reports
+        run between the slices)."""
+        while True:
+            await self._queued.wait()
+            await asyncio.sleep(FLUSH_SECONDS)  # what else comes meanwhile goes in one write
+            self._queued.clear()
+            streams = list(self._streams)
+            for start in range(0, len(streams), FLUSH_SLICE):
+                for stream in streams[start:start + FLUSH_SLICE]:
+                    stream.wake()
+                await asyncio.sleep(0)
 
     def _on_decisions(self, events: list[DecisionEvent]) -> None:
         if self._streams:  # rendered once, whatever the number of streams; not at all for none
@@ -278,8 +301,9 @@ class Dashboard:
         return resp
 
     async def _stream_upkeep(self, _: web.Application) -> AsyncIterator[None]:
-        """While the server runs (aiohttp cleanup context): every SWEEP_SECONDS free the
-        streams whose client left; every HEARTBEAT_SECONDS send them all one tick."""
+        """While the server runs (aiohttp cleanup context): the flusher, and every
+        SWEEP_SECONDS free the streams whose client left; every HEARTBEAT_SECONDS send them
+        all one tick."""
         async def upkeep() -> None:
             since_tick = 0.0
             while True:
@@ -292,9 +316,10 @@ class Dashboard:
                     since_tick = 0.0
                     self._offer(_frame("tick", {"version": self._core.version,
                                                 "at": self._clock()}))
-        task = asyncio.create_task(upkeep())
+        tasks = (asyncio.create_task(upkeep()), asyncio.create_task(self._flush()))
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
 
     @property
     def open_streams(self) -> int:

@@ -37,7 +37,7 @@ async def browser() -> AsyncIterator[Browser]:
             await b.close()
 
 
-async def _start(**ports: int) -> RunningServer:
+async def _start(**ports: Any) -> RunningServer:
     return await start_server(load_settings(**{**FAST_SETTINGS, "max_classes": 8, **ports}))
 
 
