@@ -23,8 +23,10 @@ second, report -> answer latency, and each probe's latency (p50, p99, max) and f
 them, ``--streams`` dashboard event streams (/api/events, read as they come, from a viewer
 process on the client core) while that process writes and clears an override every
 CHURN_INTERVAL (decision churn, each round rendered and fanned out to every stream): probe
-latencies and failures, reports lost (an engine stream that broke with one in flight), decision
-events the viewers received, streams dropped, and the server's resident memory.
+latencies and failures, how late the server's loop runs a 10 ms timer (the server's share of
+any probe's wait; the probes also wait for their own core, which the client processes share),
+reports lost (an engine stream that broke with one in flight), decision events the viewers
+received, streams dropped, and the server's resident memory.
 
 ``fleet``: N sidecars (the real FleetSync and RedisStore, split over worker processes) sharing
 one redis-server, each with evidence for 8 classes x 2 drafts and engine options, flushing every
@@ -500,6 +502,7 @@ async def _overload_one(engines: int, seconds: float, streams: int | None = None
         return pipe.recv()
 
     rss: list[float] = []
+    lags: list[float] = []
     try:
         assert await recv(probe_here) == "ready"
         opened = await recv(view_here) if viewers is not None else 0
@@ -514,11 +517,13 @@ async def _overload_one(engines: int, seconds: float, streams: int | None = None
         if viewers is not None:
             view_here.send((start, until))
         sampler = asyncio.ensure_future(_sample_rss(rss))
+        lagger = asyncio.ensure_future(_sample_lag(lags))
         got = ((await recv(receive))[1] if engines
                else {"ack": [], "accepted": [], "shed": [], "lost": []})
         probes = await recv(probe_here)
         viewed = await recv(view_here) if viewers is not None else {}
         sampler.cancel()
+        lagger.cancel()
         cpu = time.process_time() - cpu_start
         dropped = _counter(server, "specpilot_event_streams_dropped_total")
     finally:
@@ -547,6 +552,9 @@ async def _overload_one(engines: int, seconds: float, streams: int | None = None
     row["reports_lost"] = len(got["lost"])
     row["lost_errors"] = got["lost"][:3]
     row["rss_mib_start"], row["rss_mib_max"] = (rss[0], max(rss)) if rss else (0.0, 0.0)
+    row["loop_lag_p50_ms"] = 1e3 * _percentile(lags, 0.5)
+    row["loop_lag_p99_ms"] = 1e3 * _percentile(lags, 0.99)
+    row["loop_lag_max_ms"] = 1e3 * max(lags, default=float("nan"))
     if streams is not None:
         row.update(streams=streams, streams_opened=opened, streams_dropped=dropped,
                    **viewed)
@@ -556,6 +564,7 @@ async def _overload_one(engines: int, seconds: float, streams: int | None = None
 # --- event streams -------------------------------------------------------------------------------
 STREAMS_TOKEN = "bench-token-0123456789"
 CHURN_INTERVAL = 0.25  # seconds between two policy writes (each a round of decision events)
+LAG_TIMER = 0.01  # seconds: the server loop's lag probe
 
 
 async def _sample_rss(out: list[float]) -> None:
@@ -564,6 +573,17 @@ async def _sample_rss(out: list[float]) -> None:
         with open("/proc/self/status") as f:
             out.extend(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
         await asyncio.sleep(1.0)
+
+
+async def _sample_lag(out: list[float]) -> None:
+    """How late the server's loop runs a 10 ms timer, seconds, every time: the wait a request
+    arriving then has before the loop turns to it, free of the client processes' own delays
+    (they share the other core)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + LAG_TIMER
+        await asyncio.sleep(LAG_TIMER)
+        out.append(max(0.0, loop.time() - due))
 
 
 def _counter(server: Any, name: str) -> float:
@@ -651,16 +671,18 @@ def bench_streams(args: argparse.Namespace) -> dict[str, Any]:
 def _streams_md(result: dict[str, Any]) -> str:
     lines = [f"{result['engines']} engines reporting once a second, an override written or "
              f"cleared every {result['churn_interval_seconds']} s, {result['seconds']:.0f} s:", "",
-             "| event streams (open / dropped) | gRPC health p50 / p99 / max ms | "
+             "| event streams (open / dropped) | server loop lag p50 / p99 / max ms | "
+             "gRPC health p50 / p99 / max ms | "
              "/healthz p50 / p99 / max ms | GetPolicy p99 ms | probes failed | reports accepted "
              "/ shed per s | reports lost | decision events delivered | write p99 ms | "
              "server RSS start / max MiB | server CPU |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         failed = r["grpc_health_failed"] + r["get_policy_failed"] + r["http_healthz_failed"]
         lines.append(
             f"| {r['streams']} ({r.get('streams_opened', 0)} / "
-            f"{r.get('streams_dropped', 0):.0f}) | "
+            f"{r.get('streams_dropped', 0):.0f}) | {r['loop_lag_p50_ms']:.1f} / "
+            f"{r['loop_lag_p99_ms']:.1f} / {r['loop_lag_max_ms']:.0f} | "
             f"{_p50_p99(r, 'grpc_health')} / {r['grpc_health_max_ms']:.0f} | "
             f"{_p50_p99(r, 'http_healthz')} / {r['http_healthz_max_ms']:.0f} | "
             f"{r['get_policy_p99_ms']:.1f} | {failed} | "
