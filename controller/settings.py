@@ -147,8 +147,9 @@ class ServerConfig:
     ends. Every event is rendered once and its bytes handed to each stream, so a stream costs
     the loop a buffer copy per event, not a rendering."""
     event_streams_per_client: int = tunable(16, ge=1, le=4096)
-    """Dashboard event streams one client address may hold at once; one more is answered 429
-    (a browser keeps one per open tab)."""
+    """Dashboard event streams one client address may hold at once, and WatchDecisions streams
+    likewise; one more is answered 429 (RESOURCE_EXHAUSTED) until one ends (a browser keeps
+    one per open tab)."""
     event_stream_buffer_bytes: int = tunable(256 << 10, ge=4096, le=16 << 20)
     """Bytes an event stream may have waiting to be sent (queued plus in the socket's send
     buffer); a stream past it is dropped, never waited for (the page reconnects and

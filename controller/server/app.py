@@ -303,7 +303,8 @@ async def start_server(settings: Settings) -> RunningServer:
     metrics.watch_loop_lag(lambda: lag.seconds)
     hub = Hub(core, metrics, clock, server.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT,
               server.decide_min_interval_seconds, budget,
-              max_watchers=server.max_watch_streams)
+              max_watchers=server.max_watch_streams,
+              max_watchers_per_client=server.event_streams_per_client)
     token, generated = _policy_token(server)
     engine_token = server.engine_token.get_secret_value() if server.engine_token else ""
     tls = _listener_tls(server)

@@ -310,3 +310,26 @@ async def test_override_values_beyond_what_the_engines_can_run_are_refused(
     assert (await engine.send(report(1, acceptance("chat")))).accepted
     assert server.core.canonical_class("chat") == "chat"
     await engine.close()
+
+
+async def test_one_client_holds_at_most_its_share_of_watchers() -> None:
+    """A client beyond event_streams_per_client watchers is refused though slots are free, so
+    one client cannot take every one of max_watch_streams. Control: the share did not exist
+    (every watcher up to max_watch_streams was served to the one client)."""
+    server = await start_server(load_settings(**{**FAST_SETTINGS, "max_watch_streams": 8,
+                                                 "event_streams_per_client": 2}))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            policy = async_policy_stub(channel)
+            calls = [policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
+                     for _ in range(2)]
+            await asyncio.sleep(0.2)
+            assert not any(c.done() for c in calls)
+            refused = policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
+            code, details = await _code(anext(aiter(refused)))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "event_streams_per_client" in details
+            for c in calls:
+                c.cancel()
+    finally:
+        await server.stop(grace_seconds=0.1)
