@@ -90,8 +90,11 @@ async def security_headers(_: web.Request, response: web.StreamResponse) -> None
     response.headers.update(SECURITY_HEADERS)
 
 
-def _kind(exc: HttpProcessingError) -> HttpClientError:
-    name = re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()
+def client_error_kind(exc: HttpProcessingError) -> HttpClientError:
+    """The metric label of a malformed request's parser error."""
+    # CamelCase to snake_case, an acronym kept whole: InvalidURLError -> invalid_url_error.
+    name = re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_",
+                  type(exc).__name__).lower()
     kinds: tuple[str, ...] = get_args(HttpClientError)
     return name if name in kinds else "other"  # type: ignore[return-value]
 
@@ -112,7 +115,7 @@ class ClientErrorLog:
         if not isinstance(exc_info, HttpProcessingError):
             server_logger.exception(msg, *args, exc_info=exc_info, **kw)
             return
-        kind = _kind(exc_info)
+        kind = client_error_kind(exc_info)
         self._metrics.http_client_error(kind)
         self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
         now = self._clock()

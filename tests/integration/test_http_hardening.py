@@ -4,19 +4,22 @@ sockets and real HTTP clients. Each test names what the controller did before (t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, get_args
 
 import aiohttp
 import grpc
 import pytest
+from aiohttp import http_exceptions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specpilot.controller.metrics import HttpClientError
 from specpilot.controller.server.app import RunningServer, start_server
-from specpilot.controller.server.http_guard import SECURITY_HEADERS, host_allowed
+from specpilot.controller.server.http_guard import SECURITY_HEADERS, client_error_kind, host_allowed
 from specpilot.controller.settings import load_settings
 from tests.integration.conftest import FAST_SETTINGS, TOKEN
 from tests.integration.engine_client import EngineClient, acceptance, hello, report
@@ -254,6 +257,22 @@ async def test_malformed_requests_are_one_warning_per_interval_without_traceback
     assert len(noisy) <= 2 and "line_too_long" in noisy[0].getMessage()  # one per kind
     assert _metric(server, "specpilot_http_client_errors_total{kind=\"line_too_long\"}") == 30
     assert (await _status(server, "/healthz"))[0] == 200
+
+
+def test_every_kind_of_malformed_request_has_its_own_label() -> None:
+    """aiohttp's parser errors map onto the metric's fixed label set (none falls into
+    "other" but the base class), so a new kind cannot add a series."""
+    kinds = {}
+    for name, cls in inspect.getmembers(http_exceptions, inspect.isclass):
+        if issubclass(cls, http_exceptions.HttpProcessingError):
+            make: Any = cls
+            try:
+                exc = make(message="x")
+            except TypeError:  # those that take the offending text instead
+                exc = make("x")
+            kinds[name] = client_error_kind(exc)
+    assert kinds.pop("HttpProcessingError") == "other"
+    assert set(kinds.values()) == set(get_args(HttpClientError)) - {"other"}, kinds
 
 
 # --- HTTP ------------------------------------------------------------------------------------
