@@ -70,6 +70,7 @@ HEARTBEAT_SECONDS = 5.0
 SWEEP_SECONDS = 1.0  # how soon a stream whose client left frees its slot
 FLUSH_SECONDS = 0.1  # how long new frames wait to be sent with those after them
 FLUSH_SLICE = 32  # stream writers woken per loop turn
+RENDER_SLICE = 8  # decisions rendered per loop turn (2-3 ms each)
 HISTORY_INTERVAL_SECONDS = 15.0
 HISTORY_SAMPLES = 240  # an hour of samples per class
 AUDIT_SHOWN = 50
@@ -178,7 +179,8 @@ class Dashboard:
         self.instance = secrets.token_hex(8)
         self.started_at = clock()
         self._streams: set[EventStream] = set()
-        self._queued = asyncio.Event()  # frames wait for the flusher
+        self._pending: list[DecisionEvent | bytes] = []  # for the flusher
+        self._queued = asyncio.Event()  # set when something is pending
         self.history = EstimateHistory(HISTORY_SAMPLES, CREDIBLE_LEVEL)
 
     # --- reads ----------------------------------------------------------------------------------
@@ -230,37 +232,51 @@ class Dashboard:
         task.cancel()
 
     # --- live events ----------------------------------------------------------------------------
+    def _post(self, item: DecisionEvent | bytes) -> None:
+        """Queue an event (a decision, rendered by the flusher) or a rendered frame for every
+        stream; nothing when none is open. Never renders nor writes here: a decide round or
+        a policy write hands it over and goes on."""
+        if self._streams:
+            self._pending.append(item)
+            self._queued.set()
+
+    def _on_decisions(self, events: list[DecisionEvent]) -> None:
+        for e in events:
+            self._post(e)
+
+    def _on_audit(self, entry: AuditEntry) -> None:
+        self._post(_frame("audit", dataclasses.asdict(entry)))
+
     def _offer(self, frame: bytes) -> None:
-        """Hand one rendered frame to every stream (never waits: a stream that cannot take it
-        is dropped); the flusher wakes their writers."""
+        """Hand one rendered frame to every stream (a stream that cannot take it is
+        dropped)."""
         for stream in list(self._streams):
             if not stream.offer(frame):
                 self._streams.discard(stream)
                 self._metrics.event_stream_dropped()
-        self._queued.set()
+
+    def _render(self, item: DecisionEvent | bytes) -> bytes:
+        return item if isinstance(item, bytes) else _frame("decision", self.event_json(item))
 
     async def _flush(self) -> None:
-        """Wake the writers of streams with frames queued, FLUSH_SLICE per loop turn, at most
-        once per FLUSH_SECONDS: a burst of decisions costs each stream one write, and a
-        thousand streams never hold the loop in one piece (health checks and engine reports
-        run between the slices)."""
+        """Every FLUSH_SECONDS at most: render what was queued, once for all streams,
+        RENDER_SLICE events per loop turn, and wake the writers of the streams, FLUSH_SLICE
+        per loop turn. A burst of decisions costs each stream one write, and neither the
+        rendering nor a thousand streams hold the loop in one piece: health checks and
+        engine reports run between the slices."""
         while True:
             await self._queued.wait()
             await asyncio.sleep(FLUSH_SECONDS)  # what else comes meanwhile goes in one write
             self._queued.clear()
+            pending, self._pending = self._pending, []
+            for start in range(0, len(pending), RENDER_SLICE):
+                self._offer(b"".join(map(self._render, pending[start:start + RENDER_SLICE])))
+                await asyncio.sleep(0)
             streams = list(self._streams)
             for start in range(0, len(streams), FLUSH_SLICE):
                 for stream in streams[start:start + FLUSH_SLICE]:
                     stream.wake()
                 await asyncio.sleep(0)
-
-    def _on_decisions(self, events: list[DecisionEvent]) -> None:
-        if self._streams:  # rendered once, whatever the number of streams; not at all for none
-            self._offer(b"".join(_frame("decision", self.event_json(e)) for e in events))
-
-    def _on_audit(self, entry: AuditEntry) -> None:
-        if self._streams:
-            self._offer(_frame("audit", dataclasses.asdict(entry)))
 
     def _admit(self, remote: str) -> web.Response | None:
         """None when a new stream from ``remote`` may open; else the refusal."""
@@ -314,8 +330,8 @@ class Dashboard:
                 since_tick += SWEEP_SECONDS
                 if since_tick >= HEARTBEAT_SECONDS and self._streams:
                     since_tick = 0.0
-                    self._offer(_frame("tick", {"version": self._core.version,
-                                                "at": self._clock()}))
+                    self._post(_frame("tick", {"version": self._core.version,
+                                               "at": self._clock()}))
         tasks = (asyncio.create_task(upkeep()), asyncio.create_task(self._flush()))
         yield
         for task in tasks:
