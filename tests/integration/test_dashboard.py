@@ -238,6 +238,7 @@ async def test_with_a_read_token_the_page_opened_with_it_reads_and_follows_live(
         await page.goto(server.http_url + "/#read_token=read-0123456789")
         await page.reload()  # a new fragment alone does not reload the page
         await expect(page.locator("#status")).to_have_text("live", timeout=WAIT_MS)
+        assert "read_token" not in page.url  # kept for the tab, off the address bar
         await _until_shown_matches(page, server)
         await engine.send(report(2, acceptance("chat", (90, 5, 5))))  # a new decision, live
         await _until_shown_matches(page, server)

@@ -45,7 +45,10 @@ function overrideText(o) {
 // /#read_token=..., kept for the tab; the policy token is taken too.
 const readToken = (() => {
   const given = new URLSearchParams(location.hash.slice(1)).get("read_token");
-  if (given !== null) sessionStorage.setItem("specpilot-read-token", given);
+  if (given !== null) {
+    sessionStorage.setItem("specpilot-read-token", given);
+    history.replaceState(null, "", location.pathname + location.search);  // off the address bar
+  }
   return () => sessionStorage.getItem("specpilot-read-token") || $("token").value.trim();
 })();
 async function getJSON(url) {
