@@ -24,7 +24,7 @@ from specpilot.controller import cli
 from specpilot.controller.server.app import RunningServer, start_server
 from specpilot.controller.settings import load_settings, settings_reference
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
-from tests.integration.engine_client import DRAFT, EngineClient, report
+from tests.integration.engine_client import DRAFT, EngineClient, acceptance, hello, report
 
 pytestmark = pytest.mark.integration
 SPECPILOT = str(Path(sys.executable).with_name("specpilot"))
@@ -443,3 +443,18 @@ def test_a_misspelt_variable_is_named_at_start_up(
     assert cli.main(["settings"]) == 0
     out, err = capsys.readouterr()
     assert err == warning + "\n" and "\nhalf_life_seconds: 300.0\n" in out
+
+
+async def test_names_an_engine_chose_reach_the_terminal_escaped(
+    server: RunningServer, channel: grpc.aio.Channel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine id or draft name with an ANSI escape or a line break is printed escaped, so
+    it cannot clear an operator's terminal or forge a line. Control: printed raw."""
+    msg = hello("e1\x1b[2J\ncleared")
+    msg.drafts[0].name = "d\x1b[31m"
+    engine = EngineClient(channel)
+    await engine.connect(msg)
+    assert (await engine.send(report(1, acceptance(draft="d\x1b[31m")))).accepted
+    code, out, _ = await _cli(capsys, server, "get")
+    assert code == 0 and "\x1b" not in out and "cleared\n" not in out
+    assert "'e1\\x1b[2J\\ncleared'" in out and "'d\\x1b[31m'" in out
