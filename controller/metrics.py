@@ -38,7 +38,8 @@ from specpilot.controller.core.snapshot import CoreSnapshot
 disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide
 
 RejectReason = Literal["validation", "implausible", "oversized", "before_hello"]
-HelloOutcome = Literal["accepted", "rejected", "unauthenticated", "permission_denied"]
+HelloOutcome = Literal["accepted", "rejected", "unauthenticated", "permission_denied",
+                       "already_connected"]
 WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied", "unavailable"]
 HttpRefusal = Literal["host", "connections", "event_streams", "per_client", "read_token"]
 # Malformed HTTP requests, by what the parser found (aiohttp's exception, snake_case).

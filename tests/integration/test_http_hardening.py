@@ -243,6 +243,7 @@ async def test_malformed_requests_are_one_warning_per_interval_without_traceback
     """Control: each over-long request line was an ERROR with a traceback (100 requests,
     900 lines), without any credential."""
     server = await make_server()
+    caplog.clear()  # what start-up said
     with caplog.at_level(logging.DEBUG):
         for _ in range(30):
             reader, writer = await _raw(server, b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\n\r\n")
