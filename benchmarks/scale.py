@@ -3,6 +3,7 @@
     python benchmarks/scale.py controller [--engines 64] [--seconds 6] [--out benchmarks/results]
     python benchmarks/scale.py overload [--engine-counts 16,64,150,250,500] [--seconds 8]
     python benchmarks/scale.py fleet [--sidecars 4,16,64] [--out benchmarks/results]
+    python benchmarks/scale.py streams [--streams 1000] [--engines 200] [--seconds 60]
 
 ``controller``: the real server (this process, pinned to one core) and a client process on
 another core streaming ``--engines`` engines over loopback, each report a busy engine's interval
@@ -17,6 +18,15 @@ and a client on the other running 0 to 500 engines, each reporting a busy interv
 and backing off as the plugin does when a report is shed; a probe process beside it asks gRPC
 health, GetPolicy and HTTP /healthz every 100 ms. Per engine count: reports accepted and shed per
 second, report -> answer latency, and each probe's latency (p50, p99, max) and failures.
+
+``streams``: ``overload``'s set-up with ``--engines`` engines and, beside the control without
+them, ``--streams`` dashboard event streams (/api/events, read as they come, from a viewer
+process on the client core) while that process writes and clears an override every
+CHURN_INTERVAL (decision churn, each round rendered and fanned out to every stream): probe
+latencies and failures, how late the server's loop runs a 10 ms timer (the server's share of
+any probe's wait; the probes also wait for their own core, which the client processes share),
+reports lost (an engine stream that broke with one in flight), decision events the viewers
+received, streams dropped, and the server's resident memory.
 
 ``fleet``: N sidecars (the real FleetSync and RedisStore, split over worker processes) sharing
 one redis-server, each with evidence for 8 classes x 2 drafts and engine options, flushing every
@@ -409,8 +419,10 @@ def _overload_client(target: str, engines: int, seconds: float, core: int, out: 
         until[0] = start + seconds
         out.send(("reporting", start, until[0]))
         ready.set()
-        await asyncio.gather(*tasks)
-        return {**stats, "start": start, "until": until[0]}
+        ended = await asyncio.gather(*tasks, return_exceptions=True)
+        # An engine whose stream broke lost the report it had in flight.
+        lost = [repr(e)[:200] for e in ended if isinstance(e, BaseException)]
+        return {**stats, "start": start, "until": until[0], "lost": lost}
 
     out.send(("done", asyncio.run(run())))
 
@@ -458,11 +470,24 @@ def _prober(grpc_target: str, http_url: str, core: int, out: Any) -> None:
     out.send({"latencies": latencies, "failed": failed, "errors": errors})
 
 
-async def _overload_one(engines: int, seconds: float) -> dict[str, Any]:
+async def _overload_one(engines: int, seconds: float, streams: int | None = None
+                        ) -> dict[str, Any]:
+    """``streams``: also that many dashboard event streams and decision churn (``streams``
+    part); None: neither."""
     # The embedded defaults (report_budget_share 0.5): the sidecar's settings.
-    settings = load_settings(grpc_port=0, http_port=0, seed=1, max_k=4, max_classes=16)
+    extra: dict[str, Any] = {} if streams is None else {
+        "max_event_streams": max(streams, 1), "event_streams_per_client": max(streams, 1),
+        "policy_token": STREAMS_TOKEN}
+    settings = load_settings(grpc_port=0, http_port=0, seed=1, max_k=4, max_classes=16,
+                             **extra)
     server = await start_server(settings)
     ctx = mp.get_context("spawn")
+    viewers = None
+    if streams is not None:
+        view_here, view_there = ctx.Pipe()
+        viewers = ctx.Process(target=_stream_client, args=(server.http_port, streams, 1,
+                                                           view_there))
+        viewers.start()
     probe_here, probe_there = ctx.Pipe()
     prober = ctx.Process(target=_prober, args=(server.grpc_target, server.http_url, 1,
                                                probe_there))
@@ -476,8 +501,11 @@ async def _overload_one(engines: int, seconds: float) -> dict[str, Any]:
             await asyncio.sleep(0.02)
         return pipe.recv()
 
+    rss: list[float] = []
+    lags: list[float] = []
     try:
         assert await recv(probe_here) == "ready"
+        opened = await recv(view_here) if viewers is not None else 0
         if engines:
             client.start()
             _, start, until = await recv(receive)
@@ -486,12 +514,23 @@ async def _overload_one(engines: int, seconds: float) -> dict[str, Any]:
             until = start + seconds
         cpu_start = time.process_time()
         probe_here.send((start, until))
-        got = (await recv(receive))[1] if engines else {"ack": [], "accepted": [], "shed": []}
+        if viewers is not None:
+            view_here.send((start, until))
+        sampler = asyncio.ensure_future(_sample_rss(rss))
+        lagger = asyncio.ensure_future(_sample_lag(lags))
+        got = ((await recv(receive))[1] if engines
+               else {"ack": [], "accepted": [], "shed": [], "lost": []})
         probes = await recv(probe_here)
+        viewed = await recv(view_here) if viewers is not None else {}
+        sampler.cancel()
+        lagger.cancel()
         cpu = time.process_time() - cpu_start
+        dropped = _counter(server, "specpilot_event_streams_dropped_total")
     finally:
         if engines:
             client.join(timeout=60)
+        if viewers is not None:
+            viewers.join(timeout=60)
         prober.join(timeout=30)
         await server.stop(grace_seconds=0.5)
     window = until - start
@@ -510,7 +549,153 @@ async def _overload_one(engines: int, seconds: float) -> dict[str, Any]:
         row[f"{name}_max_ms"] = 1e3 * max(values, default=float("nan"))
         row[f"{name}_failed"] = probes["failed"][name]
     row["probe_errors"] = probes["errors"]  # the first of each kind
+    row["reports_lost"] = len(got["lost"])
+    row["lost_errors"] = got["lost"][:3]
+    row["rss_mib_start"], row["rss_mib_max"] = (rss[0], max(rss)) if rss else (0.0, 0.0)
+    row["loop_lag_p50_ms"] = 1e3 * _percentile(lags, 0.5)
+    row["loop_lag_p99_ms"] = 1e3 * _percentile(lags, 0.99)
+    row["loop_lag_max_ms"] = 1e3 * max(lags, default=float("nan"))
+    if streams is not None:
+        row.update(streams=streams, streams_opened=opened, streams_dropped=dropped,
+                   **viewed)
     return row
+
+
+# --- event streams -------------------------------------------------------------------------------
+STREAMS_TOKEN = "bench-token-0123456789"
+CHURN_INTERVAL = 0.25  # seconds between two policy writes (each a round of decision events)
+LAG_TIMER = 0.01  # seconds: the server loop's lag probe
+
+
+async def _sample_rss(out: list[float]) -> None:
+    """The server process's resident memory, MiB, every second."""
+    while True:
+        with open("/proc/self/status") as f:
+            out.extend(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+        await asyncio.sleep(1.0)
+
+
+async def _sample_lag(out: list[float]) -> None:
+    """How late the server's loop runs a 10 ms timer, seconds, every time: the wait a request
+    arriving then has before the loop turns to it, free of the client processes' own delays
+    (they share the other core)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + LAG_TIMER
+        await asyncio.sleep(LAG_TIMER)
+        out.append(max(0.0, loop.time() - due))
+
+
+def _counter(server: Any, name: str) -> float:
+    for line in server.metrics.render().decode().splitlines():
+        series, _, value = line.rpartition(" ")
+        if series == name:
+            return float(value)
+    return float("nan")
+
+
+def _stream_client(http_port: int, streams: int, core: int, pipe: Any) -> None:
+    """Viewer process: ``streams`` /api/events streams read as they come; once all are open,
+    says how many, then over the (monotonic) window it is sent writes an override and clears
+    it on class-0 every CHURN_INTERVAL (decision churn). Sends bytes read, events seen, writes
+    made and their latencies."""
+    import aiohttp
+
+    _pin(core)
+
+    async def run() -> dict[str, Any]:
+        counts = {"opened": 0, "bytes": 0, "events": 0, "ended": 0}
+
+        async def view() -> None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", http_port)
+            writer.write(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            counts["opened"] += head.startswith(b"HTTP/1.1 200")
+            while chunk := await reader.read(1 << 16):
+                counts["bytes"] += len(chunk)
+                counts["events"] += chunk.count(b"event: decision")
+            counts["ended"] += 1
+            writer.close()
+
+        tasks = [asyncio.ensure_future(view()) for _ in range(streams)]
+        for _ in range(600):
+            if counts["opened"] + counts["ended"] >= streams:
+                break
+            await asyncio.sleep(0.05)
+        pipe.send(counts["opened"])
+        while not pipe.poll():
+            await asyncio.sleep(0.02)
+        start, until = pipe.recv()
+        writes: list[float] = []
+        url = f"http://127.0.0.1:{http_port}/api/overrides"
+        auth = {"Authorization": f"Bearer {STREAMS_TOKEN}"}
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < start:
+                await asyncio.sleep(0.01)
+            i = 0
+            while (t0 := time.monotonic()) < until:
+                path, body = ((url, {"override": {"traffic_class": "class-0", "pin_k": 1}})
+                              if i % 2 == 0 else (url + "/clear", {"traffic_class": "class-0"}))
+                async with http.post(path, json=body, headers=auth) as r:
+                    await r.read()
+                writes.append(time.monotonic() - t0)
+                i += 1
+                await asyncio.sleep(max(0.0, CHURN_INTERVAL - (time.monotonic() - t0)))
+        for task in tasks:
+            task.cancel()
+        return {"stream_bytes": counts["bytes"], "stream_decision_events": counts["events"],
+                "streams_ended_early": counts["ended"], "writes": len(writes),
+                "write_p99_ms": 1e3 * _percentile(writes, 0.99)}
+
+    pipe.send(asyncio.run(run()))
+
+
+def bench_streams(args: argparse.Namespace) -> dict[str, Any]:
+    """``args.engines`` engines reporting once a second, ``args.streams`` dashboard event
+    streams (and the control without them) and decision churn, for ``args.seconds``."""
+    _pin(0)
+    rows = []
+    for streams in (0, args.streams):
+        print(f"  streams: {streams} event streams, {args.engines} engines, churn ...",
+              flush=True)
+        row = asyncio.run(_overload_one(args.engines, args.seconds, streams))
+        print(f"    health p99 {row['grpc_health_p99_ms']:.1f} ms, /healthz p99 "
+              f"{row['http_healthz_p99_ms']:.1f} ms, reports lost {row['reports_lost']}, "
+              f"RSS {row['rss_mib_start']:.0f} -> {row['rss_mib_max']:.0f} MiB", flush=True)
+        rows.append(row)
+    return {"seconds": args.seconds, "engines": args.engines,
+            "churn_interval_seconds": CHURN_INTERVAL, "probe_interval_seconds": PROBE_INTERVAL,
+            "probe_timeout_seconds": PROBE_TIMEOUT, "rows": rows}
+
+
+def _streams_md(result: dict[str, Any]) -> str:
+    lines = [f"{result['engines']} engines reporting once a second, an override written or "
+             f"cleared every {result['churn_interval_seconds']} s, {result['seconds']:.0f} s:", "",
+             "| event streams (open / dropped) | server loop lag p50 / p99 / max ms | "
+             "gRPC health p50 / p99 / max ms | "
+             "/healthz p50 / p99 / max ms | GetPolicy p99 ms | probes failed | reports accepted "
+             "/ shed per s | reports lost | decision events delivered | write p99 ms | "
+             "server RSS start / max MiB | server CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        failed = r["grpc_health_failed"] + r["get_policy_failed"] + r["http_healthz_failed"]
+        lines.append(
+            f"| {r['streams']} ({r.get('streams_opened', 0)} / "
+            f"{r.get('streams_dropped', 0):.0f}) | {r['loop_lag_p50_ms']:.1f} / "
+            f"{r['loop_lag_p99_ms']:.1f} / {r['loop_lag_max_ms']:.0f} | "
+            f"{_p50_p99(r, 'grpc_health')} / {r['grpc_health_max_ms']:.0f} | "
+            f"{_p50_p99(r, 'http_healthz')} / {r['http_healthz_max_ms']:.0f} | "
+            f"{r['get_policy_p99_ms']:.1f} | {failed} | "
+            f"{r['accepted_reports_per_second']:.0f} / {r['shed_reports_per_second']:.0f} | "
+            f"{r['reports_lost']} | {r.get('stream_decision_events', 0)} | "
+            f"{r.get('write_p99_ms', float('nan')):.0f} | "
+            f"{r['rss_mib_start']:.0f} / {r['rss_mib_max']:.0f} | "
+            f"{r['server_cpu_fraction']:.0%} |")
+    return "\n".join(lines)
+
+
+def _streams_plot(result: dict[str, Any], path: Path) -> None:
+    """No plot: two rows read better as the table."""
 
 
 def bench_overload(args: argparse.Namespace) -> dict[str, Any]:
@@ -745,6 +930,7 @@ PARTS: dict[str, tuple[Any, Any, Any]] = {  # part: (bench, markdown, plot)
     "controller": (bench_controller, _controller_md, _controller_plot),
     "overload": (bench_overload, _overload_md, _overload_plot),
     "fleet": (bench_fleet, _fleet_md, _fleet_plot),
+    "streams": (bench_streams, _streams_md, _streams_plot),
 }
 
 
@@ -753,6 +939,8 @@ def main() -> int:
     parser.add_argument("part", choices=tuple(PARTS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--engines", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=1000,
+                        help="streams: dashboard event streams (beside the control with none)")
     parser.add_argument("--seconds", type=float, default=6.0,
                         help="per offered rate (controller) or engine count (overload)")
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")],

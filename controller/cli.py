@@ -43,6 +43,7 @@ from google.protobuf.message import Message
 from specpilot.contract.buckets import batch_range, parse_batch
 from specpilot.contract.records import Override, arm_key
 from specpilot.contract.tls import TLSError, open_channel
+from specpilot.controller.logsafe import shown
 from specpilot.controller.server.app import ServeError, engine_credentials, start_server
 from specpilot.controller.server.auth import engine_token
 from specpilot.controller.server.explain import arm_label, decision_detail
@@ -219,7 +220,7 @@ def _reason(value: int) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers], *([str(c) for c in row] for row in rows)]
+    cells = [[str(h) for h in headers], *([shown(c) for c in row] for row in rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                      for r in cells)
@@ -254,7 +255,8 @@ _SCOPES = {"default": policy_pb2.OVERRIDE_SCOPE_UNSPECIFIED, "pod": policy_pb2.O
 
 def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
     bounds = tuple(resp.batch_bucket_upper_bounds)
-    out = [f"policy version {resp.version}; engines: {', '.join(resp.engines) or 'none'}", ""]
+    engines = ", ".join(map(shown, resp.engines))
+    out = [f"policy version {resp.version}; engines: {engines or 'none'}", ""]
     rows = [
         (c.traffic_class + (" (offline)" if c.offline else ""),
          batch_range(bounds, d.batch_bucket),
@@ -288,8 +290,8 @@ def render_event(e: common_pb2.DecisionEvent, bounds: Sequence[int]) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.unix_seconds))
     return (f"{when}  v{e.policy_version}  {d.traffic_class}  "
             f"batch {batch_range(tuple(bounds), d.batch_bucket)}  "
-            f"{arm_label(e.previous_draft, e.previous_k)} -> {arm_label(d.draft, d.k)}  "
-            f"{decision_detail(event_from_proto(e))}")
+            f"{shown(arm_label(e.previous_draft, e.previous_k))} -> "
+            f"{shown(arm_label(d.draft, d.k))}  {shown(decision_detail(event_from_proto(e)))}")
 
 
 def render_explanation(resp: policy_pb2.ExplainDecisionResponse) -> str:
@@ -298,7 +300,7 @@ def render_explanation(resp: policy_pb2.ExplainDecisionResponse) -> str:
              f"{a.expected_tokens:.2f}", f"{a.step_seconds * 1e3:.2f}",
              f"{a.goodput_tokens_per_second:.1f}", f"{a.speedup:.2f}x") for a in resp.arms]
     table = _table(("", "ARM", "E[TOKENS]", "STEP MS", "TOKENS/S", "SPEEDUP"), rows)
-    return f"{resp.text}\n\nat batch size {resp.batch_size}:\n{table}"
+    return f"{shown(resp.text)}\n\nat batch size {resp.batch_size}:\n{table}"
 
 
 def _write_metadata(args: argparse.Namespace) -> tuple[tuple[str, str | bytes], ...]:
@@ -542,7 +544,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                 engines = list(stub.GetPolicy(policy_pb2.GetPolicyRequest(), timeout=call).engines)
                 if status == health_pb2.HealthCheckResponse.SERVING \
                         and len(engines) >= args.expect_engines:
-                    _say(f"{args.target}: serving, engines: {', '.join(engines) or 'none'}")
+                    _say(f"{args.target}: serving, engines: "
+                         f"{', '.join(map(shown, engines)) or 'none'}")
                     return 0
                 last = (f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}, "
                         f"{len(engines)} engine(s) of {args.expect_engines}")

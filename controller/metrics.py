@@ -41,6 +41,13 @@ RejectReason = Literal["validation", "implausible", "oversized", "before_hello"]
 HelloOutcome = Literal["accepted", "rejected", "unauthenticated", "permission_denied",
                        "already_connected"]
 WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied", "unavailable"]
+HttpRefusal = Literal["host", "connections", "event_streams", "per_client", "read_token"]
+# Malformed HTTP requests, by what the parser found (aiohttp's exception, snake_case).
+HttpClientError = Literal["bad_http_message", "bad_http_method", "bad_status_line",
+                          "content_encoding_error", "content_length_error",
+                          "decompress_size_error", "http_bad_request", "invalid_header",
+                          "invalid_url_error", "line_too_long", "payload_encoding_error",
+                          "transfer_encoding_error", "other"]
 
 
 class Metrics:
@@ -106,11 +113,27 @@ class Metrics:
             "specpilot_cost_model_predicted_seconds",
             "Their wall time as the cost model predicted it before learning them, seconds.",
             cost_labels, registry=r)
+        self._http_refused = Counter(
+            "specpilot_http_refused",
+            "HTTP connections and requests refused, by reason: host (Host header not in "
+            "http_allowed_hosts, 421), connections (http_max_connections), event_streams "
+            "(max_event_streams, 503), per_client (event_streams_per_client, 429), read_token "
+            "(dashboard_read_token missing or wrong, 401/403).", ["reason"], registry=r)
+        self._http_client_errors = Counter(
+            "specpilot_http_client_errors",
+            "Malformed HTTP requests (answered 400 and closed; logged at most once per "
+            "interval per kind), by kind.", ["kind"], registry=r)
+        self._event_streams_dropped = Counter(
+            "specpilot_event_streams_dropped",
+            "Dashboard event streams dropped because their client did not read "
+            "(event_stream_buffer_bytes waiting); the page reconnects and reloads.", registry=r)
         # Every series of a bounded label set exists from the start, so rate() and absent()
         # alerts work before the first event.
         for label_set, counter in ((RejectReason, self._reports_rejected),
                                    (HelloOutcome, self._hellos),
-                                   (WriteOutcome, self._policy_writes)):
+                                   (WriteOutcome, self._policy_writes),
+                                   (HttpRefusal, self._http_refused),
+                                   (HttpClientError, self._http_client_errors)):
             for value in get_args(label_set):
                 counter.labels(value)
         for reason in Reason:
@@ -164,6 +187,20 @@ class Metrics:
     def reports_decided(self, waits: Iterable[float]) -> None:
         for seconds in waits:
             self._report_to_decision.observe(seconds)
+
+    def http_refused(self, reason: HttpRefusal) -> None:
+        self._http_refused.labels(reason).inc()
+
+    def http_client_error(self, kind: HttpClientError) -> None:
+        self._http_client_errors.labels(kind).inc()
+
+    def event_stream_dropped(self) -> None:
+        self._event_streams_dropped.inc()
+
+    def watch_event_streams(self, count: Callable[[], int]) -> None:
+        """Export ``count()`` as the open dashboard event streams gauge."""
+        Gauge("specpilot_event_streams", "Dashboard event streams (/api/events) open.",
+              registry=self.registry).set_function(count)
 
     def policy_write(self, outcome: WriteOutcome) -> None:
         self._policy_writes.labels(outcome).inc()

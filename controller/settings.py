@@ -57,7 +57,7 @@ T = TypeVar("T", bound="DataclassInstance")
 
 ENV_PREFIX = "SPECPILOT_"
 # Settings never echoed in a message nor accepted on a command line.
-SECRET_SETTINGS = ("policy_token", "engine_secret", "engine_token")
+SECRET_SETTINGS = ("policy_token", "engine_secret", "engine_token", "dashboard_read_token")
 # The engine plugin's variables (specpilot.engine_plugin.config): the plugin checks those itself.
 PLUGIN_ENV_PREFIX = "SPECPILOT_PLUGIN_"
 
@@ -151,7 +151,35 @@ class ServerConfig:
     """WatchDecisions streams served at once; one more is refused (RESOURCE_EXHAUSTED) until
     one ends. Each costs the loop its replay of the decision log and every event after it:
     150 that never read kept a core busy for seconds after a burst of 10 policy writes
-    (benchmarks/sidecar_memory.py). The dashboard's event stream is not one of them."""
+    (benchmarks/sidecar_memory.py). The dashboard's event streams are max_event_streams."""
+    max_event_streams: int = tunable(256, ge=1, le=4096)
+    """Dashboard event streams (/api/events) served at once; one more is answered 503 until one
+    ends. Every event is rendered once and its bytes handed to each stream, so a stream costs
+    the loop a buffer copy per event, not a rendering."""
+    event_streams_per_client: int = tunable(16, ge=1, le=4096)
+    """Dashboard event streams one client address may hold at once, and WatchDecisions streams
+    likewise; one more is answered 429 (RESOURCE_EXHAUSTED) until one ends (a browser keeps
+    one per open tab)."""
+    event_stream_buffer_bytes: int = tunable(256 << 10, ge=4096, le=16 << 20)
+    """Bytes an event stream may have waiting to be sent (queued plus in the socket's send
+    buffer); a stream past it is dropped, never waited for (the page reconnects and
+    reloads)."""
+    dashboard_read_token: SecretStr | None = None
+    """Bearer token the dashboard's reads (/api/dashboard, /api/events, /api/history,
+    /api/fleet/decisions, /api/decisions) must carry, as ``Authorization: Bearer`` or
+    ``?token=`` (an EventSource cannot send headers); the policy token is accepted too.
+    Unset: those reads need nothing (fine on loopback; the Helm chart sets one)."""
+    http_allowed_hosts: frozenset[str] = tunable(frozenset({"localhost"}))
+    """Host header names the HTTP listener answers (port ignored, case-insensitive), besides
+    IP literals, which a DNS-rebinding page cannot send: another name is answered 421, so a
+    page that rebinds its own name to this address cannot read the dashboard. "*" allows
+    every name."""
+    http_max_connections: int = tunable(2048, ge=16, le=65536)
+    """HTTP connections open at once; one more is closed as soon as it is accepted."""
+    http_idle_timeout_seconds: float = tunable(15.0, gt=0)
+    """An HTTP connection that has not sent a whole request head for this long is closed,
+    seconds: a new one that sends nothing or trickles its head (half-open), and a kept-alive
+    one idle between requests. A request in progress (an event stream) is not cut."""
     fail_static_timeout_seconds: float = tunable(30.0, gt=0)
     """Engines fall back to their static config after this long without hearing from the
     controller, seconds."""

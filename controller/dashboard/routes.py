@@ -18,11 +18,14 @@ live events, and the write controls.
     POST /api/overrides           body: SetOverrideRequest in the protobuf JSON mapping
     POST /api/overrides/clear     body: ClearOverrideRequest in the protobuf JSON mapping
 
-Reads need nothing; writes need ``Authorization: Bearer <token>`` (the policy API's token) and
-go through ``specpilot.controller.server.policy_writes`` like the gRPC ones: 401 without it, 403
-with a wrong one, 400 for a bad request, 503 when the state store did not take a fleet override;
-each attempt lands in the audit log. The token rides in a header, never a cookie, so another site
-cannot make the browser write (no CSRF).
+Reads need nothing, or ``dashboard_read_token`` where it is set (``http_guard``); event streams
+are capped (``max_event_streams``, ``event_streams_per_client``), each event is rendered once
+for all of them, and a stream with ``event_stream_buffer_bytes`` unsent is dropped (the page
+reconnects and reloads). Writes need ``Authorization: Bearer <token>`` (the policy API's
+token) and go through ``specpilot.controller.server.policy_writes`` like the gRPC ones: 401
+without it, 403 with a wrong one, 400 for a bad request, 503 when the state store did not take
+a fleet override; each attempt lands in the audit log. The token rides in a header, never a
+cookie, so another site cannot make the browser write (no CSRF).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import json
 import logging
 import math
 import secrets
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ from specpilot.contract.records import DecisionEvent
 from specpilot.controller.core.acceptance import CREDIBLE_LEVEL
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.dashboard.history import EstimateHistory
+from specpilot.controller.metrics import Metrics
 from specpilot.controller.server.explain import decision_text
 from specpilot.controller.server.fleet import FleetSync
 from specpilot.controller.server.hub import Hub
@@ -62,13 +67,84 @@ log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).with_name("static")
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 HEARTBEAT_SECONDS = 5.0
+SWEEP_SECONDS = 1.0  # how soon a stream whose client left frees its slot
+FLUSH_SECONDS = 0.1  # how long new frames wait to be sent with those after them
+FLUSH_SLICE = 32  # stream writers woken per loop turn
+RENDER_SLICE = 8  # decisions rendered per loop turn (2-3 ms each)
 HISTORY_INTERVAL_SECONDS = 15.0
 HISTORY_SAMPLES = 240  # an hour of samples per class
-# Events a page may fall behind before its stream is closed (it reconnects and reloads).
-EVENT_QUEUE_LIMIT = 5000
 AUDIT_SHOWN = 50
 _STATUS = {"unauthenticated": 401, "permission_denied": 403, "invalid": 400, "unavailable": 503}
-_Item = tuple[str, Any]  # (event name, payload); ("close", None) ends a stream
+
+
+@dataclasses.dataclass(frozen=True)
+class EventStreamLimits:
+    """What the event streams may hold (the settings of the same names)."""
+
+    max_streams: int  # max_event_streams
+    per_client: int  # event_streams_per_client
+    buffer_bytes: int  # event_stream_buffer_bytes
+
+
+def _frame(event: str, data: Any) -> bytes:
+    return f"event: {event}\ndata: {json_dumps(data)}\n\n".encode()
+
+
+class EventStream:
+    """One /api/events client: the frames waiting for it, at most ``limit`` bytes with what its
+    socket has not sent yet. Producers never wait on it: a frame that does not fit drops the
+    stream (its connection is aborted, so the writer waiting on the socket ends too)."""
+
+    def __init__(self, remote: str, transport: asyncio.BaseTransport | None, limit: int) -> None:
+        self.remote, self._limit = remote, limit
+        self._transport = transport if isinstance(transport, asyncio.WriteTransport) else None
+        self._chunks: list[bytes] = []
+        self._queued = 0
+        self._wake = asyncio.Event()
+        self.closed = False
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None:  # the kernel's share bounded too (it would hold megabytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limit)
+
+    def offer(self, frame: bytes) -> bool:
+        """Queue ``frame``; False (and the stream aborted) when it does not fit."""
+        if self.closed:
+            return False
+        unsent = self._transport.get_write_buffer_size() if self._transport else 0
+        if self._queued + len(frame) + unsent > self._limit:
+            self.close()
+            if self._transport is not None:
+                self._transport.abort()
+            return False
+        self._chunks.append(frame)
+        self._queued += len(frame)
+        return True  # its writer is woken by the dashboard's flusher (``wake``)
+
+    def wake(self) -> None:
+        """Let its writer send what is queued."""
+        if self._chunks:
+            self._wake.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake.set()
+
+    @property
+    def gone(self) -> bool:
+        """Whether its connection has ended (aiohttp does not end a handler for that)."""
+        return self._transport is None or self._transport.is_closing()
+
+    async def next(self) -> bytes | None:
+        """Every frame waiting, as one write; None once closed."""
+        if not self._chunks and not self.closed:
+            await self._wake.wait()
+        self._wake.clear()
+        if self.closed:
+            return None
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._queued = 0
+        return data
 
 
 def _finite_number(text: str) -> float:
@@ -89,14 +165,22 @@ def _strict_json(text: str) -> Any:
 
 
 class Dashboard:
+    # The reads that dashboard_read_token guards.
+    READ_PATHS = frozenset({"/api/dashboard", "/api/events", "/api/history",
+                            "/api/fleet/decisions"})
+
     def __init__(self, core: ControllerCore, hub: Hub, writer: PolicyWriter,
-                 clock: Callable[[], float], fleet: FleetSync | None) -> None:
+                 clock: Callable[[], float], fleet: FleetSync | None, metrics: Metrics,
+                 limits: EventStreamLimits) -> None:
         self._core, self._hub, self._writer, self._clock, self._fleet = (
             core, hub, writer, clock, fleet)
+        self._metrics, self._limits = metrics, limits
         # A new value per process: the page tells a restart from a reconnect by it.
         self.instance = secrets.token_hex(8)
         self.started_at = clock()
-        self._streams: set[asyncio.Queue[_Item]] = set()
+        self._streams: set[EventStream] = set()
+        self._pending: list[DecisionEvent | bytes] = []  # for the flusher
+        self._queued = asyncio.Event()  # set when something is pending
         self.history = EstimateHistory(HISTORY_SAMPLES, CREDIBLE_LEVEL)
 
     # --- reads ----------------------------------------------------------------------------------
@@ -148,57 +232,119 @@ class Dashboard:
         task.cancel()
 
     # --- live events ----------------------------------------------------------------------------
-    def _offer(self, item: _Item) -> None:
-        for queue in list(self._streams):
-            if queue.qsize() >= EVENT_QUEUE_LIMIT:
-                self._streams.discard(queue)
-                queue.put_nowait(("close", None))  # it reconnects and reloads
-            else:
-                queue.put_nowait(item)
+    def _post(self, item: DecisionEvent | bytes) -> None:
+        """Queue an event (a decision, rendered by the flusher) or a rendered frame for every
+        stream; nothing when none is open. Never renders nor writes here: a decide round or
+        a policy write hands it over and goes on."""
+        if self._streams:
+            self._pending.append(item)
+            self._queued.set()
 
     def _on_decisions(self, events: list[DecisionEvent]) -> None:
-        self._offer(("decisions", events))
+        for e in events:
+            self._post(e)
 
     def _on_audit(self, entry: AuditEntry) -> None:
-        self._offer(("audit", dataclasses.asdict(entry)))
+        self._post(_frame("audit", dataclasses.asdict(entry)))
+
+    def _offer(self, frame: bytes) -> None:
+        """Hand one rendered frame to every stream (a stream that cannot take it is
+        dropped)."""
+        for stream in list(self._streams):
+            if not stream.offer(frame):
+                self._streams.discard(stream)
+                self._metrics.event_stream_dropped()
+
+    def _render(self, item: DecisionEvent | bytes) -> bytes:
+        return item if isinstance(item, bytes) else _frame("decision", self.event_json(item))
+
+    async def _flush(self) -> None:
+        """Every FLUSH_SECONDS at most: render what was queued, once for all streams,
+        RENDER_SLICE events per loop turn, and wake the writers of the streams, FLUSH_SLICE
+        per loop turn. A burst of decisions costs each stream one write, and neither the
+        rendering nor a thousand streams hold the loop in one piece: health checks and
+        engine reports run between the slices."""
+        while True:
+            await self._queued.wait()
+            await asyncio.sleep(FLUSH_SECONDS)  # what else comes meanwhile goes in one write
+            self._queued.clear()
+            pending, self._pending = self._pending, []
+            for start in range(0, len(pending), RENDER_SLICE):
+                self._offer(b"".join(map(self._render, pending[start:start + RENDER_SLICE])))
+                await asyncio.sleep(0)
+            streams = list(self._streams)
+            for start in range(0, len(streams), FLUSH_SLICE):
+                for stream in streams[start:start + FLUSH_SLICE]:
+                    stream.wake()
+                await asyncio.sleep(0)
+
+    def _admit(self, remote: str) -> web.Response | None:
+        """None when a new stream from ``remote`` may open; else the refusal."""
+        limits = self._limits
+        if len(self._streams) >= limits.max_streams:
+            self._metrics.http_refused("event_streams")
+            return json_response({"error": f"{len(self._streams)} event streams are open, the "
+                                           "most at once (max_event_streams); retry later"},
+                                 status=503, headers={"Retry-After": "5"})
+        if sum(s.remote == remote for s in self._streams) >= limits.per_client:
+            self._metrics.http_refused("per_client")
+            return json_response({"error": f"this client holds {limits.per_client} event "
+                                           "streams, the most one may (event_streams_per_client)"},
+                                 status=429, headers={"Retry-After": "5"})
+        return None
 
     async def events(self, request: web.Request) -> web.StreamResponse:
+        remote = request.remote or "?"
+        refused = self._admit(remote)
+        if refused is not None:
+            return refused
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-
-        async def send(event: str, data: Any) -> None:
-            await resp.write(f"event: {event}\ndata: {json_dumps(data)}\n\n".encode())
-
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._streams.add(queue)
+        stream = EventStream(remote, request.transport, self._limits.buffer_bytes)
+        self._streams.add(stream)
         try:
-            await resp.write(b"retry: 1000\n\n")  # the browser's reconnect delay, ms
-            await send("hello", {"instance": self.instance, "version": self._core.version})
-            while True:
-                try:
-                    name, payload = await asyncio.wait_for(queue.get(), HEARTBEAT_SECONDS)
-                except TimeoutError:
-                    await send("tick", {"version": self._core.version, "at": self._clock()})
-                    continue
-                if name == "close":
-                    break
-                if name == "decisions":
-                    for e in payload:
-                        await send("decision", self.event_json(e))
-                else:
-                    await send(name, payload)
+            await resp.write(b"retry: 1000\n\n"  # the browser's reconnect delay, ms
+                             + _frame("hello", {"instance": self.instance,
+                                                "version": self._core.version}))
+            while (data := await stream.next()) is not None:
+                await resp.write(data)
         except ConnectionError:
-            pass  # the page went away
+            pass  # the page went away, or the stream was dropped
         finally:
-            self._streams.discard(queue)
+            self._streams.discard(stream)
         return resp
+
+    async def _stream_upkeep(self, _: web.Application) -> AsyncIterator[None]:
+        """While the server runs (aiohttp cleanup context): the flusher, and every
+        SWEEP_SECONDS free the streams whose client left; every HEARTBEAT_SECONDS send them
+        all one tick."""
+        async def upkeep() -> None:
+            since_tick = 0.0
+            while True:
+                await asyncio.sleep(SWEEP_SECONDS)
+                for stream in [s for s in self._streams if s.gone]:
+                    stream.close()
+                    self._streams.discard(stream)
+                since_tick += SWEEP_SECONDS
+                if since_tick >= HEARTBEAT_SECONDS and self._streams:
+                    since_tick = 0.0
+                    self._post(_frame("tick", {"version": self._core.version,
+                                               "at": self._clock()}))
+        tasks = (asyncio.create_task(upkeep()), asyncio.create_task(self._flush()))
+        yield
+        for task in tasks:
+            task.cancel()
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
 
     async def close_streams(self, _: web.Application) -> None:
         """End every event stream (server shutdown: the pages reconnect to the next one)."""
-        for queue in list(self._streams):
-            queue.put_nowait(("close", None))
+        for stream in list(self._streams):
+            stream.close()
         self._streams.clear()
 
     # --- writes ---------------------------------------------------------------------------------
@@ -263,6 +409,7 @@ class Dashboard:
         self._writer.audit.on_entry(self._on_audit)
         app.on_shutdown.append(self.close_streams)
         app.cleanup_ctx.append(self._sample_history)
+        app.cleanup_ctx.append(self._stream_upkeep)
         app.router.add_get("/", self.page)
         app.router.add_get("/static/{name}", self.asset)
         app.router.add_get("/api/dashboard", self.dashboard_state)

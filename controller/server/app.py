@@ -28,11 +28,13 @@ from specpilot.contract.tls import ServerTLS, TLSError, server_tls
 from specpilot.contract.version import package_version
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.core.published import epoch_at
-from specpilot.controller.dashboard.routes import Dashboard
+from specpilot.controller.dashboard.routes import Dashboard, EventStreamLimits
+from specpilot.controller.logsafe import safe_name
 from specpilot.controller.metrics import Metrics
 from specpilot.controller.server.engine_service import ClientCertificates, EngineService
 from specpilot.controller.server.fleet import FleetIdentity, FleetSync
 from specpilot.controller.server.http import make_app
+from specpilot.controller.server.http_guard import CappedSite, ClientErrorLog
 from specpilot.controller.server.hub import Hub
 from specpilot.controller.server.overload import LoopLag, ReportBudget
 from specpilot.controller.server.policy_service import PolicyService
@@ -216,11 +218,11 @@ async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: f
         await asyncio.sleep(interval)
         try:
             for engine_id in hub.drop_silent(clock(), silence_timeout):
-                log.warning("engine %s: no report for %g s, stream ended", engine_id,
-                            silence_timeout)
+                log.warning("engine %s: no report for %g s, stream ended",
+                            safe_name(engine_id), silence_timeout)
             if idle := hub.forget_idle_classes(clock()):
                 log.info("classes no engine reported for class_idle_seconds gave their slots "
-                         "back: %s", ", ".join(idle))
+                         "back: %s", ", ".join(map(safe_name, idle)))
             for _ in range(JOINT_BUCKETS_PER_ROUND):
                 hub.refresh_joint(clock())
                 await asyncio.sleep(0)
@@ -302,12 +304,14 @@ async def _start_grpc(settings: ServerConfig, engine: EngineService, policy: Pol
     return server, port, engine_port
 
 
-async def _start_http(settings: ServerConfig, app: web.Application,
+async def _start_http(settings: ServerConfig, app: web.Application, metrics: Metrics,
                       tls: ServerTLS | None = None) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, logger=ClientErrorLog(metrics),
+                           keepalive_timeout=settings.http_idle_timeout_seconds)
     await runner.setup()
-    site = web.TCPSite(runner, settings.http_host, settings.http_port,
-                       ssl_context=tls.http_context if tls is not None else None)
+    site = CappedSite(runner, settings.http_host, settings.http_port,
+                      ssl_context=tls.http_context if tls is not None else None,
+                      max_connections=settings.http_max_connections, metrics=metrics)
     try:
         await site.start()
     except OSError as exc:
@@ -334,7 +338,8 @@ async def start_server(settings: Settings) -> RunningServer:
     metrics.watch_loop_lag(lambda: lag.seconds)
     hub = Hub(core, metrics, clock, server.fail_static_timeout_seconds, STREAM_QUEUE_LIMIT,
               server.decide_min_interval_seconds, budget,
-              max_watchers=server.max_watch_streams)
+              max_watchers=server.max_watch_streams,
+              max_watchers_per_client=server.event_streams_per_client)
     token, generated = _policy_token(server)
     engine_secret, engine_token = engine_credentials(server)
     tls = _listener_tls(server)
@@ -364,9 +369,12 @@ async def start_server(settings: Settings) -> RunningServer:
     health = health_aio.HealthServicer()
     grpc_server, grpc_port, engine_port = await _start_grpc(server, engine, policy, health, tls)
     try:
-        dashboard = Dashboard(core, hub, writer, clock, fleet)
-        runner, http_port = await _start_http(server, make_app(core, metrics, clock, fleet,
-                                                               dashboard), tls)
+        dashboard = Dashboard(core, hub, writer, clock, fleet, metrics, EventStreamLimits(
+            server.max_event_streams, server.event_streams_per_client,
+            server.event_stream_buffer_bytes))
+        metrics.watch_event_streams(lambda: dashboard.open_streams)
+        app = make_app(core, metrics, clock, fleet, dashboard, server, token)
+        runner, http_port = await _start_http(server, app, metrics, tls)
     except ServeError:
         await grpc_server.stop(None)
         raise

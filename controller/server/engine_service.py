@@ -19,6 +19,7 @@ import grpc
 from specpilot.contract.engine_stream import hello_from_proto, report_from_proto
 from specpilot.contract.records import ImplausibleInput, ReportRejected
 from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.logsafe import safe_name
 from specpilot.controller.metrics import Metrics, RejectReason
 from specpilot.controller.server.auth import (
     bearer_verdict,
@@ -205,7 +206,8 @@ class EngineService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._metrics.hello("accepted")
         for name, why in outcome.rejected_drafts:
-            log.warning("engine %s: draft %s refused: %s", hello.engine_id, name, why)
+            log.warning("engine %s: draft %s refused: %s", safe_name(hello.engine_id),
+                        safe_name(name), safe_name(why, 300))
         session = self._hub.open_session(hello.engine_id)
         cfg = self._core.config
         session.send(engine_pb2.ConnectResponse(hello_ack=hello_ack_to_proto(
@@ -238,7 +240,7 @@ class EngineService:
                 return
             # A bug must end the stream visibly (the engine reconnects) rather than leave the
             # engine waiting for results that never come.
-            log.exception("engine %s: stream failed", session.engine_id)
+            log.exception("engine %s: stream failed", safe_name(session.engine_id))
             session.outbox.close(grpc.StatusCode.INTERNAL, "controller error; see its log")
             return
         session.outbox.close()  # the engine half-closed: end the stream with OK

@@ -36,6 +36,7 @@ from specpilot.contract.records import DecisionEvent, Override
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.core.fleet import EvidenceExport, fleet_evidence
 from specpilot.controller.core.recommend import Recommendation, recommend
+from specpilot.controller.logsafe import safe_name
 from specpilot.controller.metrics import Metrics
 from specpilot.controller.store.base import StateStore, StoreUnavailable
 
@@ -178,7 +179,8 @@ class FleetSync:
                                            self._id.sidecar, now, self._max_age)
         self._costs_read = (self._round, hardware)
         if peers != self._cost_peers:
-            log.info("step costs shared with %d other sidecar(s) on %r", peers, hardware)
+            log.info("step costs shared with %d other sidecar(s) on %s", peers,
+                     safe_name(hardware))
             self._cost_peers = peers
 
     async def _restore_costs(self, model: str) -> None:
@@ -201,9 +203,9 @@ class FleetSync:
                 best = r.options[0]
                 runner_up = (f"; next {r.options[1].pool} {r.options[1].draft or 'off'} "
                              f"{r.options[1].goodput:.0f}") if len(r.options) > 1 else ""
-                log.info("recommendation for class %r at batch %d: %s pool, draft %s "
-                         "(%.0f tokens/s%s)", r.traffic_class, r.batch_size, r.pool,
-                         r.draft or "none", best.goodput, runner_up)
+                log.info("recommendation for class %s at batch %d: %s pool, draft %s "
+                         "(%.0f tokens/s%s)", safe_name(r.traffic_class), r.batch_size, r.pool,
+                         safe_name(r.draft or "none"), best.goodput, safe_name(runner_up))
         self.recommendations, self.recommended_at = recs, now
         if self._metrics is not None:
             self._metrics.recommendations(recs)
@@ -221,8 +223,9 @@ class FleetSync:
         for ov, reason in self._core.set_fleet_overrides(overrides):
             if (ov.traffic_class, ov.set_at) not in self._refused:
                 self._refused.add((ov.traffic_class, ov.set_at))
-                log.warning("fleet override on %r (set through %s) not in force here: %s",
-                            ov.traffic_class, ov.set_by or "?", reason)
+                log.warning("fleet override on %s (set through %s) not in force here: %s",
+                            safe_name(ov.traffic_class), safe_name(ov.set_by or "?"),
+                            safe_name(reason, 300))
         if self._core.fleet_overrides() != before and self._decide is not None:
             self._decide(self._clock())
 

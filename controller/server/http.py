@@ -18,7 +18,13 @@ from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.dashboard.routes import Dashboard
 from specpilot.controller.metrics import Metrics
 from specpilot.controller.server.fleet import FleetSync
+from specpilot.controller.server.http_guard import (
+    host_middleware,
+    read_token_middleware,
+    security_headers,
+)
 from specpilot.controller.server.views import json_response, policy_json, to_json_dict
+from specpilot.controller.settings import ServerConfig
 from specpilot.controller.wire import event_to_proto, recommendations_to_proto
 
 # Most decision-log events one /api/decisions answer holds, and with ?text=1 (each rendered
@@ -29,7 +35,10 @@ DECISIONS_TEXT_PAGE_MAX = 200
 
 
 def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
-             fleet: FleetSync | None, dashboard: Dashboard) -> web.Application:
+             fleet: FleetSync | None, dashboard: Dashboard, settings: ServerConfig,
+             policy_token: str) -> web.Application:
+    """The HTTP side, behind ``http_guard``'s checks (Host header, read token, security
+    headers)."""
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -77,7 +86,13 @@ def make_app(core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
         return json_response(to_json_dict(recommendations_to_proto(
             fleet.recommendations, request.query.get("class", ""), fleet.recommended_at)))
 
-    app = web.Application()
+    middlewares = [host_middleware(settings.http_allowed_hosts, metrics)]
+    if settings.dashboard_read_token is not None:
+        middlewares.append(read_token_middleware(
+            Dashboard.READ_PATHS | {"/api/decisions"},
+            (settings.dashboard_read_token.get_secret_value(), policy_token), metrics))
+    app = web.Application(middlewares=middlewares)
+    app.on_response_prepare.append(security_headers)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/policy", policy)

@@ -114,8 +114,8 @@ class Watcher:
     """One WatchDecisions stream: its events as serialized WatchDecisionsResponse messages
     (each event is serialized once, whatever the number of watchers)."""
 
-    def __init__(self, traffic_class: str, limit: int) -> None:
-        self.traffic_class = traffic_class
+    def __init__(self, traffic_class: str, limit: int, client: str) -> None:
+        self.traffic_class, self.client = traffic_class, client
         self.outbox: Outbox[bytes] = Outbox(limit)
 
     def wants(self, e: DecisionEvent) -> bool:
@@ -130,10 +130,12 @@ class Hub:
     def __init__(self, core: ControllerCore, metrics: Metrics, clock: Callable[[], float],
                  fail_static_timeout_seconds: float, queue_limit: int,
                  decide_min_interval_seconds: float = 0.0,
-                 budget: ReportBudget | None = None, *, max_watchers: int) -> None:
+                 budget: ReportBudget | None = None, *, max_watchers: int,
+                 max_watchers_per_client: int) -> None:
         """``budget``: report-prompted rounds spend from it (``overload``). ``max_watchers``:
-        decision watchers served at once (``watch`` refuses more)."""
-        self._max_watchers = max_watchers
+        decision watchers served at once, ``max_watchers_per_client`` of them from one client
+        address (``watch`` refuses more)."""
+        self._max_watchers, self._per_client = max_watchers, max_watchers_per_client
         self._core = core
         self._budget = budget
         self._min_interval = decide_min_interval_seconds
@@ -284,13 +286,17 @@ class Hub:
             del self._wire[next(iter(self._wire))]  # the oldest cached
         return data
 
-    def watch(self, traffic_class: str) -> tuple[list[DecisionEvent], Watcher]:
+    def watch(self, traffic_class: str, client: str) -> tuple[list[DecisionEvent], Watcher]:
         """The recent log (for replay, ``watch_message`` each) and a watcher for what
-        follows, with no gap between; WatchersFull when ``max_watchers`` are served."""
+        follows, with no gap between; WatchersFull when ``max_watchers`` are served, or
+        ``max_watchers_per_client`` to ``client`` (its address)."""
         if len(self._watchers) >= self._max_watchers:
             raise WatchersFull(f"{len(self._watchers)} decision watchers are served, the most "
                                "at once (max_watch_streams); try again when one has ended")
-        watcher = Watcher(traffic_class, self._limit)
+        if sum(w.client == client for w in self._watchers) >= self._per_client:
+            raise WatchersFull(f"this client holds {self._per_client} decision watchers, the "
+                               "most one may (event_streams_per_client)")
+        watcher = Watcher(traffic_class, self._limit, client)
         self._watchers.add(watcher)
         return list(self._core.snapshot(self._clock()).events(traffic_class)), watcher
 

@@ -75,7 +75,9 @@ class PolicyService:
     ) -> AsyncIterator[bytes]:
         """Serialized WatchDecisionsResponse messages (``Hub.watch_message``)."""
         try:
-            replay, watcher = self._hub.watch(request.traffic_class)
+            # The peer's address without its port ("ipv4:10.0.0.7:53412" -> "ipv4:10.0.0.7").
+            client = context.peer().rpartition(":")[0]
+            replay, watcher = self._hub.watch(request.traffic_class, client)
         except WatchersFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:

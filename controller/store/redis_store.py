@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from specpilot.contract.records import DecisionEvent, Override
 from specpilot.controller.core.fleet import CostExport, EvidenceExport
 from specpilot.controller.core.recommend import EngineOptions, Recommendation
+from specpilot.controller.logsafe import safe_name
 from specpilot.controller.store.base import StoreUnavailable
 from specpilot.controller.store.codec import (
     StoredRecordError,
@@ -104,7 +105,8 @@ class RedisStore:
             try:
                 out.append(parse(value))
             except StoredRecordError as exc:
-                log.warning("skipping the stored %s of sidecar %r: %s", what, sidecar, exc)
+                log.warning("skipping the stored %s of sidecar %s: %s", what, safe_name(sidecar),
+                            safe_name(exc, 300))
         return out
 
     async def evidence(self, model: str, since: float) -> list[EvidenceExport]:
@@ -185,7 +187,8 @@ class RedisStore:
             try:
                 out.append(override_from_json(value))
             except StoredRecordError as exc:
-                log.warning("skipping the stored fleet override on class %r: %s", cls, exc)
+                log.warning("skipping the stored fleet override on class %s: %s",
+                            safe_name(cls), safe_name(exc, 300))
         return out
 
     async def override_changes(self, model: str) -> AsyncIterator[None]:
@@ -239,8 +242,8 @@ class RedisStore:
             try:
                 entries.append({"sidecar": sidecar, "event": event_to_json(e)})
             except ValueError as exc:
-                log.warning("decision on class %r not logged to the store: %s",
-                            e.decision.traffic_class, exc)
+                log.warning("decision on class %s not logged to the store: %s",
+                            safe_name(e.decision.traffic_class), safe_name(exc, 300))
         await self._append(model, entries, max_len)
 
     async def decisions(self, model: str, count: int) -> list[tuple[str, DecisionEvent]]:
@@ -251,7 +254,8 @@ class RedisStore:
             try:
                 out.append((_text(fields["sidecar"]), event_from_json(fields["event"])))
             except (KeyError, StoredRecordError) as exc:
-                log.warning("skipping decision log entry %s: %s", entry_id, exc)
+                log.warning("skipping decision log entry %s: %s", safe_name(entry_id),
+                            safe_name(exc, 300))
         return out
 
     async def add_recommendations(self, model: str, sidecar: str,
@@ -263,8 +267,8 @@ class RedisStore:
                 entries.append({"sidecar": sidecar,
                                 "recommendation": recommendation_to_json(r, at)})
             except ValueError as exc:
-                log.warning("recommendation for class %r not logged to the store: %s",
-                            r.traffic_class, exc)
+                log.warning("recommendation for class %s not logged to the store: %s",
+                            safe_name(r.traffic_class), safe_name(exc, 300))
         await self._append(model, entries, max_len)
 
     async def recommendations_log(self, model: str, count: int
@@ -277,7 +281,8 @@ class RedisStore:
                 at, rec = recommendation_from_json(fields["recommendation"])
                 out.append((_text(fields["sidecar"]), at, rec))
             except (KeyError, StoredRecordError) as exc:
-                log.warning("skipping decision log entry %s: %s", entry_id, exc)
+                log.warning("skipping decision log entry %s: %s", safe_name(entry_id),
+                            safe_name(exc, 300))
         return out
 
     async def close(self) -> None:

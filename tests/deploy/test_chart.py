@@ -196,7 +196,7 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
     assert {"name": "engine-token", "mountPath": "/run/specpilot-engine", "readOnly": True} \
         in engine["volumeMounts"]
     if not values["policyToken"]:
-        assert set(secrets[0]["data"]) == {"token", "engine-secret"}
+        assert set(secrets[0]["data"]) == {"token", "engine-secret", "read-token"}
     assert "--scheduler-cls=specpilot.engine_plugin.scheduler.SpecPilotScheduler" in engine["args"]
     config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
     settings = yaml.safe_load(config["data"]["specpilot.yaml"])
@@ -306,6 +306,42 @@ def test_the_charts_tls_settings_start_a_controller(tmp_path: Path, mtls: bool) 
             asyncio.run(start_and_stop())
         settings["engine_secret"] = "e" * 32
         assert asyncio.run(start_and_stop())
+
+
+def test_the_charts_http_answers_its_service_names_only_and_reads_need_the_read_token() -> None:
+    """The controller listens on 0.0.0.0 in the chart, so anything in the cluster reaches its
+    HTTP: the rendered settings (and the read token the pod gets from the Secret) start a real
+    controller that answers the Service's names and IP literals, refuses another Host (a
+    DNS-rebinding page) and serves the dashboard's reads only with the token. Control: the chart
+    set neither (every Host and every reader was served)."""
+    docs = render({"controller": {"settings": {"max_k": 4}}})
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
+    settings = yaml.safe_load(config["data"]["specpilot.yaml"])
+    assert settings["http_host"] == "0.0.0.0" and settings["max_k"] == 4
+    env = {e["name"]: e for e in controller_of(docs)["env"]}
+    read_key = env["SPECPILOT_DASHBOARD_READ_TOKEN"]["valueFrom"]["secretKeyRef"]["key"]
+    assert read_key in one(docs, "Secret")["data"]
+    settings.update(grpc_port=0, http_port=0, http_host="127.0.0.1", policy_token="p" * 24,
+                    engine_token="e" * 24, dashboard_read_token="r" * 24)
+
+    async def probe() -> list[int]:
+        server = await start_server(load_settings(**settings))
+        try:
+            statuses = []
+            for host, path, token in (("demo-specpilot.ml.svc:9464", "/api/dashboard", "r" * 24),
+                                      ("10.0.0.7:9464", "/healthz", ""),
+                                      ("rebind.evil.example", "/api/dashboard", "r" * 24),
+                                      ("demo-specpilot.ml.svc", "/api/events", "")):
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+                auth = f"Authorization: Bearer {token}\r\n" if token else ""
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}\r\n".encode())
+                statuses.append(int((await reader.readline()).split()[1]))
+                writer.close()
+            return statuses
+        finally:
+            await server.stop(grace_seconds=0)
+
+    assert asyncio.run(probe()) == [200, 200, 421, 401]
 
 
 def merged(*layers: Mapping[str, Any]) -> dict[str, Any]:

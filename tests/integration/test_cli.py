@@ -510,3 +510,18 @@ def test_a_misspelt_variable_is_named_at_start_up(
     assert cli.main(["settings"]) == 0
     out, err = capsys.readouterr()
     assert err == warning + "\n" and "\nhalf_life_seconds: 300.0\n" in out
+
+
+async def test_names_an_engine_chose_reach_the_terminal_escaped(
+    server: RunningServer, channel: grpc.aio.Channel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An engine id or draft name with an ANSI escape or a line break is printed escaped, so
+    it cannot clear an operator's terminal or forge a line. Control: printed raw."""
+    msg = hello("e1\x1b[2J\ncleared")
+    msg.drafts[0].name = "d\x1b[31m"
+    engine = EngineClient(channel)
+    await engine.connect(msg)
+    assert (await engine.send(report(1, acceptance(draft="d\x1b[31m")))).accepted
+    code, out, _ = await _cli(capsys, server, "get")
+    assert code == 0 and "\x1b" not in out and "cleared\n" not in out
+    assert "'e1\\x1b[2J\\ncleared'" in out and "'d\\x1b[31m'" in out

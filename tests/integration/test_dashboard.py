@@ -37,7 +37,7 @@ async def browser() -> AsyncIterator[Browser]:
             await b.close()
 
 
-async def _start(**ports: int) -> RunningServer:
+async def _start(**ports: Any) -> RunningServer:
     return await start_server(load_settings(**{**FAST_SETTINGS, "max_classes": 8, **ports}))
 
 
@@ -216,5 +216,34 @@ async def test_batch_ranges_without_a_timed_step_are_marked_as_priors_only(
     finally:
         await page.close()
         await engine.close()
+        await ch.close()
+        await server.stop(grace_seconds=0.1)
+
+
+async def test_with_a_read_token_the_page_opened_with_it_reads_and_follows_live(
+        browser: Browser) -> None:
+    """The controller asks for dashboard_read_token: the page opened as /#read_token=... reads
+    the state and keeps its event stream with it (an EventSource sends it as ?token=), under
+    the page's content security policy with no violation; opened without it, it stays
+    disconnected. Control: the page sent no token (every read 401)."""
+    server = await _start(dashboard_read_token="read-0123456789")
+    ch, engine = await _engine(server, CLASSES)
+    page = await browser.new_page()
+    violations: list[str] = []
+    page.on("console", lambda m: violations.append(m.text)
+            if "Content Security Policy" in m.text else None)
+    try:
+        await page.goto(server.http_url + "/")
+        await expect(page.locator("#status")).to_have_text("disconnected", timeout=WAIT_MS)
+        await page.goto(server.http_url + "/#read_token=read-0123456789")
+        await page.reload()  # a new fragment alone does not reload the page
+        await expect(page.locator("#status")).to_have_text("live", timeout=WAIT_MS)
+        assert "read_token" not in page.url  # kept for the tab, off the address bar
+        await _until_shown_matches(page, server)
+        await engine.send(report(2, acceptance("chat", (90, 5, 5))))  # a new decision, live
+        await _until_shown_matches(page, server)
+        assert not violations, violations
+    finally:
+        await page.close()
         await ch.close()
         await server.stop(grace_seconds=0.1)

@@ -3,10 +3,12 @@
 Engine hellos and reports (valid-looking ones with one field perturbed, and wild ones of every
 field with extreme values) through the pure layer (``wire`` -> ``ControllerCore``) and over gRPC;
 raw bytes on the engine stream and on every policy RPC; every policy-API input, with and without
-the token; the dashboard's HTTP write endpoints with arbitrary bodies. After each example the
-invariants: the server is SERVING, nothing logged at ERROR, every estimate a probability, every
-decision's K in 0..max_k with a finite speedup, step costs finite and positive, overrides in force
-respected and refused writes changing nothing, the HTTP JSON strict.
+the token; the dashboard's HTTP write endpoints with arbitrary bodies; raw HTTP request heads
+and engine ids of any text (every log line stays one printable line, no traceback). After each
+example the invariants: the server is SERVING, nothing logged at ERROR, every estimate a
+probability, every decision's K in 0..max_k with a finite speedup, step costs finite and
+positive, overrides in force respected and refused writes changing nothing, the HTTP JSON
+strict.
 
 One server per test (not per example), so a failure found late may not replay alone: Hypothesis
 then reports it as flaky, with the example that failed.
@@ -1074,6 +1076,74 @@ async def test_http_writes_answer_4xx_with_a_reason_never_500(
     if status != 200:
         assert stable(after) == stable(before), ("a refused write changed the policy",
                                                  changed(before, after))
+
+
+def one_line_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """Every specpilot log line is one line of printable text, without a traceback."""
+    for r in caplog.records:
+        if r.name.startswith("specpilot"):
+            line = r.getMessage()
+            assert line.isprintable() and r.exc_info is None, (r.levelname, line[:300])
+
+
+# Engine ids of every kind of text: line breaks, escapes, NUL, separators, long ones.
+ENGINE_IDS = st.text(st.characters(codec="utf-8"), min_size=1, max_size=256)
+
+
+@fuzz(60)
+@given(engine_id=ENGINE_IDS)
+@example(engine_id="e1\nspecpilot: CRITICAL root: forged")
+@example(engine_id="e1\x1b[2J\x00\u2028")
+async def test_engine_ids_never_forge_a_log_line(
+        server: RunningServer, channel: grpc.aio.Channel, caplog: pytest.LogCaptureFixture,
+        engine_id: str) -> None:
+    caplog.clear()
+    engine = EngineClient(channel)
+    try:
+        await engine.connect(hello(engine_id))  # a draft is refused: a WARNING names the id
+    except grpc.aio.AioRpcError as exc:
+        event(f"hello refused: {exc.code()}")
+    finally:
+        engine.call.cancel()
+    one_line_logs(caplog)
+    await served_invariants(server, channel, caplog)
+
+
+# Raw request heads: methods, targets, versions and headers of any bytes, and over-long ones.
+HEAD_PART = st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode),
+                      st.integers(8_000, 40_000).map(lambda n: b"a" * n))
+RAW_REQUESTS = st.builds(
+    lambda method, target, version, headers: b"%s %s %s\r\n%s\r\n" % (
+        method, target, version, b"".join(h + b"\r\n" for h in headers)),
+    st.one_of(st.sampled_from([b"GET", b"POST", b"PRI", b"G\x00T"]), HEAD_PART),
+    st.one_of(st.sampled_from([b"/healthz", b"/api/events", b"/api/dashboard", b"*"]),
+              HEAD_PART),
+    st.one_of(st.just(b"HTTP/1.1"), HEAD_PART),
+    st.lists(st.one_of(st.sampled_from([b"Host: evil.example", b"Host: 127.0.0.1",
+                                        b"Connection: keep-alive"]), HEAD_PART), max_size=4))
+
+
+@fuzz(80)
+@given(request=RAW_REQUESTS)
+async def test_raw_http_requests_cost_no_error_log_and_leave_health_fast(
+        server: RunningServer, channel: grpc.aio.Channel, caplog: pytest.LogCaptureFixture,
+        request: bytes) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(200), 10)  # an answer, or the close
+    except ConnectionError:
+        answer = b""
+    finally:
+        writer.close()
+    event(answer[:12].decode(errors="replace") or "closed")
+    one_line_logs(caplog)
+    start = time.perf_counter()
+    async with aiohttp.ClientSession() as http, http.get(server.http_url + "/healthz") as r:
+        assert r.status == 200
+    assert time.perf_counter() - start < 1.0
+    await served_invariants(server, channel, caplog)
 
 
 # --- regressions the fuzzer found, as plain examples ----------------------------------------------

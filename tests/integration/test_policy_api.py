@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import grpc
 import pytest
@@ -222,20 +223,26 @@ async def test_watchers_get_the_same_messages_each_serialized_once(
         c.cancel()
 
 
+async def _watchers_then_refused(policy: Any, served: int, setting: str) -> list[Any]:
+    """``served`` watchers opened and served (no log yet to replay), then one more refused
+    naming ``setting``; the served calls."""
+    calls = [policy.WatchDecisions(policy_pb2.WatchDecisionsRequest()) for _ in range(served)]
+    await asyncio.sleep(0.2)
+    assert not any(c.done() for c in calls)
+    refused = policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
+    code, details = await _code(anext(aiter(refused)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert setting in details
+    return calls
+
+
 async def test_watchers_beyond_the_limit_are_refused_until_one_ends() -> None:
     # Each watcher costs the loop its replay and every event after: a bounded number at once.
     server = await start_server(load_settings(**{**FAST_SETTINGS, "max_watch_streams": 2}))
     try:
         async with grpc.aio.insecure_channel(server.grpc_target) as channel:
             policy = async_policy_stub(channel)
-            calls = [policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
-                     for _ in range(2)]
-            await asyncio.sleep(0.2)
-            assert not any(c.done() for c in calls)  # both served (no log yet to replay)
-            refused = policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
-            code, details = await _code(anext(aiter(refused)))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "max_watch_streams" in details
+            calls = await _watchers_then_refused(policy, 2, "max_watch_streams")
             calls[0].cancel()
             for _ in range(50):  # once the server has seen the cancel, a slot is free
                 again = policy.WatchDecisions(policy_pb2.WatchDecisionsRequest())
@@ -310,3 +317,19 @@ async def test_override_values_beyond_what_the_engines_can_run_are_refused(
     assert (await engine.send(report(1, acceptance("chat")))).accepted
     assert server.core.canonical_class("chat") == "chat"
     await engine.close()
+
+
+async def test_one_client_holds_at_most_its_share_of_watchers() -> None:
+    """A client beyond event_streams_per_client watchers is refused though slots are free, so
+    one client cannot take every one of max_watch_streams. Control: the share did not exist
+    (every watcher up to max_watch_streams was served to the one client)."""
+    server = await start_server(load_settings(**{**FAST_SETTINGS, "max_watch_streams": 8,
+                                                 "event_streams_per_client": 2}))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            policy = async_policy_stub(channel)
+            calls = await _watchers_then_refused(policy, 2, "event_streams_per_client")
+            for c in calls:
+                c.cancel()
+    finally:
+        await server.stop(grace_seconds=0.1)

@@ -41,8 +41,20 @@ function overrideText(o) {
   return `${what} (${scopeName(o.scope)}, set by ${o.set_by || "?"} at ${clock(o.set_unix_seconds)}`
     + (o.note ? `: "${o.note}")` : ")");
 }
+// The read token (dashboard_read_token), where the controller asks for one: opened as
+// /#read_token=..., kept for the tab; the policy token is taken too.
+const readToken = (() => {
+  const given = new URLSearchParams(location.hash.slice(1)).get("read_token");
+  if (given !== null) {
+    sessionStorage.setItem("specpilot-read-token", given);
+    history.replaceState(null, "", location.pathname + location.search);  // off the address bar
+  }
+  return () => sessionStorage.getItem("specpilot-read-token") || $("token").value.trim();
+})();
 async function getJSON(url) {
-  const r = await fetch(url, {cache: "no-store"});
+  const token = readToken();
+  const headers = token ? {Authorization: `Bearer ${token}`} : {};
+  const r = await fetch(url, {cache: "no-store", headers});
   if (!r.ok) throw new Error(`${url}: HTTP ${r.status}`);
   return r.json();
 }
@@ -68,7 +80,9 @@ function setConnected(up) {
 
 function connect() {
   if (view.source) view.source.close();
-  const source = new EventSource("/api/events");
+  const token = readToken();
+  const source = new EventSource(token ? `/api/events?token=${encodeURIComponent(token)}`
+    : "/api/events");
   view.source = source;
   source.addEventListener("hello", async (ev) => {
     const hello = JSON.parse(ev.data);

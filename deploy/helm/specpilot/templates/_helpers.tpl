@@ -165,6 +165,11 @@ native sidecar, and is the only container besides the controller that sees the s
           name: {{ include "specpilot.tokenSecret" . }}
           key: {{ .Values.policyToken.key }}
     {{- include "specpilot.engineSecretEnv" . | nindent 4 }}
+    - name: SPECPILOT_DASHBOARD_READ_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ include "specpilot.tokenSecret" . }}
+          key: {{ .Values.policyToken.readKey }}
     - name: SPECPILOT_SIDECAR_ID
       valueFrom:
         fieldRef:
