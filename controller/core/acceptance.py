@@ -12,6 +12,14 @@ some position differ by more than ``change_z_threshold`` standard errors, the sl
 is replaced by the fast one, cut down to ``change_min_tries`` per position, and for
 ``RECOVERY_HALF_LIVES`` fast half-lives decays at the fast rate, so the remains of the old regime
 wash out within seconds instead of over a half-life.
+
+Each engine's share is bounded: the evidence is also kept per source (the engine that reported
+it; ``DEPARTED`` holds what engines that left had counted, and what a restart restored). The
+posterior's amount of evidence is the pooled one, its rate per position the weighted median of
+the sources' rates (``robust_rates``), each source weighing its evidence capped at half of the
+others' together (or of ``change_min_tries`` while they hold less): one source cannot outweigh
+the rest, however much it counts, and a lone source's rate is its own. With two sources the
+rate falls between theirs; with three or more, a single dissenting one moves it not at all.
 """
 
 from __future__ import annotations
@@ -40,6 +48,32 @@ def position_counts(steps_by_accepted: npt.ArrayLike) -> tuple[FloatArray, Float
     h = np.asarray(steps_by_accepted, dtype=np.float64)
     at_least = np.cumsum(h[::-1])[::-1]  # at_least[a] = sum_{a' >= a} h[a']
     return at_least[:-1], at_least[1:]
+
+
+# The source of evidence no connected engine counted (a departed engine's, a restored one).
+DEPARTED = ""
+
+
+def robust_rates(accepts: FloatArray, rejects: FloatArray, floor: float) -> FloatArray:
+    """Per position (column), the weighted median of the sources' (rows') acceptance rates,
+    each source weighing its tries capped at half of the other sources' (at least of ``floor``);
+    at an exact tie, the mean of the two middle rates. NaN where no source tried."""
+    n = accepts + rejects
+    rest = n.sum(axis=0) - n
+    weight = np.minimum(n, np.maximum(rest, floor) / 2.0)
+    out = np.full(n.shape[1], np.nan)
+    for i in range(n.shape[1]):
+        tried = n[:, i] > 0
+        if not tried.any():
+            continue
+        rates = accepts[tried, i] / n[tried, i]
+        order = np.argsort(rates, kind="stable")
+        rates, cum = rates[order], np.cumsum(weight[tried, i][order])
+        half = cum[-1] / 2.0
+        j = int(np.searchsorted(cum, half * (1 - 1e-12)))
+        tie = j + 1 < rates.size and abs(cum[j] - half) <= 1e-9 * cum[-1]
+        out[i] = (rates[j] + rates[j + 1]) / 2.0 if tie else rates[j]
+    return out
 
 
 def _decay(half_life: float, dt: float) -> float:
@@ -140,21 +174,64 @@ class AcceptanceEstimator:
         # to the posterior, never to the change detector (each sidecar detects its own changes).
         self._fleet: dict[tuple[str, str], tuple[FloatArray, FloatArray]] = {}
         self._fleet_at = 0.0
+        # The slow evidence per source, by key (only for observations naming their source).
+        self._sources: dict[tuple[str, str], dict[str, _Evidence]] = {}
 
     def keys(self) -> list[tuple[str, str]]:
         return sorted(set(self._slow) | set(self._fleet))
+
+    def drafts(self) -> set[str]:
+        """Drafts with evidence, own or the fleet's."""
+        return {d for _, d in self._slow} | {d for _, d in self._fleet}
 
     def has_data(self, traffic_class: str, draft: str) -> bool:
         key = (traffic_class, draft)
         return key in self._slow or key in self._fleet
 
     def export(self, now: float) -> dict[tuple[str, str], tuple[FloatArray, FloatArray]]:
-        """This estimator's own evidence per key, decayed to ``now`` (what a sidecar publishes)."""
-        out = {}
-        for key, ev in self._slow.items():
-            f = _decay(self._slow_half_life(key, now), now - ev.at)
-            out[key] = (ev.accepts * f, ev.rejects * f)
-        return out
+        """This estimator's own evidence per key, decayed to ``now``, at its sources' robust
+        rates (what a sidecar publishes)."""
+        return {key: self._own(key, ev, now) for key, ev in self._slow.items()}
+
+    def _own(self, key: tuple[str, str], ev: _Evidence,
+             now: float) -> tuple[FloatArray, FloatArray]:
+        """(accepts, rejects) per position as of ``now``: the pooled amount at the rates of
+        ``robust_rates`` where sources tried."""
+        half_life = self._slow_half_life(key, now)
+        f = _decay(half_life, now - ev.at)
+        accepts, rejects = ev.accepts * f, ev.rejects * f
+        sources = self._sources.get(key)
+        if sources and len(sources) > 1:
+            for src in sources.values():
+                src.decay_to(now, half_life)
+            rates = robust_rates(np.stack([s.accepts for s in sources.values()]),
+                                 np.stack([s.rejects for s in sources.values()]),
+                                 self.config.change_min_tries)
+            use = ~np.isnan(rates)
+            n = accepts + rejects
+            accepts = np.where(use, np.nan_to_num(rates) * n, accepts)
+            rejects = np.where(use, n - accepts, rejects)
+        return accepts, rejects
+
+    def sources(self, traffic_class: str, draft: str) -> tuple[str, ...]:
+        """The sources of the key's evidence (engine ids, ``DEPARTED``), sorted."""
+        return tuple(sorted(self._sources.get((traffic_class, draft), {})))
+
+    def all_sources(self) -> set[str]:
+        return {s for sources in self._sources.values() for s in sources}
+
+    def forget_source(self, source: str, now: float) -> None:
+        """``source`` left: its evidence joins ``DEPARTED``'s (one voice for all that left)."""
+        for key, sources in self._sources.items():
+            ev = sources.pop(source, None)
+            if ev is None:
+                continue
+            half_life = self._slow_half_life(key, now)
+            ev.decay_to(now, half_life)
+            departed = sources.setdefault(DEPARTED, _Evidence.empty(ev.accepts.size, now))
+            departed.decay_to(now, half_life)
+            departed.accepts += ev.accepts
+            departed.rejects += ev.rejects
 
     def restore(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
                 at: float, now: float) -> None:
@@ -165,6 +242,8 @@ class AcceptanceEstimator:
             if key not in self._slow:
                 self._slow[key] = _Evidence(positions(accepts, self.config.max_k) * f,
                                             positions(rejects, self.config.max_k) * f, now)
+                self._sources[key] = {DEPARTED: _Evidence(self._slow[key].accepts.copy(),
+                                                          self._slow[key].rejects.copy(), now)}
 
     def set_fleet(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
                   now: float) -> None:
@@ -178,17 +257,19 @@ class AcceptanceEstimator:
         return self._changes.get((traffic_class, draft), 0)
 
     def observe(
-        self, traffic_class: str, draft: str, steps_by_accepted: npt.ArrayLike, now: float
+        self, traffic_class: str, draft: str, steps_by_accepted: npt.ArrayLike, now: float,
+        source: str | None = None,
     ) -> bool:
-        """Add one histogram h[0..K]; return True when this observation flagged a change.
+        """Add one histogram h[0..K] counted by ``source`` (an engine id; None: not kept
+        per source); return True when this observation flagged a change.
 
         The caller validates (K <= max_k, non-negative counts) before calling.
         """
         tries, accepts = position_counts(steps_by_accepted)
-        return self.observe_tries(traffic_class, draft, tries, accepts, now)
+        return self.observe_tries(traffic_class, draft, tries, accepts, now, source)
 
     def observe_tries(self, traffic_class: str, draft: str, tries: FloatArray,
-                      accepts: FloatArray, now: float) -> bool:
+                      accepts: FloatArray, now: float, source: str | None = None) -> bool:
         """Add ``tries`` and ``accepts`` of the first ``len(tries)`` positions (or cells: the
         confidence calibration keeps one per position and confidence bucket); return True when
         this observation flagged a change."""
@@ -200,7 +281,12 @@ class AcceptanceEstimator:
         slow_half_life = self._slow_half_life(key, now)
         if now - slow.at > cfg.change_drift_seconds:
             self._drift_since.pop(key, None)  # a quiet spell: the drift must hold anew
-        for ev, half_life in ((slow, slow_half_life), (fast, cfg.change_fast_half_life_seconds)):
+        tracked = [(slow, slow_half_life), (fast, cfg.change_fast_half_life_seconds)]
+        if source is not None:
+            own = self._sources.setdefault(key, {}).setdefault(
+                source, _Evidence.empty(cfg.max_k, now))
+            tracked.append((own, slow_half_life))
+        for ev, half_life in tracked:
             ev.decay_to(now, half_life)
             ev.accepts[:k] += accepts
             ev.rejects[:k] += tries - accepts
@@ -210,6 +296,13 @@ class AcceptanceEstimator:
             # it within a report or two instead of a fast half-life.
             n_fast = fast.accepts + fast.rejects
             keep = np.minimum(1.0, cfg.change_min_tries / np.maximum(n_fast, 1e-12))
+            # Each source keeps its rates at the evidence the slow estimate keeps.
+            kept = (fast.accepts + fast.rejects) * keep / np.maximum(
+                slow.accepts + slow.rejects, 1e-12)
+            for src in self._sources.get(key, {}).values():
+                src.decay_to(now, slow_half_life)
+                src.accepts *= kept
+                src.rejects *= kept
             slow.accepts = fast.accepts * keep
             slow.rejects = fast.rejects * keep
             self._changes[key] = self._changes.get(key, 0) + 1
@@ -271,8 +364,8 @@ class AcceptanceEstimator:
         a0, b0 = cfg.prior_alpha, cfg.prior_beta
         alpha, beta = np.full(cfg.max_k, a0), np.full(cfg.max_k, b0)
         if ev is not None:
-            f = _decay(self._slow_half_life(key, now), now - ev.at)
-            alpha, beta = alpha + ev.accepts * f, beta + ev.rejects * f
+            accepts, rejects = self._own(key, ev, now)
+            alpha, beta = alpha + accepts, beta + rejects
         fleet = self._fleet.get(key)
         if fleet is not None:
             f = _decay(cfg.half_life_seconds, now - self._fleet_at)
@@ -287,6 +380,6 @@ class AcceptanceEstimator:
 
     def _forget(self, matches: Callable[[tuple[str, str]], bool]) -> None:
         for store in (self._slow, self._fast, self._changes, self._recover_until,
-                      self._drift_since, self._fleet):
+                      self._drift_since, self._fleet, self._sources):
             for key in [k for k in store if matches(k)]:
                 del store[key]
