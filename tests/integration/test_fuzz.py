@@ -37,7 +37,12 @@ from hypothesis import strategies as st
 
 from specpilot.contract.engine_stream import hello_from_proto, report_from_proto
 from specpilot.contract.records import ReportRejected
-from specpilot.contract.validation import MAX_BATCH_SIZE, valid_class_name
+from specpilot.contract.validation import (
+    MAX_BATCH_SIZE,
+    MIN_STEP_SECONDS,
+    interval_bound,
+    valid_class_name,
+)
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.server.app import RECEIVE_LIMIT_FACTOR, RunningServer
 from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub
@@ -274,6 +279,7 @@ class Engine:
     drafts: dict[str, int]  # accepted draft -> its max K (the engine's max K at most)
     batch_limit: int
     n_buckets: int
+    fastest_step_seconds: float  # its profile's fastest step (MIN_STEP_SECONDS without one)
 
     @classmethod
     def of(cls, hello_msg: engine_pb2.EngineHello, accepted: list[str],
@@ -281,7 +287,8 @@ class Engine:
         own = {d.name: d.max_k for d in hello_msg.drafts}
         return cls(hello_msg.engine_id, hello_msg.max_k,
                    {n: min(own[n], hello_msg.max_k) for n in accepted},
-                   hello_msg.max_batch_size or MAX_BATCH_SIZE, n_buckets)
+                   hello_msg.max_batch_size or MAX_BATCH_SIZE, n_buckets,
+                   min((p.seconds for p in hello_msg.step_profile), default=MIN_STEP_SECONDS))
 
 
 @st.composite
@@ -319,8 +326,15 @@ def plausible_report(draw: st.DrawFn, engine: Engine, sequence: int) -> engine_p
             sum_verified_tokens=sum_batch * (1 + draw(st.integers(0, k))),
             sum_draft_tokens=sum_batch * draw(st.integers(0, k)),
             sum_step_seconds=steps * draw(st.floats(1e-5, 1.0))))
+    # The interval is long enough for what the report counts (validation.interval_bound).
+    steps, request_steps = interval_bound(1.0, engine.batch_limit, engine.fastest_step_seconds)
+    per_draft: dict[str, int] = {}
+    for rec in acceptance:
+        per_draft[rec.draft] = per_draft.get(rec.draft, 0) + sum(rec.steps_by_accepted)
+    needed = max(max(per_draft.values(), default=0) / request_steps,
+                 sum(t.steps for t in timings) / steps)
     return engine_pb2.EngineReport(
-        sequence=sequence, interval_seconds=draw(st.floats(1e-3, 10.0)),
+        sequence=sequence, interval_seconds=max(draw(st.floats(1e-3, 10.0)), needed * 1.001),
         policy_version=draw(st.integers(0, 100)), acceptance=acceptance, finished=finished,
         step_timings=timings, records_dropped=draw(st.integers(0, 1000)),
         running_requests=draw(st.integers(0, min(engine.batch_limit, 512))))
@@ -572,7 +586,7 @@ class Stream:
         self.n_buckets = n_buckets
         self.hello = hello()
         self.client = EngineClient(channel)
-        self.engine = Engine("", 0, {}, 0, 0)
+        self.engine = Engine("", 0, {}, 0, 0, MIN_STEP_SECONDS)
         self.sequence = 0
 
     async def connect(self) -> None:
