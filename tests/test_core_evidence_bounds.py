@@ -140,7 +140,7 @@ def test_robust_rates_let_no_source_outweigh_the_rest() -> None:
 
 def test_names_short_lived_engines_bring_age_out_after_the_grace_period() -> None:
     grace = 60.0
-    core = _core("honest-1", name_grace_seconds=grace)
+    core = _core("honest-1", name_grace_seconds=grace, max_absent_drafts=1000)
     core.ingest("honest-1", _report(1, HONEST), 1.0)
     baseline = sum(len(c.estimates) for c in core.snapshot(1.0).classes)
     for i in range(40):
@@ -172,3 +172,34 @@ def test_an_engine_that_reconnects_within_the_grace_period_keeps_its_evidence() 
     core.connect_engine(HELLO, 30.0)
     assert core.forget_departed(100.0) == ()
     assert core.estimate("chat", "ngram", 100.0).has_evidence
+
+
+def test_absent_drafts_beyond_the_limit_go_at_once_longest_absent_first() -> None:
+    core = _core("honest-1", max_absent_drafts=2)
+    for i in range(4):
+        name = f"ngram-{i}"
+        hello = replace(HELLO, engine_id=f"brief-{i}", step_profile=(),
+                        drafts=(DraftSpec(name, DraftKind.NGRAM, 4),))
+        core.connect_engine(hello, float(i))
+        core.ingest(hello.engine_id, _report(1, (1, 1), draft=name), float(i))
+        core.disconnect_engine(hello.engine_id)
+        core.forget_departed(float(i))
+    held = {e.draft for c in core.snapshot(4.0).classes for e in c.estimates}
+    assert held == {"d", "ngram", "ngram-2", "ngram-3"}
+
+
+def test_the_fleet_store_does_not_bring_back_a_forgotten_draft() -> None:
+    core = _core("honest-1", name_grace_seconds=10.0)
+    hello = replace(HELLO, engine_id="brief", step_profile=(),
+                    drafts=(DraftSpec("ngram-x", DraftKind.NGRAM, 4),))
+    core.connect_engine(hello, 0.0)
+    core.ingest("brief", _report(1, (1, 1), draft="ngram-x"), 0.0)
+    core.disconnect_engine("brief")
+    core.forget_departed(0.0)
+    assert core.forget_departed(20.0) == ("ngram-x",)
+    stored = {("chat", "ngram-x"): (np.array([50.0]), np.array([50.0]))}
+    core.set_fleet_evidence(stored, 21.0)
+    assert not core.estimate("chat", "ngram-x", 21.0).has_evidence
+    core.connect_engine(hello, 22.0)  # announced again: the fleet's evidence counts
+    core.set_fleet_evidence(stored, 22.0)
+    assert core.estimate("chat", "ngram-x", 22.0).has_evidence

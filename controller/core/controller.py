@@ -100,6 +100,7 @@ class ControllerCore:
         self._evidence.forget_drafts(admission.forget)
         self._joint.forget_drafts(admission.forget)
         self._evidence.add_drafts(hello, admission.accepted, now)
+        self._evidence.forgotten_drafts -= set(admission.accepted)
         self._engines.register(hello, admission.accepted, now)
         return HelloOutcome(tuple(admission.accepted), admission.rejected)
 
@@ -148,8 +149,9 @@ class ControllerCore:
 
     def forget_departed(self, now: float) -> tuple[str, ...]:
         """Forget the drafts no connected engine announced for ``name_grace_seconds`` (their
-        estimates, calibration and cost columns) and join the evidence of engine ids gone that
-        long to the departed engines' share; returns the drafts forgotten."""
+        estimates, calibration and cost columns), and the longest-absent beyond
+        ``max_absent_drafts``; join the evidence of engine ids gone ``name_grace_seconds`` to
+        the departed engines' share. Returns the drafts forgotten."""
         announced = {d.name for d in self._engines.drafts()}
         connected = {engine_id for engine_id, _ in self._engines}
         absent = ({("draft", d) for d in self._evidence.held_drafts() if d not in announced}
@@ -158,8 +160,13 @@ class ControllerCore:
         self._absent_since = {name: self._absent_since.get(name, now) for name in absent}
         due = [name for name, since in self._absent_since.items()
                if now - since >= self.config.name_grace_seconds]
+        waiting = sorted((since, name) for (kind, name), since in self._absent_since.items()
+                         if kind == "draft" and now - since < self.config.name_grace_seconds)
+        excess = len(waiting) - self.config.max_absent_drafts
+        due += [("draft", name) for _, name in waiting[:max(excess, 0)]]
         drafts = tuple(sorted(n for kind, n in due if kind == "draft"))
         self._evidence.forget_drafts(drafts)
+        self._evidence.forgotten_drafts.update(drafts)
         self._joint.forget_drafts(drafts)
         for kind, name in due:
             if kind == "engine":

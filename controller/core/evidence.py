@@ -70,6 +70,9 @@ class Evidence:
                                  config.traffic_half_life_seconds)
         self._bucket_seen: dict[int, float] = {}
         self._profile_weight = config.cost_prior.profile_weight_steps
+        # Drafts forgotten for want of an engine announcing them, while the fleet's store
+        # still holds evidence of them (``FleetExchange.set_fleet_evidence``).
+        self.forgotten_drafts: set[str] = set()
 
     def bucket_seen_at(self, bucket: int) -> float:
         """When an engine last reported decode steps in ``bucket`` (-inf: never)."""

@@ -50,7 +50,8 @@ async def test_a_report_beyond_its_interval_is_refused_with_its_reason_and_count
 
 
 async def test_churning_engines_leave_the_series_count_where_it_was() -> None:
-    server = await start_server(load_settings(**FAST_SETTINGS, name_grace_seconds=GRACE))
+    server = await start_server(load_settings(**FAST_SETTINGS, name_grace_seconds=GRACE,
+                                          max_absent_drafts=1000))
     try:
         async with grpc.aio.insecure_channel(server.grpc_target) as channel:
             steady = EngineClient(channel)
