@@ -1,5 +1,6 @@
 """What short-lived engines with fresh n-gram draft names leave behind: the controller's
-/metrics series, dashboard estimates and GetPolicy-sized snapshot before they came, while they
+/metrics series, dashboard estimates (the policy part of /api/dashboard) and GetPolicy's
+time (snapshot and answer, in process) before they came, while they
 are within ``name_grace_seconds`` and once it passed (``ControllerCore.forget_departed``).
 
     python benchmarks/name_churn.py [--engines 400] [--names 13] [--grace 300]
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -24,6 +26,7 @@ from specpilot.contract.records import (
 )
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.metrics import Metrics
+from specpilot.controller.server.views import json_dumps, policy_json, policy_response
 from specpilot.controller.settings import core_config, load_settings
 
 HELLO = EngineHello(engine_id="steady", model="m", target_vocab_hash="v", max_k=4,
@@ -50,11 +53,17 @@ def main() -> None:
     now = 0.0
     metrics = Metrics(core, lambda: now)
 
-    def state() -> dict[str, int]:
+    def state() -> dict[str, float]:
         text = metrics.render().decode()
         series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
-        estimates = sum(len(c.estimates) for c in core.snapshot(now).classes)
-        return {"series": series, "metrics_bytes": len(text), "estimates": estimates}
+        started = time.perf_counter()
+        snap = core.snapshot(now)
+        policy_response(snap)  # what GetPolicy answers
+        get_policy_ms = 1e3 * (time.perf_counter() - started)
+        return {"series": series, "metrics_bytes": len(text),
+                "estimates": sum(len(c.estimates) for c in snap.classes),
+                "dashboard_policy_bytes": len(json_dumps(policy_json(snap))),
+                "get_policy_ms": round(get_policy_ms, 1)}
 
     core.connect_engine(HELLO, now)
     core.ingest("steady", _report(("d", "ngram")), now)
