@@ -23,7 +23,12 @@ from specpilot.contract.records import (
     StepTimingRecord,
 )
 from specpilot.contract.validation import RATE_HEADROOM, interval_bound
-from specpilot.controller.core.acceptance import robust_rates
+from specpilot.controller.core.acceptance import (
+    DEPARTED,
+    AcceptanceEstimator,
+    EstimatorConfig,
+    robust_rates,
+)
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.settings import core_config, load_settings
 
@@ -203,3 +208,32 @@ def test_the_fleet_store_does_not_bring_back_a_forgotten_draft() -> None:
     core.connect_engine(hello, 22.0)  # announced again: the fleet's evidence counts
     core.set_fleet_evidence(stored, 22.0)
     assert core.estimate("chat", "ngram-x", 22.0).has_evidence
+
+
+def test_a_departed_engine_joins_one_departed_voice_and_stays_outvoted() -> None:
+    core = _core("honest-1", "honest-2", "poisoner", name_grace_seconds=10.0)
+    rng = np.random.default_rng(3)
+    _, most = interval_bound(1.0, BATCH, FASTEST)
+    for t in range(1, 61):
+        for engine in ("honest-1", "honest-2"):
+            core.ingest(engine, _report(t, _honest(rng)), float(t))
+        core.ingest("poisoner", _report(t, (int(most), 0, 0, 0, 0)), float(t))
+    core.disconnect_engine("poisoner")
+    core.forget_departed(60.0)
+    assert core.estimate("chat", "d", 60.0).posterior.mean[0] > 0.98
+    core.forget_departed(71.0)
+    assert core.estimate("chat", "d", 71.0).posterior.mean[0] > 0.98
+
+
+def test_departed_sources_merge_into_one() -> None:
+    estimator = AcceptanceEstimator(EstimatorConfig(max_k=2))
+    for source, h in (("a", (10, 90, 0)), ("b", (10, 90, 0)), ("c", (900, 0, 0)),
+                      ("d", (900, 0, 0))):
+        estimator.observe("chat", "d", h, 0.0, source=source)
+    estimator.forget_sources({"c", "d"}, 0.0)
+    assert estimator.sources("chat", "d") == (DEPARTED, "a", "b")
+    assert estimator.all_sources() == {DEPARTED, "a", "b"}
+    # Pooled evidence unchanged; the two that left count as one voice, outvoted by two.
+    post = estimator.posterior("chat", "d", 0.0)
+    assert post.effective_tries[0] == pytest.approx(2000)
+    assert post.mean[0] == pytest.approx((1 + 0.9 * 2000) / 2002)

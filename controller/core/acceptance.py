@@ -100,6 +100,47 @@ class _Evidence:
             self.at = now
 
 
+@dataclass
+class _BySource:
+    """One key's slow evidence per source: row ``rows[source]`` of ``ev``'s (sources,
+    positions) arrays, all decayed together."""
+
+    rows: dict[str, int]
+    ev: _Evidence
+
+    @classmethod
+    def empty(cls, positions: int, at: float) -> _BySource:
+        return cls({}, _Evidence(np.zeros((0, positions)), np.zeros((0, positions)), at))
+
+    def add(self, source: str, accepts: FloatArray, rejects: FloatArray, now: float,
+            half_life: float) -> None:
+        """Add to ``source``'s first ``len(accepts)`` positions, as of ``now``."""
+        self.ev.decay_to(now, half_life)
+        i = self.rows.get(source)
+        if i is None:
+            i = self.rows[source] = len(self.rows)
+            row = np.zeros((1, self.ev.accepts.shape[1]))
+            self.ev.accepts = np.vstack([self.ev.accepts, row])
+            self.ev.rejects = np.vstack([self.ev.rejects, row])
+        self.ev.accepts[i, :accepts.size] += accepts
+        self.ev.rejects[i, :rejects.size] += rejects
+
+    def pop(self, sources: set[str], now: float,
+            half_life: float) -> tuple[FloatArray, FloatArray] | None:
+        """Remove the rows of ``sources``; their summed (accepts, rejects) as of ``now``
+        (None: none of them here)."""
+        gone = [i for s, i in self.rows.items() if s in sources]
+        if not gone:
+            return None
+        self.ev.decay_to(now, half_life)
+        out = self.ev.accepts[gone].sum(axis=0), self.ev.rejects[gone].sum(axis=0)
+        self.ev.accepts = np.delete(self.ev.accepts, gone, axis=0)
+        self.ev.rejects = np.delete(self.ev.rejects, gone, axis=0)
+        kept = sorted((i, s) for s, i in self.rows.items() if s not in sources)
+        self.rows = {s: j for j, (_, s) in enumerate(kept)}
+        return out
+
+
 @dataclass(frozen=True)
 class Posterior:
     """Beta(alpha_i, beta_i) per position 1..max_k, for one (class, draft) at one instant."""
@@ -175,7 +216,7 @@ class AcceptanceEstimator:
         self._fleet: dict[tuple[str, str], tuple[FloatArray, FloatArray]] = {}
         self._fleet_at = 0.0
         # The slow evidence per source, by key (only for observations naming their source).
-        self._sources: dict[tuple[str, str], dict[str, _Evidence]] = {}
+        self._sources: dict[tuple[str, str], _BySource] = {}
 
     def keys(self) -> list[tuple[str, str]]:
         return sorted(set(self._slow) | set(self._fleet))
@@ -200,13 +241,10 @@ class AcceptanceEstimator:
         half_life = self._slow_half_life(key, now)
         f = _decay(half_life, now - ev.at)
         accepts, rejects = ev.accepts * f, ev.rejects * f
-        sources = self._sources.get(key)
-        if sources and len(sources) > 1:
-            for src in sources.values():
-                src.decay_to(now, half_life)
-            rates = robust_rates(np.stack([s.accepts for s in sources.values()]),
-                                 np.stack([s.rejects for s in sources.values()]),
-                                 self.config.change_min_tries)
+        by = self._sources.get(key)
+        if by is not None and len(by.rows) > 1:
+            by.ev.decay_to(now, half_life)
+            rates = robust_rates(by.ev.accepts, by.ev.rejects, self.config.change_min_tries)
             use = ~np.isnan(rates)
             n = accepts + rejects
             accepts = np.where(use, np.nan_to_num(rates) * n, accepts)
@@ -215,23 +253,20 @@ class AcceptanceEstimator:
 
     def sources(self, traffic_class: str, draft: str) -> tuple[str, ...]:
         """The sources of the key's evidence (engine ids, ``DEPARTED``), sorted."""
-        return tuple(sorted(self._sources.get((traffic_class, draft), {})))
+        by = self._sources.get((traffic_class, draft))
+        return tuple(sorted(by.rows)) if by is not None else ()
 
     def all_sources(self) -> set[str]:
-        return {s for sources in self._sources.values() for s in sources}
+        return {s for by in self._sources.values() for s in by.rows}
 
-    def forget_source(self, source: str, now: float) -> None:
-        """``source`` left: its evidence joins ``DEPARTED``'s (one voice for all that left)."""
-        for key, sources in self._sources.items():
-            ev = sources.pop(source, None)
-            if ev is None:
-                continue
+    def forget_sources(self, sources: set[str], now: float) -> None:
+        """``sources`` left: their evidence joins ``DEPARTED``'s (one voice for all that
+        left)."""
+        for key, by in self._sources.items():
             half_life = self._slow_half_life(key, now)
-            ev.decay_to(now, half_life)
-            departed = sources.setdefault(DEPARTED, _Evidence.empty(ev.accepts.size, now))
-            departed.decay_to(now, half_life)
-            departed.accepts += ev.accepts
-            departed.rejects += ev.rejects
+            gone = by.pop(sources, now, half_life)
+            if gone is not None:
+                by.add(DEPARTED, *gone, now, half_life)
 
     def restore(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
                 at: float, now: float) -> None:
@@ -242,8 +277,9 @@ class AcceptanceEstimator:
             if key not in self._slow:
                 self._slow[key] = _Evidence(positions(accepts, self.config.max_k) * f,
                                             positions(rejects, self.config.max_k) * f, now)
-                self._sources[key] = {DEPARTED: _Evidence(self._slow[key].accepts.copy(),
-                                                          self._slow[key].rejects.copy(), now)}
+                self._sources[key] = by = _BySource.empty(self.config.max_k, now)
+                by.add(DEPARTED, self._slow[key].accepts, self._slow[key].rejects, now,
+                       self.config.half_life_seconds)
 
     def set_fleet(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
                   now: float) -> None:
@@ -281,12 +317,10 @@ class AcceptanceEstimator:
         slow_half_life = self._slow_half_life(key, now)
         if now - slow.at > cfg.change_drift_seconds:
             self._drift_since.pop(key, None)  # a quiet spell: the drift must hold anew
-        tracked = [(slow, slow_half_life), (fast, cfg.change_fast_half_life_seconds)]
         if source is not None:
-            own = self._sources.setdefault(key, {}).setdefault(
-                source, _Evidence.empty(cfg.max_k, now))
-            tracked.append((own, slow_half_life))
-        for ev, half_life in tracked:
+            self._sources.setdefault(key, _BySource.empty(cfg.max_k, now)).add(
+                source, accepts, tries - accepts, now, slow_half_life)
+        for ev, half_life in ((slow, slow_half_life), (fast, cfg.change_fast_half_life_seconds)):
             ev.decay_to(now, half_life)
             ev.accepts[:k] += accepts
             ev.rejects[:k] += tries - accepts
@@ -299,10 +333,11 @@ class AcceptanceEstimator:
             # Each source keeps its rates at the evidence the slow estimate keeps.
             kept = (fast.accepts + fast.rejects) * keep / np.maximum(
                 slow.accepts + slow.rejects, 1e-12)
-            for src in self._sources.get(key, {}).values():
-                src.decay_to(now, slow_half_life)
-                src.accepts *= kept
-                src.rejects *= kept
+            by = self._sources.get(key)
+            if by is not None:
+                by.ev.decay_to(now, slow_half_life)
+                by.ev.accepts *= kept
+                by.ev.rejects *= kept
             slow.accepts = fast.accepts * keep
             slow.rejects = fast.rejects * keep
             self._changes[key] = self._changes.get(key, 0) + 1

@@ -168,10 +168,10 @@ class ControllerCore:
         self._evidence.forget_drafts(drafts)
         self._evidence.forgotten_drafts.update(drafts)
         self._joint.forget_drafts(drafts)
-        for kind, name in due:
-            if kind == "engine":
-                self._evidence.estimator.forget_source(name, now)
-            del self._absent_since[(kind, name)]
+        self._evidence.estimator.forget_sources(
+            {name for kind, name in due if kind == "engine"}, now)
+        for name in due:
+            del self._absent_since[name]
         return drafts
 
     def ingest(self, engine_id: str, report: EngineReport, now: float) -> IngestResult:
