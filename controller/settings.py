@@ -57,7 +57,7 @@ T = TypeVar("T", bound="DataclassInstance")
 
 ENV_PREFIX = "SPECPILOT_"
 # Settings never echoed in a message nor accepted on a command line.
-SECRET_SETTINGS = ("policy_token", "engine_token")
+SECRET_SETTINGS = ("policy_token", "engine_secret", "engine_token")
 # The engine plugin's variables (specpilot.engine_plugin.config): the plugin checks those itself.
 PLUGIN_ENV_PREFIX = "SPECPILOT_PLUGIN_"
 
@@ -90,14 +90,23 @@ class ServerConfig:
     """File holding the policy token, e.g. a mounted Secret (used when policy_token is unset);
     if it does not exist, the generated token is written there (mode 0600), so a restarted
     controller keeps it."""
+    engine_secret: SecretStr | None = None
+    """Secret from which each engine's own token is derived (``specpilot engine-token --id
+    ID``: HMAC-SHA256 of the engine id, hex), at least 32 characters. Set: an engine stream
+    must present the token of the engine_id its hello names (gRPC metadata ``authorization:
+    Bearer <token>``; the plugin's SPECPILOT_PLUGIN_TOKEN or _TOKEN_FILE), so a holder of one
+    engine's token cannot open or take over another's. Give engines their tokens, never the
+    secret. Unset, with no engine_token nor client certificates: engine streams need no
+    credential, which the server allows only when grpc_host is a loopback address (the
+    sidecar's own pod) or allow_unauthenticated_engines is set."""
     engine_token: SecretStr | None = None
-    """Bearer token engines must present to open EngineService.Connect (gRPC metadata
-    ``authorization``; the plugin's SPECPILOT_PLUGIN_TOKEN). Unset: engine streams need none,
-    which the server allows only when grpc_host is a loopback address (the sidecar's own pod)
-    or allow_unauthenticated_engines is set."""
+    """One bearer token shared by every engine, instead of engine_secret (not both): it lets a
+    stream in but identifies no engine, so with it, as with no credential, a stream cannot
+    replace a connected engine's stream."""
     allow_unauthenticated_engines: bool = False
-    """Accept engine streams without a token although grpc_host is not loopback: only on a
-    network where every client is trusted (anyone who reaches the port could steer policy)."""
+    """Accept engine streams without a credential although grpc_host is not loopback: only on
+    a network where every client is trusted (anyone who reaches the port could register an
+    engine and steer policy)."""
     tls_cert_file: str = ""
     """PEM certificate (chain) of both listeners: with tls_key_file set, gRPC serves TLS and
     HTTP serves HTTPS; both or neither. Read at start-up (a rotated certificate takes a
@@ -107,7 +116,7 @@ class ServerConfig:
     tls_client_ca_file: str = ""
     """PEM CA bundle that engine client certificates must be signed by (mTLS; needs
     tls_cert_file): an engine stream without a verified client certificate is refused
-    (UNAUTHENTICATED), and engine streams then need no engine_token to listen beyond loopback.
+    (UNAUTHENTICATED), and engine streams then need no token to listen beyond loopback.
     Which gRPC clients must present one: tls_client_auth. HTTP never asks for one."""
     tls_client_auth: Literal["all", "engines"] = "all"
     """With tls_client_ca_file: "all": every client of the gRPC port (policy API, health,
@@ -121,7 +130,8 @@ class ServerConfig:
     tls_bind_engine_id: bool = False
     """With tls_client_ca_file: an engine's hello must name an engine_id equal to its client
     certificate's common name or one of its subject alternative names, else PERMISSION_DENIED,
-    so one engine's certificate cannot take over another engine's id."""
+    so one engine's certificate cannot open or take over another engine's id (without it a
+    certificate identifies no engine, and cannot replace a connected engine's stream)."""
     max_report_bytes: int = tunable(1 << 20, ge=1024, le=4 << 20)
     """Largest accepted engine report, bytes; larger ones are rejected with a reason and the
     stream stays up. At most 4 MiB: applying a report takes about 20 times its size in memory
@@ -572,7 +582,7 @@ def _shown(default: Any) -> str:
 
 # What most deployments set (the reference opens with these): where it listens, its tokens, the
 # fleet's store and identity, and which classes exist or are offline.
-COMMON_SETTINGS = ("grpc_port", "http_port", "policy_token_file", "engine_token", "state_store",
+COMMON_SETTINGS = ("grpc_port", "http_port", "policy_token_file", "engine_secret", "state_store",
                    "sidecar_id", "fleet_model", "offline_classes", "declared_classes", "max_k",
                    "half_life_seconds")
 

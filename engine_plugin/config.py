@@ -49,9 +49,14 @@ class PluginConfig:
     """The controller's gRPC address, ``host:port`` (``[::1]:50051`` for IPv6). Empty: no
     controller; the engine keeps its static configuration."""
     token: str = field(default="", repr=False)
-    """Bearer token for the controller's engine stream (its ``engine_token``); empty: none
-    (a controller listening on loopback only needs none). Set it from a Secret, not on a
-    command line."""
+    """Bearer token for the controller's engine stream: this engine's own (``specpilot
+    engine-token --id ENGINE_ID`` with the controller's ``engine_secret``), or the controller's
+    shared ``engine_token``; empty: none (a controller listening on loopback only needs none).
+    Set it from a Secret, not on a command line."""
+    token_file: str = ""
+    """File holding the token instead (what ``specpilot engine-token --id ID --output FILE``
+    writes, e.g. in a volume the engine shares with an init container that holds the secret);
+    read at every connect, so a re-issued token is picked up. Not with ``token``."""
     tls_ca_file: str = ""
     """PEM CA bundle that signed the controller's certificate: set, the stream uses TLS and
     verifies the controller against it; empty: plaintext. Read at every connect (a TLS failure
@@ -229,6 +234,8 @@ def _check(c: PluginConfig) -> None:
             raise bad("controller", str(exc)) from None
     if not c.engine_id.strip():
         raise bad("engine_id", "must not be empty")
+    if c.token and c.token_file:
+        raise bad("token_file", f"set it or {env_name('token')}, not both")
     if bool(c.tls_cert_file) != bool(c.tls_key_file):
         given, missing = (("tls_cert_file", "tls_key_file") if c.tls_cert_file
                           else ("tls_key_file", "tls_cert_file"))

@@ -42,6 +42,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
@@ -307,7 +308,8 @@ class ControllerLink:
 
     def _serve(self, stream: _Stream) -> None:
         """One Connect call, from the hello to the end of the stream."""
-        channel = self._open_channel()
+        token = self._token()
+        channel = self._open_channel() if token is not None else None
         if channel is None:
             return
         try:
@@ -316,8 +318,7 @@ class ControllerLink:
                 request_serializer=engine_pb2.ConnectRequest.SerializeToString,
                 response_deserializer=engine_pb2.ConnectResponse.FromString,
             )
-            metadata = ((("authorization", f"Bearer {self._config.token}"),)
-                        if self._config.token else None)
+            metadata = (("authorization", f"Bearer {token}"),) if token else None
             responses = cast(Any, connect(self._requests(stream), metadata=metadata))
             self._call = responses
             if self._stop.is_set():
@@ -348,6 +349,34 @@ class ControllerLink:
                 self._records_dropped_unreported += item[0].record_count
         stream.in_flight.clear()
 
+    def _token(self) -> str | None:
+        """The stream's bearer token: SPECPILOT_PLUGIN_TOKEN, or the content of _TOKEN_FILE read
+        now (so a re-issued one is picked up); "" for none. None, logged at ERROR once per
+        outage, when the file cannot be read or is empty: the attempt counts as failed."""
+        path = self._config.token_file
+        if not path:
+            return self._config.token
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            self._unusable(env_name("token_file"), str(exc))
+            return None
+        if not token:
+            self._unusable(env_name("token_file"), f"{path} is empty")
+            return None
+        return token
+
+    def _unusable(self, what: str, why: str) -> None:
+        """A connect attempt could not start because ``what`` cannot be used: at ERROR once per
+        outage, then at debug level."""
+        if not self._outage_warned:
+            self._outage_warned = True
+            log.error("specpilot: controller %s: cannot use %s: %s; retrying with backoff (the "
+                      "engine keeps the last policy, then its static configuration)",
+                      self.target, what, why)
+        else:
+            log.debug("specpilot: controller %s: %s still unusable: %s", self.target, what, why)
+
     def _open_channel(self) -> grpc.Channel | None:
         """A channel for one attempt: TLS with SPECPILOT_PLUGIN_TLS_CA_FILE (files read now, so
         a reconnect picks up a renewed certificate), else plaintext. None, logged at ERROR once
@@ -361,14 +390,7 @@ class ControllerLink:
                                                      env_name("tls_cert_file"),
                                                      env_name("tls_key_file")))
         except TLSError as exc:
-            if not self._outage_warned:
-                self._outage_warned = True
-                log.error("specpilot: controller %s: cannot use the TLS files: %s; retrying with "
-                          "backoff (the engine keeps the last policy, then its static "
-                          "configuration)", self.target, exc)
-            else:
-                log.debug("specpilot: controller %s: TLS files still unusable: %s", self.target,
-                          exc)
+            self._unusable("the TLS files", str(exc))
             return None
         return grpc.secure_channel(self.target, credentials,
                                    options=[*CHANNEL_OPTIONS,

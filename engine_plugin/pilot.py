@@ -71,6 +71,8 @@ class _Request:
     # The drafter's confidence in each of the drafts the request verifies next (model drafters
     # that report them; None otherwise, or once the drafts were substituted).
     confidences: Sequence[float] | None = None
+    # The K the token cut shortened this step's drafts from (0: not cut): scored as this K.
+    cut_from: int = 0
 
 
 def transforms_sampling(request: RequestLike) -> bool:
@@ -427,11 +429,18 @@ class Pilot:
             choice = self._choice(req_id, lookup)
             want = choice.k if batch_k is None else batch_k
             state = states.get(req_id)
+            if state is not None:
+                state.cut_from = 0
             if (batch_k is None and state is not None and state.confidences is not None
                     and choice.draft == drafter
                     and (cut := lookup.cut(state.traffic_class, drafter,
                                            state.transformed)) is not None):
-                want = cut_length(state.confidences[:min(want, len(proposed))], *cut)
+                state.cut_from = min(want, len(proposed))
+                want = cut_length(state.confidences[:state.cut_from], *cut)
+                if not want:  # verifies none: scored now, as K asked with none accepted
+                    self.stats.record_verification(state.traffic_class, drafter,
+                                                   state.cut_from, 0)
+                    state.cut_from = 0
             proposer = deterministic.get(choice.draft)
             if proposer is not None:
                 room = (self.engine.max_k if lengthen and not request.use_structured_output
@@ -533,7 +542,11 @@ class Pilot:
                                                   state.confidences[:drafted], accepted,
                                                   state.transformed)
             state.confidences = None
-            record(state.traffic_class, draft, drafted, accepted)
+            # A cut tail counts as rejected, as a deterministic draft's missing one: the class's
+            # E(K) is then what a step drafting K yields, and the cut does not select the
+            # tokens its acceptance is learnt from.
+            record(state.traffic_class, draft, max(drafted, state.cut_from), accepted)
+            state.cut_from = 0
             state.drafted += drafted
             state.accepted += accepted
         batch = len(scheduler_output.num_scheduled_tokens)

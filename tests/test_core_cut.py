@@ -3,6 +3,7 @@ decisions, calibrations only where confidences were counted, and the record on t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -31,23 +32,73 @@ def _decision(k: int, speedup: float) -> Decision:
     return Decision("c", 0, "d", k, Reason.GOODPUT, speedup)
 
 
-def test_min_survival_is_the_extra_seconds_of_a_token_times_the_steps_rate() -> None:
-    def seconds(batch: int, draft: str, k: int) -> float:
-        return 0.010 + 0.0002 * batch + 0.001 * batch * (1 + k) + (0.002 * k if draft else 0)
+def test_min_survival_is_the_verification_price_of_a_slot_times_the_steps_rate() -> None:
+    def seconds(batch: int, tokens: float) -> float:
+        return 0.010 + 0.0002 * batch + 0.001 * tokens
 
     got = min_survival(8.0, [(_decision(3, 2.0), 0.75), (_decision(1, 1.5), 0.25)], seconds)
-    # Mean K 2.5: K 2 -> 3 for 8 sequences costs 8 ms of verification + 2 ms of the draft's
-    # pass, 1.25 ms a sequence; the step's rate is 8 x speedup 1.875 / t(8, off).
-    rate = 8 * (0.75 * 2.0 + 0.25 * 1.5) / seconds(8, "", 0)
-    assert got == pytest.approx((0.010 / 8) * rate)
-    # Free verification (a flat price) cuts nothing; a dearer token needs a likelier one; a
-    # bucket where nothing speculates has nothing to cut.
-    flat = min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, d, k: 0.02)
-    assert flat == 0.0
-    dear = min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, d, k: 0.01 + 0.004 * k)
-    cheap = min_survival(8.0, [(_decision(3, 2.0), 1.0)], lambda b, d, k: 0.01 + 0.001 * k)
-    assert dear > cheap > 0
+    # A slot costs 1 ms of verification (the drafter's passes are sunk when the engine cuts);
+    # the step's rate is 8 x speedup 1.875 / t(8, off).
+    rate = 8 * (0.75 * 2.0 + 0.25 * 1.5) / seconds(8, 8)
+    assert got == pytest.approx(0.001 * rate)
+    # A bucket where nothing speculates has nothing to cut.
     assert min_survival(8.0, [(_decision(0, 1.0), 1.0)], seconds) == 0.0
+
+
+def _hinge(per_token: float, ridge: float, above: float) -> Callable[[int, float], float]:
+    """A target's step seconds: 20 ms, ``per_token`` a verified token, ``above`` more for each
+    token past ``ridge`` (where the step turns compute-bound)."""
+    return lambda batch, tokens: 0.020 + per_token * tokens + above * max(0.0, tokens - ridge)
+
+
+def test_nothing_is_cut_where_verifying_is_free_and_more_where_it_is_dear() -> None:
+    decided = [(_decision(3, 2.0), 1.0)]
+    memory_bound = min_survival(8.0, decided, _hinge(0.0, 256, 1e-4))
+    assert memory_bound == 0.0  # 32 tokens, far below the ridge: a slot costs nothing
+    assert min_survival(8.0, decided, lambda b, t: 0.02) == 0.0
+    compute_bound = min_survival(128.0, decided, _hinge(1e-5, 256, 1e-4))
+    assert 0.0 < compute_bound < 1.0
+    assert min_survival(128.0, decided, _hinge(1e-5, 256, 2e-4)) > compute_bound
+
+
+def test_a_slot_is_priced_over_the_decided_drafts_never_beyond() -> None:
+    # 64 sequences at K 3 verify 256 tokens: all below the ridge, whatever lies above it.
+    decided = [(_decision(3, 2.0), 1.0)]
+    cheap = min_survival(64.0, decided, _hinge(1e-5, 256, 0.0))
+    assert min_survival(64.0, decided, _hinge(1e-5, 256, 1.0)) == pytest.approx(cheap)
+    # Past the ridge, the mean price over the range the cut moves the step in: the slots
+    # below the ridge count at their price, not at the dearest one's.
+    at_k4 = min_survival(64.0, [(_decision(4, 2.0), 1.0)], _hinge(1e-5, 256, 1e-4))
+    rate = 64 * 2.0 / _hinge(1e-5, 256, 1e-4)(64, 64)
+    assert at_k4 == pytest.approx((1e-5 + 1e-4 * 64 / 256) * rate)
+
+
+def test_the_cut_never_asks_more_than_the_decisions_own_survival() -> None:
+    # So dear a slot that no token would pay for its verification; the decisions still chose K
+    # (a draw, hysteresis, an override): a request as likely as its class keeps its K.
+    decided = [(_decision(3, 2.0), 0.5), (replace(_decision(2, 1.5), traffic_class="b"), 0.5)]
+    steep = _hinge(1e-2, 0, 0.0)
+    assert min_survival(8.0, decided, steep) > 1.0
+    survival = {"c": 0.6, "b": 0.45}
+    assert min_survival(8.0, decided, steep,
+                        lambda d: survival[d.traffic_class]) == pytest.approx(0.45)
+    # Where the price is below it, the price.
+    gentle = _hinge(1e-6, 0, 0.0)
+    assert min_survival(8.0, decided, gentle, lambda d: 0.45) == pytest.approx(
+        min_survival(8.0, decided, gentle))
+
+
+def test_nothing_is_cut_where_the_drafts_verification_is_inside_the_decisions_margin() -> None:
+    # One sequence verifying 3 drafts at 10 us each: 30 us of a 20 ms step, 0.15%. The price
+    # alone would cut the least likely tokens; under a 2% margin nothing is.
+    decided = [(_decision(3, 2.0), 1.0)]
+    price = _hinge(1e-5, 10_000, 0.0)
+    assert min_survival(1.0, decided, price) > 0.0
+    assert min_survival(1.0, decided, price, min_gain=0.02) == 0.0
+    # A batch whose drafts' verification is a fifth of the step is cut at its price.
+    dear = _hinge(1e-4, 10_000, 0.0)
+    assert min_survival(64.0, decided, dear, min_gain=0.02) == pytest.approx(
+        min_survival(64.0, decided, dear)) != 0.0
 
 
 def _core(**settings: Any) -> ControllerCore:

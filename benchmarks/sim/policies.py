@@ -9,6 +9,8 @@
     banditspec-ucb      UCB over K with a tokens/s reward
     trtllm-threshold    static K, off for good below a rolling acceptance threshold
     specpilot           the real controller core behind the plugin's report path
+    specpilot-cut       specpilot with its per-token cut on (``token_cut``), whatever the
+                        scenario or the default says; ``specpilot-nocut``: with it off
     oracle              the ground-truth ceiling (per class)
     vllm-adaptive[:K]   vLLM's adaptive verification: draft K (default max K), verify the
                         slots of highest survival under a profiled budget, calibrated online
@@ -39,6 +41,8 @@ from benchmarks.sim.vllm_adaptive import VLLMAdaptive
 ADAPTIVE = ("batch-table", "hf-heuristic", "sglang-adaptive", "banditspec-ucb",
             "trtllm-threshold", "specpilot")
 DEFAULT_POLICIES = ("off", "static:all", *ADAPTIVE, "oracle")
+# specpilot's spellings: its token cut as the scenario or the default sets it, forced on, off.
+_SPECPILOT_CUT = {"specpilot": None, "specpilot-cut": True, "specpilot-nocut": False}
 
 
 def expand(names: list[str] | tuple[str, ...], engine: SimEngine) -> list[str]:
@@ -106,9 +110,13 @@ def build(name: str, engine: SimEngine) -> Policy:
         # The static K it guards: what the tuned table gives a single request.
         return TRTLLMThreshold(info, max(1, BatchTable(info, table).k_for(1)),
                                s.baselines.acceptance_threshold, s.baselines.acceptance_window)
-    if name == "specpilot":
-        return SpecPilotPolicy(info, s.specpilot, engine.seed, s.engine.report_interval_seconds,
-                               start_up_profile(info, engine.cost, s.engine.profile_scale))
+    if name in _SPECPILOT_CUT:
+        settings = dict(s.specpilot)
+        if (cut := _SPECPILOT_CUT[name]) is not None:
+            settings["token_cut"] = cut
+        return SpecPilotPolicy(info, settings, engine.seed, s.engine.report_interval_seconds,
+                               start_up_profile(info, engine.cost, s.engine.profile_scale),
+                               name=name)
     if name == "oracle":
         return Oracle(info, engine.truth, engine.cost)
     if name == "per-token-oracle":

@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", action="append", dest="policies", metavar="NAME",
                    help="policy to run (repeatable; default: the scenario's list or all): "
                    "off, static:K[@DRAFT], static:all, batch-table, hf-heuristic, "
-                   "sglang-adaptive, banditspec-ucb, trtllm-threshold, specpilot, oracle, "
+                   "sglang-adaptive, banditspec-ucb, trtllm-threshold, specpilot, specpilot-cut, "
+                   "specpilot-nocut, oracle, "
                    "vllm-adaptive[:K], per-token-oracle")
     p.add_argument("--seed", type=int, default=None, help="override the scenarios' seeds")
     p.add_argument("--seeds", type=int, default=1,

@@ -79,14 +79,14 @@ def start_up_profile(info: EngineInfo, cost: StepCost,
 
 class SpecPilotPolicy:
     """``read_confidence``: the drafter reports its tokens' confidences (only a model draft,
-    the engine's first, can; off: the plugin on a drafter that does not)."""
-
-    name = "specpilot"
+    the engine's first, can; off: the plugin on a drafter that does not). ``name``: what its
+    runs are called."""
 
     def __init__(self, info: EngineInfo, settings_overrides: dict[str, Any], seed: int,
                  report_interval_seconds: float,
                  step_profile: tuple[StepProfile, ...] = (),
-                 read_confidence: bool = True) -> None:
+                 read_confidence: bool = True, name: str = "specpilot") -> None:
+        self.name = name
         self.info = info
         self.reads_confidence = read_confidence and info.draft_is_model[info.primary_draft]
         self._transformed = info.transformed or (False,) * len(info.classes)
@@ -219,8 +219,12 @@ class SpecPilotPolicy:
         info, record = self.info, self.stats.record_verification
         names, drafts, cls = info.classes, info.drafts, o.view.classes
         spec = np.flatnonzero(o.assignment.k > 0)
-        for c, d, k, accepted in zip(cls[spec].tolist(), o.assignment.draft[spec].tolist(),
-                                     o.assignment.k[spec].tolist(), o.accepted[spec].tolist(),
+        # Scored as K asked (the plugin's ``on_output``, and its ``on_drafts`` for a request
+        # cut to none): a cut tail counts as rejected.
+        asked = o.assignment.k if o.assignment.drafted is None else o.assignment.drafted
+        scored = np.flatnonzero(asked > 0)
+        for c, d, k, accepted in zip(cls[scored].tolist(), o.assignment.draft[scored].tolist(),
+                                     asked[scored].tolist(), o.accepted[scored].tolist(),
                                      strict=True):
             record(names[c], drafts[d], k, accepted)
         if o.view.slots is not None:

@@ -116,14 +116,15 @@ class ControllerCore:
         """Drafts every connected engine accepted (union; first-seen order)."""
         return self._engines.drafts()
 
-    def first_engine_model(self) -> str:
-        """The model of the first connected engine ("" with none): the fleet a sidecar joins
-        when no model is configured (cheaper than a snapshot)."""
-        return self._engines.first_model()
+    def served_model(self) -> str:
+        """The model of the first connected engine, kept once every engine has left ("" before
+        any named one): the fleet a sidecar joins when no model is configured, so what its
+        engines taught it is still shared after they left (cheaper than a snapshot)."""
+        return self._engines.model()
 
     def hardware(self) -> str:
-        """What the first connected engine runs on ("" with none): the engine type whose step
-        costs this controller shares."""
+        """What the first connected engine runs on, kept once every engine has left ("" before
+        any named it): the engine type whose step costs this controller shares."""
         return self._engines.hardware()
 
     # --- classes and reports ----------------------------------------------------------------

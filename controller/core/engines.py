@@ -106,6 +106,9 @@ class EngineRegistry:
     def __init__(self) -> None:
         self._engines: dict[str, EngineState] = {}
         self._drafts: tuple[DraftSpec, ...] | None = None  # drafts(), cached
+        # The model and hardware of the last engine that named them, kept after it left: the
+        # evidence it brought is still theirs to share.
+        self._served = ("", "")
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -120,6 +123,7 @@ class EngineRegistry:
     def register(self, hello: EngineHello, accepted: dict[str, DraftSpec], now: float) -> None:
         """Hold ``hello``'s engine with its ``accepted`` drafts (replacing an earlier stream)."""
         self._drafts = None
+        self._served = (hello.model or self._served[0], hello.hardware or self._served[1])
         # The profile is learnt by now; kept, it would cost up to 0.3 MiB an engine for nothing.
         fastest = min((p.seconds for p in hello.step_profile), default=MIN_STEP_SECONDS)
         self._engines[hello.engine_id] = EngineState(replace(hello, step_profile=()), accepted,
@@ -174,13 +178,17 @@ class EngineRegistry:
         """Whether some connected engine re-picks arms per step (``Composition``)."""
         return any(e.hello.step_composition for e in self._engines.values())
 
-    def first_model(self) -> str:
-        """The model of the first connected engine that names one ("" with none)."""
-        return next((e.hello.model for e in self._engines.values() if e.hello.model), "")
+    def model(self) -> str:
+        """The model of the first connected engine that names one; with none connected, of the
+        last that did ("" before any)."""
+        return next((e.hello.model for e in self._engines.values() if e.hello.model),
+                    self._served[0])
 
     def hardware(self) -> str:
-        """What the first connected engine runs on ("" with none, or unnamed)."""
-        return next((e.hello.hardware for e in self._engines.values()), "")
+        """What the first connected engine runs on; with none connected, the last engine that
+        named it ("" before any)."""
+        return next((e.hello.hardware for e in self._engines.values() if e.hello.hardware),
+                    self._served[1])
 
     def mean_running(self) -> float:
         """Mean running requests over the connected engines (at least one)."""

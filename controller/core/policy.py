@@ -110,10 +110,10 @@ class PolicyConfig:
     token_cut: bool = tunable(False)
     """Engines cut each request's drafts at the first token whose chance of surviving
     verification, by the draft's confidence calibrated per class, does not pay for verifying it
-    at the step's batch size (only shortening what the class's decision allows; only for drafts
-    whose confidences engines count). Off by default: where verification is compute-bound the
-    price of one more token is read at the decisions' full draft length and the cut can remove
-    every draft the decision still pays the drafter for (docs/engine-plugin.md)."""
+    at the step's batch size (only shortening what the class's decision allows, never below a
+    request as likely as its class; only for drafts whose confidences engines count). Off by
+    default: in the simulator it ties with no cut within about 1% either way, and the decisions
+    do not yet price the drafts it removes (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)

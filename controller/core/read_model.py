@@ -5,6 +5,8 @@ model's fit), so that no reader reaches into a part's state.
 
 from __future__ import annotations
 
+import numpy as np
+
 from specpilot.contract.pricing import StepPricing
 from specpilot.contract.records import CalibrationRows, Decision, DraftSpec, Reason, TokenCut
 from specpilot.controller.core.calibration import CalibrationTable
@@ -164,11 +166,16 @@ class ReadModel:
             for d in view.decisions:
                 by_bucket.setdefault(d.bucket, []).append((d, view.share or 0.0))
 
-        def seconds(batch_size: int, draft: str, k: int) -> float:
-            try:
-                return evidence.predicted_step_seconds(batch_size, draft, k)
-            except KeyError:  # a draft no connected engine offers any more
-                return evidence.predicted_step_seconds(batch_size, "", 0)
+        def seconds(batch_size: int, verified_tokens: float) -> float:
+            return evidence.cost.predict(StepShape(batch_size, verified_tokens))
+
+        means = {(view.name, e.draft): e.mean for view in classes
+                 for e in view.estimates}
+
+        def survival(decision: Decision) -> float | None:
+            mean = means.get((decision.traffic_class, decision.draft))
+            return None if mean is None or mean.size < decision.k else float(
+                np.prod(mean[:decision.k]))
 
         rows = []
         for name in self._parts.classes.names():
@@ -180,7 +187,8 @@ class ReadModel:
                                                     table.accept.shape[0],
                                                     tuple(table.accept.ravel().tolist())))
         sizes = [evidence.loads.batch_size(b) for b in range(config.n_buckets)]
-        return token_cut(sizes, by_bucket, seconds, rows)
+        return token_cut(sizes, by_bucket, seconds, rows, survival,
+                         config.policy.min_speedup - 1.0)
 
     def _estimates(self, name: str, drafts: tuple[DraftSpec, ...],
                    with_evidence: list[tuple[str, str]], now: float

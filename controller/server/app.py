@@ -79,6 +79,10 @@ STREAM_QUEUE_LIMIT = 1024
 JOINT_BUCKETS_PER_ROUND = 2
 
 
+# The shortest engine_secret accepted, characters.
+MIN_ENGINE_SECRET_CHARS = 32
+
+
 class ServeError(RuntimeError):
     """A listener could not be started; the message says which and why."""
 
@@ -154,6 +158,37 @@ def _policy_token(server: ServerConfig) -> tuple[str, bool]:
     except OSError as exc:
         raise ServeError(f"policy_token_file {str(path)!r}: {exc}") from exc
     return token, True
+
+
+def engine_credentials(server: ServerConfig) -> tuple[str, str]:
+    """(engine_secret, engine_token), "" for each unset; ServeError for both set or a short
+    secret (a token and its id would let a short one be guessed offline)."""
+    secret = server.engine_secret.get_secret_value() if server.engine_secret else ""
+    token = server.engine_token.get_secret_value() if server.engine_token else ""
+    if secret and token:
+        raise ServeError("engine_secret and engine_token are both set: keep engine_secret "
+                         "(each engine its own token) and unset engine_token")
+    if secret and len(secret) < MIN_ENGINE_SECRET_CHARS:
+        raise ServeError(f"engine_secret has {len(secret)} characters, fewer than "
+                         f"{MIN_ENGINE_SECRET_CHARS}: use a random one, e.g. "
+                         "`openssl rand -hex 32`")
+    return secret, token
+
+
+def _open_engine_streams(server: ServerConfig) -> str:
+    """Engine streams without any credential: ServeError beyond loopback unless allowed; else
+    the line that says so at start-up."""
+    loopback = _is_loopback(server.grpc_host)
+    if not loopback and not server.allow_unauthenticated_engines:
+        raise ServeError(
+            f"grpc_host {server.grpc_host!r} is reachable beyond this host, and engine streams "
+            "would need no credential: set engine_secret (each engine presents its own token, "
+            "`specpilot engine-token`) or tls_client_ca_file (mTLS), or "
+            "allow_unauthenticated_engines=true on a trusted network")
+    who = "every local process" if loopback else "every client that reaches it"
+    return (f"engine streams need no credential: {who} can open one to grpc_host "
+            f"{server.grpc_host}, register an engine and report as it; set engine_secret "
+            "(per-engine tokens, `specpilot engine-token`) or tls_client_ca_file to require one")
 
 
 def _is_loopback(host: str) -> bool:
@@ -304,18 +339,14 @@ async def start_server(settings: Settings) -> RunningServer:
               server.decide_min_interval_seconds, budget,
               max_watchers=server.max_watch_streams)
     token, generated = _policy_token(server)
-    engine_token = server.engine_token.get_secret_value() if server.engine_token else ""
+    engine_secret, engine_token = engine_credentials(server)
     tls = _listener_tls(server)
     certificates = _engine_certificates(server, tls)
-    if not engine_token and certificates is None and not server.allow_unauthenticated_engines \
-            and not _is_loopback(server.grpc_host):
-        raise ServeError(
-            f"grpc_host {server.grpc_host!r} is reachable beyond this host, and engine streams "
-            "would need no credential: set engine_token (engines send it as "
-            "SPECPILOT_PLUGIN_TOKEN) or tls_client_ca_file (mTLS), or "
-            "allow_unauthenticated_engines=true on a trusted network")
+    open_streams = "" if engine_secret or engine_token or certificates else \
+        _open_engine_streams(server)
     engine = EngineService(core, hub, metrics, controller_version=package_version(),
-                           engine_token=engine_token, client_certificates=certificates,
+                           engine_secret=engine_secret, engine_token=engine_token,
+                           client_certificates=certificates,
                            report_interval_seconds=server.report_interval_seconds,
                            max_report_bytes=server.max_report_bytes, clock=clock,
                            budget=budget)
@@ -330,6 +361,7 @@ async def start_server(settings: Settings) -> RunningServer:
             decision_log_size=fleet_settings.fleet_decision_log_size,
             recommend_min_tries=fleet_settings.fleet_recommend_min_tries)
         hub.on_decisions(fleet.record_decisions)
+        hub.on_engine_left(fleet.flush_soon)
     writer = PolicyWriter(core, hub, metrics, token, clock, sidecar, fleet, AuditLog())
     policy = PolicyService(core, hub, writer, clock, fleet)
     health = health_aio.HealthServicer()
@@ -354,6 +386,8 @@ async def start_server(settings: Settings) -> RunningServer:
                              server.engine_silence_timeout_seconds)))
     if fleet is not None:
         running._tasks.append(asyncio.create_task(fleet.run()))
+    if open_streams:
+        log.warning("%s", open_streams)
     return running
 
 

@@ -1,9 +1,10 @@
 """Bearer tokens, for every edge that takes one (policy writes over gRPC and HTTP, engine
-streams): one comparison, in constant time. And the names of a verified client certificate
-(mTLS engine streams)."""
+streams): one comparison, in constant time. Engines' own tokens, each bound to its engine id.
+And the names of a verified client certificate (mTLS engine streams)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -19,6 +20,13 @@ def bearer_verdict(authorization: str | None, token: bytes) -> Verdict:
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
         return "permission_denied"
     return "ok"
+
+
+def engine_token(secret: str, engine_id: str) -> str:
+    """Engine ``engine_id``'s own token: HMAC-SHA256 of the id under the controller's
+    ``engine_secret``, in hex. Holding one engine's token proves nothing about another id, and
+    the secret cannot be recovered from tokens."""
+    return hmac.new(secret.encode(), engine_id.encode(), hashlib.sha256).hexdigest()
 
 
 def metadata_authorization(metadata: Iterable[tuple[str, Any]] | None) -> str | None:

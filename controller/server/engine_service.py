@@ -23,6 +23,7 @@ from specpilot.controller.metrics import Metrics, RejectReason
 from specpilot.controller.server.auth import (
     bearer_verdict,
     certificate_names,
+    engine_token,
     metadata_authorization,
 )
 from specpilot.controller.server.hub import EngineSession, Hub
@@ -69,14 +70,18 @@ class EngineService:
         report_interval_seconds: float,
         max_report_bytes: int,
         clock: Callable[[], float],
+        engine_secret: str = "",
         engine_token: str = "",
         client_certificates: ClientCertificates | None = None,
         budget: ReportBudget | None = None,
     ) -> None:
-        """``engine_token``: the bearer token a stream must present (empty: none needed).
-        ``client_certificates``: streams need a verified client certificate (None: not).
-        ``budget``: the loop time reports may take; beyond it they are shed (None: never)."""
+        """``engine_secret``: a stream must present the token of the engine id its hello names
+        (``auth.engine_token``); ``engine_token``: the one token every stream must present
+        (empty: none needed). ``client_certificates``: streams need a verified client
+        certificate (None: not). ``budget``: the loop time reports may take; beyond it they are
+        shed (None: never)."""
         self._budget = budget
+        self._secret = engine_secret
         self._token = engine_token.encode()
         self._certificates = client_certificates
         self._core = core
@@ -91,8 +96,9 @@ class EngineService:
         self, request_iterator: AsyncIterator[bytes], context: Context
     ) -> AsyncIterator[engine_pb2.ConnectResponse]:
         names = await self._check_certificate(context) if self._certificates else None
-        if self._token:
-            await self._authenticate(context)
+        authorization = metadata_authorization(context.invocation_metadata())
+        if self._token or self._secret:
+            await self._authenticate(authorization, context)
         requests = _messages(request_iterator)
         first = await anext(requests, None)
         if first is None:
@@ -100,9 +106,8 @@ class EngineService:
         if isinstance(first, str):
             self._metrics.hello("rejected")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first)
-        if names is not None:
-            await self._check_engine_id(first, names, context)
-        session = await self._hello(first, context)
+        identified = await self._identify(first, authorization, names, context)
+        session = await self._hello(first, identified, context)
         del first  # the hello is learnt: not held for the stream's life (its profile weighs)
         reader = asyncio.create_task(self._read(requests, session))
         try:
@@ -112,24 +117,24 @@ class EngineService:
             reader.cancel()
             self._hub.close_session(session)
 
-    async def _authenticate(self, context: Context) -> None:
-        """Before anything of the stream is read: missing token -> UNAUTHENTICATED, wrong ->
-        PERMISSION_DENIED (compared in constant time), so no one without it can register an
-        engine, take over an engine id or move an estimate."""
-        verdict = bearer_verdict(metadata_authorization(context.invocation_metadata()),
-                                 self._token)
+    async def _authenticate(self, authorization: str | None, context: Context) -> None:
+        """Before anything of the stream is read: missing token -> UNAUTHENTICATED; with the
+        shared engine_token, a wrong one -> PERMISSION_DENIED (compared in constant time). An
+        engine's own token is checked against the id its hello names (``_identify``)."""
+        verdict = bearer_verdict(authorization, self._token) if self._token else (
+            "unauthenticated" if not authorization else "ok")
         if verdict == "unauthenticated":
             self._metrics.hello(verdict)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "engine streams need metadata 'authorization: Bearer <token>' "
-                                "(the plugin's SPECPILOT_PLUGIN_TOKEN)")
+                                "(the plugin's SPECPILOT_PLUGIN_TOKEN or _TOKEN_FILE)")
         if verdict == "permission_denied":
             self._metrics.hello(verdict)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "engine token does not match")
 
     async def _check_certificate(self, context: Context) -> frozenset[str]:
         """Before anything of the stream is read: no verified client certificate ->
-        UNAUTHENTICATED. The certificate's names, for ``_check_engine_id``."""
+        UNAUTHENTICATED. The certificate's names, for ``_identify``."""
         names = certificate_names(context.auth_context())
         if names is None:
             self._metrics.hello("unauthenticated")
@@ -141,22 +146,40 @@ class EngineService:
                                 + (f"; {where}" if where else ""))
         return names
 
-    async def _check_engine_id(self, first: engine_pb2.ConnectRequest, names: frozenset[str],
-                               context: Context) -> None:
-        """With ``bind_engine_id``: a hello whose engine_id is none of the certificate's names
-        -> PERMISSION_DENIED, so one engine's certificate cannot take over another's id."""
-        if not (self._certificates and self._certificates.bind_engine_id) \
-                or first.WhichOneof("message") != "hello" or first.hello.engine_id in names:
-            return
-        self._metrics.hello("permission_denied")
-        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                            f"engine_id {first.hello.engine_id[:200]!r} is not a name of the "
-                            "stream's client certificate (tls_bind_engine_id: its common name "
-                            "or a subject alternative name)")
+    async def _identify(self, first: engine_pb2.ConnectRequest, authorization: str | None,
+                        names: frozenset[str] | None, context: Context) -> bool:
+        """Whether the stream proved it is the engine its hello names: with engine_secret, by
+        that id's own token; with ``bind_engine_id``, by a client certificate naming the id.
+        Either one failing -> PERMISSION_DENIED, so no engine's credential opens another's id.
+        False when no credential names engines (or the first message is no hello, which
+        ``_hello`` refuses)."""
+        if first.WhichOneof("message") != "hello":
+            return False
+        engine_id = first.hello.engine_id
+        shown = repr(engine_id[:200])
+        if self._secret:
+            own = engine_token(self._secret, engine_id).encode()
+            if bearer_verdict(authorization, own) != "ok":
+                self._metrics.hello("permission_denied")
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"the stream's token is not engine_id {shown}'s: each "
+                                    "engine presents its own (`specpilot engine-token --id "
+                                    "ID` derives it from the controller's engine_secret)")
+        bound = bool(self._certificates and self._certificates.bind_engine_id)
+        if bound and names is not None and engine_id not in names:
+            self._metrics.hello("permission_denied")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"engine_id {shown} is not a name of the stream's client "
+                                "certificate (tls_bind_engine_id: its common name or a subject "
+                                "alternative name)")
+        return bool(self._secret) or bound
 
-    async def _hello(self, msg: engine_pb2.ConnectRequest, context: Context) -> EngineSession:
+    async def _hello(self, msg: engine_pb2.ConnectRequest, identified: bool,
+                     context: Context) -> EngineSession:
         """Register the engine and queue its HelloAck and policy; abort the stream if the first
-        message is not a valid hello."""
+        message is not a valid hello, or names a connected engine's id without proving it is
+        that engine (``identified``): a newer stream replaces a live one only with the id's own
+        credential, so no other stream can take over a connected engine."""
         kind = msg.WhichOneof("message")
         if kind != "hello":
             self._metrics.report_received()
@@ -164,6 +187,15 @@ class EngineService:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the first message on a stream must be a hello, got {kind or 'an empty message'}")
+        if not identified and self._hub.connected(msg.hello.engine_id):
+            self._metrics.hello("already_connected")
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"engine_id {msg.hello.engine_id[:200]!r} is connected on another stream, and "
+                "this one carries no credential of that id (engine_secret's per-engine token, "
+                "or a client certificate with tls_bind_engine_id), so it cannot replace it; "
+                "retry once the old stream has ended (a silent one is ended after "
+                "engine_silence_timeout_seconds)")
         now = self._clock()
         try:
             hello = hello_from_proto(msg.hello)

@@ -6,11 +6,14 @@ and which pool serve each class best; ``specpilot.controller.core.recommend``); 
 subscription to override changes brings a fleet override set through any sidecar into force
 here within one report interval.
 
-On the first round that knows the model (from the settings, or the first engine's hello) the
-sidecar first reads its own record back, so a restart (even after SIGKILL) resumes from its last
-flush: at most one flush interval of evidence is lost. It never publishes before that read, so a
-restarted sidecar cannot overwrite its record with an empty one. Step costs are read back the
-same way once an engine has said what hardware it runs on.
+On the first round that knows the model (from the settings, or the first engine's hello, kept
+after the engine left) the sidecar first reads its own record back, so a restart (even after
+SIGKILL) resumes from its last flush: at most one flush interval of evidence is lost. It never
+publishes before that read, so a restarted sidecar cannot overwrite its record with an empty
+one. Step costs are read back the same way once an engine has said what hardware it runs on.
+An engine that leaves brings the next round forward, and a graceful stop runs one last round,
+so in a pod's stop order (the engine first, the sidecar last) what the engine taught is
+published.
 
 A store that fails (Redis down or restarting) costs nothing but sharing: the core keeps deciding
 from memory (with the fleet overrides it last read), rounds retry with exponential backoff and
@@ -22,6 +25,7 @@ made meanwhile wait in a bounded buffer and reach the decision log then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections import deque
@@ -76,6 +80,7 @@ class FleetSync:
         self._costs_read: tuple[int, str] | None = None  # (round, hardware) of the last read
         self._round = 0
         self._up: bool | None = None
+        self._wake = asyncio.Event()  # set: run the next round now (``flush_soon``)
         self._refused: set[tuple[str, float]] = set()
         self._min_tries = recommend_min_tries
         # The other sidecars of the model and when each last published (the last round's read).
@@ -99,7 +104,7 @@ class FleetSync:
         return await self._store.decisions(model, count) if model else []
 
     def model(self) -> str:
-        return self._id.model or self._core.first_engine_model()
+        return self._id.model or self._core.served_model()
 
     def _known_model(self) -> str:
         model = self.model()
@@ -286,7 +291,16 @@ class FleetSync:
             except Exception:  # a bug here must not stop sharing for good
                 log.exception("fleet round failed")
                 delay = self._interval
-            await asyncio.sleep(delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+            self._wake.clear()
+
+    def flush_soon(self) -> None:
+        """Run the next round now rather than at the end of the interval (an engine left:
+        what it taught is published at once, not lost if the sidecar is killed before the
+        next round); not while the store is failing, whose retries keep their backoff."""
+        if self._up is not False:
+            self._wake.set()
 
     async def run(self) -> None:
         """Rounds and the override subscription, until cancelled."""

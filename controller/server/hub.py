@@ -147,6 +147,7 @@ class Hub:
         self.sessions: dict[str, EngineSession] = {}
         self._watchers: set[Watcher] = set()
         self._listeners: list[Callable[[list[DecisionEvent]], None]] = []
+        self._left: list[Callable[[], None]] = []
         self._pushed_version: int | None = None
         self._cached: engine_pb2.ConnectResponse | None = None
         # Serialized watch messages by event identity (the event kept, so an id is never
@@ -156,9 +157,13 @@ class Hub:
         self._wire_limit = core.config.decision_log_size + queue_limit
 
     # --- engines -------------------------------------------------------------------------------
+    def connected(self, engine_id: str) -> bool:
+        """Whether a stream of ``engine_id`` is open."""
+        return engine_id in self.sessions
+
     def open_session(self, engine_id: str) -> EngineSession:
         """A new stream for ``engine_id``; an older stream of the same engine is ended (the
-        engine reconnected and the old stream is dead or about to be)."""
+        engine reconnected, proving its identity, and the old stream is dead or about to be)."""
         old = self.sessions.get(engine_id)
         if old is not None:
             old.outbox.close(grpc.StatusCode.ABORTED,
@@ -179,7 +184,7 @@ class Hub:
             session.outbox.close(grpc.StatusCode.UNAVAILABLE,
                                  f"no report for {age:.1f} s (engine silence timeout "
                                  f"{timeout_seconds:g} s); reconnect")
-            self._core.disconnect_engine(engine_id)
+            self._disconnect(engine_id)
             dropped.append(engine_id)
         return dropped
 
@@ -198,7 +203,16 @@ class Hub:
         session.outbox.close()
         if self.sessions.get(session.engine_id) is session:
             del self.sessions[session.engine_id]
-            self._core.disconnect_engine(session.engine_id)
+            self._disconnect(session.engine_id)
+
+    def _disconnect(self, engine_id: str) -> None:
+        self._core.disconnect_engine(engine_id)
+        for listener in self._left:
+            listener()
+
+    def on_engine_left(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever an engine is forgotten (it must not block)."""
+        self._left.append(listener)
 
     def policy_message(self) -> engine_pb2.ConnectResponse:
         """The current PolicyUpdate, built once per policy version."""

@@ -19,7 +19,8 @@ COPY --from=build /install /usr/local
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin specpilot
 USER 10001
 EXPOSE 50051 9464
-# Listening beyond loopback, it starts only with SPECPILOT_ENGINE_TOKEN set (engines send it) or
-# SPECPILOT_ALLOW_UNAUTHENTICATED_ENGINES=true; the Helm chart sets the token from a Secret.
+# Listening beyond loopback, it starts only with SPECPILOT_ENGINE_SECRET set (each engine sends its
+# own token, `specpilot engine-token`) or SPECPILOT_ALLOW_UNAUTHENTICATED_ENGINES=true; the Helm
+# chart sets the secret from a Secret and an init container derives the engine's token.
 ENTRYPOINT ["specpilot"]
 CMD ["serve", "--grpc-host", "0.0.0.0", "--http-host", "0.0.0.0"]

@@ -7,6 +7,7 @@ really export, and broken values refused with a message naming the value."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.util
 import json
 import re
@@ -18,6 +19,7 @@ from itertools import product
 from pathlib import Path
 from typing import Any
 
+import grpc
 import helm_python as helm
 import kubernetes_validate  # type: ignore[import-untyped]
 import numpy as np
@@ -32,12 +34,15 @@ from specpilot.contract.records import (
     EngineReport,
     StepTimingRecord,
 )
+from specpilot.controller import cli
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.metrics import Metrics
 from specpilot.controller.server.app import start_server
 from specpilot.controller.settings import core_config, load_settings
 from specpilot.engine_plugin.config import PluginConfig
 from tests.certs import make_pki
+from tests.integration.engine_client import EngineClient
+from tests.integration.engine_client import hello as engine_hello
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "specpilot"
@@ -176,20 +181,32 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
     if not values.get("tls", {}).get("engineClientAuth"):  # else its mTLS port (check_tls)
         assert engine_env["SPECPILOT_PLUGIN_CONTROLLER"] == "127.0.0.1:50051"
     # The controller listens beyond loopback (the Service): the engine's stream carries the
-    # engine token, the same Secret key on both sides.
-    plugin_token = next(e for e in engine["env"] if e["name"] == "SPECPILOT_PLUGIN_TOKEN")
-    assert plugin_token["valueFrom"] == env["SPECPILOT_ENGINE_TOKEN"]["valueFrom"]
-    assert plugin_token["valueFrom"]["secretKeyRef"]["name"] == token_secret
+    # engine's own token, which an init container derives from the engine secret (the same
+    # Secret key as the controller's) into a volume the engine reads; the engine never gets the
+    # secret (test_the_chart_issues_each_engine_its_own_token runs it).
+    minter = next(c for c in spec["initContainers"] if c["name"] == "engine-token")
+    minted = {e["name"]: e for e in minter["env"]}
+    assert minted["SPECPILOT_ENGINE_SECRET"]["valueFrom"] \
+        == env["SPECPILOT_ENGINE_SECRET"]["valueFrom"]
+    assert env["SPECPILOT_ENGINE_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == token_secret
+    assert spec["initContainers"].index(minter) == 0  # before the engine and the native sidecar
+    assert not any("secretKeyRef" in e.get("valueFrom", {}) and e["valueFrom"]["secretKeyRef"][
+        "name"] == token_secret for e in engine["env"])
+    assert engine_env["SPECPILOT_PLUGIN_TOKEN_FILE"] == "/run/specpilot-engine/token"
+    assert {"name": "engine-token", "mountPath": "/run/specpilot-engine", "readOnly": True} \
+        in engine["volumeMounts"]
     if not values["policyToken"]:
-        assert set(secrets[0]["data"]) == {"token", "engine-token"}
+        assert set(secrets[0]["data"]) == {"token", "engine-secret"}
     assert "--scheduler-cls=specpilot.engine_plugin.scheduler.SpecPilotScheduler" in engine["args"]
     config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
     settings = yaml.safe_load(config["data"]["specpilot.yaml"])
     assert settings["grpc_host"] == "0.0.0.0"
-    # The settings file is one the controller takes, and with the engine token from the Secret
-    # it may listen beyond loopback (start_server refuses open engine streams there).
-    taken = load_settings(**settings, engine_token="from-the-secret")
-    assert taken.grpc_host == "0.0.0.0" and taken.engine_token is not None
+    # The settings file is one the controller takes, and with the engine secret from the
+    # Secret it may listen beyond loopback (start_server refuses open engine streams there).
+    taken = load_settings(**settings, engine_secret="s" * 32)
+    assert taken.grpc_host == "0.0.0.0" and taken.engine_secret is not None
+    # The fleet is the served model's from the start (kept after the engine left).
+    assert settings["fleet_model"] == "Qwen/Qwen2.5-1.5B-Instruct"
     # A stuck controller is restarted (its readiness: test_only_the_engine_decides_readiness).
     assert "livenessProbe" in ctl
     if "tls" in values:
@@ -284,10 +301,10 @@ def test_the_charts_tls_settings_start_a_controller(tmp_path: Path, mtls: bool) 
 
     if mtls:
         assert asyncio.run(start_and_stop())
-    else:  # TLS alone does not authenticate engines: the chart's engine token is needed
-        with pytest.raises(Exception, match="set engine_token"):
+    else:  # TLS alone does not authenticate engines: the chart's engine secret is needed
+        with pytest.raises(Exception, match="set engine_secret"):
             asyncio.run(start_and_stop())
-        settings["engine_token"] = "e" * 24
+        settings["engine_secret"] = "e" * 32
         assert asyncio.run(start_and_stop())
 
 
@@ -616,6 +633,8 @@ def test_strict_validation_is_a_real_check() -> None:
     ({"engine": {"speculativeConfig": "{model: draft}"}},
      "engine.speculativeConfig is not a JSON object"),
     ({"engine": {"speculativeConfig": ["model"]}}, "speculativeConfig"),
+    ({"policyToken": {"engineSecretValue": "too-short"}}, "engineSecretValue"),
+    ({"policyToken": {"engineKey": "engine-token"}}, "engineKey"),
 ])
 def test_broken_values_are_refused_naming_the_value(values: dict[str, Any], message: str
                                                     ) -> None:
@@ -628,6 +647,44 @@ def test_a_generated_token_secret_is_kept_across_upgrades() -> None:
     secret = one(render({}), "Secret")
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert len(secret["data"]["token"]) >= 40  # 32 random characters, base64
+
+
+def test_the_chart_issues_each_engine_its_own_token(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the pod runs: the engine-token init container's command (its $(POD_NAME) as the
+    kubelet expands it) writes the engine's own token from the Secret's engine secret where the
+    engine reads it; the controller, on the chart's settings with the same secret, takes the
+    engine's stream for its pod's id and refuses it for another pod's."""
+    secret = "engine-secret-of-the-release-0123456789"
+    docs = render({"policyToken": {"engineSecretValue": secret}})
+    assert base64.b64decode(one(docs, "Secret")["data"]["engine-secret"]).decode() == secret
+    minter = next(c for c in pod_spec(docs)["initContainers"] if c["name"] == "engine-token")
+    engine_env = {e["name"]: e.get("value") for e in engine_of(docs)["env"]}
+    token_file = engine_env["SPECPILOT_PLUGIN_TOKEN_FILE"]
+    local = str(tmp_path / "token")  # the shared volume, here
+    args = [a.replace("$(POD_NAME)", "demo-7d9f").replace(token_file, local)
+            for a in minter["args"]]
+    monkeypatch.setenv("SPECPILOT_ENGINE_SECRET", secret)
+    assert cli.main(args) == 0
+    monkeypatch.delenv("SPECPILOT_ENGINE_SECRET")
+    own = (("authorization", f"Bearer {Path(local).read_text().strip()}"),)
+    config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
+    settings = {**yaml.safe_load(config["data"]["specpilot.yaml"]), "grpc_host": "127.0.0.1",
+                "grpc_port": 0, "http_host": "127.0.0.1", "http_port": 0,
+                "policy_token": "t" * 24, "engine_secret": secret}
+
+    async def streams() -> tuple[bool, grpc.StatusCode]:
+        server = await start_server(load_settings(**settings))
+        try:
+            async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+                ack = await EngineClient(ch, own).connect(engine_hello("demo-7d9f"))
+                with pytest.raises(grpc.aio.AioRpcError) as other:
+                    await EngineClient(ch, own).connect(engine_hello("demo-5c2a"))
+                return bool(ack.accepted_drafts), other.value.code()
+        finally:
+            await server.stop(grace_seconds=0)
+
+    assert asyncio.run(streams()) == (True, grpc.StatusCode.PERMISSION_DENIED)
 
 
 # --- alerts ---------------------------------------------------------------------------------------

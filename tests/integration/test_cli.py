@@ -20,11 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from benchmarks.redis_servers import RedisServer
 from specpilot.controller import cli
 from specpilot.controller.server.app import RunningServer, start_server
 from specpilot.controller.settings import load_settings, settings_reference
+from specpilot.controller.store.redis_store import RedisStore
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
-from tests.integration.engine_client import DRAFT, EngineClient, report
+from tests.integration.engine_client import DRAFT, EngineClient, acceptance, hello, report
 
 pytestmark = pytest.mark.integration
 SPECPILOT = str(Path(sys.executable).with_name("specpilot"))
@@ -107,6 +109,46 @@ def test_serve_prints_its_ports_answers_and_stops_on_sigterm(
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     assert lines.next(5) == "specpilot: stopping"
+
+
+async def test_a_sidecar_stopped_after_its_engine_left_publishes_what_it_learnt(
+        redis: RedisServer) -> None:
+    """A pod's stop order: the engine stops first, the sidecar (native, so last) gets SIGTERM
+    after it. No fleet_model: the model is known from the engine's hello only."""
+    proc = subprocess.Popen(
+        [SPECPILOT, "serve", "--grpc-port", "0", "--http-port", "0"],
+        env=_env(SPECPILOT_STATE_STORE=redis.url, SPECPILOT_SIDECAR_ID="pod-a",
+                 SPECPILOT_FLEET_FLUSH_INTERVAL_SECONDS="60"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = RedisStore.from_url(redis.url)
+    try:
+        target = _Lines(proc).next(STARTUP_SECONDS).rsplit(" ", 1)[1]
+
+        async def published_at() -> float:
+            own = [ex for ex in await store.evidence("tiny-target", since=0.0)
+                   if ex.sidecar == "pod-a"]
+            assert not own or own[0].entries[0].accepts[0] == pytest.approx(450, rel=0.02)
+            return own[0].at if own else 0.0
+
+        async with grpc.aio.insecure_channel(target) as ch:
+            engine = EngineClient(ch)
+            await engine.connect(hello("pod-a"))
+            for seq in range(1, 6):  # 100 steps, 90 accepted at position 1
+                assert (await engine.send(report(seq, acceptance("chat", (10, 20, 70))))).accepted
+            await engine.close()  # the engine container stopped
+        deadline = time.monotonic() + 10.0
+        while not await published_at():  # published when the engine left
+            assert time.monotonic() < deadline, "nothing published after the engine left"
+            await asyncio.sleep(0.05)
+        stopped_at = time.time()
+        proc.send_signal(signal.SIGTERM)  # then the sidecar
+        assert proc.wait(15) == 0
+        assert await published_at() >= stopped_at  # and once more at its graceful stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        await store.close()
 
 
 @pytest.mark.parametrize(("args", "env", "name"), [
@@ -276,7 +318,7 @@ async def test_check_waits_for_health_and_the_engines(server: RunningServer,
 
 
 def test_tokens_are_refused_on_the_command_line() -> None:
-    for name in ("policy_token", "engine_token"):
+    for name in ("policy_token", "engine_secret", "engine_token"):
         got = subprocess.run([SPECPILOT, "serve", "--set", f"{name}=s3cret"], env=_env(),
                              capture_output=True, text=True, timeout=60)
         assert got.returncode != 0
@@ -284,6 +326,31 @@ def test_tokens_are_refused_on_the_command_line() -> None:
     got = subprocess.run([SPECPILOT, "serve", "--policy-token", "s3cret"], env=_env(),
                          capture_output=True, text=True, timeout=60)
     assert got.returncode != 0  # no such flag any more
+
+
+async def test_engine_token_writes_the_token_a_controller_with_the_secret_takes_for_that_id(
+        tmp_path: Path) -> None:
+    secret = "engine-secret-0123456789abcdef-0123456789"
+    path = tmp_path / "token"
+    got = subprocess.run([SPECPILOT, "engine-token", "--id", "pod-a", "--output", str(path)],
+                         env=_env(SPECPILOT_ENGINE_SECRET=secret), capture_output=True,
+                         text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert secret not in got.stdout + got.stderr
+    assert path.stat().st_mode & 0o777 == 0o640
+    auth = (("authorization", f"Bearer {path.read_text().strip()}"),)
+    server = await start_server(load_settings(**FAST_SETTINGS, engine_secret=secret))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+            await EngineClient(ch, auth).connect(hello("pod-a"))
+            with pytest.raises(grpc.aio.AioRpcError) as other:
+                await EngineClient(ch, auth).connect(hello("pod-b"))
+            assert other.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await server.stop(grace_seconds=0.1)
+    unset = subprocess.run([SPECPILOT, "engine-token", "--id", "pod-a"], env=_env(),
+                           capture_output=True, text=True, timeout=60)
+    assert unset.returncode == 2 and "SPECPILOT_ENGINE_SECRET" in unset.stderr
 
 
 # --- failures say what to do next, in the command line's terms -----------------------------------

@@ -2,7 +2,8 @@
 other without double counting, step costs only between engines on the same hardware; an
 override set through one is in force on both (a pod one only
 on its own); a controller killed and restarted resumes from its last flush, one stopped
-gracefully from all it had; an outage of Redis costs nothing but sharing."""
+gracefully from all it had; what an engine taught is published when it leaves, though no
+fleet_model is set; an outage of Redis costs nothing but sharing."""
 
 from __future__ import annotations
 
@@ -51,14 +52,20 @@ async def pair(redis: RedisServer) -> AsyncIterator[tuple[RunningServer, Running
         await b.stop(grace_seconds=0.1)
 
 
+async def _teach(ch: grpc.aio.Channel, engine_id: str, histogram: tuple[int, ...],
+                 reports: int) -> EngineClient:
+    """An engine on ``ch`` that sent ``reports`` reports of ``histogram``, still connected."""
+    client = EngineClient(ch)
+    await client.connect(hello(engine_id))
+    for seq in range(1, reports + 1):
+        await client.send(report(seq, acceptance("chat", histogram)))
+    return client
+
+
 async def _feed(server: RunningServer, engine_id: str, histogram: tuple[int, ...],
                 reports: int) -> None:
     async with grpc.aio.insecure_channel(server.grpc_target) as ch:
-        client = EngineClient(ch)
-        await client.connect(hello(engine_id))
-        for seq in range(1, reports + 1):
-            await client.send(report(seq, acceptance("chat", histogram)))
-        await client.close()
+        await (await _teach(ch, engine_id, histogram, reports)).close()
 
 
 def _own_and_total(server: RunningServer) -> tuple[np.ndarray, np.ndarray]:
@@ -222,13 +229,15 @@ async def test_a_graceful_stop_flushes_what_came_after_the_last_round(
         redis: RedisServer) -> None:
     a = await _controller(redis, "sidecar-a", fleet_flush_interval_seconds=60.0)
     store = RedisStore.from_url(redis.url)
+    ch = grpc.aio.insecure_channel(a.grpc_target)
     try:
         while not await store.evidence("tiny-target", since=0.0):  # the first round is done
             await asyncio.sleep(0.05)
-        await _feed(a, "engine-a", (10, 20, 70), reports=5)  # after it: only in memory
+        await _teach(ch, "engine-a", (10, 20, 70), reports=5)  # after it: only in memory
         before, _ = _own_and_total(a)
     finally:
-        await a.stop(grace_seconds=1.0)
+        await a.stop(grace_seconds=1.0)  # the engine still connected
+        await ch.close(None)
         await store.close()
     restarted = await _controller(redis, "sidecar-a")
     try:
@@ -236,6 +245,28 @@ async def test_a_graceful_stop_flushes_what_came_after_the_last_round(
         assert _own_and_total(restarted)[0][0] == pytest.approx(before[0], rel=0.02)
     finally:
         await restarted.stop(grace_seconds=0.1)
+
+
+async def test_what_an_engine_taught_is_published_when_it_leaves_without_fleet_model(
+        redis: RedisServer) -> None:
+    # The model known only from the engine's hello, and the next round a minute away.
+    a = await _controller(redis, "sidecar-a", fleet_model="", fleet_flush_interval_seconds=60.0)
+    store = RedisStore.from_url(redis.url)
+    try:
+        await _feed(a, "engine-a", (10, 20, 70), reports=5)  # 100 steps, 90 accepted, then gone
+        async def published() -> float:
+            own = [ex for ex in await store.evidence("tiny-target", since=0.0)
+                   if ex.sidecar == "sidecar-a"]
+            return sum(e.accepts[0] for e in own[0].entries) if own else 0.0
+        deadline = time.monotonic() + 10.0
+        while (accepted := await published()) == 0.0:
+            assert time.monotonic() < deadline, "nothing published after the engine left"
+            await asyncio.sleep(0.05)
+        assert accepted == pytest.approx(450, rel=0.02)
+        assert a.fleet is not None and a.fleet.model() == "tiny-target"
+    finally:
+        await a.stop(grace_seconds=0.1)
+        await store.close()
 
 
 GPU = "NVIDIA H100 80GB HBM3 tp1 pp1 bfloat16"

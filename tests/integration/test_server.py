@@ -24,8 +24,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from specpilot.contract.buckets import batch_range
 from specpilot.contract.records import Override
 from specpilot.controller.core.cost_model import StepShape
-from specpilot.controller.server.app import RunningServer
+from specpilot.controller.server.app import RunningServer, start_server
+from specpilot.controller.server.auth import engine_token
 from specpilot.controller.server.stubs import async_policy_stub
+from specpilot.controller.settings import load_settings
 from specpilot.v1 import engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import (
@@ -282,23 +284,6 @@ async def test_a_second_hello_on_a_stream_is_rejected_and_the_stream_stays(
     await engine.close()
 
 
-async def test_a_reconnecting_engine_replaces_its_old_stream(
-    server: RunningServer, channel: grpc.aio.Channel
-) -> None:
-    old, new = EngineClient(channel), EngineClient(channel)
-    await old.connect()
-    await new.connect()
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        while True:
-            await old.read()
-    assert err.value.code() == grpc.StatusCode.ABORTED
-    # The old stream's end must not unregister the engine that the new stream registered.
-    await asyncio.sleep(0.05)
-    assert [e.engine_id for e in snapshot(server).engines] == ["engine-1"]
-    assert (await new.send(report(1))).accepted
-    await new.close()
-
-
 async def test_an_override_reaches_every_engine_within_one_report_interval(
     server: RunningServer, channel: grpc.aio.Channel
 ) -> None:
@@ -493,16 +478,22 @@ async def test_a_silent_engine_is_dropped_after_the_timeout_and_a_reporting_one_
 
 
 async def test_a_reconnect_of_the_same_engine_replaces_its_old_stream_quietly(
-        server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
-    async with grpc.aio.insecure_channel(server.grpc_target) as ch:
-        old, new = EngineClient(ch), EngineClient(ch)
-        await old.connect(hello("engine-1"))
-        await new.connect(hello("engine-1"))
-        with pytest.raises(grpc.aio.AioRpcError) as failure:
-            while True:
-                await asyncio.wait_for(old.call.read(), 5.0)
-        assert failure.value.code() == grpc.StatusCode.ABORTED
-        assert (await new.send(report(1))).accepted
-        await new.close()
-    await asyncio.sleep(0.1)
+        caplog: pytest.LogCaptureFixture) -> None:
+    secret = "engine-secret-0123456789abcdef-0123456789"
+    own = (("authorization", f"Bearer {engine_token(secret, 'engine-1')}"),)
+    server = await start_server(load_settings(**FAST_SETTINGS, engine_secret=secret))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as ch:
+            old, new = EngineClient(ch, own), EngineClient(ch, own)
+            await old.connect(hello("engine-1"))
+            await new.connect(hello("engine-1"))  # with its own token: replaces the old
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                while True:
+                    await asyncio.wait_for(old.call.read(), 5.0)
+            assert failure.value.code() == grpc.StatusCode.ABORTED
+            assert (await new.send(report(1))).accepted
+            await new.close()
+        await asyncio.sleep(0.1)
+    finally:
+        await server.stop(grace_seconds=0.1)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

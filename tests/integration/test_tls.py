@@ -283,7 +283,8 @@ def test_serve_refuses_to_start_with_a_missing_certificate_or_a_key_that_does_no
 
 
 def link_to(links: list[ControllerLink], target: str, **overrides: Any) -> ControllerLink:
-    link = ControllerLink(target, link_hello(), PolicyView(4, DRAFT, 30.0),
+    # An id of its own: a stream proving no identity cannot replace another's.
+    link = ControllerLink(target, link_hello(f"engine-{len(links)}"), PolicyView(4, DRAFT, 30.0),
                           config(target, **overrides), rng=random.Random(0))
     links.append(link)
     return link

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, HelloA
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.core.snapshot import EngineView
 from specpilot.controller.server import app
+from specpilot.controller.server.auth import engine_token
 from specpilot.engine_plugin.config import PluginConfig
 from specpilot.engine_plugin.link import (
     KEEPALIVE_OPTIONS,
@@ -443,6 +445,27 @@ def test_the_link_presents_its_token_and_a_wrong_one_is_refused(
         with caplog.at_level(logging.ERROR, logger="specpilot.engine_plugin.link"):
             wait_for(lambda: "PERMISSION_DENIED" in caplog.text, "the refusal logged")
         assert not bad.connected and good.connected
+    finally:
+        guarded.stop()
+
+
+def test_the_link_reads_its_own_token_from_its_file_at_each_connect(
+    links: list[ControllerLink], caplog: pytest.LogCaptureFixture, tmp_path: Path,
+) -> None:
+    secret = "engine-secret-0123456789abcdef-0123456789"
+    guarded = ControllerThread(**CONTROLLER_SETTINGS, engine_secret=secret)
+    try:
+        path = tmp_path / "token"
+        with caplog.at_level(logging.DEBUG, logger="specpilot.engine_plugin.link"):
+            link = make_link(links, guarded.target, token_file=str(path))
+            wait_for(lambda: "SPECPILOT_PLUGIN_TOKEN_FILE" in caplog.text, "the missing file")
+            assert not link.connected
+            # Another engine's token, claiming this engine's id: refused.
+            path.write_text(engine_token(secret, "another-engine") + "\n")
+            wait_for(lambda: "token is not engine_id" in caplog.text, "the refusal logged")
+            assert not link.connected
+            path.write_text(engine_token(secret, ENGINE) + "\n")  # its own, re-issued
+            wait_for(lambda: link.connected, "the link with its own token")
     finally:
         guarded.stop()
 

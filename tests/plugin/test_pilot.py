@@ -13,6 +13,7 @@ import pytest
 from benchmarks.demo.engine import put_policy
 from specpilot.contract.engine_stream import policy_update_from_proto
 from specpilot.contract.records import (
+    AcceptanceRecord,
     CalibrationRows,
     ConfidenceRecord,
     DraftKind,
@@ -458,10 +459,12 @@ def test_a_model_drafter_is_scored_as_it_drafted() -> None:
 
 
 def _confidence_step(cuts: Mapping[str, tuple[str, int]], transformed: bool = False,
-                     token_cut: TokenCut | None = None) -> tuple[ConfidenceRecord, ...]:
+                     token_cut: TokenCut | None = None,
+                     acceptance: list[AcceptanceRecord] | None = None
+                     ) -> tuple[ConfidenceRecord, ...]:
     """One step on a model drafter that proposed 4 tokens to each of two requests of class "a"
     with the drafter's confidences, under ``cuts`` (the policy), verified with 2 and 0 accepted:
-    the confidence records reported."""
+    the confidence records reported (the acceptance records into ``acceptance``)."""
     e = _native_engine(DraftKind.MODEL)
     config = PluginConfig(k_mode="per_request", suffix_drafts=False)
     pilot = Pilot(e, config, Classifier(), announce(e, config, load))
@@ -488,6 +491,8 @@ def _confidence_step(cuts: Mapping[str, tuple[str, int]], transformed: bool = Fa
     pilot.on_output(output, sampled)
     payload = pilot.stats.drain(running_requests=2)
     pilot.close()
+    if acceptance is not None:
+        acceptance.extend(payload.acceptance)
     return payload.confidence
 
 
@@ -536,11 +541,15 @@ def test_the_token_cut_shortens_each_requests_drafts_by_their_confidences() -> N
     accept = [0.2] * N_CONFIDENCE_BUCKETS
     accept[b(0.99)], accept[b(0.9)] = 0.95, 0.9
     rows = CalibrationRows("a", "draft", False, 4, tuple(accept * 4))
+    scored: list[AcceptanceRecord] = []
     records = _confidence_step({"a": ("draft", 4)},
-                               token_cut=TokenCut((0.5,) * 9, (rows,)))
+                               token_cut=TokenCut((0.5,) * 9, (rows,)), acceptance=scored)
     tried = {r.position: sum(r.tried_by_bucket) for r in records}
     # r0 verified 2 (both accepted, as the step's output says: 2 accepted), r1 none.
     assert tried == {1: 1, 2: 1}
+    # Both are scored as the K asked, the cut tail rejected: the class's acceptance is learnt
+    # from every request, not from those the cut kept.
+    assert [(r.k, r.steps_by_accepted) for r in scored] == [(4, (1, 0, 1, 0, 0))]
     # The control: without the cut both verify their 4 (r0 up to its rejection, r1 its first).
     assert {r.position: sum(r.tried_by_bucket)
             for r in _confidence_step({"a": ("draft", 4)})} == {1: 2, 2: 1, 3: 1}

@@ -323,6 +323,25 @@ def test_specpilot_counts_the_confidences_it_verified_and_cuts_a_low_calibration
     sure, mixed = counts["sure"], counts["mixed"]
     assert sure[0] > 1000 and mixed[0] > 1000, counts
     assert mixed[1] / mixed[0] < sure[1] / sure[0] - 0.2, counts
+    # Every request is scored as the K it drafted, its cut tail rejected (the plugin's
+    # on_output): the class's acceptance is not learnt from the tokens the cut kept alone.
+    scored = {c: 0 for c in counts}
+    for rep in reports:
+        for a in rep.acceptance:
+            scored[a.traffic_class] += a.k * sum(a.steps_by_accepted)
+    # (Drafted, not verified: the mixed class's differ by far more than the steps after the
+    # last report, which no report counts.)
+    for c, (drafted, _) in counts.items():
+        assert drafted * 0.95 <= scored[c] <= drafted, (scored, counts)
+
+
+def test_specpilot_spellings_force_the_cut_on_or_off_and_name_their_runs() -> None:
+    engine = SimEngine(_cut_mix())  # the scenario turns the cut on
+    for name, cut in (("specpilot", True), ("specpilot-cut", True), ("specpilot-nocut", False)):
+        policy = policies.build(name, engine)
+        assert isinstance(policy, SpecPilotPolicy)
+        assert (policy.name, policy.settings.token_cut) == (name, cut)
+        assert (policy.core.snapshot(0.0).cut is not None) == cut
 
 
 def test_specpilot_without_confidences_counts_none_and_cuts_nothing() -> None:

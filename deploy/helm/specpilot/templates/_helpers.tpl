@@ -93,6 +93,63 @@ extended resource's request must equal its limit). */}}
 {{- end -}}
 {{- end -}}
 
+{{/* The engine secret, for the controller (which checks engines' tokens) and the init
+container that derives the engine's own token; never for the engine. */}}
+{{- define "specpilot.engineSecretEnv" -}}
+- name: SPECPILOT_ENGINE_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "specpilot.tokenSecret" . }}
+      key: {{ .Values.policyToken.engineSecretKey }}
+{{- end -}}
+
+{{/* Where the engine reads its own token (the engine-token emptyDir). */}}
+{{- define "specpilot.engineTokenDir" -}}
+/run/specpilot-engine
+{{- end -}}
+
+{{/* An init container that writes the engine's own token (derived from the engine secret and
+its engine id, the pod's name) for the engine to read; it runs before the engine and the
+native sidecar, and is the only container besides the controller that sees the secret. */}}
+{{- define "specpilot.engineTokenContainer" -}}
+- name: engine-token
+  image: "{{ .Values.controller.image.repository }}:{{ .Values.controller.image.tag }}"
+  imagePullPolicy: {{ .Values.controller.image.pullPolicy }}
+  args: ["engine-token", "--id", "$(POD_NAME)", "--output", "{{ include "specpilot.engineTokenDir" . }}/token"]
+  env:
+    - name: POD_NAME
+      valueFrom:
+        fieldRef:
+          fieldPath: metadata.name
+    {{- include "specpilot.engineSecretEnv" . | nindent 4 }}
+  resources:
+    {{- toYaml .Values.controller.resources | nindent 4 }}
+  {{- with .Values.controller.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: engine-token
+      mountPath: {{ include "specpilot.engineTokenDir" . }}
+{{- end -}}
+
+{{/* The name vLLM serves the model under, as its hello and its metrics name it: the first
+--served-model-name of engine.extraArgs, else engine.model. */}}
+{{- define "specpilot.servedModel" -}}
+{{- $served := "" -}}
+{{- $args := .Values.engine.extraArgs -}}
+{{- range $i, $a := $args -}}
+{{- if not $served -}}
+{{- if hasPrefix "--served-model-name=" $a -}}
+{{- $served = first (splitList " " (trimPrefix "--served-model-name=" $a)) -}}
+{{- else if and (eq $a "--served-model-name") (lt (add1 $i) (len $args)) -}}
+{{- $served = index $args (add1 $i) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $served | default .Values.engine.model -}}
+{{- end -}}
+
 {{- define "specpilot.controllerContainer" -}}
 - name: specpilot
   image: "{{ .Values.controller.image.repository }}:{{ .Values.controller.image.tag }}"
@@ -107,11 +164,7 @@ extended resource's request must equal its limit). */}}
         secretKeyRef:
           name: {{ include "specpilot.tokenSecret" . }}
           key: {{ .Values.policyToken.key }}
-    - name: SPECPILOT_ENGINE_TOKEN
-      valueFrom:
-        secretKeyRef:
-          name: {{ include "specpilot.tokenSecret" . }}
-          key: {{ .Values.policyToken.engineKey }}
+    {{- include "specpilot.engineSecretEnv" . | nindent 4 }}
     - name: SPECPILOT_SIDECAR_ID
       valueFrom:
         fieldRef:
