@@ -84,6 +84,9 @@ MAX_K: int = SETTINGS["max_k"].default  # the controller's; engines announce as 
 BUCKET_BOUNDS: tuple[int, ...] = SETTINGS["batch_bucket_upper_bounds"].default
 BATCH = 256  # the engines' max_batch_size
 REPORT_INTERVAL: float = SETTINGS["report_interval_seconds"].default
+# What the largest reports cover, seconds: long enough for all they count at the profile's step
+# rate (the controller refuses a report counting more than its engine runs in its interval).
+REPORT_SPAN = 600.0
 WATCHERS_MAX: int = SETTINGS["max_watch_streams"].default
 SETTLE_SECONDS = 2.0  # after a case's work: the CPU share over this long
 VALUES = ROOT / "deploy" / "helm" / "specpilot" / "values.yaml"
@@ -187,14 +190,15 @@ def reports(records: list[engine_pb2.AcceptanceCounts], max_bytes: int,
     carries ``extra`` step timings."""
     budget = max_bytes - 1024
     out: list[engine_pb2.EngineReport] = []
-    current = engine_pb2.EngineReport(interval_seconds=1.0, running_requests=BATCH // 4,
+    current = engine_pb2.EngineReport(interval_seconds=REPORT_SPAN, running_requests=BATCH // 4,
                                       step_timings=extra or [])
     size = current.ByteSize()
     for rec in records:
         n = rec.ByteSize() + 4  # tag and length
         if size + n > budget and current.acceptance:
             out.append(current)
-            current = engine_pb2.EngineReport(interval_seconds=1.0, running_requests=BATCH // 4)
+            current = engine_pb2.EngineReport(interval_seconds=REPORT_SPAN,
+                                              running_requests=BATCH // 4)
             size = current.ByteSize()
         current.acceptance.append(rec)
         size += n
@@ -208,7 +212,7 @@ def full_report(classes: list[str], drafts: list[str], max_bytes: int
     """One report of just under ``max_bytes``: histograms over ``classes`` x ``drafts`` x K,
     repeated as needed (each is a valid record: a report may name a class twice)."""
     base = acceptance(classes, drafts, range(1, MAX_K + 1))
-    report = engine_pb2.EngineReport(interval_seconds=1.0, running_requests=BATCH // 4,
+    report = engine_pb2.EngineReport(interval_seconds=REPORT_SPAN, running_requests=BATCH // 4,
                                      step_timings=timings(drafts))
     size, i = report.ByteSize(), 0
     while True:
@@ -412,7 +416,7 @@ async def _log_engine(c: Client, n_classes: int = MAX_CLASSES_DEFAULT) -> Engine
     """An engine that reported ``n_classes`` classes once (a few fold into "other")."""
     engine = (await connect_engines(c.serve.grpc_target, [hello("filler", ["draft"])]))[0]
     await engine.report(engine_pb2.EngineReport(
-        interval_seconds=1.0, running_requests=16,
+        interval_seconds=REPORT_SPAN, running_requests=16,
         acceptance=acceptance(_class_names(n_classes, True), ["draft"], [4]),
         step_timings=timings(["draft"])))
     return engine

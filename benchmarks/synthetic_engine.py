@@ -166,8 +166,11 @@ class SyntheticEngine:
                 sum_draft_tokens=n * b * k_run,
                 sum_step_seconds=n * self.cost.step_seconds(b, k_run) * noise))
         self.reports_sent += 1
+        # The interval its steps took, one after another: the controller bounds what a report
+        # counts by what its engine can run in its interval.
+        interval = max(sum(t.sum_step_seconds for t in timings), 0.05)
         return engine_pb2.ConnectRequest(report=engine_stream.report_to_proto(EngineReport(
-            sequence=self.reports_sent, interval_seconds=0.05,
+            sequence=self.reports_sent, interval_seconds=interval,
             policy_version=self.policy.version if self.policy else 0,
             acceptance=tuple(acceptance), step_timings=tuple(timings),
             running_requests=self.batch_size)))

@@ -37,7 +37,7 @@ from specpilot.controller.core.snapshot import CoreSnapshot
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # process-wide
 
-RejectReason = Literal["validation", "implausible", "oversized", "before_hello"]
+RejectReason = Literal["validation", "implausible", "beyond_rate", "oversized", "before_hello"]
 HelloOutcome = Literal["accepted", "rejected", "unauthenticated", "permission_denied",
                        "already_connected"]
 WriteOutcome = Literal["ok", "invalid", "unauthenticated", "permission_denied", "unavailable"]
@@ -66,7 +66,9 @@ class Metrics:
         self._reports_rejected = Counter(
             "specpilot_reports_rejected",
             "Engine reports rejected with INVALID_ARGUMENT (state unchanged), by reason: "
-            "validation (a field failed the checks), oversized (above max_report_bytes), "
+            "validation (a field failed the checks), implausible (beyond what the engine can "
+            "do), beyond_rate (more steps than the engine can run in the report's interval), "
+            "oversized (above max_report_bytes), "
             "before_hello (a stream that did not open with a hello).",
             ["reason"], registry=r)
         self._reports_shed = Counter(

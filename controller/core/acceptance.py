@@ -12,6 +12,14 @@ some position differ by more than ``change_z_threshold`` standard errors, the sl
 is replaced by the fast one, cut down to ``change_min_tries`` per position, and for
 ``RECOVERY_HALF_LIVES`` fast half-lives decays at the fast rate, so the remains of the old regime
 wash out within seconds instead of over a half-life.
+
+Each engine's share is bounded: the evidence is also kept per source (the engine that reported
+it; ``DEPARTED`` holds what engines that left had counted, and what a restart restored). The
+posterior's amount of evidence is the pooled one, its rate per position the weighted median of
+the sources' rates (``robust_rates``), each source weighing its evidence capped at half of the
+others' together (or of ``change_min_tries`` while they hold less): one source cannot outweigh
+the rest, however much it counts, and a lone source's rate is its own. With two sources the
+rate falls between theirs; with three or more, a single dissenting one moves it not at all.
 """
 
 from __future__ import annotations
@@ -42,6 +50,32 @@ def position_counts(steps_by_accepted: npt.ArrayLike) -> tuple[FloatArray, Float
     return at_least[:-1], at_least[1:]
 
 
+# The source of evidence no connected engine counted (a departed engine's, a restored one).
+DEPARTED = ""
+
+
+def robust_rates(accepts: FloatArray, rejects: FloatArray, floor: float) -> FloatArray:
+    """Per position (column), the weighted median of the sources' (rows') acceptance rates,
+    each source weighing its tries capped at half of the other sources' (at least of ``floor``);
+    at an exact tie, the mean of the two middle rates. NaN where no source tried."""
+    n = accepts + rejects
+    rest = n.sum(axis=0) - n
+    weight = np.minimum(n, np.maximum(rest, floor) / 2.0)
+    out = np.full(n.shape[1], np.nan)
+    for i in range(n.shape[1]):
+        tried = n[:, i] > 0
+        if not tried.any():
+            continue
+        rates = accepts[tried, i] / n[tried, i]
+        order = np.argsort(rates, kind="stable")
+        rates, cum = rates[order], np.cumsum(weight[tried, i][order])
+        half = cum[-1] / 2.0
+        j = int(np.searchsorted(cum, half * (1 - 1e-12)))
+        tie = j + 1 < rates.size and abs(cum[j] - half) <= 1e-9 * cum[-1]
+        out[i] = (rates[j] + rates[j + 1]) / 2.0 if tie else rates[j]
+    return out
+
+
 def _decay(half_life: float, dt: float) -> float:
     return float(2.0 ** (-max(dt, 0.0) / half_life))
 
@@ -64,6 +98,47 @@ class _Evidence:
             self.accepts *= f
             self.rejects *= f
             self.at = now
+
+
+@dataclass
+class _BySource:
+    """One key's slow evidence per source: row ``rows[source]`` of ``ev``'s (sources,
+    positions) arrays, all decayed together."""
+
+    rows: dict[str, int]
+    ev: _Evidence
+
+    @classmethod
+    def empty(cls, positions: int, at: float) -> _BySource:
+        return cls({}, _Evidence(np.zeros((0, positions)), np.zeros((0, positions)), at))
+
+    def add(self, source: str, accepts: FloatArray, rejects: FloatArray, now: float,
+            half_life: float) -> None:
+        """Add to ``source``'s first ``len(accepts)`` positions, as of ``now``."""
+        self.ev.decay_to(now, half_life)
+        i = self.rows.get(source)
+        if i is None:
+            i = self.rows[source] = len(self.rows)
+            row = np.zeros((1, self.ev.accepts.shape[1]))
+            self.ev.accepts = np.vstack([self.ev.accepts, row])
+            self.ev.rejects = np.vstack([self.ev.rejects, row])
+        self.ev.accepts[i, :accepts.size] += accepts
+        self.ev.rejects[i, :rejects.size] += rejects
+
+    def pop(self, sources: set[str], now: float,
+            half_life: float) -> tuple[FloatArray, FloatArray] | None:
+        """Remove the rows of ``sources``; their summed (accepts, rejects) as of ``now``
+        (None: none of them here)."""
+        gone = [i for s, i in self.rows.items() if s in sources]
+        if not gone:
+            return None
+        self.ev.decay_to(now, half_life)
+        out = self.ev.accepts[gone].sum(axis=0), self.ev.rejects[gone].sum(axis=0)
+        self.ev.accepts = np.delete(self.ev.accepts, gone, axis=0)
+        self.ev.rejects = np.delete(self.ev.rejects, gone, axis=0)
+        kept = sorted((i, s) for s, i in self.rows.items() if s not in sources)
+        self.rows = {s: j for j, (_, s) in enumerate(kept)}
+        return out
 
 
 @dataclass(frozen=True)
@@ -140,21 +215,58 @@ class AcceptanceEstimator:
         # to the posterior, never to the change detector (each sidecar detects its own changes).
         self._fleet: dict[tuple[str, str], tuple[FloatArray, FloatArray]] = {}
         self._fleet_at = 0.0
+        # The slow evidence per source, by key (only for observations naming their source).
+        self._sources: dict[tuple[str, str], _BySource] = {}
 
     def keys(self) -> list[tuple[str, str]]:
         return sorted(set(self._slow) | set(self._fleet))
+
+    def drafts(self) -> set[str]:
+        """Drafts with evidence, own or the fleet's."""
+        return {d for _, d in self._slow} | {d for _, d in self._fleet}
 
     def has_data(self, traffic_class: str, draft: str) -> bool:
         key = (traffic_class, draft)
         return key in self._slow or key in self._fleet
 
     def export(self, now: float) -> dict[tuple[str, str], tuple[FloatArray, FloatArray]]:
-        """This estimator's own evidence per key, decayed to ``now`` (what a sidecar publishes)."""
-        out = {}
-        for key, ev in self._slow.items():
-            f = _decay(self._slow_half_life(key, now), now - ev.at)
-            out[key] = (ev.accepts * f, ev.rejects * f)
-        return out
+        """This estimator's own evidence per key, decayed to ``now``, at its sources' robust
+        rates (what a sidecar publishes)."""
+        return {key: self._own(key, ev, now) for key, ev in self._slow.items()}
+
+    def _own(self, key: tuple[str, str], ev: _Evidence,
+             now: float) -> tuple[FloatArray, FloatArray]:
+        """(accepts, rejects) per position as of ``now``: the pooled amount at the rates of
+        ``robust_rates`` where sources tried."""
+        half_life = self._slow_half_life(key, now)
+        f = _decay(half_life, now - ev.at)
+        accepts, rejects = ev.accepts * f, ev.rejects * f
+        by = self._sources.get(key)
+        if by is not None and len(by.rows) > 1:
+            by.ev.decay_to(now, half_life)
+            rates = robust_rates(by.ev.accepts, by.ev.rejects, self.config.change_min_tries)
+            use = ~np.isnan(rates)
+            n = accepts + rejects
+            accepts = np.where(use, np.nan_to_num(rates) * n, accepts)
+            rejects = np.where(use, n - accepts, rejects)
+        return accepts, rejects
+
+    def sources(self, traffic_class: str, draft: str) -> tuple[str, ...]:
+        """The sources of the key's evidence (engine ids, ``DEPARTED``), sorted."""
+        by = self._sources.get((traffic_class, draft))
+        return tuple(sorted(by.rows)) if by is not None else ()
+
+    def all_sources(self) -> set[str]:
+        return {s for by in self._sources.values() for s in by.rows}
+
+    def forget_sources(self, sources: set[str], now: float) -> None:
+        """``sources`` left: their evidence joins ``DEPARTED``'s (one voice for all that
+        left)."""
+        for key, by in self._sources.items():
+            half_life = self._slow_half_life(key, now)
+            gone = by.pop(sources, now, half_life)
+            if gone is not None:
+                by.add(DEPARTED, *gone, now, half_life)
 
     def restore(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
                 at: float, now: float) -> None:
@@ -165,6 +277,9 @@ class AcceptanceEstimator:
             if key not in self._slow:
                 self._slow[key] = _Evidence(positions(accepts, self.config.max_k) * f,
                                             positions(rejects, self.config.max_k) * f, now)
+                self._sources[key] = by = _BySource.empty(self.config.max_k, now)
+                by.add(DEPARTED, self._slow[key].accepts, self._slow[key].rejects, now,
+                       self.config.half_life_seconds)
 
     def set_fleet(self, evidence: Mapping[tuple[str, str], tuple[FloatArray, FloatArray]],
                   now: float) -> None:
@@ -178,17 +293,19 @@ class AcceptanceEstimator:
         return self._changes.get((traffic_class, draft), 0)
 
     def observe(
-        self, traffic_class: str, draft: str, steps_by_accepted: npt.ArrayLike, now: float
+        self, traffic_class: str, draft: str, steps_by_accepted: npt.ArrayLike, now: float,
+        source: str | None = None,
     ) -> bool:
-        """Add one histogram h[0..K]; return True when this observation flagged a change.
+        """Add one histogram h[0..K] counted by ``source`` (an engine id; None: not kept
+        per source); return True when this observation flagged a change.
 
         The caller validates (K <= max_k, non-negative counts) before calling.
         """
         tries, accepts = position_counts(steps_by_accepted)
-        return self.observe_tries(traffic_class, draft, tries, accepts, now)
+        return self.observe_tries(traffic_class, draft, tries, accepts, now, source)
 
     def observe_tries(self, traffic_class: str, draft: str, tries: FloatArray,
-                      accepts: FloatArray, now: float) -> bool:
+                      accepts: FloatArray, now: float, source: str | None = None) -> bool:
         """Add ``tries`` and ``accepts`` of the first ``len(tries)`` positions (or cells: the
         confidence calibration keeps one per position and confidence bucket); return True when
         this observation flagged a change."""
@@ -200,6 +317,9 @@ class AcceptanceEstimator:
         slow_half_life = self._slow_half_life(key, now)
         if now - slow.at > cfg.change_drift_seconds:
             self._drift_since.pop(key, None)  # a quiet spell: the drift must hold anew
+        if source is not None:
+            self._sources.setdefault(key, _BySource.empty(cfg.max_k, now)).add(
+                source, accepts, tries - accepts, now, slow_half_life)
         for ev, half_life in ((slow, slow_half_life), (fast, cfg.change_fast_half_life_seconds)):
             ev.decay_to(now, half_life)
             ev.accepts[:k] += accepts
@@ -210,6 +330,14 @@ class AcceptanceEstimator:
             # it within a report or two instead of a fast half-life.
             n_fast = fast.accepts + fast.rejects
             keep = np.minimum(1.0, cfg.change_min_tries / np.maximum(n_fast, 1e-12))
+            # Each source keeps its rates at the evidence the slow estimate keeps.
+            kept = (fast.accepts + fast.rejects) * keep / np.maximum(
+                slow.accepts + slow.rejects, 1e-12)
+            by = self._sources.get(key)
+            if by is not None:
+                by.ev.decay_to(now, slow_half_life)
+                by.ev.accepts *= kept
+                by.ev.rejects *= kept
             slow.accepts = fast.accepts * keep
             slow.rejects = fast.rejects * keep
             self._changes[key] = self._changes.get(key, 0) + 1
@@ -271,8 +399,8 @@ class AcceptanceEstimator:
         a0, b0 = cfg.prior_alpha, cfg.prior_beta
         alpha, beta = np.full(cfg.max_k, a0), np.full(cfg.max_k, b0)
         if ev is not None:
-            f = _decay(self._slow_half_life(key, now), now - ev.at)
-            alpha, beta = alpha + ev.accepts * f, beta + ev.rejects * f
+            accepts, rejects = self._own(key, ev, now)
+            alpha, beta = alpha + accepts, beta + rejects
         fleet = self._fleet.get(key)
         if fleet is not None:
             f = _decay(cfg.half_life_seconds, now - self._fleet_at)
@@ -287,6 +415,6 @@ class AcceptanceEstimator:
 
     def _forget(self, matches: Callable[[tuple[str, str]], bool]) -> None:
         for store in (self._slow, self._fast, self._changes, self._recover_until,
-                      self._drift_since, self._fleet):
+                      self._drift_since, self._fleet, self._sources):
             for key in [k for k in store if matches(k)]:
                 del store[key]

@@ -62,6 +62,17 @@ class CoreConfig:
     its own, gives its slot back and its estimates are forgotten, seconds. A class whose every
     reporting engine disconnected gives its slot to a new class at once when the table is
     full."""
+    name_grace_seconds: float = tunable(300.0, gt=0)
+    """A draft no connected engine has announced for this long has its estimates, calibration
+    and cost columns forgotten (with their metric series and dashboard rows), and an engine id
+    disconnected this long has its share of each class's evidence joined to that of all
+    departed engines, seconds. An engine that reconnects sooner finds its evidence as it left
+    it."""
+    max_absent_drafts: int = tunable(64, ge=0, le=4096)
+    """Drafts no connected engine announces whose estimates are kept through
+    ``name_grace_seconds``; beyond this many, the longest-absent are forgotten at once. With
+    it, the per-(class, draft) metric series are at most 3 x (``max_classes`` + 2) x (the
+    connected engines' drafts + this) however many engines come and go."""
     decision_log_size: int = tunable(1000, ge=1, le=10_000)
     """Decisions kept for watch/replay. At most 10,000: a decision held costs ~0.35 KiB, and
     answering a read of the whole log (/api/decisions without a limit) ~2.6 KiB more each

@@ -40,6 +40,7 @@ from specpilot.contract.records import (
     ReportRejected,
 )
 from specpilot.contract.validation import check_hello, check_report
+from specpilot.controller.core.acceptance import DEPARTED
 from specpilot.controller.core.calibration import CalibrationTable
 from specpilot.controller.core.class_table import ClassTable
 from specpilot.controller.core.config import CoreConfig
@@ -80,6 +81,8 @@ class ControllerCore:
         self._decider = Decider(parts)
         self._fleet = FleetExchange(config, self._engines, self._classes, self._evidence)
         self._read = ReadModel(parts)
+        # Since when no connected engine announces a draft or holds an engine id, by name.
+        self._absent_since: dict[tuple[str, str], float] = {}
 
     @property
     def epoch(self) -> int:
@@ -97,6 +100,7 @@ class ControllerCore:
         self._evidence.forget_drafts(admission.forget)
         self._joint.forget_drafts(admission.forget)
         self._evidence.add_drafts(hello, admission.accepted, now)
+        self._evidence.forgotten_drafts -= set(admission.accepted)
         self._engines.register(hello, admission.accepted, now)
         return HelloOutcome(tuple(admission.accepted), admission.rejected)
 
@@ -144,13 +148,41 @@ class ControllerCore:
             self.forget_class(name)
         return idle
 
+    def forget_departed(self, now: float) -> tuple[str, ...]:
+        """Forget the drafts no connected engine announced for ``name_grace_seconds`` (their
+        estimates, calibration and cost columns), and the longest-absent beyond
+        ``max_absent_drafts``; join the evidence of engine ids gone ``name_grace_seconds`` to
+        the departed engines' share. Returns the drafts forgotten."""
+        announced = {d.name for d in self._engines.drafts()}
+        connected = {engine_id for engine_id, _ in self._engines}
+        absent = ({("draft", d) for d in self._evidence.held_drafts() if d not in announced}
+                  | {("engine", e) for e in self._evidence.estimator.all_sources()
+                     if e != DEPARTED and e not in connected})
+        self._absent_since = {name: self._absent_since.get(name, now) for name in absent}
+        due = [name for name, since in self._absent_since.items()
+               if now - since >= self.config.name_grace_seconds]
+        waiting = sorted((since, name) for (kind, name), since in self._absent_since.items()
+                         if kind == "draft" and now - since < self.config.name_grace_seconds)
+        excess = len(waiting) - self.config.max_absent_drafts
+        due += [("draft", name) for _, name in waiting[:max(excess, 0)]]
+        drafts = tuple(sorted(n for kind, n in due if kind == "draft"))
+        self._evidence.forget_drafts(drafts)
+        self._evidence.forgotten_drafts.update(drafts)
+        self._joint.forget_drafts(drafts)
+        self._evidence.estimator.forget_sources(
+            {name for kind, name in due if kind == "engine"}, now)
+        for name in due:
+            del self._absent_since[name]
+        return drafts
+
     def ingest(self, engine_id: str, report: EngineReport, now: float) -> IngestResult:
         """Validate, then apply a report. On ReportRejected nothing has changed."""
         engine = self._engines.get(engine_id)
         if engine is None:
             raise ReportRejected(f"engine {engine_id!r}: report before hello")
         check_report(report, engine.drafts, engine.hello.max_k, self.config.n_buckets,
-                     engine.last_sequence, engine.hello.max_batch_size)
+                     engine.last_sequence, engine.hello.max_batch_size,
+                     engine.fastest_step_seconds)
         # Class mapping is decided before any state changes, in report order.
         names = [r.traffic_class for r in report.acceptance] + [
             r.traffic_class for r in report.finished] + [

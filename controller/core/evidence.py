@@ -71,6 +71,9 @@ class Evidence:
         )
         self._bucket_seen: dict[int, float] = {}
         self._profile_weight = config.cost_prior.profile_weight_steps
+        # Drafts forgotten for want of an engine announcing them, while the fleet's store
+        # still holds evidence of them (``FleetExchange.set_fleet_evidence``).
+        self.forgotten_drafts: set[str] = set()
 
     def bucket_seen_at(self, bucket: int) -> float:
         """When an engine last reported decode steps in ``bucket`` (-inf: never)."""
@@ -118,6 +121,10 @@ class Evidence:
             self.estimator.forget_draft(name)
             self.calibration.forget_draft(name)
 
+    def held_drafts(self) -> set[str]:
+        """Drafts with estimates or cost columns."""
+        return self.estimator.drafts() | set(self.cost.drafts)
+
     def forget_class(self, name: str) -> None:
         """The class's estimates, share of the mix and measured speedup."""
         self.estimator.forget_class(name)
@@ -134,7 +141,8 @@ class Evidence:
         for rec in report.acceptance:
             cls = mapping[rec.traffic_class]
             state = classes[cls]
-            if self.estimator.observe(cls, rec.draft, rec.steps_by_accepted, now):
+            if self.estimator.observe(cls, rec.draft, rec.steps_by_accepted, now,
+                                      source=engine.hello.engine_id):
                 state.change_pending = True
                 changes.append((cls, rec.draft))
             if sum(rec.steps_by_accepted):

@@ -59,8 +59,13 @@ class FleetExchange:
     def set_fleet_evidence(self, evidence: Mapping[EvidenceKey, tuple[FloatArray, FloatArray]],
                            now: float) -> None:
         """The other sidecars' evidence, as of ``now``: it adds to this controller's
-        posteriors, replacing the previous fleet view."""
-        self._evidence.estimator.set_fleet(evidence, now)
+        posteriors, replacing the previous fleet view. Not for the drafts ``forget_departed``
+        forgot (until an engine announces them again): the store must not bring them back.
+        A forgotten name the store no longer holds is let go of."""
+        forgotten = self._evidence.forgotten_drafts
+        forgotten &= {draft for _, draft in evidence}
+        self._evidence.estimator.set_fleet(
+            {key: ev for key, ev in evidence.items() if key[1] not in forgotten}, now)
 
     def export_costs(self, sidecar: str, now: float) -> CostExport | None:
         """This controller's own step-cost evidence, decayed to ``now`` (never the fleet's);

@@ -223,6 +223,9 @@ async def _decide_periodically(hub: Hub, clock: Callable[[], float], interval: f
             if idle := hub.forget_idle_classes(clock()):
                 log.info("classes no engine reported for class_idle_seconds gave their slots "
                          "back: %s", ", ".join(map(safe_name, idle)))
+            if gone := hub.forget_departed(clock()):
+                log.info("drafts no engine announced for name_grace_seconds forgotten: %s",
+                         ", ".join(map(safe_name, gone)))
             for _ in range(JOINT_BUCKETS_PER_ROUND):
                 hub.refresh_joint(clock())
                 await asyncio.sleep(0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from specpilot.contract.engine_stream import hello_from_proto, report_from_proto
-from specpilot.contract.records import ImplausibleInput, ReportRejected
+from specpilot.contract.records import BeyondRate, ImplausibleInput, ReportRejected
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.logsafe import safe_name
 from specpilot.controller.metrics import Metrics, RejectReason
@@ -268,8 +268,9 @@ class EngineService:
         try:
             result = self._core.ingest(session.engine_id, report_from_proto(report), now)
         except ReportRejected as exc:
-            category: RejectReason = ("implausible" if isinstance(exc, ImplausibleInput)
-                                      else "validation")
+            category: RejectReason = (
+                "beyond_rate" if isinstance(exc, BeyondRate)
+                else "implausible" if isinstance(exc, ImplausibleInput) else "validation")
             self._reject(session, report.sequence, category, str(exc))
             return
         finally:

@@ -195,6 +195,11 @@ class Hub:
         (``ControllerCore.forget_idle_classes``); the next round's policy leaves them out."""
         return self._core.forget_idle_classes(now)
 
+    def forget_departed(self, now: float) -> tuple[str, ...]:
+        """Forget the names no engine announced for ``name_grace_seconds``
+        (``ControllerCore.forget_departed``); returns the drafts forgotten."""
+        return self._core.forget_departed(now)
+
     def close_session(self, session: EngineSession) -> None:
         """Forget the engine, unless a newer stream of the same engine took over."""
         session.outbox.close()

@@ -22,7 +22,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -34,12 +34,17 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from specpilot.contract.engine_stream import hello_from_proto, report_from_proto
-from specpilot.contract.records import ReportRejected
-from specpilot.contract.validation import MAX_BATCH_SIZE, valid_class_name
+from specpilot.contract.records import BeyondRate, ReportRejected
+from specpilot.contract.validation import (
+    MAX_BATCH_SIZE,
+    MIN_STEP_SECONDS,
+    interval_bound,
+    valid_class_name,
+)
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.server.app import RECEIVE_LIMIT_FACTOR, RunningServer
 from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub
@@ -276,6 +281,7 @@ class Engine:
     drafts: dict[str, int]  # accepted draft -> its max K (the engine's max K at most)
     batch_limit: int
     n_buckets: int
+    fastest_step_seconds: float  # its profile's fastest step (MIN_STEP_SECONDS without one)
 
     @classmethod
     def of(cls, hello_msg: engine_pb2.EngineHello, accepted: list[str],
@@ -283,7 +289,8 @@ class Engine:
         own = {d.name: d.max_k for d in hello_msg.drafts}
         return cls(hello_msg.engine_id, hello_msg.max_k,
                    {n: min(own[n], hello_msg.max_k) for n in accepted},
-                   hello_msg.max_batch_size or MAX_BATCH_SIZE, n_buckets)
+                   hello_msg.max_batch_size or MAX_BATCH_SIZE, n_buckets,
+                   min((p.seconds for p in hello_msg.step_profile), default=MIN_STEP_SECONDS))
 
 
 @st.composite
@@ -321,11 +328,25 @@ def plausible_report(draw: st.DrawFn, engine: Engine, sequence: int) -> engine_p
             sum_verified_tokens=sum_batch * (1 + draw(st.integers(0, k))),
             sum_draft_tokens=sum_batch * draw(st.integers(0, k)),
             sum_step_seconds=steps * draw(st.floats(1e-5, 1.0))))
+    needed = needed_interval(engine, acceptance, timings)
     return engine_pb2.EngineReport(
-        sequence=sequence, interval_seconds=draw(st.floats(1e-3, 10.0)),
+        sequence=sequence, interval_seconds=max(draw(st.floats(1e-3, 10.0)), needed * 1.001),
         policy_version=draw(st.integers(0, 100)), acceptance=acceptance, finished=finished,
         step_timings=timings, records_dropped=draw(st.integers(0, 1000)),
         running_requests=draw(st.integers(0, min(engine.batch_limit, 512))))
+
+
+def needed_interval(engine: Engine, acceptance: Iterable[engine_pb2.AcceptanceCounts],
+                    timings: Iterable[engine_pb2.StepTiming]) -> float:
+    """The shortest interval ``engine`` can have counted these records in, seconds
+    (``validation.interval_bound``: per draft the verification steps, and the timed steps)."""
+    per_second, request_per_second = interval_bound(1.0, engine.batch_limit,
+                                                    engine.fastest_step_seconds)
+    per_draft: dict[str, int] = {}
+    for rec in acceptance:
+        per_draft[rec.draft] = per_draft.get(rec.draft, 0) + sum(rec.steps_by_accepted)
+    return max(max(per_draft.values(), default=0) / request_per_second,
+               sum(t.steps for t in timings) / per_second)
 
 
 def reports(engine: Engine, sequence: int
@@ -468,6 +489,31 @@ def test_pure_layer_takes_or_refuses_every_hello_and_report(data: st.DataObject)
         check_core(core, now)
 
 
+@fuzz(100)
+@given(data=st.data())
+def test_a_report_counting_more_than_its_interval_allows_is_refused(
+        data: st.DataObject) -> None:
+    """A plausible report whose interval is shrunk below what its engine needs for what it
+    counts: refused as BeyondRate, nothing changed; at the bound it is taken."""
+    core = ControllerCore(_CORE_CONFIG, np.random.default_rng(1))
+    now = 1000.0
+    hello_msg = data.draw(plausible_hello(), "hello")
+    accepted = _connect(core, hello_msg, now)
+    assume(accepted)
+    assert accepted is not None
+    engine = Engine.of(hello_msg, accepted, _CORE_CONFIG.n_buckets)
+    msg = data.draw(plausible_report(engine, 1), "report")
+    needed = needed_interval(engine, msg.acceptance, msg.step_timings)
+    assume(needed > 0)
+    msg.interval_seconds = needed * data.draw(st.floats(0.01, 0.99), "shrink")
+    before = fingerprint(core, now)
+    with pytest.raises(BeyondRate, match="interval_seconds"):
+        core.ingest(engine.engine_id, report_from_proto(msg), now)
+    assert fingerprint(core, now) == before
+    msg.interval_seconds = needed * 1.001
+    core.ingest(engine.engine_id, report_from_proto(msg), now)
+
+
 @fuzz(500)
 @given(name=st.one_of(TEXT, CLASS_LIKE.flatmap(
     lambda n: near(engine_pb2.AcceptanceCounts.DESCRIPTOR.fields_by_name["traffic_class"], n))))
@@ -574,7 +620,7 @@ class Stream:
         self.n_buckets = n_buckets
         self.hello = hello()
         self.client = EngineClient(channel)
-        self.engine = Engine("", 0, {}, 0, 0)
+        self.engine = Engine("", 0, {}, 0, 0, MIN_STEP_SECONDS)
         self.sequence = 0
 
     async def connect(self) -> None:

@@ -397,3 +397,9 @@ class ImplausibleInput(ReportRejected):
     """Well-formed, but outside what the engine it describes can physically do (a step of
     hours, more drafts than sequences x K, a sequence number that jumps by billions): counted
     apart from malformed input (``specpilot_reports_rejected_total{reason="implausible"}``)."""
+
+
+class BeyondRate(ImplausibleInput):
+    """More verification steps, tried tokens or timed steps in one report than its engine can
+    have run in the interval the report covers (``validation.interval_bound``): counted apart
+    (``specpilot_reports_rejected_total{reason="beyond_rate"}``)."""

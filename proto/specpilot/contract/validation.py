@@ -7,6 +7,7 @@ import re
 
 from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
 from specpilot.contract.records import (
+    BeyondRate,
     ConfidenceRecord,
     DraftSpec,
     EngineHello,
@@ -40,6 +41,10 @@ MAX_STEP_SECONDS = MAX_PROFILE_SECONDS
 MAX_SEQUENCE_STEP = 1_000_000
 # Tokens one sequence's KV cache holds: 2^24 (16.8M) is above any model's context window.
 MAX_CONTEXT_TOKENS = 1 << 24
+# What one report may count beyond what its engine can run in the interval it covers: its max
+# batch at its fastest profiled step rate, times this. (The fastest profiled step is a small
+# batch's, so a full batch at that rate is already far above what an engine runs.)
+RATE_HEADROOM = 4.0
 # Identifiers and versions: short strings (they are echoed into logs, metrics and the store).
 MAX_ID_CHARS = 256
 
@@ -191,10 +196,13 @@ def check_report(
     n_buckets: int,
     last_sequence: int | None,
     max_batch_size: int = 0,
+    fastest_step_seconds: float = MIN_STEP_SECONDS,
 ) -> None:
     """Raise ReportRejected naming the first bad field (ImplausibleInput where the report is
-    well-formed but beyond what the engine can do); return normally if all is well.
-    ``max_batch_size``: the engine's announced max_num_seqs (0: unknown, MAX_BATCH_SIZE)."""
+    well-formed but beyond what the engine can do, BeyondRate where it counts more than the
+    engine can run in its interval); return normally if all is well.
+    ``max_batch_size``: the engine's announced max_num_seqs (0: unknown, MAX_BATCH_SIZE).
+    ``fastest_step_seconds``: its fastest start-up profile step (none: MIN_STEP_SECONDS)."""
     batch_limit = max_batch_size or MAX_BATCH_SIZE
     if report.sequence < 1:
         raise ReportRejected(f"sequence: must be >= 1, got {report.sequence}")
@@ -269,6 +277,45 @@ def check_report(
                           st.sum_draft_tokens, st.sum_step_seconds, engine_max_k, batch_limit,
                           where)
         _context_tokens(st.sum_context_tokens, st.sum_batch_size, f"{where}.sum_context_tokens")
+    _plausible_interval(report, interval_bound(report.interval_seconds, batch_limit,
+                                               fastest_step_seconds))
+
+
+def interval_bound(interval_seconds: float, batch_limit: int,
+                   fastest_step_seconds: float) -> tuple[float, float]:
+    """(engine steps, request-steps) an engine can run in ``interval_seconds`` at most:
+    ``RATE_HEADROOM`` x the interval at its fastest step, each step running its whole batch."""
+    steps = RATE_HEADROOM * interval_seconds / max(fastest_step_seconds, MIN_STEP_SECONDS)
+    return steps, steps * batch_limit
+
+
+def _plausible_interval(report: EngineReport, bound: tuple[float, float]) -> None:
+    """What the report counts fits its interval (``interval_bound``): per draft, its
+    acceptance records' verification steps (a request-step verifies one proposal of a draft,
+    scored or counterfactual) and its confidence records' tried tokens per position; the step
+    timings' steps. Each count alone is bounded by MAX_STEPS_PER_RECORD; this bounds what they
+    add up to in one interval, so that one report cannot outweigh hours of honest evidence."""
+    max_steps, max_request_steps = bound
+    per_draft: dict[str, int] = {}
+    for rec in report.acceptance:
+        per_draft[rec.draft] = per_draft.get(rec.draft, 0) + sum(rec.steps_by_accepted)
+    tried: dict[tuple[str, int], int] = {}
+    for conf in report.confidence:
+        key = (conf.draft, conf.position)
+        tried[key] = tried.get(key, 0) + sum(conf.tried_by_bucket)
+    over = ([f"acceptance: {n} verification steps of draft {d!r}" for d, n in per_draft.items()
+             if n > max_request_steps]
+            + [f"confidence: {n} tried tokens of draft {d!r} at position {p}"
+               for (d, p), n in tried.items() if n > max_request_steps])
+    if over:
+        raise BeyondRate(f"{over[0]} in interval_seconds {report.interval_seconds:g}, above the "
+                         f"{max_request_steps:.4g} its engine can verify in it (max batch x "
+                         f"fastest profiled step rate x {RATE_HEADROOM:g})")
+    steps = sum(st.steps for st in report.step_timings)
+    if steps > max_steps:
+        raise BeyondRate(f"step_timings: {steps} steps in interval_seconds "
+                         f"{report.interval_seconds:g}, above the {max_steps:.4g} its engine can "
+                         f"run in it (fastest profiled step rate x {RATE_HEADROOM:g})")
 
 
 def _plausible_timing(steps: int, batch: int, verified: int, drafted: int, seconds: float,
