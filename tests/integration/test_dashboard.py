@@ -247,3 +247,47 @@ async def test_with_a_read_token_the_page_opened_with_it_reads_and_follows_live(
         await page.close()
         await ch.close()
         await server.stop(grace_seconds=0.1)
+
+
+# Markup an engine may put in every name it chooses: each would run script or load an image if
+# the page wrote names as HTML instead of text.
+_MARKUP = '<img src=x onerror="window.__pwned=1">'
+
+
+async def test_names_an_engine_chooses_are_shown_as_text_never_run(browser: Browser) -> None:
+    """An engine whose id, model, hardware and draft name carry markup: the page shows each as
+    the literal text (the engine row and the K cell name them), no handler runs, no image
+    element appears. Control: the page shows the names at all (the row and the cell are found
+    by the names), so a page that dropped them would fail, not pass."""
+    server = await _start()
+    ch = grpc.aio.insecure_channel(server.grpc_target)
+    engine = EngineClient(ch)
+    first = hello("e" + _MARKUP)
+    first.model = "m" + _MARKUP
+    first.hardware = "h" + _MARKUP
+    first.drafts[0].name = "d" + _MARKUP
+    await engine.connect(first)
+    await engine.send(report(1, acceptance("chat", (0, 0, 0, 0, 100), draft="d" + _MARKUP)))
+    page = await browser.new_page()
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: dialogs.append(d.message))
+    try:
+        await page.goto(server.http_url + "/")
+        await expect(page.locator("#status")).to_have_text("live", timeout=WAIT_MS)
+        row = page.locator("tr[data-engine]")
+        await expect(row).to_have_count(1, timeout=WAIT_MS)
+        assert await row.get_attribute("data-engine") == "e" + _MARKUP
+        text = await row.inner_text()
+        for name in ("e", "m", "h"):
+            assert name + _MARKUP in text, text
+        await _until_shown_matches(page, server)
+        cells = await page.eval_on_selector_all("#ktable td.kcell",
+                                                "cs => cs.map(c => c.innerText)")
+        assert any(("d" + _MARKUP) in c for c in cells), cells
+        assert await page.evaluate("() => window.__pwned") is None
+        assert await page.locator("img[src=x]").count() == 0
+        assert not dialogs, dialogs
+    finally:
+        await page.close()
+        await ch.close()
+        await server.stop(grace_seconds=0.1)
