@@ -684,26 +684,28 @@ async def test_hellos_over_grpc_agree_with_the_pure_layer(
     want = _connect(scratch, msg, time.time())  # the pure layer's verdict
     client = EngineClient(channel)
     request = engine_pb2.ConnectRequest(hello=msg)
-    await client.call.write(request)
-    if request.ByteSize() > RECEIVE_LIMIT:
-        assert await _ended_with(client.call) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    elif want is None:
-        assert await _ended_with(client.call) == grpc.StatusCode.INVALID_ARGUMENT
-    else:
-        ack = (await client.read()).hello_ack
-        assert list(ack.accepted_drafts) == want
-        await client.next_policy()
-        engine = Engine.of(msg, want, server.core.config.n_buckets)
-        result = await client.send(data.draw(plausible_report(engine, 1), "report"))
-        assert result.accepted, result.reason
-        await served_invariants(server, channel, caplog)
-    await client.close()
-    # The stream's end reaches the server and the engine is forgotten before the next example
-    # names its id again (a stream proving no identity cannot replace a connected one).
-    for _ in range(200):
-        if not server.core.engines_connected:
-            break
-        await asyncio.sleep(0.01)
+    try:
+        await client.call.write(request)
+        if request.ByteSize() > RECEIVE_LIMIT:
+            assert await _ended_with(client.call) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        elif want is None:
+            assert await _ended_with(client.call) == grpc.StatusCode.INVALID_ARGUMENT
+        else:
+            ack = (await client.read()).hello_ack
+            assert list(ack.accepted_drafts) == want
+            await client.next_policy()
+            engine = Engine.of(msg, want, server.core.config.n_buckets)
+            result = await client.send(data.draw(plausible_report(engine, 1), "report"))
+            assert result.accepted, result.reason
+            await served_invariants(server, channel, caplog)
+    finally:
+        # Whatever this example found, its stream ends and the engine is forgotten before the
+        # next example names its id again (a stream proving no identity cannot replace a
+        # connected one), so a failure is reported as itself, never as the next example's.
+        await client.close()
+        deadline = time.monotonic() + 10.0  # a loaded CI host takes its time
+        while server.core.engines_connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
     assert not server.core.engines_connected
     assert not errors(caplog), errors(caplog)
 
