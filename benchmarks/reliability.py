@@ -171,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             draft = pilot.engine.drafter
             for temperature, cls in classes.items():
                 def generate(texts: list[Any], t: float = temperature, c: str = cls) -> None:
-                    params = SamplingParams(temperature=t, max_tokens=args.max_tokens, seed=11,
+                    # No per-request seed: vLLM-CPU's seeded generators fail under
+                    # speculative decoding ("CPU Generator does not use offset").
+                    params = SamplingParams(temperature=t, max_tokens=args.max_tokens,
                                             extra_args={"traffic_class": c})
                     inputs: list[Any] = [{"prompt_token_ids": _ids(tokenizer, p)} for p in texts]
                     llm.generate(inputs, params, use_tqdm=False)
@@ -283,7 +285,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("observed acceptance, held-out")
         ax.set_title(f"T={t}: ECE {r['ece']:.3f} (raw confidence {r['ece_raw_confidence']:.3f})",
                      fontsize=9)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{results['model']}: per-bucket reliability (labels: held-out tokens)",
                  fontsize=9)
     save_figure(fig, path)
@@ -301,7 +303,12 @@ def main() -> None:
                     "SmolLM2 (fast; no ShareGPT)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "reliability.png")
+    ap.add_argument("--replot", type=Path, metavar="JSON", help="only draw --plot from a "
+                    "reliability.json an earlier run wrote")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.plot)
+        return
     if args.prompts < 1 or args.max_tokens < 1 or args.batch < 1:
         ap.error("--prompts, --max-tokens and --batch must be >= 1")
     t0 = time.monotonic()
