@@ -20,6 +20,17 @@ controller
 
 (``--only-controller`` keeps the first two.)
 
+``--cut`` measures instead the token cut's price, at batch 1, 16 and 32 (``--cut-batches``): three
+engines with ``max_num_seqs`` 32 and no controller, the base and the plugin twice, each plugin
+with a pushed policy that pins K=4 to the drafter (no n-gram or suffix drafts): ``plugin-cut-off``
+without a ``TokenCut``, ``plugin-cut-on`` with one whose calibration covers every token (P(accept)
+0.7 at every position and confidence) and whose ``min_survival`` is 0, so that every drafted token
+is looked up and none is cut: the same drafts, steps and verifications, the difference being the
+deciding alone. The paired difference of their scheduler time per step is the cut's cost; a
+second, untimed pass counts the ``cut_length`` calls per step (the check that the cut ran), and
+``timeit`` prices the pure function over 32 requests x K=4. Writes plugin_overhead_cut.json and
+.md.
+
 On each engine's scheduler instance the three per-step calls (``schedule``,
 ``update_from_output``, ``update_draft_token_ids``) are wrapped with ``perf_counter``
 accumulators (the plugin's per-step work runs inside them; ``_free_request`` runs inside
@@ -83,10 +94,21 @@ PLUGIN_ENV = {
     PLUGIN_NO_NGRAM: {"controller": "{ctl}", "engine_id": "bench-no-ngram",
                       "ngram_drafts": "false", "suffix_drafts": "false"},
 }
+CUT_OFF = "plugin-cut-off"
+CUT_ON = "plugin-cut-on"
+CUT_CONFIGS = (BASE, CUT_OFF, CUT_ON)
+CUT_BATCHES = (1, 16, 32)
+CUT_ENV = {"controller": "", "ngram_drafts": "false", "suffix_drafts": "false"}
+SCHEDULERS.update({CUT_OFF: PILOT_CLS, CUT_ON: PILOT_CLS})
+PLUGIN_ENV.update({CUT_OFF: {**CUT_ENV, "engine_id": "bench-cut-off"},
+                   CUT_ON: {**CUT_ENV, "engine_id": "bench-cut-on"}})
+CUT_ACCEPT = 0.7  # the pushed calibration's P(accept), every position and confidence bucket
 LABELS = {BASE: "vLLM `Scheduler` (base)",
           PLUGIN: "`SpecPilotScheduler` + controller",
           PLUGIN_BARE: "`SpecPilotScheduler`, no controller",
-          PLUGIN_NO_NGRAM: "`SpecPilotScheduler` + controller, no n-gram or suffix drafts"}
+          PLUGIN_NO_NGRAM: "`SpecPilotScheduler` + controller, no n-gram or suffix drafts",
+          CUT_OFF: "`SpecPilotScheduler`, K=4 pinned, cut off",
+          CUT_ON: "`SpecPilotScheduler`, K=4 pinned, cut on (every token looked up, none cut)"}
 K = 4
 BATCH = 16
 # Goals: the plugin's overhead at most 10% of the base scheduler's time per step and at most
@@ -282,24 +304,24 @@ def proposal_cost(pilot: Any, contexts: tuple[int, ...] = (128, 512, 2048)
 
 
 # --- driving -------------------------------------------------------------------------------------
-def prompts() -> list[str]:
-    return [f"{PROMPT_SEEDS[i % len(PROMPT_SEEDS)]} # {i}" for i in range(BATCH)]
+def prompts(n: int = BATCH) -> list[str]:
+    return [f"{PROMPT_SEEDS[i % len(PROMPT_SEEDS)]} # {i}" for i in range(n)]
 
 
-def run_batch(llm: Any, max_tokens: int) -> int:
+def run_batch(llm: Any, max_tokens: int, n: int = BATCH) -> int:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    out = llm.generate(prompts(), sp, use_tqdm=False)
+    out = llm.generate(prompts(n), sp, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in out)
 
 
-def summarize_rep(rec: Recorder) -> dict[str, Any]:
+def summarize_rep(rec: Recorder, batch: int = BATCH) -> dict[str, Any]:
     steps = rec.steps
     n = len(steps)
     return {
         "steps": n,
-        "batch16_steps": sum(1 for s in steps if s["batch"] == BATCH),
+        "full_batch_steps": sum(1 for s in steps if s["batch"] == batch),
         "scheduled_tokens": sum(int(s["tokens"]) for s in steps),
         "spec_tokens": sum(int(s["spec"]) for s in steps),
         "sched_us_per_step": 1e6 * sum(s["sched"] for s in steps) / n,
@@ -417,6 +439,205 @@ def hook_pass(llm: Any, rec: Recorder, max_tokens: int, batches: int, inner: boo
             for name, (t, n) in totals.items() if n}
 
 
+def start_engines(configs: Any, model: Path, spec: dict[str, Any], ctl: str, max_num_seqs: int,
+                  llms: dict[str, Any], recs: dict[str, Recorder]) -> None:
+    """Start one instrumented engine per configuration into ``llms``/``recs`` (filled as they
+    start, so that the caller shuts down those that did), each with its SPECPILOT_PLUGIN_*
+    settings; the environment as it was afterwards."""
+    from benchmarks.demo.engine import make_llm
+
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("SPECPILOT_PLUGIN_")}
+    try:
+        for cfg in configs:
+            for k in [k for k in os.environ if k.startswith("SPECPILOT_PLUGIN_")]:
+                del os.environ[k]
+            for name, value in PLUGIN_ENV[cfg].items():
+                os.environ[f"SPECPILOT_PLUGIN_{name.upper()}"] = value.format(ctl=ctl)
+            print(f"starting engine {cfg} ({SCHEDULERS[cfg]})...", flush=True)
+            llms[cfg] = make_llm(model, spec, SCHEDULERS[cfg], max_num_seqs=max_num_seqs)
+            recs[cfg] = Recorder()
+            recs[cfg].install(llms[cfg])
+    finally:
+        for k in [k for k in os.environ if k.startswith("SPECPILOT_PLUGIN_")]:
+            del os.environ[k]
+        os.environ.update(saved_env)
+
+
+def tiny_target() -> Path:
+    """The tiny target every configuration serves (built on first use), vLLM's environment set."""
+    print("importing vLLM...", flush=True)
+    from benchmarks.demo.engine import apply_engine_env
+    from benchmarks.demo.tiny_models import build_tiny_models
+
+    apply_engine_env()
+    return build_tiny_models(Path(os.environ.get("SPECPILOT_TEST_CACHE", ROOT / ".cache"))
+                             / "tiny-models").target
+
+
+def run_meta(args: argparse.Namespace, t_start: float, **extra: Any) -> dict[str, Any]:
+    """What a result file says about its run."""
+    return {"repeats": args.repeats, "max_tokens": args.max_tokens, **extra, "k": K,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "vllm": _vllm_version(), "date": time.strftime("%Y-%m-%d"),
+            "seconds": round(time.monotonic() - t_start, 1)}
+
+
+def write_results(out: Path, stem: str, data: dict[str, Any], table: str) -> None:
+    """``stem``.json and ``stem``.md under ``out``; the table printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table)
+    print()
+    print(table)
+
+
+# --- the token cut's price -----------------------------------------------------------------------
+def push_cut_policy(llm: Any, cut: bool) -> None:
+    """Pin every batch bucket of the default class to K=4 of the engine's drafter, with (``cut``)
+    a TokenCut that looks up every drafted token and cuts none, or none."""
+    from specpilot.contract.classes import DEFAULT_CLASS
+    from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
+    from specpilot.contract.records import (
+        CalibrationRows,
+        EngineDecision,
+        PolicyUpdate,
+        TokenCut,
+    )
+
+    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
+    drafter, buckets = pilot.engine.drafter, len(pilot.view.bucket_bounds) + 1
+    rows = CalibrationRows(DEFAULT_CLASS, drafter, False, K,
+                           (CUT_ACCEPT,) * (K * N_CONFIDENCE_BUCKETS))
+    pilot.view.apply(PolicyUpdate(
+        1, tuple(EngineDecision(DEFAULT_CLASS, b, drafter, K) for b in range(buckets)),
+        fail_static_timeout_seconds=1e9,
+        cut=TokenCut((0.0,) * buckets, (rows,)) if cut else None))
+
+
+def cut_microbench(requests: int = 32, number: int = 2000) -> dict[str, float]:
+    """Microseconds of the pure decision for ``requests`` requests x K drafts: each request's
+    rows looked up in a ``CutTable`` and its drafts' ``cut_length`` (every token evaluated);
+    the best of 5 timeit repeats."""
+    import random
+    import timeit
+
+    from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
+    from specpilot.contract.records import CalibrationRows, TokenCut
+    from specpilot.engine_plugin.policy.cut import CutTable, cut_length
+
+    rng = random.Random(0)
+    rows = CalibrationRows("default", "draft", False, K,
+                           tuple(rng.uniform(0.5, 1.0) for _ in range(K * N_CONFIDENCE_BUCKETS)))
+    table = CutTable(TokenCut((0.0,), (rows,)))
+    confidences = [[rng.random() for _ in range(K)] for _ in range(requests)]
+
+    def batch() -> None:
+        for conf in confidences:
+            found = table.rows("default", "draft", False)
+            assert found is not None
+            cut_length(conf, found, 0.0)
+
+    best = min(timeit.repeat(batch, number=number, repeat=5)) / number
+    return {"requests": requests, "k": K, "us_per_batch": 1e6 * best,
+            "us_per_request": 1e6 * best / requests}
+
+
+def cut_calls(llm: Any, rec: Recorder, max_tokens: int, batch: int) -> float:
+    """``cut_length`` calls per step over one untimed batch (the pilot's own reference to it)."""
+    import specpilot.engine_plugin.pilot as pilot_module
+
+    totals: dict[str, list[float]] = {}
+    restore = patch_timers([("cut_length", pilot_module, "cut_length")], totals)
+    rec.reset()
+    try:
+        run_batch(llm, max_tokens, batch)
+    finally:
+        restore()
+    return totals["cut_length"][1] / max(len(rec.steps), 1)
+
+
+def cut_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
+    lines = ["| batch | scheduler us/step: base / cut off / cut on | cut on - cut off, us/step "
+             "[p25, p75] | % of base scheduler | `cut_length` calls/step | engine step ms "
+             "(base) | same workload |", "|---|---|---|---|---|---|---|"]
+    for batch, r in res["batches"].items():
+        c = r["configs"]
+        sched = " / ".join(f"{c[cfg]['sched_us_per_step']:.0f}" for cfg in CUT_CONFIGS)
+        d = r["cut"]
+        lines.append(f"| {batch} | {sched} | {d['us_per_step']:.0f} [{d['us_per_step_p25']:.0f}"
+                     f", {d['us_per_step_p75']:.0f}] | {d['percent_of_scheduler']:.1f}% | "
+                     f"{r['cut_length_calls_per_step']:.1f} | "
+                     f"{c[BASE]['step_us_per_step'] / 1e3:.1f} | "
+                     f"{'yes' if r['same_workload'] else 'NO'} |")
+    m = res["microbench"]
+    lines += ["", f"The pure decision (`CutTable.rows` + `cut_length`, every token evaluated), "
+                  f"timeit, best of 5: {m['us_per_batch']:.1f} us for {m['requests']} requests "
+                  f"x K={m['k']} ({m['us_per_request']:.2f} us per request).", "",
+              f"{meta['repeats']} repetitions per configuration and batch, alternating order; "
+              f"greedy requests x {meta['max_tokens']} tokens (ignore_eos), K={K} (the target as "
+              f"its own draft: acceptance 1.0), max_num_seqs {max(meta['batches'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def cut_main(args: argparse.Namespace) -> None:
+    t_start = time.monotonic()
+    from benchmarks.demo.engine import shutdown_llm
+
+    model = tiny_target()
+    spec = {"model": model, "num_speculative_tokens": K}
+    batches = tuple(args.cut_batches)
+    llms: dict[str, Any] = {}
+    recs: dict[str, Recorder] = {}
+    res: dict[str, Any] = {"batches": {}}
+    reps: dict[int, dict[str, list[dict[str, Any]]]] = {
+        b: {c: [] for c in CUT_CONFIGS} for b in batches}
+    try:
+        start_engines(CUT_CONFIGS, model, spec, "", max(batches), llms, recs)
+        push_cut_policy(llms[CUT_OFF], cut=False)
+        push_cut_policy(llms[CUT_ON], cut=True)
+        print("warm-up...", flush=True)
+        for cfg in CUT_CONFIGS:
+            run_batch(llms[cfg], args.max_tokens, max(batches))
+        print(f"measuring: {args.repeats} repetitions x {len(batches)} batches x "
+              f"{len(CUT_CONFIGS)} configurations; scheduler us/step:", flush=True)
+        for i in range(args.repeats):
+            order = CUT_CONFIGS if i % 2 == 0 else CUT_CONFIGS[::-1]
+            for batch in batches:
+                line = []
+                for cfg in order:
+                    recs[cfg].reset()
+                    run_batch(llms[cfg], args.max_tokens, batch)
+                    row = summarize_rep(recs[cfg], batch)
+                    reps[batch][cfg].append(row)
+                    line.append(f"{cfg} {row['sched_us_per_step']:.0f}")
+                print(f"  rep {i + 1}/{args.repeats}, batch {batch}: " + ", ".join(line),
+                      flush=True)
+        for batch in batches:
+            r = analyse(reps[batch])
+            diffs = [on["sched_us_per_step"] - off["sched_us_per_step"]
+                     for on, off in zip(reps[batch][CUT_ON], reps[batch][CUT_OFF], strict=True)]
+            med = statistics.median(diffs)
+            r["cut"] = {"us_per_step": med, "us_per_step_p25": q(diffs, 25),
+                        "us_per_step_p75": q(diffs, 75), "paired_diffs_us": diffs,
+                        "percent_of_scheduler":
+                            100 * med / r["configs"][BASE]["sched_us_per_step"]}
+            r["same_workload"] = len({json.dumps(c["workload"])
+                                      for c in r["configs"].values()}) == 1
+            r["cut_length_calls_per_step"] = cut_calls(llms[CUT_ON], recs[CUT_ON],
+                                                       args.max_tokens, batch)
+            res["batches"][batch] = r
+    finally:
+        for llm in llms.values():
+            shutdown_llm(llm)
+    res["microbench"] = cut_microbench()
+    meta = run_meta(args, t_start, batches=list(batches))
+    table = cut_markdown(res, meta)
+    write_results(args.out, "plugin_overhead_cut",
+                  {"meta": meta, "result": res, "repetitions": reps}, table)
+    print(f"{meta['seconds']} s; results in {args.out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=10, help="repetitions per configuration "
@@ -427,6 +648,10 @@ def main() -> None:
                     "the plugin with a controller (skip the no-controller and no-n-gram engines)")
     ap.add_argument("--profile", action="store_true", help="cProfile the plugin hooks even when "
                     "the overhead is within the goal")
+    ap.add_argument("--cut", action="store_true", help="measure the token cut's price instead: "
+                    "base, plugin with the cut off and on, at each of --cut-batches")
+    ap.add_argument("--cut-batches", type=int, nargs="+", default=list(CUT_BATCHES),
+                    metavar="N", help="concurrent requests per batch with --cut (default 1 16 32)")
     ap.add_argument("--controller-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.controller_child:
@@ -434,32 +659,24 @@ def main() -> None:
         return
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.cut:
+        if min(args.cut_batches) < 1:
+            ap.error("--cut-batches: each must be >= 1")
+        cut_main(args)
+        return
 
     t_start = time.monotonic()
-    print("importing vLLM...", flush=True)
-    from benchmarks.demo.engine import apply_engine_env, make_llm, shutdown_llm
-    from benchmarks.demo.tiny_models import build_tiny_models
+    from benchmarks.demo.engine import shutdown_llm
 
-    apply_engine_env()
-    models = build_tiny_models(Path(os.environ.get("SPECPILOT_TEST_CACHE", ROOT / ".cache"))
-                               / "tiny-models")
-    spec = {"model": models.target, "num_speculative_tokens": K}
+    model = tiny_target()
+    spec = {"model": model, "num_speculative_tokens": K}
     print("starting the controller (child process)...", flush=True)
     ctl_proc, target = start_controller()
     configs = [BASE, PLUGIN] + ([] if args.only_controller else [PLUGIN_BARE, PLUGIN_NO_NGRAM])
     llms: dict[str, Any] = {}
     recs: dict[str, Recorder] = {}
-    saved_env = {k: v for k, v in os.environ.items() if k.startswith("SPECPILOT_PLUGIN_")}
     try:
-        for cfg in configs:
-            for k in [k for k in os.environ if k.startswith("SPECPILOT_PLUGIN_")]:
-                del os.environ[k]
-            for name, value in PLUGIN_ENV[cfg].items():
-                os.environ[f"SPECPILOT_PLUGIN_{name.upper()}"] = value.format(ctl=target)
-            print(f"starting engine {cfg} ({SCHEDULERS[cfg]})...", flush=True)
-            llms[cfg] = make_llm(models.target, spec, SCHEDULERS[cfg], max_num_seqs=BATCH)
-            recs[cfg] = Recorder()
-            recs[cfg].install(llms[cfg])
+        start_engines(configs, model, spec, target, BATCH, llms, recs)
         for cfg in configs:
             if PLUGIN_ENV[cfg].get("controller"):
                 wait_connected(llms[cfg])
@@ -502,9 +719,6 @@ def main() -> None:
     finally:
         for llm in llms.values():
             shutdown_llm(llm)
-        for k in [k for k in os.environ if k.startswith("SPECPILOT_PLUGIN_")]:
-            del os.environ[k]
-        os.environ.update(saved_env)
         if ctl_proc.stdin:
             ctl_proc.stdin.close()
         try:
@@ -513,21 +727,10 @@ def main() -> None:
             ctl_proc.kill()
 
     workloads = {json.dumps(c["workload"]) for c in res["configs"].values()}
-    meta = {
-        "repeats": args.repeats, "max_tokens": args.max_tokens, "batch": BATCH, "k": K,
-        "python": platform.python_version(), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "vllm": _vllm_version(), "date": time.strftime("%Y-%m-%d"),
-        "same_workload": len(workloads) == 1,
-        "seconds": round(time.monotonic() - t_start, 1),
-    }
+    meta = run_meta(args, t_start, batch=BATCH, same_workload=len(workloads) == 1)
     table = markdown(res, meta)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "plugin_overhead.json").write_text(json.dumps(
-        {"meta": meta, "result": res, "repetitions": reps}, indent=2) + "\n")
-    (args.out / "plugin_overhead.md").write_text(table)
-    print()
-    print(table)
+    write_results(args.out, "plugin_overhead", {"meta": meta, "result": res, "repetitions": reps},
+                  table)
     if profile_text:
         (args.out / "plugin_overhead_profile.txt").write_text(profile_text)
         print(profile_text)
