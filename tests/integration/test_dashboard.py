@@ -289,5 +289,5 @@ async def test_names_an_engine_chooses_are_shown_as_text_never_run(browser: Brow
         assert not dialogs, dialogs
     finally:
         await page.close()
-        await ch.close()
+        await ch.close(None)
         await server.stop(grace_seconds=0.1)
