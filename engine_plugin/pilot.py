@@ -91,15 +91,15 @@ def transforms_sampling(request: RequestLike) -> bool:
                 or params.allowed_token_ids or params.bad_words)
 
 
-def step_context_tokens(output: SchedulerOutputLike) -> int:
+def step_context_tokens(output: SchedulerOutputLike) -> int | None:
     """The context a step's attention reads: over its requests, the tokens each one's KV cache
     held when the step was scheduled (vLLM advances ``num_computed_tokens`` right after, so the
     request objects already count the step's own tokens; the output keeps the values before).
-    0 (unknown) where the output does not say."""
+    None (unknown) where the output does not say; 0 is a step of new requests only."""
     cached: CachedRequestDataLike | None = getattr(output, "scheduled_cached_reqs", None)
     new: Sequence[NewRequestDataLike] = getattr(output, "scheduled_new_reqs", ())
     if cached is None:
-        return 0
+        return None
     return int(sum(cached.num_computed_tokens)) + sum(r.num_computed_tokens for r in new)
 
 

@@ -278,7 +278,7 @@ class SpecPilotPolicy:
         info = self.info
         model = [d for d in range(len(info.drafts)) if info.draft_is_model[d] and o.draft_passes[d]]
         top = max(model, key=lambda d: o.draft_passes[d]) if model else None
-        context = o.view.context_tokens if self.reads_context else 0
+        context = o.view.context_tokens if self.reads_context else None
         if top is None:
             self.stats.record_step(o.view.batch_size, o.verified_tokens, 0, "", 0, o.seconds,
                                    context)

@@ -61,7 +61,7 @@ class BatchStepSums:
     sum_verified_tokens: int
     sum_draft_tokens: int
     sum_step_seconds: float
-    sum_context_tokens: int = 0  # 0: unknown
+    sum_context_tokens: int | None = None  # None: some step's context was unknown
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,10 @@ class ReportPayload:
             m[2] += s.sum_verified_tokens
             m[3] += s.sum_draft_tokens
             m[4] += s.sum_step_seconds
-            m[5] += s.sum_context_tokens
-            m[6] += s.sum_context_tokens == 0  # sums of steps whose context is unknown
+            m[5] += s.sum_context_tokens or 0
+            m[6] += s.sum_context_tokens is None  # sums with a step of unknown context
         # A bucket's context is known only if every one of its steps' was: a sum that left
-        # some out would read as shorter contexts than ran.
+        # some out would read as shorter contexts than ran. On the wire 0 says unknown.
         return tuple(
             StepTimingRecord(bucket, draft, k, int(m[0]), int(m[1]), int(m[2]), int(m[3]),
                              float(m[4]), 0 if m[6] else int(m[5]))
@@ -226,11 +226,11 @@ class StatsAggregator:
             self._ignored += 1
 
     def record_step(self, batch_size: int, verified_tokens: int, draft_tokens: int, draft: str,
-                    k: int, seconds: float, context_tokens: int = 0) -> None:
+                    k: int, seconds: float, context_tokens: int | None = None) -> None:
         """One engine step: ``batch_size`` sequences, ``verified_tokens`` tokens verified by the
         target (one per sequence plus its drafts), ``draft_tokens`` proposed by the drafter, the
         largest K scheduled, the step's wall time including drafting, seconds, and the tokens
-        its sequences' KV caches held before it, summed (0: unknown)."""
+        its sequences' KV caches held before it, summed (None: unknown)."""
         try:
             sums = self._steps.get((batch_size, draft, k))
             if sums is None:
@@ -239,13 +239,14 @@ class StatsAggregator:
                     self._ignored += 1
                     return
             if (verified_tokens >= batch_size and draft_tokens >= 0 and 0.0 <= seconds < _INF
-                    and type(context_tokens) is int and context_tokens >= 0):
+                    and (context_tokens is None
+                         or (type(context_tokens) is int and context_tokens >= 0))):
                 sums[0] += 1
                 sums[1] += verified_tokens
                 sums[2] += draft_tokens
                 sums[3] += seconds
-                sums[4] += context_tokens
-                sums[5] += context_tokens == 0
+                sums[4] += context_tokens or 0
+                sums[5] += context_tokens is None
             else:
                 self._ignored += 1
         except Exception:
@@ -302,7 +303,7 @@ class StatsAggregator:
                 m[5] += unknown
         sums = tuple(
             BatchStepSums(batch, draft, k, int(m[0]), int(m[1]), int(m[2]), float(m[3]),
-                          0 if m[5] else int(m[4]))
+                          None if m[5] else int(m[4]))
             for (batch, draft, k), m in sorted(merged.items())
         )
         try:

@@ -559,16 +559,18 @@ def test_the_token_cut_shortens_each_requests_drafts_by_their_confidences() -> N
 def test_a_decode_steps_timing_carries_the_context_its_requests_held() -> None:
     """The step's context is what its requests' KV caches held when it was scheduled, as the
     SchedulerOutput keeps it (vLLM advances the request objects' counts right after
-    scheduling). The control: an output that does not say reports 0, unknown."""
+    scheduling); a step of new requests only holds 0 and is known. The control: an output that
+    does not say is unknown."""
     config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
 
-    def step_context(with_counts: bool) -> tuple[int, int]:
+    def step_context(with_counts: bool, cached: tuple[int, ...] = (40, 70, 90)
+                     ) -> tuple[int, int | None]:
         pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
         requests = _batch(pilot, ["a", "a", "a"])
         pilot.on_schedule_start()
         fields: dict[str, object] = {}
         if with_counts:
-            fields = {"scheduled_cached_reqs": SimpleNamespace(num_computed_tokens=[40, 70, 90]),
+            fields = {"scheduled_cached_reqs": SimpleNamespace(num_computed_tokens=list(cached)),
                       "scheduled_new_reqs": []}
         output = SimpleNamespace(
             num_scheduled_tokens=dict.fromkeys(requests, 1), total_num_scheduled_tokens=3,
@@ -582,7 +584,8 @@ def test_a_decode_steps_timing_carries_the_context_its_requests_held() -> None:
         return sums.steps, sums.sum_context_tokens
 
     assert step_context(True) == (1, 200)
-    assert step_context(False) == (1, 0)
+    assert step_context(True, (0, 0, 0)) == (1, 0)
+    assert step_context(False) == (1, None)
 
 
 def test_batch_max_prices_a_step_at_its_requests_context(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -209,15 +209,17 @@ def test_heartbeat_is_an_empty_report() -> None:
 
 def test_step_sums_carry_the_context_read_and_unknown_stays_unknown() -> None:
     """Each step's context (its sequences' KV lengths before it, summed) is summed per batch
-    size and bucket, and reaches the report. A bucket where some step's context was unknown (0)
-    reports 0, never a sum that would read as shorter contexts than ran."""
+    size and bucket, and reaches the report. A bucket where some step's context was unknown
+    reports 0 (unknown on the wire), never a sum that would read as shorter contexts than ran;
+    a step of new requests only, context 0, is known and leaves its bucket's sum known."""
     agg = StatsAggregator(max_k=4, drafts={"d"})
     agg.record_step(3, 9, 6, "d", 2, 0.02, 3 * 500)
     agg.record_step(4, 12, 8, "d", 2, 0.03, 4 * 700)
     agg.record_step(40, 40, 0, "", 0, 0.05, 40 * 100)
     agg.record_step(40, 40, 0, "", 0, 0.05)  # unknown
+    agg.record_step(4, 8, 4, "d", 2, 0.01, 0)  # new requests only: known, no context
     p = agg.drain(running_requests=0)
-    assert [s.sum_context_tokens for s in p.step_sums] == [1500, 2800, 0]
+    assert [s.sum_context_tokens for s in p.step_sums] == [1500, 2800, None]
     timings = p.step_timings((1, 4, 16))
     assert [(t.batch_bucket, t.sum_context_tokens) for t in timings] == [(1, 4300), (3, 0)]
     report = p.report(1, 0, 0, (1, 4, 16))
