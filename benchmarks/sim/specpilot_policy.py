@@ -45,7 +45,7 @@ from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.settings import core_config, load_settings, server_config
 from specpilot.controller.wire import policy_update_to_proto
 from specpilot.engine_plugin.config import PluginConfig
-from specpilot.engine_plugin.policy.cut import cut_length
+from specpilot.engine_plugin.policy.cut import DrafterStop, cut_length
 from specpilot.engine_plugin.policy.picks import CounterfactualPicks
 from specpilot.engine_plugin.policy.stats import StatsAggregator
 from specpilot.engine_plugin.policy.step import StepPolicy
@@ -150,6 +150,7 @@ class SpecPilotPolicy:
         self._changed_at = np.zeros((n_c, n_b))
         self._class_index = {c: i for i, c in enumerate(info.classes)}
         self.idle_decision_changes = 0
+        self._asked = np.zeros(0, dtype=np.int64)  # the last step's K per request, as decided
 
     def _clock(self) -> float:
         return self._now
@@ -185,27 +186,37 @@ class SpecPilotPolicy:
                 probed = [i for i in mine if resolved.probed(str(view.request_ids[i]))]
                 k[probed] = resolved.probe_choice.k
                 draft[probed] = self._index(resolved.probe_choice)
+        self._asked = k
         if view.slots is None or not lookup.cuts():
             return Assignment(draft, k, self._scored(view, draft))
-        return Assignment(draft, self._cut(view.slots, view.classes, lookup, draft, k),
-                          self._scored(view, draft), drafted=k)
+        verified, drafted = self._cut(view.slots, view.classes, lookup, draft, k)
+        return Assignment(draft, verified, self._scored(view, draft), drafted=drafted)
 
     def _cut(self, slots: TokenSlots, classes: IntArray, lookup: PolicyLookup,
-             draft: IntArray, k: IntArray) -> IntArray:
-        """The verified K of each request: its drafts cut as the plugin's ``on_drafts`` cuts the
-        drafter's tokens (those of the engine's drafter only, each request's first K of them),
-        from the class's calibration and the bucket's ``min_survival``."""
+             draft: IntArray, k: IntArray) -> tuple[IntArray, IntArray]:
+        """The verified and the drafted K of each request: the drafter stopped early where no
+        request's tokens ahead pay for its next pass (the worker's ``DrafterStop``), then each
+        request's drafts cut as the plugin's ``on_drafts`` cuts the drafter's tokens (those of
+        the engine's drafter only, each request's first K of them), from the class's
+        calibration and the bucket's ``min_survival``."""
         names, transformed = self.info.classes, self._transformed
         drafter = self.info.drafts[slots.draft]
-        cut = k.copy()
+        cut, drafted = k.copy(), k.copy()
         of_class: dict[int, tuple[CalibrationRows, float] | None] = {}
-        for i in np.flatnonzero((draft == slots.draft) & (k > 0)).tolist():
-            c = int(classes[i])
-            if c not in of_class:
-                of_class[c] = lookup.cut(names[c], drafter, transformed[c])
-            if (rows := of_class[c]) is not None:
-                cut[i] = cut_length(slots.confidence[i, :k[i]].tolist(), *rows)
-        return cut
+        mine = np.flatnonzero((draft == slots.draft) & (k > 0))
+        for c in np.unique(classes[mine]).tolist():
+            of_class[c] = lookup.cut(names[c], drafter, transformed[c])
+        if (price := lookup.drafter_stop()) is not None and mine.size:
+            stop = DrafterStop([(rows[0] if (rows := of_class[int(classes[i])]) else None,
+                                 int(k[i])) for i in mine.tolist()], *price)
+            confidence, most = slots.confidence[mine], int(k[mine].max())
+            while stop.passes < most and stop.after_pass(confidence[:, stop.passes].tolist()):
+                pass
+            drafted[mine] = np.minimum(k[mine], stop.passes)
+        for i in mine.tolist():
+            if (rows := of_class[int(classes[i])]) is not None:
+                cut[i] = cut_length(slots.confidence[i, :drafted[i]].tolist(), *rows)
+        return np.minimum(cut, drafted), drafted
 
     def _index(self, choice: Choice) -> int:
         return self._draft_index[choice.draft] if choice.k else NO_DRAFT
@@ -232,8 +243,8 @@ class SpecPilotPolicy:
         names, drafts, cls = info.classes, info.drafts, o.view.classes
         spec = np.flatnonzero(o.assignment.k > 0)
         # Scored as K asked (the plugin's ``on_output``, and its ``on_drafts`` for a request
-        # cut to none): a cut tail counts as rejected.
-        asked = o.assignment.k if o.assignment.drafted is None else o.assignment.drafted
+        # cut to none): a cut tail, and one the drafter stopped before, counts as rejected.
+        asked = o.assignment.drafted if o.assignment.drafted is not None else o.assignment.k
         scored = np.flatnonzero(asked > 0)
         for c, d, k, accepted in zip(cls[scored].tolist(), o.assignment.draft[scored].tolist(),
                                      asked[scored].tolist(), o.accepted[scored].tolist(),

@@ -36,6 +36,15 @@ class CalibrationTable:
     tries: FloatArray
     changes_detected: int
 
+    def mean_accept(self) -> FloatArray:
+        """P(accept) per position whatever the confidence: the cells' rates weighted by the
+        tokens counted in them (a position never counted: its cells' mean, the prior). The
+        tokens counted are those verified, as the ones a drafter's early stop weighs."""
+        counted = self.tries.sum(axis=1)
+        weighted = (self.accept * self.tries).sum(axis=1) / np.maximum(counted, 1e-12)
+        return np.asarray(np.clip(np.where(counted > 1e-9, weighted, self.accept.mean(axis=1)),
+                                  0.0, 1.0), dtype=np.float64)
+
 
 class ConfidenceCalibration:
     """Calibrations for every (class, draft) seen, plain and transformed apart. Time is passed

@@ -376,11 +376,18 @@ class StepCostModel:
 
     def _rebuild_prior(self) -> None:
         """Prior information = ``strength_steps`` virtual steps spread over a design of shapes."""
+        # Besides every arm, steps whose drafts are cut after drafting all of them (a drafter
+        # that ran the design's largest K, a target verifying fewer): with every sequence
+        # verifying what was drafted, a verified token and a drafted one always come together,
+        # and their split (and the per-sequence weight with them) would be set by nothing but
+        # the ridge; these pin it at the prior's until timings of cut steps separate them.
         shapes = [
-            StepShape.for_arm(b, k, d, True)
+            StepShape.for_arm(b, k, d, True, sunk)
             for b in self._design_batch_sizes
             for k in range(self._design_max_k + 1)
             for d in (self.drafts or ("",))
+            for sunk in ((None,) if not d or k == self._design_max_k
+                         else (None, (d, self._design_max_k)))
         ]
         xs = np.array([self.features(s) for s in shapes])
         w = self.prior.strength_steps / len(shapes)

@@ -31,6 +31,12 @@ no speculation (``min_speedup``), the most the cut could save is inside the cost
 and what it costs is not: each cut moves the evidence the decisions learn from (the steps'
 verified tokens, the class's acceptance). Nothing is cut there.
 
+The drafter stops early (``pass_tokens``) where no request's tokens ahead pay for another of its
+passes: a pass adds ``dp`` seconds (the draft's price per pass at the batch size, its tokens
+included, read off the same formula), worth ``dp x G`` tokens of the step's rate. Unlike a
+verification slot a pass is not sunk when the engine decides it, so it is priced even where
+verifying is about free (a batch of one, where the passes are most of what a draft costs).
+
 Pure: the step prices and the class's acceptance come in as functions.
 """
 
@@ -42,6 +48,11 @@ from specpilot.contract.records import CalibrationRows, Decision, TokenCut
 
 # (batch size, tokens the target verifies) -> mean step seconds (drafting apart: it is sunk)
 VerifySeconds = Callable[[int, float], float]
+# (batch size, draft) -> the seconds one more pass of the draft adds to a step, its tokens included
+PassSeconds = Callable[[int, str], float]
+# (batch size, the bucket's decisions with their weights) -> tokens per second of the step they
+# compose
+StepRate = Callable[[int, "list[tuple[Decision, float]]"], float]
 # a speculating decision -> its class's mean survival at its K (mean acceptance multiplied up
 # to K), None where unknown
 DecisionSurvival = Callable[[Decision], "float | None"]
@@ -49,35 +60,71 @@ DecisionSurvival = Callable[[Decision], "float | None"]
 
 def min_survival(batch_size: float, decisions: Iterable[tuple[Decision, float]],
                  seconds: VerifySeconds,
-                 survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0) -> float:
+                 survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0,
+                 rate: StepRate | None = None) -> float:
     """The survival a token must reach to be verified at ``batch_size``, for the bucket's
     ``decisions`` with their classes' weights (shares of the batch); 0 (nothing cut) where
-    verifying all their drafts takes less than ``min_gain`` of the step (a fraction)."""
+    verifying all their drafts takes less than ``min_gain`` of the step (a fraction).
+    ``rate`` None: the step's rate is the decisions' mean expected speedup over no
+    speculation (``speedup_rate``)."""
     weighted = [(d, w) for d, w in decisions if w > 0]
     speculating = [d for d, w in weighted if d.k > 0 and d.draft]
     if not speculating:
         return 0.0
     total = sum(w for _, w in weighted)
     mean_k = sum(d.k * w for d, w in weighted if d.k > 0 and d.draft) / total
-    speedup = sum(max(d.expected_speedup, 0.0) * w for d, w in weighted) / total
     batch = max(1, round(batch_size))
     plain = seconds(batch, batch)
     drafts = batch * mean_k
     full = seconds(batch, batch + drafts)
     if full - plain <= min_gain * full:
         return 0.0
-    per_slot = (full - plain) / drafts
-    threshold = per_slot * batch * max(speedup, 1.0) / plain
+    threshold = (full - plain) / drafts * (rate or _speedup_rate(seconds))(batch, weighted)
     caps = [s for d in speculating if (s := survival(d)) is not None]
     return min([threshold, *caps])
+
+
+def pass_tokens(batch_size: float, decisions: Iterable[tuple[Decision, float]],
+                seconds: VerifySeconds, pass_seconds: PassSeconds,
+                rate: StepRate | None = None) -> float:
+    """The tokens one more drafter pass must be expected to add at ``batch_size`` to be run,
+    for the bucket's ``decisions`` with their classes' weights: the decisions' drafts' mean price
+    per pass times the decisions' rate (0 where none speculates: nothing is drafted)."""
+    weighted = [(d, w) for d, w in decisions if w > 0]
+    drafting = [(d, w) for d, w in weighted if d.k > 0 and d.draft]
+    if not drafting:
+        return 0.0
+    batch = max(1, round(batch_size))
+    per_pass = sum(pass_seconds(batch, d.draft) * w for d, w in drafting) / sum(
+        w for _, w in drafting)
+    return max(per_pass, 0.0) * (rate or _speedup_rate(seconds))(batch, weighted)
+
+
+def _speedup_rate(seconds: VerifySeconds) -> StepRate:
+    """Tokens per second of the decisions' steps as the rate without speculation times their
+    mean expected speedup (never below 1: the decisions speculate because it pays). Rough where
+    the classes' arms differ in cost (each speedup is priced as if the whole batch ran it)."""
+    def rate(batch: int, weighted: list[tuple[Decision, float]]) -> float:
+        total = sum(w for _, w in weighted)
+        speedup = sum(max(d.expected_speedup, 0.0) * w for d, w in weighted) / total
+        return batch * max(speedup, 1.0) / seconds(batch, batch)
+
+    return rate
 
 
 def token_cut(batch_sizes: Iterable[float],
               decisions_by_bucket: Mapping[int, list[tuple[Decision, float]]],
               seconds: VerifySeconds, calibrations: Iterable[CalibrationRows],
-              survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0) -> TokenCut:
-    """The cut of every bucket (``batch_sizes`` in bucket order)."""
+              survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0,
+              pass_seconds: PassSeconds | None = None, rate: StepRate | None = None
+              ) -> TokenCut:
+    """The cut of every bucket (``batch_sizes`` in bucket order); ``pass_seconds`` None: the
+    drafter is never stopped early."""
+    sizes = list(batch_sizes)
     return TokenCut(
-        tuple(min_survival(b, decisions_by_bucket.get(i, []), seconds, survival, min_gain)
-              for i, b in enumerate(batch_sizes)),
-        tuple(calibrations))
+        tuple(min_survival(b, decisions_by_bucket.get(i, []), seconds, survival, min_gain, rate)
+              for i, b in enumerate(sizes)),
+        tuple(calibrations),
+        () if pass_seconds is None else tuple(
+            pass_tokens(b, decisions_by_bucket.get(i, []), seconds, pass_seconds, rate)
+            for i, b in enumerate(sizes)))

@@ -359,6 +359,20 @@ class PolicyLookup:
             log.debug("token cut lookup failed; no cut", exc_info=True)
             return None
 
+    def drafter_stop(self) -> tuple[float, float] | None:
+        """The (min_survival, pass_tokens) the drafter's early stop prices this lookup's bucket
+        at (``DrafterStop``); None where the policy sends no pass price (the drafter runs every
+        pass asked). Never raises."""
+        try:
+            policy = self._policy
+            cut = None if policy is None else policy.cut
+            if cut is None or self._bucket >= min(len(cut.pass_tokens), len(cut.min_survival)):
+                return None
+            return cut.min_survival[self._bucket], cut.pass_tokens[self._bucket]
+        except Exception:
+            log.debug("drafter stop lookup failed; no stop", exc_info=True)
+            return None
+
     def compose(self, counts: Mapping[str, int], batch_size: int,
                 context_tokens: float = 0.0) -> dict[str, Choice]:
         """For a step whose decoding sequences number ``counts`` per traffic class, over

@@ -388,12 +388,14 @@ def policy_update_from_proto(msg: engine_pb2.PolicyUpdate) -> PolicyUpdate:
 def token_cut_to_proto(cut: TokenCut) -> engine_pb2.TokenCut:
     return engine_pb2.TokenCut(
         min_survival=list(cut.min_survival),
-        calibrations=[_mirror_to_proto(engine_pb2.CalibrationRows, c) for c in cut.calibrations])
+        calibrations=[_mirror_to_proto(engine_pb2.CalibrationRows, c) for c in cut.calibrations],
+        pass_tokens=list(cut.pass_tokens))
 
 
 def token_cut_from_proto(msg: engine_pb2.TokenCut) -> TokenCut:
     return TokenCut(tuple(msg.min_survival),
-                    tuple(_mirror_from_proto(CalibrationRows, c) for c in msg.calibrations))
+                    tuple(_mirror_from_proto(CalibrationRows, c) for c in msg.calibrations),
+                    tuple(msg.pass_tokens))
 
 
 def controller_message_from_proto(msg: engine_pb2.ConnectResponse

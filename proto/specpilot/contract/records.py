@@ -244,6 +244,10 @@ class CalibrationRows:
     transformed: bool
     positions: int
     accept: tuple[float, ...]
+    # The class's mean acceptance by position, whatever the confidence: what the next token is
+    # expected to be accepted at before it is drafted (empty: unknown; the drafter then never
+    # stops early for it).
+    mean_accept: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -253,10 +257,14 @@ class TokenCut:
     by the calibration of the request's class and draft) reaches the step's ``min_survival``:
     the seconds one more verified token adds to a step at the bucket's batch size, times the
     tokens per second such a step yields. Per batch bucket; ``calibrations`` for the (class,
-    draft) pairs whose confidences were counted (the others are never cut)."""
+    draft) pairs whose confidences were counted (the others are never cut). ``pass_tokens``,
+    per batch bucket: the seconds one more drafter pass adds to such a step times its tokens per
+    second, the tokens a pass must be expected to add for the drafter to run it (empty: it runs
+    every pass its decisions ask for)."""
 
     min_survival: tuple[float, ...]
     calibrations: tuple[CalibrationRows, ...] = ()
+    pass_tokens: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -246,26 +246,30 @@ class PolicyUpdate(_message.Message):
     def __init__(self, version: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., default_decisions: _Optional[_Iterable[_Union[_common_pb2.Decision, _Mapping]]] = ..., fail_static_timeout_seconds: _Optional[float] = ..., composition: _Optional[_Union[Composition, _Mapping]] = ..., cut: _Optional[_Union[TokenCut, _Mapping]] = ...) -> None: ...
 
 class TokenCut(_message.Message):
-    __slots__ = ("min_survival", "calibrations")
+    __slots__ = ("min_survival", "calibrations", "pass_tokens")
     MIN_SURVIVAL_FIELD_NUMBER: _ClassVar[int]
     CALIBRATIONS_FIELD_NUMBER: _ClassVar[int]
+    PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     min_survival: _containers.RepeatedScalarFieldContainer[float]
     calibrations: _containers.RepeatedCompositeFieldContainer[CalibrationRows]
-    def __init__(self, min_survival: _Optional[_Iterable[float]] = ..., calibrations: _Optional[_Iterable[_Union[CalibrationRows, _Mapping]]] = ...) -> None: ...
+    pass_tokens: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, min_survival: _Optional[_Iterable[float]] = ..., calibrations: _Optional[_Iterable[_Union[CalibrationRows, _Mapping]]] = ..., pass_tokens: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class CalibrationRows(_message.Message):
-    __slots__ = ("traffic_class", "draft", "transformed", "positions", "accept")
+    __slots__ = ("traffic_class", "draft", "transformed", "positions", "accept", "mean_accept")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TRANSFORMED_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPT_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
     draft: str
     transformed: bool
     positions: int
     accept: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., transformed: _Optional[bool] = ..., positions: _Optional[int] = ..., accept: _Optional[_Iterable[float]] = ...) -> None: ...
+    mean_accept: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., transformed: _Optional[bool] = ..., positions: _Optional[int] = ..., accept: _Optional[_Iterable[float]] = ..., mean_accept: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Composition(_message.Message):
     __slots__ = ("pricing", "expected_tokens", "margin")
