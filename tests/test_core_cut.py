@@ -23,7 +23,8 @@ from specpilot.contract.records import (
 )
 from specpilot.controller import wire
 from specpilot.controller.core.controller import ControllerCore
-from specpilot.controller.core.cut import min_survival
+from specpilot.controller.core.cost_model import CostPrior, StepCostModel, StepShape
+from specpilot.controller.core.cut import CutPrices, min_survival, pass_tokens
 from specpilot.controller.settings import core_config, load_settings
 from tests.test_core_calibration import HELLO
 
@@ -101,6 +102,44 @@ def test_nothing_is_cut_where_the_drafts_verification_is_inside_the_decisions_ma
         min_survival(64.0, decided, dear)) != 0.0
 
 
+def test_a_drafter_pass_is_priced_at_the_steps_rate_even_where_verifying_is_free() -> None:
+    decided = [(_decision(3, 2.0), 0.75), (replace(_decision(0, 1.0), draft=""), 0.25)]
+    free = _hinge(0.0, 256, 1e-4)  # a batch of one: verification costs nothing
+    assert min_survival(1.0, decided, free) == 0.0
+    rate = 1 * (0.75 * 2.0 + 0.25 * 1.0) / free(1, 1)
+    assert pass_tokens(1.0, decided, free, lambda b, d: 0.002) == pytest.approx(0.002 * rate)
+    # The drafting decisions' drafts, weighted; none drafting: nothing to stop.
+    mixed = [(_decision(3, 2.0), 0.5), (replace(_decision(2, 2.0), draft="e"), 0.5)]
+    per_pass = {"d": 0.002, "e": 0.004}
+    assert pass_tokens(1.0, mixed, free, lambda b, d: per_pass[d]) == pytest.approx(
+        0.003 * 2.0 / free(1, 1))
+    assert pass_tokens(1.0, [(_decision(0, 1.0), 1.0)], free, lambda b, d: 0.002) == 0.0
+
+
+def test_the_steps_rate_is_that_of_the_step_its_decisions_compose() -> None:
+    # A model-draft class at K 2 beside an n-gram class at K 8 in a batch of 16. Each decision's
+    # speedup prices its arm as if the whole batch ran it (the n-gram class's 4x, with no
+    # drafter); their mean overstates the mixed step's rate, which pays the drafter's passes
+    # for all and verifies both classes' drafts.
+    cost = StepCostModel((16, 64, 256), CostPrior(ridge_tokens=64), 600.0, [1, 16, 64], 4)
+    cost.ensure_drafts(["d"])
+    means = {("m", "d"): np.array([0.6, 0.6]), ("n", "ngram"): np.full(8, 0.9)}
+    prices = CutPrices(cost, means, {"d"})
+    model = Decision("m", 0, "d", 2, Reason.GOODPUT, 1.6)
+    ngram = Decision("n", 0, "ngram", 8, Reason.GOODPUT, 4.0)
+    weighted = [(model, 0.5), (ngram, 0.5)]
+    tokens = 0.5 * (1 + 0.6 + 0.36) + 0.5 * (1 + float(np.cumprod(np.full(8, 0.9)).sum()))
+    step = cost.predict(StepShape(16, 16 * (1 + 0.5 * 2 + 0.5 * 8), "d", 2, 32))
+    assert prices.rate(16, weighted) == pytest.approx(16 * tokens / step)
+    speedup_mean = 16 * (0.5 * 1.6 + 0.5 * 4.0) / prices.seconds(16, 16)
+    assert prices.rate(16, weighted) < 0.95 * speedup_mean
+    # A pass of the draft: one more sequential pass for the 16 sequences.
+    assert prices.pass_seconds(16, "d") == pytest.approx(
+        cost.predict(StepShape(16, 16, "d", 2, 32)) - cost.predict(StepShape(16, 16, "d", 1, 16)))
+    assert prices.survival(model) == pytest.approx(0.36)
+    assert prices.survival(replace(model, k=3)) is None  # beyond what is known
+
+
 def _core(**settings: Any) -> ControllerCore:
     core = ControllerCore(core_config(load_settings(**settings)), np.random.default_rng(0))
     core.connect_engine(HELLO, now=0.0)
@@ -127,6 +166,9 @@ def test_the_snapshot_carries_calibrations_only_where_confidences_were_counted()
     assert len(rows.accept) == rows.positions * N_CONFIDENCE_BUCKETS
     assert rows.accept[0] == pytest.approx(core.calibration("chat", "d", 2.0, True).accept[0, 0])
     assert _core().snapshot(1.0).cut is None  # off by default
+    assert len(core.snapshot(2.0).cut.pass_tokens) == core.config.n_buckets  # type: ignore[union-attr]
+    assert rows.mean_accept == pytest.approx(  # the calibration's, token-weighted by position
+        core.calibration("chat", "d", 2.0, True).mean_accept().tolist())
 
 
 def test_the_cut_crosses_the_wire() -> None:

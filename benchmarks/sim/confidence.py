@@ -15,9 +15,11 @@ stay identical to what they were before this module existed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from benchmarks.sim.scenario import Scenario
+from benchmarks.sim.scenario import ConfidenceSpec
 from benchmarks.sim.step import FloatArray, IntArray, Policy, TokenSlots
 from benchmarks.sim.truth import logit, sigmoid
 
@@ -27,8 +29,8 @@ _EPS = 1e-6  # p and q stay inside (0, 1): their logits are finite
 class ConfidenceModel:
     """The scenario's per-class confidence parameters, vectorised by class index."""
 
-    def __init__(self, scenario: Scenario) -> None:
-        specs = [c.confidence for c in scenario.classes]
+    def __init__(self, specs: Sequence[ConfidenceSpec]) -> None:
+        """``specs``: per class, in class index order."""
         self.concentration = np.array([c.concentration for c in specs], dtype=np.float64)
         self.bias = np.array([c.bias for c in specs], dtype=np.float64)
         self.noise = np.array([c.noise for c in specs], dtype=np.float64)

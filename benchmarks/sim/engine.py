@@ -359,7 +359,7 @@ class SimEngine:
         self.truth = AcceptanceTruth(scenario)
         self.cost = StepCost.from_scenario(scenario)
         self.ngram = next((i for i, m in enumerate(self.info.draft_is_model) if not m), None)
-        self.confidence = ConfidenceModel(scenario)
+        self.confidence = ConfidenceModel([c.confidence for c in scenario.classes])
 
     def run(self, policy: Policy, progress: ProgressFn | None = None) -> RunResult:
         """Run ``policy`` for the scenario's duration; ``progress`` gets the simulated time about

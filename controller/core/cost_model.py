@@ -376,18 +376,11 @@ class StepCostModel:
 
     def _rebuild_prior(self) -> None:
         """Prior information = ``strength_steps`` virtual steps spread over a design of shapes."""
-        # Besides every arm, steps whose drafts are cut after drafting all of them (a drafter
-        # that ran the design's largest K, a target verifying fewer): with every sequence
-        # verifying what was drafted, a verified token and a drafted one always come together,
-        # and their split (and the per-sequence weight with them) would be set by nothing but
-        # the ridge; these pin it at the prior's until timings of cut steps separate them.
         shapes = [
-            StepShape.for_arm(b, k, d, True, sunk)
+            StepShape.for_arm(b, k, d, True)
             for b in self._design_batch_sizes
             for k in range(self._design_max_k + 1)
             for d in (self.drafts or ("",))
-            for sunk in ((None,) if not d or k == self._design_max_k
-                         else (None, (d, self._design_max_k)))
         ]
         xs = np.array([self.features(s) for s in shapes])
         w = self.prior.strength_steps / len(shapes)
@@ -400,6 +393,14 @@ class StepCostModel:
         xs[:, CONTEXT_COLUMN] = 0.0
         self._prior_a = w * xs.T @ xs + _RIDGE * np.diag(scale**2)
         self._prior_a[CONTEXT_COLUMN, CONTEXT_COLUMN] += w * float(context @ context)
+        # In a step that verifies every token it drafted (every arm) a verified token and a
+        # drafted one come together, so their split, and the per-sequence weight with it, is in
+        # no such step's time: it is the prior's, held as firmly as the prior holds the rest,
+        # until steps whose drafts are cut (fewer verified than drafted) separate them. Left to
+        # the ridge it wandered to opposite signs that priced a verification slot below nothing.
+        for i in range(len(self.drafts)):
+            col = self.columns.draft_columns(i)[2]
+            self._prior_a[col, col] += w * float(xs[:, col] @ xs[:, col])
         self._prior_b = self._prior_a @ self._prior_centre()
         self._invalidate()
 

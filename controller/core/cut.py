@@ -37,14 +37,21 @@ included, read off the same formula), worth ``dp x G`` tokens of the step's rate
 verification slot a pass is not sunk when the engine decides it, so it is priced even where
 verifying is about free (a batch of one, where the passes are most of what a draft costs).
 
-Pure: the step prices and the class's acceptance come in as functions.
+Pure: the step prices and the class's acceptance come in as functions (``CutPrices`` reads them
+off the controller's evidence).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+
+import numpy as np
+import numpy.typing as npt
 
 from specpilot.contract.records import CalibrationRows, Decision, TokenCut
+from specpilot.controller.core.cost_model import StepCostModel, StepShape
+
+FloatArray = npt.NDArray[np.float64]
 
 # (batch size, tokens the target verifies) -> mean step seconds (drafting apart: it is sunk)
 VerifySeconds = Callable[[int, float], float]
@@ -128,3 +135,49 @@ def token_cut(batch_sizes: Iterable[float],
         () if pass_seconds is None else tuple(
             pass_tokens(b, decisions_by_bucket.get(i, []), seconds, pass_seconds, rate)
             for i, b in enumerate(sizes)))
+
+
+class CutPrices:
+    """The prices the cut is computed from, read off the step-cost model's mean weights and the
+    classes' mean acceptance (``means``: per (class, draft), by position) at one instant:
+    ``seconds`` (``VerifySeconds``), ``pass_seconds``, ``survival`` and ``rate`` (``StepRate``:
+    the step the bucket's decisions compose, each class's expected tokens at its K, the target
+    verifying every draft, the most drafting model draft running the largest K asked of it for
+    every sequence, as a per-request engine drafts)."""
+
+    def __init__(self, cost: StepCostModel, means: Mapping[tuple[str, str], FloatArray],
+                 model_drafts: Collection[str]) -> None:
+        self._cost = cost
+        self._means = means
+        self._model = model_drafts
+
+    def seconds(self, batch_size: int, verified_tokens: float) -> float:
+        return self._cost.predict(StepShape(batch_size, verified_tokens))
+
+    def pass_seconds(self, batch_size: int, draft: str) -> float:
+        one, two = (self._cost.predict(StepShape(batch_size, batch_size, draft, passes,
+                                                 batch_size * passes)) for passes in (1, 2))
+        return two - one
+
+    def survival(self, decision: Decision) -> float | None:
+        mean = self._means.get((decision.traffic_class, decision.draft))
+        return None if mean is None or mean.size < decision.k else float(
+            np.prod(mean[:decision.k]))
+
+    def rate(self, batch_size: int, weighted: list[tuple[Decision, float]]) -> float:
+        total = sum(w for _, w in weighted)
+        tokens = verified = 0.0
+        passes: dict[str, float] = {}
+        for d, w in weighted:
+            mean = self._means.get((d.traffic_class, d.draft)) if d.k > 0 else None
+            k = 0 if mean is None else min(d.k, mean.size)
+            gained = 0.0 if mean is None else float(np.cumprod(mean[:k]).sum())
+            tokens += w / total * (1.0 + gained)
+            verified += w / total * (1 + k)
+            if k and d.draft in self._model:
+                passes[d.draft] = max(passes.get(d.draft, 0), k)
+        drafter = max(passes, key=lambda n: passes[n], default="")
+        drafted = passes.get(drafter, 0.0)
+        step = self._cost.predict(StepShape(batch_size, batch_size * verified, drafter, drafted,
+                                            batch_size * drafted))
+        return batch_size * tokens / step

@@ -5,8 +5,6 @@ model's fit), so that no reader reaches into a part's state.
 
 from __future__ import annotations
 
-import numpy as np
-
 from specpilot.contract.pricing import StepPricing
 from specpilot.contract.records import (
     CalibrationRows,
@@ -18,7 +16,7 @@ from specpilot.contract.records import (
 )
 from specpilot.controller.core.calibration import CalibrationTable
 from specpilot.controller.core.cost_model import StepShape
-from specpilot.controller.core.cut import token_cut
+from specpilot.controller.core.cut import CutPrices, token_cut
 from specpilot.controller.core.mix import Arm
 from specpilot.controller.core.parts import CoreParts
 from specpilot.controller.core.policy import arm_values
@@ -173,47 +171,9 @@ class ReadModel:
             for d in view.decisions:
                 by_bucket.setdefault(d.bucket, []).append((d, view.share or 0.0))
 
-        def seconds(batch_size: int, verified_tokens: float) -> float:
-            return evidence.cost.predict(StepShape(batch_size, verified_tokens))
-
-        def pass_seconds(batch_size: int, draft: str) -> float:
-            one, two = (evidence.cost.predict(StepShape(batch_size, batch_size, draft, passes,
-                                                        batch_size * passes))
-                        for passes in (1, 2))
-            return two - one
-
-        means = {(view.name, e.draft): e.mean for view in classes
-                 for e in view.estimates}
-
-        def survival(decision: Decision) -> float | None:
-            mean = means.get((decision.traffic_class, decision.draft))
-            return None if mean is None or mean.size < decision.k else float(
-                np.prod(mean[:decision.k]))
-
-        model_drafts = {d.name for d in self._parts.engines.drafts()
-                         if d.kind == DraftKind.MODEL}
-
-        def rate(batch_size: int, weighted: list[tuple[Decision, float]]) -> float:
-            # The step the bucket's decisions compose: each class's expected tokens at its K,
-            # the target verifying every draft, the most drafted model draft running the
-            # largest K asked of it for every sequence (as a per-request engine drafts).
-            total = sum(w for _, w in weighted)
-            tokens = verified = 0.0
-            passes: dict[str, float] = {}
-            for d, w in weighted:
-                mean = means.get((d.traffic_class, d.draft)) if d.k > 0 else None
-                k = 0 if mean is None else min(d.k, mean.size)
-                gained = 0.0 if mean is None else float(np.cumprod(mean[:k]).sum())
-                tokens += w / total * (1.0 + gained)
-                verified += w / total * (1 + k)
-                if k and d.draft in model_drafts:
-                    passes[d.draft] = max(passes.get(d.draft, 0), k)
-            drafter = max(passes, key=lambda n: passes[n], default="")
-            drafted = passes.get(drafter, 0.0)
-            step = evidence.cost.predict(StepShape(batch_size, batch_size * verified, drafter,
-                                                   drafted, batch_size * drafted))
-            return batch_size * tokens / step
-
+        means = {(view.name, e.draft): e.mean for view in classes for e in view.estimates}
+        prices = CutPrices(evidence.cost, means, {d.name for d in self._parts.engines.drafts()
+                                                  if d.kind == DraftKind.MODEL})
         rows = []
         for name in self._parts.classes.names():
             for draft in (d.name for d in self._parts.engines.drafts()):
@@ -225,8 +185,8 @@ class ReadModel:
                             tuple(table.accept.ravel().tolist()),
                             tuple(table.mean_accept().tolist())))
         sizes = [evidence.loads.batch_size(b) for b in range(config.n_buckets)]
-        return token_cut(sizes, by_bucket, seconds, rows, survival,
-                         config.policy.min_speedup - 1.0, pass_seconds, rate)
+        return token_cut(sizes, by_bucket, prices.seconds, rows, prices.survival,
+                         config.policy.min_speedup - 1.0, prices.pass_seconds, prices.rate)
 
     def _estimates(self, name: str, drafts: tuple[DraftSpec, ...],
                    with_evidence: list[tuple[str, str]], now: float

@@ -60,7 +60,7 @@ def _position_means(s: Scenario, model: ConfidenceModel, n: int = 20_000
 @pytest.mark.parametrize("path", sorted(SUITE.glob("*.yaml")), ids=lambda p: p.stem)
 def test_confidence_keeps_every_scenarios_mean_acceptance_by_position(path: Path) -> None:
     s = load_scenario(path)
-    rates, p_mean, _ = _position_means(s, ConfidenceModel(s))
+    rates, p_mean, _ = _position_means(s, ConfidenceModel([c.confidence for c in s.classes]))
     # 20k tokens a cell: the standard error of a mean rate is under 0.0035.
     assert np.abs(p_mean - rates).max() < 0.012
 
@@ -73,7 +73,7 @@ def test_a_wrong_calibration_would_move_the_mean_acceptance() -> None:
     classes = [c.model_copy(update={"confidence": c.confidence.model_copy(update={"bias": 0.5})})
                for c in s.classes]
     s = s.model_copy(update={"classes": classes})
-    rates, p_mean, q_mean = _position_means(s, ConfidenceModel(s))
+    rates, p_mean, q_mean = _position_means(s, ConfidenceModel([c.confidence for c in s.classes]))
     assert np.abs(p_mean - rates).max() < 0.012
     assert np.abs(q_mean - rates).min() > 0.03
 
@@ -371,3 +371,24 @@ def test_a_transformed_class_is_counted_apart() -> None:
     engine.run(policy)
     assert {(r.traffic_class, r.transformed) for rep in reports for r in rep.confidence} == {
         ("easy", False), ("hard", True)}
+
+
+def test_the_cost_model_prices_a_verified_token_above_nothing_on_a_real_run() -> None:
+    # Every step of a run verifies all it drafted (the cut only starts once its prices do),
+    # so nothing in the data splits a token's price between the target and the drafter: the
+    # prior must. Left to the ridge, this run's fit priced a verified token at -7e-4 s and a
+    # drafted one at +7e-4 s by the second phase (the truth: 2e-5 and 1e-5), every slot below
+    # nothing, and the cut never cut.
+    s = load_scenario(SUITE / "confidence-ramp.yaml")
+    s = s.model_copy(update={"load": s.load[:2]})
+    engine = SimEngine(s, s.seed)
+    policy = policies.build("specpilot-cut", engine)
+    assert isinstance(policy, SpecPilotPolicy)
+    engine.run(policy)
+    snap = policy.core.snapshot(80.0)
+    assert snap.composition is not None and snap.cut is not None
+    fit = snap.composition.pricing  # the cost model's weights, as engines receive them
+    assert 1e-6 < fit.seconds_per_token < 1e-4
+    assert 1e-6 < fit.drafts["llama-1b"].seconds_per_token < 1e-4
+    # With its prices right the cut does cut at a batch of 8 (none at a batch of one).
+    assert max(snap.cut.min_survival) > 0.0
