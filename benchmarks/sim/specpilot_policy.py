@@ -150,7 +150,6 @@ class SpecPilotPolicy:
         self._changed_at = np.zeros((n_c, n_b))
         self._class_index = {c: i for i, c in enumerate(info.classes)}
         self.idle_decision_changes = 0
-        self._asked = np.zeros(0, dtype=np.int64)  # the last step's K per request, as decided
 
     def _clock(self) -> float:
         return self._now
@@ -186,7 +185,6 @@ class SpecPilotPolicy:
                 probed = [i for i in mine if resolved.probed(str(view.request_ids[i]))]
                 k[probed] = resolved.probe_choice.k
                 draft[probed] = self._index(resolved.probe_choice)
-        self._asked = k
         if view.slots is None or not lookup.cuts():
             return Assignment(draft, k, self._scored(view, draft))
         verified, drafted = self._cut(view.slots, view.classes, lookup, draft, k)
@@ -242,9 +240,11 @@ class SpecPilotPolicy:
         info, record = self.info, self.stats.record_verification
         names, drafts, cls = info.classes, info.drafts, o.view.classes
         spec = np.flatnonzero(o.assignment.k > 0)
-        # Scored as K asked (the plugin's ``on_output``, and its ``on_drafts`` for a request
-        # cut to none): a cut tail, and one the drafter stopped before, counts as rejected.
-        asked = o.assignment.drafted if o.assignment.drafted is not None else o.assignment.k
+        # Scored as K drafted (the plugin's ``on_output``, and its ``on_drafts`` for a request
+        # cut to none): a cut tail counts as rejected; positions the drafter stopped before were
+        # never drafted (counting them rejected fed the stop its own stops: the class's
+        # acceptance ahead fell, and with it the next pass's worth).
+        asked = o.assignment.k if o.assignment.drafted is None else o.assignment.drafted
         scored = np.flatnonzero(asked > 0)
         for c, d, k, accepted in zip(cls[scored].tolist(), o.assignment.draft[scored].tolist(),
                                      asked[scored].tolist(), o.accepted[scored].tolist(),
