@@ -70,25 +70,33 @@ class DrafterStop:
         self.passes = position = self.passes + 1
         # Per request still drafting: (its gain, the class mean's) over 1, 2, ... positions.
         gains: list[list[tuple[float, float]]] = []
+        # Once one request pays for the next pass, the others' survivals are still brought up
+        # to this pass: a later pass prices them from their every token.
+        pays = False
         for i, rows in enumerate(self._rows):
             k = self._k[i]
             if k <= position:
                 continue
             if rows is None or position > rows.positions:
-                return True
+                pays = True
+                continue
             survival = self._survival[i] * rows.accept[
                 (position - 1) * N_CONFIDENCE_BUCKETS + confidence_bucket(confidences[i])]
             self._survival[i] = survival
             if survival < self._min:
                 self._k[i] = 0  # cut here, and survival only falls
                 continue
-            if k > rows.positions:
-                return True
+            if pays or k > rows.positions:
+                pays = True
+                continue
             ahead = self._ahead(survival, math.prod(rows.mean_accept[:position]),
                                 rows.mean_accept[position:k])
             if ahead is None:
-                return True  # this request alone pays for the passes
+                pays = True  # this request alone pays for the passes
+                continue
             gains.append(ahead)
+        if pays:
+            return True
         # Past its K a request's gains stay what they reached.
         for h in range(max((len(g) for g in gains), default=0)):
             gain = sum(g[min(h, len(g) - 1)][0] for g in gains)

@@ -137,6 +137,16 @@ def test_requests_the_cut_does_not_cover_keep_every_pass() -> None:
     assert _passes(DrafterStop([(rows([0.9]), 3)], 0.0, 100.0), [[0.99]] * 3) == 3
 
 
+def test_every_requests_survival_counts_every_pass_whoever_paid_for_it() -> None:
+    # r0 (not covered, K=2) pays for pass 2 alone; r1's second token still counts: its
+    # survival 0.5, 0.25, then 0.125 below 0.2 at its third, where the drafter stops (the cut
+    # would drop that token anyway) instead of drafting up to r1's K.
+    r = rows([0.5] * 4, mean=[0.9] * 4)
+    stop = DrafterStop([(None, 2), (r, 4)], 0.2, 0.0)
+    assert _passes(stop, [[0.5, 0.5]] * 4) == 3
+    assert cut_length([0.5] * 3, r, 0.2) == 2
+
+
 def test_the_view_answers_the_drafters_price_in_its_bucket() -> None:
     bounds = len(PolicyView(static_k=4, static_draft="d", fail_static_timeout_seconds=30.0,
                             max_k=4).bucket_bounds) + 1
