@@ -24,7 +24,7 @@ from specpilot.contract.records import (
 )
 from specpilot.engine_plugin import pilot as pilot_module
 from specpilot.engine_plugin.classify import Classifier
-from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.config import KMode, PluginConfig
 from specpilot.engine_plugin.ngram import NGRAM_DRAFT
 from specpilot.engine_plugin.pilot import EngineSpec, Pilot, announce
 from specpilot.engine_plugin.policy.picks import COUNTERFACTUAL_CLASS_PICKS, score_point
@@ -609,3 +609,53 @@ def test_batch_max_prices_a_step_at_its_requests_context(monkeypatch: pytest.Mon
     pilot.batch_k(requests.values())  # type: ignore[arg-type]
     pilot.close()
     assert seen == [200.0]
+
+
+def _stop_plan(k_mode: KMode, pass_tokens: tuple[float, ...] = (3.0,) * 9,
+               batch_k: int = 4) -> dict[str, tuple[str | None, int]] | None:
+    """The stop plan ``plan_drafter_stop`` puts on a step of four requests: r0 class "a" on the
+    drafter at K=3 (calibrated), r1 class "b" on the drafter at K=4 (not calibrated), r2 class
+    "c" on n-gram drafts at K=2, r3 class "a" still prefilling; r4 is not the pilot's."""
+    from specpilot.engine_plugin.drafter_stop import STOP_ATTR
+
+    config = PluginConfig(k_mode=k_mode, suffix_drafts=False)
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    requests = _batch(pilot, ["a", "b", "c", "a"])
+    requests["r3"].is_prefill_chunk = True
+    requests["r4"] = _Request(4)
+    rows = CalibrationRows("a", "draft", False, 4, (0.5,) * 32, (0.9,) * 4)
+    by_class = {"a": ("draft", 3), "b": ("draft", 4), "c": (NGRAM_DRAFT, 2)}
+    pilot.view.apply(PolicyUpdate(2, tuple(
+        EngineDecision(c, b, draft, k) for b in range(len(pilot.view.bucket_bounds) + 1)
+        for c, (draft, k) in by_class.items()), fail_static_timeout_seconds=1e9,
+        cut=TokenCut((0.2,) * 9, (rows,), pass_tokens)))
+    pilot.on_schedule_start()
+    output = SimpleNamespace(num_scheduled_tokens={i: 1 for i in requests},
+                             num_spec_tokens_to_schedule=batch_k)
+    pilot.plan_drafter_stop(output, requests, len(requests))  # type: ignore[arg-type]
+    pilot.close()
+    plan = getattr(output, STOP_ATTR)
+    if plan is None:
+        return None
+    assert (plan.min_survival, plan.pass_tokens) == (0.2, 3.0)
+    return {i: (None if r is None else r.traffic_class, k)
+            for i, (r, k) in plan.requests.items()}
+
+
+def test_the_drafters_stop_is_planned_per_request_from_the_decisions() -> None:
+    # Per request: each its K on the drafter, with its class's calibration where there is one;
+    # n-gram drafts keep the room they are substituted into; a prefill chunk's drafts are
+    # dropped; a request the pilot does not hold is drafted as vLLM asks.
+    assert _stop_plan("per_request") == {"r0": ("a", 3), "r1": (None, 4), "r2": (None, 2),
+                                         "r3": (None, 0), "r4": (None, 4)}
+    # The step's batch K caps every K.
+    assert _stop_plan("per_request", batch_k=2) == {
+        "r0": ("a", 2), "r1": (None, 2), "r2": (None, 2), "r3": (None, 0), "r4": (None, 2)}
+    # batch_max lengthens n-gram drafts whatever the drafter drafted; batch_wide verifies the
+    # batch K of every request.
+    assert _stop_plan("batch_max")["r2"] == (None, 0)  # type: ignore[index]
+    assert _stop_plan("batch_wide") == {"r0": ("a", 4), "r1": (None, 4), "r2": (None, 4),
+                                        "r3": (None, 0), "r4": (None, 4)}
+    # No pass price, or one pass asked: nothing to stop.
+    assert _stop_plan("per_request", pass_tokens=()) is None
+    assert _stop_plan("per_request", batch_k=1) is None

