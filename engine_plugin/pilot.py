@@ -21,7 +21,7 @@ from specpilot.contract.version import package_version
 from specpilot.engine_plugin.classify import Classifier
 from specpilot.engine_plugin.config import PluginConfig
 from specpilot.engine_plugin.deterministic import Counterfactual, DeterministicDraft
-from specpilot.engine_plugin.drafter_stop import StopPlan, mark_stop
+from specpilot.engine_plugin.drafter_stop import PASSES_ATTR, StopPlan, mark_stop
 from specpilot.engine_plugin.hardware import describe_hardware
 from specpilot.engine_plugin.link import ControllerLink
 from specpilot.engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
@@ -613,8 +613,12 @@ class Pilot:
         # Only decode steps are timed: the cost model prices decode steps, and a step that also
         # prefills is far longer (compute-bound), so averaging it in would skew every estimate.
         if batch and scheduler_output.total_num_scheduled_tokens <= decode_tokens:
-            # The drafter drafted k passes for every sequence (cuts come after drafting).
+            # The drafter drafted k passes for every sequence (cuts come after drafting), or
+            # fewer where it stopped early.
             k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
+            passes = getattr(scheduler_output, PASSES_ATTR, None)
+            if type(passes) is int and 0 < passes < k:
+                k = passes
             self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,
                                    k * batch, self.engine.drafter if k else "", k, seconds,
                                    step_context_tokens(scheduler_output))

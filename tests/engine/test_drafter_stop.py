@@ -69,23 +69,41 @@ def drafter_widths(llm: Any) -> Iterator[list[int]]:
         del drafter.propose
 
 
+@contextmanager
+def steps_timed(llm: Any) -> Iterator[list[int]]:
+    """The K (drafter passes) of each decode step the pilot times."""
+    stats = pilot_of(llm).stats
+    ks: list[int] = []
+    record = stats.record_step
+
+    def spy(batch_size: int, verified: int, drafted: int, draft: str, k: int,
+            *args: Any) -> None:
+        ks.append(k)
+        record(batch_size, verified, drafted, draft, k, *args)
+
+    stats.record_step = spy
+    try:
+        yield ks
+    finally:
+        del stats.record_step
+
+
 def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(tiny_models: Any) -> None:
     spec = {"method": "eagle", "model": str(tiny_models.exact_eagle), "num_speculative_tokens": K}
     with llm_session(tiny_models.exact_target) as plain:
         baseline = token_ids(plain.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
                                             use_tqdm=False))
-    used = {}
-    widths = {}
+    used, widths, timed = {}, {}, {}
     with plugin_environment({"ngram_drafts": "false"}), \
             llm_session(tiny_models.exact_target, spec, SCHEDULER) as llm:
         for version, price in enumerate((1e6, None), start=1):
             put_stop(llm, version, pass_tokens=price)
             before = spec_counters(llm)
-            with drafter_widths(llm) as seen:
+            with drafter_widths(llm) as seen, steps_timed(llm) as ks:
                 out = token_ids(llm.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
                                              use_tqdm=False))
             assert out == baseline, price
-            used[price], widths[price] = spec_counters(llm) - before, seen
+            used[price], widths[price], timed[price] = spec_counters(llm) - before, seen, ks
     stopped, control = used[1e6], used[None]
     print(f"\nwith the stop: {stopped}, draft widths {sorted(set(widths[1e6]))}; "
           f"without: {control}, widths {sorted(set(widths[None]))}")
@@ -95,6 +113,9 @@ def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(tiny_models: An
     # The control: without a pass price the drafter runs K passes and the cut keeps two.
     assert control.drafts > 0 and control.draft_tokens == 2 * control.drafts
     assert set(widths[None]) == {K}
+    # The pilot times each decode step at the passes the drafter ran (the in-process worker
+    # notes them on the step's SchedulerOutput).
+    assert set(timed[1e6]) == {1} and set(timed[None]) == {K}
 
 
 @pytest.fixture(scope="module")
