@@ -17,11 +17,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment
+from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_stop_policy
 from benchmarks.faults import PROMPTS
 from specpilot.contract.classes import DEFAULT_CLASS
-from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
-from specpilot.contract.records import CalibrationRows, EngineDecision, PolicyUpdate, TokenCut
 from tests.engine.harness import (
     differing_positions,
     params,
@@ -38,16 +36,10 @@ K = 4
 
 
 def put_stop(llm: Any, version: int, *, pass_tokens: float | None) -> None:
-    """Every class at the drafter with K=4, the cut above and the pass price (None: none)."""
+    """Every request on the drafter at K=4, the cut above and the pass price (None: none)."""
     pilot = pilot_of(llm)
-    drafter, buckets = pilot.engine.drafter, len(pilot.view.bucket_bounds) + 1
-    rows = CalibrationRows(DEFAULT_CLASS, drafter, False, K, (0.5,) * (K * N_CONFIDENCE_BUCKETS),
-                           mean_accept=(0.9,) * K)
-    prices = () if pass_tokens is None else (pass_tokens,) * buckets
-    pilot.view.apply(PolicyUpdate(
-        version, tuple(EngineDecision(DEFAULT_CLASS, b, drafter, K) for b in range(buckets)),
-        fail_static_timeout_seconds=1e9,
-        cut=TokenCut((0.2,) * buckets, (rows,), prices)))
+    put_stop_policy(pilot.view, pilot.engine.drafter, K, accept=0.5, min_survival=0.2,
+                    pass_tokens=pass_tokens, version=version)
 
 
 @contextmanager
