@@ -80,11 +80,21 @@ def steps_timed(llm: Any) -> Iterator[list[int]]:
         del stats.record_step
 
 
-def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(tiny_models: Any) -> None:
-    spec = {"method": "eagle", "model": str(tiny_models.exact_eagle), "num_speculative_tokens": K}
+@pytest.fixture(scope="module")
+def exact_baseline(tiny_models: Any) -> list[list[int]]:
+    """The exact target's greedy outputs, no speculation."""
     with llm_session(tiny_models.exact_target) as plain:
-        baseline = token_ids(plain.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
-                                            use_tqdm=False))
+        return token_ids(plain.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
+                                        use_tqdm=False))
+
+
+def _eagle(tiny_models: Any) -> dict[str, Any]:
+    return {"method": "eagle", "model": str(tiny_models.exact_eagle), "num_speculative_tokens": K}
+
+
+def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(
+        tiny_models: Any, exact_baseline: list[list[int]]) -> None:
+    spec, baseline = _eagle(tiny_models), exact_baseline
     used, widths, timed = {}, {}, {}
     with plugin_environment({"ngram_drafts": "false"}), \
             llm_session(tiny_models.exact_target, spec, SCHEDULER) as llm:
@@ -108,6 +118,22 @@ def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(tiny_models: An
     # The pilot times each decode step at the passes the drafter ran (the in-process worker
     # notes them on the step's SchedulerOutput).
     assert set(timed[1e6]) == {1} and set(timed[None]) == {K}
+
+
+def test_the_stop_reaches_a_worker_in_a_process_of_its_own(
+        tiny_models: Any, exact_baseline: list[list[int]]) -> None:
+    """``mp``: the worker runs in its own process (as under ``vllm serve`` with several
+    workers); the plan travels pickled with the step, and every draft is one token wide."""
+    with plugin_environment({"ngram_drafts": "false"}), llm_session(
+            tiny_models.exact_target, _eagle(tiny_models), SCHEDULER,
+            distributed_executor_backend="mp") as llm:
+        put_stop(llm, 1, pass_tokens=1e6)
+        before = spec_counters(llm)
+        out = token_ids(llm.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
+                                     use_tqdm=False))
+        used = spec_counters(llm) - before
+    assert out == exact_baseline
+    assert used.drafts > 0 and used.draft_tokens == used.drafts
 
 
 @pytest.fixture(scope="module")
