@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
         version = 0
         for batch in (1, 16):
-            got: dict[str, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
+            got: dict[str, list[tuple[float, float, float]]] = {arm: [] for arm in ARMS}
             for rep in range(args.repeats + 1):  # the first round warms up
                 for arm in (list(ARMS) if rep % 2 else list(reversed(ARMS))):
                     version += 1
