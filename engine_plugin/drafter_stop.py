@@ -89,6 +89,16 @@ def mark_stop(output: Any, plan: StopPlan | None) -> None:
     setattr(output, STOP_ATTR, plan)
 
 
+def _failed(what: str) -> None:
+    """Log an unexpected failure with its traceback once per process, then quietly: it would
+    recur every step."""
+    if _state.get("failure_logged"):
+        log.debug("specpilot: %s", what, exc_info=True)
+    else:
+        _state["failure_logged"] = True
+        log.exception("specpilot: %s (logged once)", what)
+
+
 class _Stopped(Exception):
     """Out of vLLM's draft loop, to the ``propose`` wrapper."""
 
@@ -124,7 +134,7 @@ class _Run:
                 return  # the last pass asked: nothing to stop
             go_on = self.stop.after_pass(notes[-1][:self.rows].tolist())
         except Exception:
-            log.exception("specpilot: the drafter's stop failed; this step drafts in full")
+            _failed("the drafter's stop failed; this step drafts in full")
             self.blind = True
             return
         if not go_on:
@@ -167,7 +177,7 @@ def stopping(runner: Any, output: Any) -> Iterator[None]:
                 run = _Run(drafter, stop, len(req_ids))
                 setattr(drafter, PASS_HOOK_ATTR, run)
     except Exception:
-        log.exception("specpilot: could not set up the drafter's stop; this step drafts in full")
+        _failed("could not set up the drafter's stop; this step drafts in full")
         run = None
     try:
         yield
