@@ -461,11 +461,12 @@ def test_a_model_drafter_is_scored_as_it_drafted() -> None:
 
 def _confidence_step(cuts: Mapping[str, tuple[str, int]], transformed: bool = False,
                      token_cut: TokenCut | None = None,
-                     acceptance: list[AcceptanceRecord] | None = None
+                     acceptance: list[AcceptanceRecord] | None = None, drafted: int = 4
                      ) -> tuple[ConfidenceRecord, ...]:
-    """One step on a model drafter that proposed 4 tokens to each of two requests of class "a"
-    with the drafter's confidences, under ``cuts`` (the policy), verified with 2 and 0 accepted:
-    the confidence records reported (the acceptance records into ``acceptance``)."""
+    """One step on a model drafter that proposed ``drafted`` tokens (4, or fewer where it
+    stopped early) to each of two requests of class "a" with the drafter's confidences, under
+    ``cuts`` (the policy), verified with 2 and 0 accepted: the confidence records reported (the
+    acceptance records into ``acceptance``)."""
     e = _native_engine(DraftKind.MODEL)
     config = PluginConfig(k_mode="per_request", suffix_drafts=False)
     pilot = Pilot(e, config, Classifier(), announce(e, config, load))
@@ -479,7 +480,9 @@ def _confidence_step(cuts: Mapping[str, tuple[str, int]], transformed: bool = Fa
             EngineDecision("a", b, draft, k) for b in range(len(pilot.view.bucket_bounds) + 1)
             for draft, k in [cuts["a"]]), fail_static_timeout_seconds=1e9, cut=token_cut))
     pilot.on_schedule_start()
-    confidences = [[0.99, 0.9, 0.5, 0.1], [0.3, 0.95, 0.95, 0.95]]
+    confidences = [[0.99, 0.9, 0.5, 0.1][:drafted], [0.3, 0.95, 0.95, 0.95][:drafted]]
+    for r in requests.values():
+        r.spec_token_ids = r.spec_token_ids[:drafted]
     pilot.on_drafts(requests, list(requests), 2, None, confidences)  # type: ignore[arg-type]
     proposals = {i: list(r.spec_token_ids) for i, r in requests.items()}
     scheduled = {i: 1 + len(p) for i, p in proposals.items()}
@@ -554,6 +557,16 @@ def test_the_token_cut_shortens_each_requests_drafts_by_their_confidences() -> N
     # The control: without the cut both verify their 4 (r0 up to its rejection, r1 its first).
     assert {r.position: sum(r.tried_by_bucket)
             for r in _confidence_step({"a": ("draft", 4)})} == {1: 2, 2: 1, 3: 1}
+
+
+def test_drafts_the_drafter_stopped_early_are_scored_as_drafted() -> None:
+    """The drafter stopped after two passes (K=4 decided, a cut that keeps every token): each
+    request is scored as the K=2 it drafted, as the simulator scores it, not as the 4 decided."""
+    rows = CalibrationRows("a", "draft", False, 4, (1.0,) * 32)
+    scored: list[AcceptanceRecord] = []
+    _confidence_step({"a": ("draft", 4)}, token_cut=TokenCut((0.5,) * 9, (rows,)),
+                     acceptance=scored, drafted=2)
+    assert [(r.k, r.steps_by_accepted) for r in scored] == [(2, (1, 0, 1))]
 
 
 def test_a_decode_steps_timing_carries_the_context_its_requests_held() -> None:
