@@ -92,11 +92,12 @@ def _eagle(tiny_models: Any) -> dict[str, Any]:
     return {"method": "eagle", "model": str(tiny_models.exact_eagle), "num_speculative_tokens": K}
 
 
+@pytest.mark.parametrize("k_mode", ["per_request", "batch_max"])
 def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(
-        tiny_models: Any, exact_baseline: list[list[int]]) -> None:
+        tiny_models: Any, exact_baseline: list[list[int]], k_mode: str) -> None:
     spec, baseline = _eagle(tiny_models), exact_baseline
     used, widths, timed = {}, {}, {}
-    with plugin_environment({"ngram_drafts": "false"}), \
+    with plugin_environment({"ngram_drafts": "false", "k_mode": k_mode}), \
             llm_session(tiny_models.exact_target, spec, SCHEDULER) as llm:
         for version, price in enumerate((1e6, None), start=1):
             put_stop(llm, version, pass_tokens=price)
