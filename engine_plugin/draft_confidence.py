@@ -11,7 +11,9 @@ nothing); the step's positions are gathered as a (requests x K) tensor and the r
 ``take_draft_token_ids`` attaches them, as plain lists in the rows' order, to the
 ``DraftTokenIds`` it returns (:data:`CONFIDENCE_ATTR`: a plain instance attribute, which
 survives pickling to another process). Reading the logits changes no token. Drafters with local
-argmax reduction or a vocabulary mapping report none, nor do n-gram and suffix drafters.
+argmax reduction or a vocabulary mapping report none, nor do n-gram and suffix drafters. After
+each pass the ``_sample_draft_tokens`` wrapper hands the pass to the step's drafter stop, where
+one is set (``drafter_stop``).
 
 :func:`install_confidence_capture` is idempotent, version-guarded and never raises.
 """
@@ -32,7 +34,9 @@ log = logging.getLogger("specpilot.plugin")
 CONFIDENCE_ATTR = "specpilot_draft_confidences"
 """On a DraftTokenIds: per request (``req_ids`` order), the draft's probability of each token it
 proposed, position 1 first."""
-_NOTES = "_specpilot_confidence_notes"  # on a proposer: the capture's per-position tensors
+NOTES_ATTR = "_specpilot_confidence_notes"  # on a proposer: the capture's per-position tensors
+# On a proposer, while a step's drafter stop runs (``drafter_stop``): called after each pass.
+PASS_HOOK_ATTR = "_specpilot_after_pass"
 _LAST = "_specpilot_last_confidences"  # on a proposer: the last capture's (requests x K)
 _PATCHED = "__specpilot_confidence__"
 _announced: list[bool] = []  # the warning below, once per process
@@ -48,7 +52,7 @@ NEEDED: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 
 
 def _note(proposer: Any, confidence: Any) -> None:
-    notes = getattr(proposer, _NOTES, None)
+    notes = getattr(proposer, NOTES_ATTR, None)
     if notes is not None:
         notes.append(confidence.detach().float().cpu())
 
@@ -56,7 +60,7 @@ def _note(proposer: Any, confidence: Any) -> None:
 def _wrap_greedy_sample(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _greedy_sample(self: Any, hidden_states: Any) -> Any:
-        if (getattr(self, _NOTES, None) is None or self.use_local_argmax_reduction
+        if (getattr(self, NOTES_ATTR, None) is None or self.use_local_argmax_reduction
                 or self.use_heterogeneous_vocab):
             return original(self, hidden_states)
         import torch
@@ -79,6 +83,9 @@ def _wrap_sample_draft_tokens(original: Callable[..., Any]) -> Callable[..., Any
         tokens, probs = original(self, hidden_states, sampling_metadata, *args, **kwargs)
         if probs is not None:  # probabilistic drafting: the sampled token's own probability
             _note(self, probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1))
+        hook = getattr(self, PASS_HOOK_ATTR, None)
+        if hook is not None:  # may end the draft loop here (drafter_stop)
+            hook.after_pass(tokens, probs)
         return tokens, probs
 
     setattr(_sample_draft_tokens, _PATCHED, True)
@@ -90,12 +97,12 @@ def capture(drafter: Any) -> Iterator[None]:
     """Note the confidences of the positions ``drafter`` drafts inside the block, and keep them,
     one row per request, for the runner's next ``take_draft_token_ids`` (nothing kept where the
     positions do not line up: a drafter that drafts all positions in one pass)."""
-    setattr(drafter, _NOTES, [])
+    setattr(drafter, NOTES_ATTR, [])
     try:
         yield
     finally:
-        notes = getattr(drafter, _NOTES, None) or []
-        setattr(drafter, _NOTES, None)
+        notes = getattr(drafter, NOTES_ATTR, None) or []
+        setattr(drafter, NOTES_ATTR, None)
         last = None
         if len({tuple(n.shape) for n in notes}) == 1 and notes[0].dim() == 1:
             import torch

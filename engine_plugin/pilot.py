@@ -16,11 +16,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specpilot.contract.classes import DEFAULT_CLASS
-from specpilot.contract.records import DraftKind, DraftSpec, EngineHello
+from specpilot.contract.records import CalibrationRows, DraftKind, DraftSpec, EngineHello
 from specpilot.contract.version import package_version
 from specpilot.engine_plugin.classify import Classifier
 from specpilot.engine_plugin.config import PluginConfig
 from specpilot.engine_plugin.deterministic import Counterfactual, DeterministicDraft
+from specpilot.engine_plugin.drafter_stop import PASSES_ATTR, StopPlan, mark_stop
 from specpilot.engine_plugin.hardware import describe_hardware
 from specpilot.engine_plugin.link import ControllerLink
 from specpilot.engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
@@ -508,6 +509,47 @@ class Pilot:
         skip = self.config.skip_idle_drafter and self.config.k_mode != "per_request"
         mark_step(output, skip_drafter=skip, deterministic=self._verifying_deterministic)
 
+    def plan_drafter_stop(self, output: SchedulerOutputLike, requests: Mapping[str, RequestLike],
+                          batch_size: int) -> None:
+        """On a sync step's SchedulerOutput, for the worker (``drafter_stop``): the early stop
+        of the drafter's passes at the end of the step, where the policy prices a pass and cuts
+        drafts. Each scheduled request asks for its decision's K of the drafter's tokens (at
+        most the step's batch K; in ``batch_wide`` every request the batch K) with its class's
+        calibration; one whose tokens a deterministic draft replaces asks for the room its
+        substitution needs (none where ``batch_max`` lengthens it anyway), one off or still
+        prefilling for none."""
+        k_max = int(output.num_spec_tokens_to_schedule)
+        plan = None
+        if k_max > 1 and self.engine.drafter_kind is DraftKind.MODEL:
+            lookup = self._lookup(batch_size)
+            price = lookup.drafter_stop()
+            if price is not None and lookup.cuts():
+                plan = StopPlan(*price, self._stop_requests(output, requests, lookup, k_max))
+        mark_stop(output, plan)
+
+    def _stop_requests(self, output: SchedulerOutputLike, requests: Mapping[str, RequestLike],
+                       lookup: PolicyLookup, k_max: int
+                       ) -> dict[str, tuple[CalibrationRows | None, int]]:
+        mode, drafter = self.config.k_mode, self.engine.drafter
+        out: dict[str, tuple[CalibrationRows | None, int]] = {}
+        for req_id in output.num_scheduled_tokens:
+            request, state = requests.get(req_id), self.requests.get(req_id)
+            if request is None or state is None:
+                out[req_id] = (None, k_max)  # not the pilot's: drafted as vLLM asks
+                continue
+            if request.is_prefill_chunk:
+                out[req_id] = (None, 0)  # its drafts are dropped
+                continue
+            choice = self._choice(req_id, lookup)
+            want = k_max if mode == "batch_wide" else min(choice.k, k_max)
+            if choice.draft in self.deterministic:
+                lengthened = mode == "batch_max" and not request.use_structured_output
+                out[req_id] = (None, 0 if lengthened else want)
+                continue
+            cut = lookup.cut(state.traffic_class, drafter, state.transformed) if want else None
+            out[req_id] = (None if cut is None else cut[0], want)
+        return out
+
     def on_placeholders(self, requests: Mapping[str, RequestLike], req_ids: Iterable[str],
                         batch_size: int) -> None:
         """Async scheduling: each request gets a placeholder list of its own K (the scheduler
@@ -571,8 +613,12 @@ class Pilot:
         # Only decode steps are timed: the cost model prices decode steps, and a step that also
         # prefills is far longer (compute-bound), so averaging it in would skew every estimate.
         if batch and scheduler_output.total_num_scheduled_tokens <= decode_tokens:
-            # The drafter drafted k passes for every sequence (cuts come after drafting).
+            # The drafter drafted k passes for every sequence (cuts come after drafting), or
+            # fewer where it stopped early.
             k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
+            passes = getattr(scheduler_output, PASSES_ATTR, None)
+            if type(passes) is int and 0 < passes < k:
+                k = passes
             self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,
                                    k * batch, self.engine.drafter if k else "", k, seconds,
                                    step_context_tokens(scheduler_output))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from specpilot.engine_plugin import vllm_types
 from specpilot.engine_plugin.draft_confidence import NEEDED as CONFIDENCE_METHODS
+from specpilot.engine_plugin.drafter_stop import _PROPOSE_PARAMS as STOP_PARAMS
 from specpilot.engine_plugin.worker_patch import _NEEDED as RUNNER_METHODS
 
 FOUND, MISSING, CHANGED = "found", "missing", "changed"
@@ -62,6 +63,10 @@ HOOKS: tuple[Hook, ...] = (
     *(Hook(_RUNNER, name, params, "worker_patch.py") for name, params in RUNNER_METHODS),
     *(Hook(path, name, params, "draft_confidence.py")
       for path, name, params in CONFIDENCE_METHODS),
+    Hook(_PROPOSER, "propose", STOP_PARAMS, "drafter_stop.py"),
+    Hook(_PROPOSER, "parallel_drafting", (), "drafter_stop.py"),
+    Hook(_PROPOSER, "num_speculative_tokens", (), "drafter_stop.py"),
+    Hook(_PROPOSER, "_last_draft_probs", (), "drafter_stop.py"),
     Hook(_PROPOSER, "use_local_argmax_reduction", (), "draft_confidence.py"),
     Hook(_PROPOSER, "use_heterogeneous_vocab", (), "draft_confidence.py"),
     Hook(_RUNNER, "_draft_probs", (), "worker_patch.py"),

@@ -1,6 +1,7 @@
 """Worker-side patches of vLLM's model runner: no drafter tax, exact n-gram rows under
-probabilistic drafting (and, installed with them, the draft-confidence capture:
-``draft_confidence``).
+probabilistic drafting (and, installed with them, the draft-confidence capture,
+``draft_confidence``, and the drafter's early stop, ``drafter_stop``, which the runner's
+``propose_draft_token_ids`` wrapper sets up for each marked step).
 
 The scheduler (scheduler.py) marks each ``SchedulerOutput`` it builds (:func:`mark_step`); the
 worker reads the marks. In-process the worker sees the same object; across processes the marks
@@ -43,6 +44,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from specpilot.engine_plugin.draft_confidence import capture, install_confidence_capture
+from specpilot.engine_plugin.drafter_stop import install_drafter_stop, stopping
 from specpilot.engine_plugin.vllm_compat import is_supported, method_parameters, vllm_version
 
 if TYPE_CHECKING:
@@ -147,7 +149,7 @@ def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
         if not skip:
             if not hasattr(scheduler_output, SKIP_ATTR):  # not specpilot's scheduler
                 return original(self, scheduler_output, *args, **kwargs)
-            with capture(self.drafter):
+            with capture(self.drafter), stopping(self, scheduler_output):
                 return original(self, scheduler_output, *args, **kwargs)
         self._draft_probs = None
         self._draft_prob_req_ids = None
@@ -250,11 +252,12 @@ def install_worker_patches() -> bool:
                 method = getattr(runner, name)
                 if not getattr(method, _PATCHED, False):
                     setattr(runner, name, wrap(method))
-            install_confidence_capture()
+            if install_confidence_capture():
+                install_drafter_stop()  # asks each pass's confidences of the capture
             if not _state.get("announced"):
                 _state["announced"] = True
                 log.info("specpilot: installed the worker patches (idle drafter skip, one-hot "
-                         "rows for n-gram drafts)")
+                         "rows for n-gram drafts, the drafter's early stop)")
         return True
     except Exception:
         log.exception("specpilot: failed to install the worker patches")

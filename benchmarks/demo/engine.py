@@ -173,6 +173,31 @@ def put_policy(view: PolicyView, by_class: Mapping[str, tuple[str, int]], versio
         for traffic_class, (draft, k) in by_class.items()), fail_static_timeout_seconds=1e9))
 
 
+def put_stop_policy(view: PolicyView, drafter: str, k: int, *, accept: float,
+                    min_survival: float, pass_tokens: float | None, version: int = 1) -> None:
+    """Every request on ``drafter`` at ``k`` in every bucket, with a token cut whose tokens are
+    accepted at ``accept`` whatever their confidence (the class's mean 0.9 per position) and
+    the drafter's pass priced at ``pass_tokens`` (None: no price, the drafter never stops
+    early): how tests and benchmarks drive the drafter's early stop without a controller."""
+    from specpilot.contract.classes import DEFAULT_CLASS
+    from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
+    from specpilot.contract.records import (
+        CalibrationRows,
+        EngineDecision,
+        PolicyUpdate,
+        TokenCut,
+    )
+
+    buckets = len(view.bucket_bounds) + 1
+    rows = CalibrationRows(DEFAULT_CLASS, drafter, False, k,
+                           (accept,) * (k * N_CONFIDENCE_BUCKETS), mean_accept=(0.9,) * k)
+    view.apply(PolicyUpdate(
+        version, tuple(EngineDecision(DEFAULT_CLASS, b, drafter, k) for b in range(buckets)),
+        fail_static_timeout_seconds=1e9,
+        cut=TokenCut((min_survival,) * buckets, (rows,),
+                     () if pass_tokens is None else (pass_tokens,) * buckets)))
+
+
 @dataclass(frozen=True)
 class SpecCounters:
     """vLLM's cumulative speculative-decoding counters (``vllm:spec_decode_*``)."""

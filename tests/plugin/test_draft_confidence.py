@@ -43,7 +43,8 @@ def test_a_captured_step_keeps_each_tokens_probability_by_request_and_position()
 def test_outside_a_capture_nothing_is_noted() -> None:
     drafter = _Drafter(LOGITS)
     assert greedy(drafter, None).tolist() == [0, 2]  # the tokens are vLLM's argmax either way
-    assert getattr(drafter, dc._NOTES, None) is None and getattr(drafter, dc._LAST, None) is None
+    assert getattr(drafter, dc.NOTES_ATTR, None) is None
+    assert getattr(drafter, dc._LAST, None) is None
 
 
 def test_only_steps_specpilots_scheduler_marked_are_captured() -> None:

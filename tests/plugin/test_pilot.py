@@ -24,7 +24,7 @@ from specpilot.contract.records import (
 )
 from specpilot.engine_plugin import pilot as pilot_module
 from specpilot.engine_plugin.classify import Classifier
-from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.config import KMode, PluginConfig
 from specpilot.engine_plugin.ngram import NGRAM_DRAFT
 from specpilot.engine_plugin.pilot import EngineSpec, Pilot, announce
 from specpilot.engine_plugin.policy.picks import COUNTERFACTUAL_CLASS_PICKS, score_point
@@ -461,11 +461,12 @@ def test_a_model_drafter_is_scored_as_it_drafted() -> None:
 
 def _confidence_step(cuts: Mapping[str, tuple[str, int]], transformed: bool = False,
                      token_cut: TokenCut | None = None,
-                     acceptance: list[AcceptanceRecord] | None = None
+                     acceptance: list[AcceptanceRecord] | None = None, drafted: int = 4
                      ) -> tuple[ConfidenceRecord, ...]:
-    """One step on a model drafter that proposed 4 tokens to each of two requests of class "a"
-    with the drafter's confidences, under ``cuts`` (the policy), verified with 2 and 0 accepted:
-    the confidence records reported (the acceptance records into ``acceptance``)."""
+    """One step on a model drafter that proposed ``drafted`` tokens (4, or fewer where it
+    stopped early) to each of two requests of class "a" with the drafter's confidences, under
+    ``cuts`` (the policy), verified with 2 and 0 accepted: the confidence records reported (the
+    acceptance records into ``acceptance``)."""
     e = _native_engine(DraftKind.MODEL)
     config = PluginConfig(k_mode="per_request", suffix_drafts=False)
     pilot = Pilot(e, config, Classifier(), announce(e, config, load))
@@ -479,7 +480,9 @@ def _confidence_step(cuts: Mapping[str, tuple[str, int]], transformed: bool = Fa
             EngineDecision("a", b, draft, k) for b in range(len(pilot.view.bucket_bounds) + 1)
             for draft, k in [cuts["a"]]), fail_static_timeout_seconds=1e9, cut=token_cut))
     pilot.on_schedule_start()
-    confidences = [[0.99, 0.9, 0.5, 0.1], [0.3, 0.95, 0.95, 0.95]]
+    confidences = [[0.99, 0.9, 0.5, 0.1][:drafted], [0.3, 0.95, 0.95, 0.95][:drafted]]
+    for r in requests.values():
+        r.spec_token_ids = r.spec_token_ids[:drafted]
     pilot.on_drafts(requests, list(requests), 2, None, confidences)  # type: ignore[arg-type]
     proposals = {i: list(r.spec_token_ids) for i, r in requests.items()}
     scheduled = {i: 1 + len(p) for i, p in proposals.items()}
@@ -556,6 +559,16 @@ def test_the_token_cut_shortens_each_requests_drafts_by_their_confidences() -> N
             for r in _confidence_step({"a": ("draft", 4)})} == {1: 2, 2: 1, 3: 1}
 
 
+def test_drafts_the_drafter_stopped_early_are_scored_as_drafted() -> None:
+    """The drafter stopped after two passes (K=4 decided, a cut that keeps every token): each
+    request is scored as the K=2 it drafted, as the simulator scores it, not as the 4 decided."""
+    rows = CalibrationRows("a", "draft", False, 4, (1.0,) * 32)
+    scored: list[AcceptanceRecord] = []
+    _confidence_step({"a": ("draft", 4)}, token_cut=TokenCut((0.5,) * 9, (rows,)),
+                     acceptance=scored, drafted=2)
+    assert [(r.k, r.steps_by_accepted) for r in scored] == [(2, (1, 0, 1))]
+
+
 def test_a_decode_steps_timing_carries_the_context_its_requests_held() -> None:
     """The step's context is what its requests' KV caches held when it was scheduled, as the
     SchedulerOutput keeps it (vLLM advances the request objects' counts right after
@@ -588,6 +601,35 @@ def test_a_decode_steps_timing_carries_the_context_its_requests_held() -> None:
     assert step_context(False) == (1, None)
 
 
+def test_a_step_whose_drafter_stopped_early_is_timed_at_the_passes_run() -> None:
+    """The worker notes the passes run on the SchedulerOutput where it stopped the drafter:
+    the step is timed as that many passes (K=1, one draft token per sequence), not the K
+    asked. The control: without the note, the K asked."""
+    from specpilot.engine_plugin.drafter_stop import PASSES_ATTR
+
+    config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
+
+    def timed(passes: int | None) -> tuple[int, int]:
+        pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+        requests = _batch(pilot, ["a", "a"])
+        pilot.on_schedule_start()
+        output = SimpleNamespace(
+            num_scheduled_tokens=dict.fromkeys(requests, 1), total_num_scheduled_tokens=2,
+            scheduled_spec_decode_tokens={}, num_invalid_spec_tokens=None,
+            num_spec_tokens_to_schedule=4)
+        if passes is not None:
+            setattr(output, PASSES_ATTR, passes)
+        sampled = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(requests)},
+                                  sampled_token_ids=[[9], [9]])
+        pilot.on_output(output, sampled)
+        (sums,) = pilot.stats.drain(running_requests=2).step_sums
+        pilot.close()
+        return sums.k, sums.sum_draft_tokens
+
+    assert timed(1) == (1, 2)
+    assert timed(None) == (4, 8)
+
+
 def test_batch_max_prices_a_step_at_its_requests_context(monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-step re-pick is asked with the mean KV length of the step's requests."""
     from specpilot.engine_plugin.policy.step import StepPolicy
@@ -609,3 +651,53 @@ def test_batch_max_prices_a_step_at_its_requests_context(monkeypatch: pytest.Mon
     pilot.batch_k(requests.values())  # type: ignore[arg-type]
     pilot.close()
     assert seen == [200.0]
+
+
+def _stop_plan(k_mode: KMode, pass_tokens: tuple[float, ...] = (3.0,) * 9,
+               batch_k: int = 4) -> dict[str, tuple[str | None, int]] | None:
+    """The stop plan ``plan_drafter_stop`` puts on a step of four requests: r0 class "a" on the
+    drafter at K=3 (calibrated), r1 class "b" on the drafter at K=4 (not calibrated), r2 class
+    "c" on n-gram drafts at K=2, r3 class "a" still prefilling; r4 is not the pilot's."""
+    from specpilot.engine_plugin.drafter_stop import STOP_ATTR
+
+    config = PluginConfig(k_mode=k_mode, suffix_drafts=False)
+    pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+    requests = _batch(pilot, ["a", "b", "c", "a"])
+    requests["r3"].is_prefill_chunk = True
+    requests["r4"] = _Request(4)
+    rows = CalibrationRows("a", "draft", False, 4, (0.5,) * 32, (0.9,) * 4)
+    by_class = {"a": ("draft", 3), "b": ("draft", 4), "c": (NGRAM_DRAFT, 2)}
+    pilot.view.apply(PolicyUpdate(2, tuple(
+        EngineDecision(c, b, draft, k) for b in range(len(pilot.view.bucket_bounds) + 1)
+        for c, (draft, k) in by_class.items()), fail_static_timeout_seconds=1e9,
+        cut=TokenCut((0.2,) * 9, (rows,), pass_tokens)))
+    pilot.on_schedule_start()
+    output = SimpleNamespace(num_scheduled_tokens={i: 1 for i in requests},
+                             num_spec_tokens_to_schedule=batch_k)
+    pilot.plan_drafter_stop(output, requests, len(requests))  # type: ignore[arg-type]
+    pilot.close()
+    plan = getattr(output, STOP_ATTR)
+    if plan is None:
+        return None
+    assert (plan.min_survival, plan.pass_tokens) == (0.2, 3.0)
+    return {i: (None if r is None else r.traffic_class, k)
+            for i, (r, k) in plan.requests.items()}
+
+
+def test_the_drafters_stop_is_planned_per_request_from_the_decisions() -> None:
+    # Per request: each its K on the drafter, with its class's calibration where there is one;
+    # n-gram drafts keep the room they are substituted into; a prefill chunk's drafts are
+    # dropped; a request the pilot does not hold is drafted as vLLM asks.
+    assert _stop_plan("per_request") == {"r0": ("a", 3), "r1": (None, 4), "r2": (None, 2),
+                                         "r3": (None, 0), "r4": (None, 4)}
+    # The step's batch K caps every K.
+    assert _stop_plan("per_request", batch_k=2) == {
+        "r0": ("a", 2), "r1": (None, 2), "r2": (None, 2), "r3": (None, 0), "r4": (None, 2)}
+    # batch_max lengthens n-gram drafts whatever the drafter drafted; batch_wide verifies the
+    # batch K of every request.
+    assert _stop_plan("batch_max")["r2"] == (None, 0)  # type: ignore[index]
+    assert _stop_plan("batch_wide") == {"r0": ("a", 4), "r1": (None, 4), "r2": (None, 4),
+                                        "r3": (None, 0), "r4": (None, 4)}
+    # No pass price, or one pass asked: nothing to stop.
+    assert _stop_plan("per_request", pass_tokens=()) is None
+    assert _stop_plan("per_request", batch_k=1) is None
