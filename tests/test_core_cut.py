@@ -165,7 +165,8 @@ def test_the_snapshot_carries_calibrations_only_where_confidences_were_counted()
     assert (rows.traffic_class, rows.draft, rows.transformed) == ("chat", "d", True)
     assert len(rows.accept) == rows.positions * N_CONFIDENCE_BUCKETS
     assert rows.accept[0] == pytest.approx(core.calibration("chat", "d", 2.0, True).accept[0, 0])
-    assert _core().snapshot(1.0).cut is None  # off by default
+    assert _core().snapshot(1.0).cut is not None  # on by default
+    assert _core(token_cut=False).snapshot(1.0).cut is None
     assert len(core.snapshot(2.0).cut.pass_tokens) == core.config.n_buckets  # type: ignore[union-attr]
     assert rows.mean_accept == pytest.approx(  # the calibration's, token-weighted by position
         core.calibration("chat", "d", 2.0, True).mean_accept().tolist())

@@ -107,13 +107,13 @@ class PolicyConfig:
     offline_mode: Literal["pin_off", "goodput"] = tunable("pin_off")
     """pin_off: offline classes never speculate. goodput: decided by the same goodput math at the
     largest batch bucket (offline work runs at full load)."""
-    token_cut: bool = tunable(False)
+    token_cut: bool = tunable(True)
     """Engines cut each request's drafts at the first token whose chance of surviving
     verification, by the draft's confidence calibrated per class, does not pay for verifying it
-    at the step's batch size (only shortening what the class's decision allows, never below a
-    request as likely as its class; only for drafts whose confidences engines count). Off by
-    default: in the simulator it ties with no cut within about 1% either way, and the decisions
-    do not yet price the drafts it removes (docs/benchmarks.md)."""
+    at the step's batch size, and stop their model drafter after the pass where no request's
+    tokens pay for another (only shortening what the class's decision allows, never for tokens
+    as likely as the class's; only for drafts whose confidences engines count). Off: every
+    request verifies the K its class's decision sets."""
 
 
 @dataclass(frozen=True)
