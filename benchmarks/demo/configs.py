@@ -47,6 +47,9 @@ class EngineConfig:
     # "probabilistic" (rejection sampling uses the draft's probabilities: far higher acceptance
     # on sampled traffic, identical at T=0).
     draft_sampling: str = "greedy"
+    # The controller's settings for this configuration's sidecar (specpilot configs only), over
+    # the benchmark's own: what one configuration changes in the controller, e.g. the token cut.
+    controller: dict[str, Any] = field(default_factory=dict)
 
     def speculative_config(self, draft_dir: Path, eagle_dir: Path | None = None
                            ) -> dict[str, Any] | None:
@@ -125,6 +128,23 @@ def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:
     return EngineConfig(SPECPILOT_NAMES[drafter], drafter, max_k, specpilot=True,
                         plugin_env={"K_MODE": "batch_max", "SUFFIX_DRAFTS": "true"},
                         draft_sampling=PROBABILISTIC)
+
+
+CUT_SUFFIX = "-cut"
+
+
+def with_token_cut(ours: EngineConfig) -> EngineConfig:
+    """``ours`` with the controller's per-token cut on (``token_cut``), everything else equal,
+    named ``<name>-cut``. The engine cuts where it is told a request's K, which a model drafter
+    is in the ``per_request`` and ``batch_max`` modes (not ``batch_wide``: one K for the step),
+    and only the drafts whose confidences the drafter reports (model drafters)."""
+    if not ours.specpilot or ours.drafter not in SPECPILOT_NAMES:
+        raise ValueError(f"{ours.name}: the token cut needs specpilot on a model drafter "
+                         f"{sorted(SPECPILOT_NAMES)}")
+    if ours.plugin_env.get("K_MODE") == "batch_wide":
+        raise ValueError(f"{ours.name}: batch_wide K runs one K for the step; nothing is cut")
+    return replace(ours, name=ours.name + CUT_SUFFIX,
+                   controller={**ours.controller, "token_cut": True})
 
 
 def static_rivals(ours: EngineConfig, configs: Iterable[EngineConfig]) -> list[EngineConfig]:
