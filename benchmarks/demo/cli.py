@@ -22,10 +22,14 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.demo.bench import PROBE_SAMPLES
 from benchmarks.demo.configs import DEFAULT_CACHE, SPECPILOT_NAMES, bench_configs, optional_configs
 from benchmarks.demo.demo import REAL, TINY, DemoOptions, default_workload
+
+if TYPE_CHECKING:
+    from benchmarks.real.bench import RealBenchOptions
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -209,18 +213,23 @@ def real_models_main() -> int:
     return 0
 
 
-def real_bench_main(args: argparse.Namespace) -> int:
+def real_bench_options(args: argparse.Namespace) -> RealBenchOptions:
     from benchmarks.plots import plots_available
-    from benchmarks.real.bench import RealBenchOptions, run_real_bench
+    from benchmarks.real.bench import RealBenchOptions
     from benchmarks.real.plan import PHASES, scaled
 
-    options = RealBenchOptions(reps=max(1, args.reps), out=Path(args.out),
-                               phases=scaled(PHASES, args.scale),
-                               configs=tuple(args.configs),
-                               plots=not args.no_plots and plots_available("bench real"),
-                               probe_samples=max(0, args.probe_samples),
-                               quick_drafters=args.quick_drafters,
-                               drafter_tables=not args.no_drafter_tables)
+    return RealBenchOptions(reps=max(1, args.reps), out=Path(args.out),
+                            phases=scaled(PHASES, args.scale), configs=tuple(args.configs),
+                            plots=not args.no_plots and plots_available("bench real"),
+                            probe_samples=max(0, args.probe_samples),
+                            quick_drafters=args.quick_drafters,
+                            drafter_tables=not args.no_drafter_tables)
+
+
+def real_bench_main(args: argparse.Namespace) -> int:
+    from benchmarks.real.bench import run_real_bench
+
+    options = real_bench_options(args)
     return _run_checked("bench real", lambda: run_real_bench(options).exact,
                         "a configuration changed the outputs (see the table)")
 
