@@ -134,15 +134,13 @@ CUT_SUFFIX = "-cut"
 
 
 def with_token_cut(ours: EngineConfig) -> EngineConfig:
-    """``ours`` with the controller's per-token cut on (``token_cut``), everything else equal,
-    named ``<name>-cut``. The engine cuts where it is told a request's K, which a model drafter
-    is in the ``per_request`` and ``batch_max`` modes (not ``batch_wide``: one K for the step),
-    and only the drafts whose confidences the drafter reports (model drafters)."""
+    """``ours`` with the controller's ``token_cut`` on, everything else equal, named
+    ``<name>-cut``: the engine cuts each request's drafts token by token where it is told the
+    request's K (``per_request``, ``batch_max``), and the drafter stops its passes early. Both
+    need the confidences only model drafters report."""
     if not ours.specpilot or ours.drafter not in SPECPILOT_NAMES:
         raise ValueError(f"{ours.name}: the token cut needs specpilot on a model drafter "
                          f"{sorted(SPECPILOT_NAMES)}")
-    if ours.plugin_env.get("K_MODE") == "batch_wide":
-        raise ValueError(f"{ours.name}: batch_wide K runs one K for the step; nothing is cut")
     return replace(ours, name=ours.name + CUT_SUFFIX,
                    controller={**ours.controller, "token_cut": True})
 

@@ -80,8 +80,8 @@ def real_configs(max_k: int = 4) -> list[EngineConfig]:
 
 def real_optional_configs(max_k: int = 4) -> list[EngineConfig]:
     """Configurations run only when named (``--config``): specpilot on the head and on the draft
-    model with the controller's per-token cut (``token_cut``), everything else as without it
-    (``batch_max``, where the engine cuts each request's drafts to its own K)."""
+    model with the controller's ``token_cut`` on, everything else as without it (``batch_max``,
+    where the engine is told each request's K, so it cuts each request's drafts)."""
     return [with_token_cut(specpilot_config(max_k, "eagle")),
             with_token_cut(specpilot_config(max_k))]
 

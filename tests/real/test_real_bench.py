@@ -130,11 +130,8 @@ def test_the_cut_configurations_differ_from_specpilot_only_in_the_controllers_cu
         select_configs(["eagle-cut"])
 
 
-def test_the_cut_needs_a_model_drafter_and_a_k_per_request() -> None:
+def test_the_cut_needs_a_model_drafter() -> None:
     with pytest.raises(ValueError, match="model drafter"):
         with_token_cut(specpilot_config(drafter="suffix"))
     with pytest.raises(ValueError, match="model drafter"):
         with_token_cut(EngineConfig("eagle:2p", "eagle", 2))
-    wide = specpilot_config(drafter="eagle")
-    with pytest.raises(ValueError, match="batch_wide"):
-        with_token_cut(replace(wide, plugin_env={**wide.plugin_env, "K_MODE": "batch_wide"}))
