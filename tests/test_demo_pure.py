@@ -311,3 +311,17 @@ def test_the_demo_command_runs_the_real_model_unless_told_tiny() -> None:
         parser.parse_args(["demo", "--drafter", "ngram"])
     bench = build_parser("bench").parse_args(["bench", "engine", "--config", SPECPILOT_EAGLE])
     assert bench.configs == [SPECPILOT_EAGLE]
+
+
+def test_bench_real_reads_its_drafter_options() -> None:
+    from benchmarks.demo.cli import real_bench_options
+    from specpilot.controller.cli import build_parser
+
+    parser = build_parser("bench")
+    default = real_bench_options(parser.parse_args(["bench", "real", "--no-plots"]))
+    assert not default.quick_drafters and default.drafter_tables and default.configs == ()
+    options = real_bench_options(parser.parse_args(
+        ["bench", "real", "--no-plots", "--quick-drafters", "--no-drafter-tables",
+         "--config", "specpilot-eagle-cut", "--scale", "0.5"]))
+    assert options.quick_drafters and not options.drafter_tables
+    assert options.configs == ("specpilot-eagle-cut",) and options.phases[1].requests == 12

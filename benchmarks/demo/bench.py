@@ -511,7 +511,7 @@ def run_bench(options: BenchOptions = BenchOptions(), echo: Printer = print) -> 
         for c in configs:
             if c.specpilot:
                 controllers[c.name] = Sidecar(demo_controller_settings(
-                    options.workload, options.controller_settings))
+                    options.workload, {**options.controller_settings, **c.controller}))
                 stack.callback(controllers[c.name].stop)
         for rep in range(options.reps):
             for config in rotated(configs, rep):

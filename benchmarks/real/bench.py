@@ -34,6 +34,7 @@ from benchmarks.demo.configs import (
     PROBABILISTIC,
     EngineConfig,
     specpilot_config,
+    with_token_cut,
 )
 from benchmarks.demo.distribution import Comparison, compare_positions
 from benchmarks.real.client import run_phase
@@ -77,6 +78,28 @@ def real_configs(max_k: int = 4) -> list[EngineConfig]:
     ]
 
 
+def real_optional_configs(max_k: int = 4) -> list[EngineConfig]:
+    """Configurations run only when named (``--config``): specpilot on the head and on the draft
+    model with the controller's ``token_cut`` on, everything else as without it (``batch_max``,
+    where the engine is told each request's K, so it cuts each request's drafts)."""
+    return [with_token_cut(specpilot_config(max_k, "eagle")),
+            with_token_cut(specpilot_config(max_k))]
+
+
+def select_configs(names: Sequence[str], max_k: int = 4) -> list[EngineConfig]:
+    """The configurations ``names`` asks for, in the line-up's order (none: every default one).
+    Raises ValueError naming the unknown ones and the known."""
+    default, optional = real_configs(max_k), real_optional_configs(max_k)
+    if not names:
+        return default
+    known = default + optional
+    unknown = set(names) - {c.name for c in known}
+    if unknown:
+        raise ValueError(f"unknown configurations {sorted(unknown)}; known: "
+                         f"{[c.name for c in known]}")
+    return [c for c in known if c.name in names]
+
+
 @dataclass(frozen=True)
 class RealBenchOptions:
     reps: int = 3
@@ -87,6 +110,12 @@ class RealBenchOptions:
     probe_samples: int = PROBE_SAMPLES
     cache: Path | None = None
     plots: bool = True
+    # The engine tests' briefly trained drafters (``eagle-quick``, ``draft-quick``: about a
+    # minute to build) instead of the benchmark's own (about 20 minutes on 2 cores).
+    quick_drafters: bool = False
+    # The drafters' acceptance table and the engine's step costs (measured once per drafter
+    # build, a few minutes each on 2 cores).
+    drafter_tables: bool = True
 
 
 @dataclass
@@ -431,16 +460,10 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
 
     apply_engine_env()
     started = time.monotonic()
-    configs = real_configs()
-    if options.configs:
-        unknown = set(options.configs) - {c.name for c in configs}
-        if unknown:
-            raise ValueError(f"unknown configurations {sorted(unknown)}; known: "
-                             f"{[c.name for c in configs]}")
-        configs = [c for c in configs if c.name in options.configs]
+    configs = select_configs(options.configs)
     drafters = any(c.drafter in ("eagle", "draft") for c in configs)
-    models = prepare_real_models(options.cache, drafters=drafters)
-    tables = drafter_tables(models) if drafters else []
+    models = prepare_real_models(options.cache, drafters=drafters, quick=options.quick_drafters)
+    tables = drafter_tables(models) if drafters and options.drafter_tables else []
     heldout = {c.name: models.traffic.requests(c.name, HELDOUT) for c in CLASSES}
     plan = build_plan(heldout, options.phases)
     greedy = frozenset(c.name for c in CLASSES if c.temperature == 0)
@@ -458,7 +481,7 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
         for c in configs:
             if c.specpilot:
                 controllers[c.name] = Sidecar({"report_interval_seconds": 0.5, "seed": 0,
-                                               "offline_classes": offline})
+                                               "offline_classes": offline, **c.controller})
                 stack.callback(controllers[c.name].stop)
         for rep in range(options.reps):
             for config in rotated(configs, rep):

@@ -4,12 +4,24 @@ result, the exactness count, and the ratios and ceiling against the static confi
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from benchmarks.real.bench import ConfigFigures, Run, figures, request_rows, versus
+from benchmarks.demo.configs import EngineConfig, specpilot_config, with_token_cut
+from benchmarks.real.bench import (
+    ConfigFigures,
+    Run,
+    figures,
+    real_configs,
+    real_optional_configs,
+    request_rows,
+    select_configs,
+    versus,
+)
 from benchmarks.real.plan import LoadPhase, build_plan, class_counts
 from benchmarks.real.sharegpt import CLASSES, TrafficRequest
+from specpilot.controller.settings import core_config, load_settings
 
 PHASES = (LoadPhase("light", 1, 4), LoadPhase("peak", 8, 12))
 
@@ -96,3 +108,30 @@ def test_versus_ratios_and_the_ceiling_take_each_phase_best() -> None:
     assert v.best_static == "b"
     assert v.ratio_best_static == pytest.approx((800 / 4) / (800 / 5))
     assert not math.isnan(v.tpot_p99_ratio)
+
+
+def test_the_cut_configurations_differ_from_specpilot_only_in_the_controllers_cut() -> None:
+    # Run only when named: the default line-up is unchanged.
+    assert [c.name for c in select_configs(())] == [c.name for c in real_configs()]
+    assert not any(c.controller for c in real_configs())
+    by_name = {c.name: c for c in real_optional_configs(max_k=3)}
+    assert list(by_name) == ["specpilot-eagle-cut", "specpilot-cut"]
+    for ours in (specpilot_config(3, "eagle"), specpilot_config(3)):
+        cut = by_name[f"{ours.name}-cut"]
+        # Everything else equal, the engine in batch_max (where it cuts each request's drafts).
+        assert replace(cut, name=ours.name, controller={}) == ours
+        assert cut.plugin_env["K_MODE"] == "batch_max"
+        # What the benchmark hands its sidecar is a setting the controller reads as the cut on.
+        assert core_config(load_settings(**cut.controller)).policy.token_cut
+        assert not core_config(load_settings(**ours.controller)).policy.token_cut
+    named = select_configs(["specpilot-eagle-cut", "off", "specpilot-eagle"])
+    assert [c.name for c in named] == ["off", "specpilot-eagle", "specpilot-eagle-cut"]
+    with pytest.raises(ValueError, match=r"unknown configurations.*specpilot-eagle-cut"):
+        select_configs(["eagle-cut"])
+
+
+def test_the_cut_needs_a_model_drafter() -> None:
+    with pytest.raises(ValueError, match="model drafter"):
+        with_token_cut(specpilot_config(drafter="suffix"))
+    with pytest.raises(ValueError, match="model drafter"):
+        with_token_cut(EngineConfig("eagle:2p", "eagle", 2))
