@@ -322,6 +322,6 @@ def test_bench_real_reads_its_drafter_options() -> None:
     assert not default.quick_drafters and default.drafter_tables and default.configs == ()
     options = real_bench_options(parser.parse_args(
         ["bench", "real", "--no-plots", "--quick-drafters", "--no-drafter-tables",
-         "--config", "specpilot-eagle-cut", "--scale", "0.5"]))
+         "--config", "specpilot-eagle-nocut", "--scale", "0.5"]))
     assert options.quick_drafters and not options.drafter_tables
-    assert options.configs == ("specpilot-eagle-cut",) and options.phases[1].requests == 12
+    assert options.configs == ("specpilot-eagle-nocut",) and options.phases[1].requests == 12

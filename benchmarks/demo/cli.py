@@ -104,7 +104,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     real.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     real.add_argument("--config", action="append", dest="configs", default=[], metavar="NAME",
                       help="run only these configurations (repeatable; default all but the "
-                           "ones run only when named: specpilot-eagle-cut, specpilot-cut)")
+                           "ones run only when named: specpilot-eagle-nocut, specpilot-nocut)")
     real.add_argument("--out", default="benchmarks/results/real", help="output folder")
     for flag, text in (
             ("--no-plots", "skip the PNG plot"),

@@ -130,19 +130,20 @@ def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:
                         draft_sampling=PROBABILISTIC)
 
 
-CUT_SUFFIX = "-cut"
+NOCUT_SUFFIX = "-nocut"
 
 
-def with_token_cut(ours: EngineConfig) -> EngineConfig:
-    """``ours`` with the controller's ``token_cut`` on, everything else equal, named
-    ``<name>-cut``: the engine cuts each request's drafts token by token where it is told the
-    request's K (``per_request``, ``batch_max``), and the drafter stops its passes early. Both
-    need the confidences only model drafters report."""
+def without_token_cut(ours: EngineConfig) -> EngineConfig:
+    """``ours`` with the controller's ``token_cut`` off, everything else equal, named
+    ``<name>-nocut``: what the per-token cut (each request's drafts cut token by token where the
+    engine is told the request's K: ``per_request``, ``batch_max``) and the drafter's early stop,
+    both on by default, are measured against. Both need the confidences only model drafters
+    report."""
     if not ours.specpilot or ours.drafter not in SPECPILOT_NAMES:
         raise ValueError(f"{ours.name}: the token cut needs specpilot on a model drafter "
                          f"{sorted(SPECPILOT_NAMES)}")
-    return replace(ours, name=ours.name + CUT_SUFFIX,
-                   controller={**ours.controller, "token_cut": True})
+    return replace(ours, name=ours.name + NOCUT_SUFFIX,
+                   controller={**ours.controller, "token_cut": False})
 
 
 def static_rivals(ours: EngineConfig, configs: Iterable[EngineConfig]) -> list[EngineConfig]:

@@ -34,7 +34,7 @@ from benchmarks.demo.configs import (
     PROBABILISTIC,
     EngineConfig,
     specpilot_config,
-    with_token_cut,
+    without_token_cut,
 )
 from benchmarks.demo.distribution import Comparison, compare_positions
 from benchmarks.real.client import run_phase
@@ -80,10 +80,10 @@ def real_configs(max_k: int = 4) -> list[EngineConfig]:
 
 def real_optional_configs(max_k: int = 4) -> list[EngineConfig]:
     """Configurations run only when named (``--config``): specpilot on the head and on the draft
-    model with the controller's ``token_cut`` on, everything else as without it (``batch_max``,
+    model with the controller's ``token_cut`` off, everything else as with it (``batch_max``,
     where the engine is told each request's K, so it cuts each request's drafts)."""
-    return [with_token_cut(specpilot_config(max_k, "eagle")),
-            with_token_cut(specpilot_config(max_k))]
+    return [without_token_cut(specpilot_config(max_k, "eagle")),
+            without_token_cut(specpilot_config(max_k))]
 
 
 def select_configs(names: Sequence[str], max_k: int = 4) -> list[EngineConfig]:

@@ -33,6 +33,12 @@ def cut_length(confidences: Sequence[float], rows: CalibrationRows,
     return len(confidences)
 
 
+# Gains within this fraction of what the class's mean tokens would gain count as the mean's: the
+# two come from one calibration, and a difference inside its error (cells still near their
+# prior, a cold controller's) must not stop the drafter at a K its decision chose.
+_PAR_BAND = 0.05
+
+
 class DrafterStop:
     """The drafter's early stop for one step: after each of its passes, whether another pays.
 
@@ -43,9 +49,10 @@ class DrafterStop:
     times the class's mean acceptance at each position ahead (those tokens are not drafted
     yet), less ``min_survival`` per slot (their verification); a pass costs ``pass_tokens``.
     The next pass pays when, for some horizon h, the requests' gains over the next h positions
-    exceed h passes, or reach what they would gain with the class's mean tokens: a decision
-    chose its K at the mean, so tokens as likely as the class's keep the K it paid for whatever
-    the two estimates of a pass's worth say, and only less likely ones stop the drafter.
+    exceed h passes, or come within ``_PAR_BAND`` of what they would gain with the class's mean
+    tokens: a decision chose its K at the mean, so tokens as likely as the class's keep the K it
+    paid for whatever the two estimates of a pass's worth say, and only less likely ones stop
+    the drafter.
 
     A request whose survival fell below ``min_survival`` is cut there and wants nothing more, a
     request at its decided K neither; one the cut does not cover (no calibration, no mean
@@ -101,7 +108,7 @@ class DrafterStop:
         for h in range(max((len(g) for g in gains), default=0)):
             gain = sum(g[min(h, len(g) - 1)][0] for g in gains)
             par = sum(g[min(h, len(g) - 1)][1] for g in gains)
-            if gain > (h + 1) * self._pass or (par > 0.0 and gain >= par * (1.0 - 1e-9)):
+            if gain > (h + 1) * self._pass or (par > 0.0 and gain >= par * (1.0 - _PAR_BAND)):
                 return True
         return False
 

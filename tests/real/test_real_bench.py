@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks.demo.configs import EngineConfig, specpilot_config, with_token_cut
+from benchmarks.demo.configs import EngineConfig, specpilot_config, without_token_cut
 from benchmarks.real.bench import (
     ConfigFigures,
     Run,
@@ -110,28 +110,29 @@ def test_versus_ratios_and_the_ceiling_take_each_phase_best() -> None:
     assert not math.isnan(v.tpot_p99_ratio)
 
 
-def test_the_cut_configurations_differ_from_specpilot_only_in_the_controllers_cut() -> None:
+def test_the_nocut_configurations_differ_from_specpilot_only_in_the_controllers_cut() -> None:
     # Run only when named: the default line-up is unchanged.
     assert [c.name for c in select_configs(())] == [c.name for c in real_configs()]
     assert not any(c.controller for c in real_configs())
     by_name = {c.name: c for c in real_optional_configs(max_k=3)}
-    assert list(by_name) == ["specpilot-eagle-cut", "specpilot-cut"]
+    assert list(by_name) == ["specpilot-eagle-nocut", "specpilot-nocut"]
     for ours in (specpilot_config(3, "eagle"), specpilot_config(3)):
-        cut = by_name[f"{ours.name}-cut"]
+        nocut = by_name[f"{ours.name}-nocut"]
         # Everything else equal, the engine in batch_max (where it cuts each request's drafts).
-        assert replace(cut, name=ours.name, controller={}) == ours
-        assert cut.plugin_env["K_MODE"] == "batch_max"
-        # What the benchmark hands its sidecar is a setting the controller reads as the cut on.
-        assert core_config(load_settings(**cut.controller)).policy.token_cut
-        assert not core_config(load_settings(**ours.controller)).policy.token_cut
-    named = select_configs(["specpilot-eagle-cut", "off", "specpilot-eagle"])
-    assert [c.name for c in named] == ["off", "specpilot-eagle", "specpilot-eagle-cut"]
+        assert replace(nocut, name=ours.name, controller={}) == ours
+        assert nocut.plugin_env["K_MODE"] == "batch_max"
+        # What the benchmark hands its sidecar is a setting the controller reads as the cut
+        # off; specpilot's own configurations run the default, the cut on.
+        assert not core_config(load_settings(**nocut.controller)).policy.token_cut
+        assert core_config(load_settings(**ours.controller)).policy.token_cut
+    named = select_configs(["specpilot-eagle-nocut", "off", "specpilot-eagle"])
+    assert [c.name for c in named] == ["off", "specpilot-eagle", "specpilot-eagle-nocut"]
     with pytest.raises(ValueError, match=r"unknown configurations.*specpilot-eagle-cut"):
-        select_configs(["eagle-cut"])
+        select_configs(["specpilot-eagle-cut"])
 
 
 def test_the_cut_needs_a_model_drafter() -> None:
     with pytest.raises(ValueError, match="model drafter"):
-        with_token_cut(specpilot_config(drafter="suffix"))
+        without_token_cut(specpilot_config(drafter="suffix"))
     with pytest.raises(ValueError, match="model drafter"):
-        with_token_cut(EngineConfig("eagle:2p", "eagle", 2))
+        without_token_cut(EngineConfig("eagle:2p", "eagle", 2))
