@@ -127,6 +127,12 @@ def test_tokens_as_likely_as_the_class_keep_the_k_its_decision_paid_for() -> Non
     middling = 0.65  # a bucket left at the class's 0.6
     assert _passes(DrafterStop([(r, 3)], 0.0, 5.0), [[middling]] * 3) == 3
     assert _passes(DrafterStop([(r, 3)], 0.0, 5.0), [[0.1]] * 3) == 1
+    # Within a few percent of the mean (a calibration's own error: cells near their prior, as
+    # a cold controller's are) is the mean; well below it is not.
+    near = rows([0.6] * 3, by_bucket={confidence_bucket(0.65): 0.59}, mean=[0.6] * 3)
+    assert _passes(DrafterStop([(near, 3)], 0.0, 5.0), [[middling]] * 3) == 3
+    below = rows([0.6] * 3, by_bucket={confidence_bucket(0.65): 0.5}, mean=[0.6] * 3)
+    assert _passes(DrafterStop([(below, 3)], 0.0, 5.0), [[middling]] * 3) == 1
 
 
 def test_requests_the_cut_does_not_cover_keep_every_pass() -> None:
