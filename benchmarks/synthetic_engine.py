@@ -28,11 +28,12 @@ from specpilot.contract.records import (
     StepTimingRecord,
 )
 from specpilot.controller.server.stubs import engine_stub
-from specpilot.engine_plugin.profile import PROFILE_BATCH_SIZES, PROFILE_KS
+from specpilot.engine_plugin.profile import PROFILE_KS, profile_batch_sizes
 from specpilot.v1 import common_pb2, engine_pb2
 
 DRAFT = "draft-small"
 VOCAB = "vocab-hash-0001"
+MAX_BATCH = 64  # the max_num_seqs it announces
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class SyntheticEngine:
             max_k=self.max_k if self.draft else 0,
             # Batch-wide: the synthetic drafter drafts only the K in force, so K=0 saves drafting.
             per_request_k=False, batch_wide_k=True,
-            engine_version="synthetic", plugin_version="synthetic", max_batch_size=64,
+            engine_version="synthetic", plugin_version="synthetic", max_batch_size=MAX_BATCH,
             step_profile=self.step_profile(),
         )))
 
@@ -125,7 +126,7 @@ class SyntheticEngine:
         true step time at its batch sizes and K."""
         return tuple(
             StepProfile(b, b * (1 + k), self.draft if k else "", k, self.cost.step_seconds(b, k))
-            for b in PROFILE_BATCH_SIZES for k in PROFILE_KS
+            for b in profile_batch_sizes(MAX_BATCH) for k in PROFILE_KS
             if k <= (self.max_k if self.draft else 0))
 
     def bucket(self) -> int:

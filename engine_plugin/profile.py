@@ -44,6 +44,11 @@ from specpilot.contract.records import StepProfile
 
 log = logging.getLogger("specpilot.plugin")
 
+# Batch sizes every engine times (those within its max_num_seqs); an engine that runs larger
+# batches also times doublings of the last up to its max_num_seqs, and max_num_seqs itself
+# (``profile_batch_sizes``): the cost model's knots above the ridge are priced from the prior
+# alone where no step was timed, and a prior that overprices large verification steps never
+# tries them at the loads where they would pay.
 PROFILE_BATCH_SIZES = (1, 16, 32)
 PROFILE_KS = (0, 1, 2, 4)
 # The long context the ends of the profile are timed again at, tokens a sequence (capped by the
@@ -58,12 +63,24 @@ _SLOW_SHAPE_SECONDS = 0.3
 _BUDGET_SECONDS = 8.0
 
 
+def profile_batch_sizes(max_seqs: int) -> list[int]:
+    """The batch sizes an engine of ``max_seqs`` sequences times, smallest first:
+    ``PROFILE_BATCH_SIZES`` within it, then doublings of the last up to it, then ``max_seqs``."""
+    batches = [b for b in PROFILE_BATCH_SIZES if b <= max_seqs]
+    if max_seqs > PROFILE_BATCH_SIZES[-1]:
+        while batches[-1] * 2 <= max_seqs:
+            batches.append(batches[-1] * 2)
+        if batches[-1] < max_seqs:
+            batches.append(max_seqs)
+    return batches
+
+
 def profile_shapes(max_seqs: int, max_k: int, max_tokens: int) -> list[tuple[int, int]]:
     """(batch size, K) in the order the profile times them, breadth first: no speculation at
     every batch size, then the largest K at every batch size, then the Ks between. A budget
     spent early still leaves both ends of the batch range and of K measured: the largest
     verification steps are the ones the prior prices worst."""
-    batches = [b for b in PROFILE_BATCH_SIZES if b <= max_seqs]
+    batches = profile_batch_sizes(max_seqs)
     ks = [k for k in PROFILE_KS if k <= max_k]
     by_priority = ks[:1] + ks[-1:] + ks[1:-1] if len(ks) > 1 else ks
     return [(b, k) for k in by_priority for b in batches if b * (1 + k) <= max_tokens]

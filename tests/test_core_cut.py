@@ -24,9 +24,37 @@ from specpilot.contract.records import (
 from specpilot.controller import wire
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.core.cost_model import CostPrior, StepCostModel, StepShape
-from specpilot.controller.core.cut import CutPrices, min_survival, pass_tokens
+from specpilot.controller.core.cut import (
+    CutPrices,
+    PassSeconds,
+    StepRate,
+    VerifySeconds,
+    min_survival,
+    pass_tokens,
+)
 from specpilot.controller.settings import core_config, load_settings
 from tests.test_core_calibration import HELLO
+
+
+def _speedup_rate(seconds: VerifySeconds) -> StepRate:
+    """The rate these tests reason in: the step's rate without speculation times the decisions'
+    mean expected speedup (never below 1)."""
+    def rate(batch: int, weighted: list[tuple[Decision, float]]) -> float:
+        total = sum(w for _, w in weighted)
+        speedup = sum(max(d.expected_speedup, 0.0) * w for d, w in weighted) / total
+        return batch * max(speedup, 1.0) / seconds(batch, batch)
+
+    return rate
+
+
+def _min_survival(batch_size: float, decisions: list[tuple[Decision, float]],
+                  seconds: VerifySeconds, *args: Any, **kwargs: Any) -> float:
+    return min_survival(batch_size, decisions, seconds, _speedup_rate(seconds), *args, **kwargs)
+
+
+def _pass_tokens(batch_size: float, decisions: list[tuple[Decision, float]],
+                 seconds: VerifySeconds, pass_seconds: PassSeconds) -> float:
+    return pass_tokens(batch_size, decisions, pass_seconds, _speedup_rate(seconds))
 
 
 def _decision(k: int, speedup: float) -> Decision:
@@ -37,13 +65,13 @@ def test_min_survival_is_the_verification_price_of_a_slot_times_the_steps_rate()
     def seconds(batch: int, tokens: float) -> float:
         return 0.010 + 0.0002 * batch + 0.001 * tokens
 
-    got = min_survival(8.0, [(_decision(3, 2.0), 0.75), (_decision(1, 1.5), 0.25)], seconds)
+    got = _min_survival(8.0, [(_decision(3, 2.0), 0.75), (_decision(1, 1.5), 0.25)], seconds)
     # A slot costs 1 ms of verification (the drafter's passes are sunk when the engine cuts);
     # the step's rate is 8 x speedup 1.875 / t(8, off).
     rate = 8 * (0.75 * 2.0 + 0.25 * 1.5) / seconds(8, 8)
     assert got == pytest.approx(0.001 * rate)
     # A bucket where nothing speculates has nothing to cut.
-    assert min_survival(8.0, [(_decision(0, 1.0), 1.0)], seconds) == 0.0
+    assert _min_survival(8.0, [(_decision(0, 1.0), 1.0)], seconds) == 0.0
 
 
 def _hinge(per_token: float, ridge: float, above: float) -> Callable[[int, float], float]:
@@ -54,22 +82,22 @@ def _hinge(per_token: float, ridge: float, above: float) -> Callable[[int, float
 
 def test_nothing_is_cut_where_verifying_is_free_and_more_where_it_is_dear() -> None:
     decided = [(_decision(3, 2.0), 1.0)]
-    memory_bound = min_survival(8.0, decided, _hinge(0.0, 256, 1e-4))
+    memory_bound = _min_survival(8.0, decided, _hinge(0.0, 256, 1e-4))
     assert memory_bound == 0.0  # 32 tokens, far below the ridge: a slot costs nothing
-    assert min_survival(8.0, decided, lambda b, t: 0.02) == 0.0
-    compute_bound = min_survival(128.0, decided, _hinge(1e-5, 256, 1e-4))
+    assert _min_survival(8.0, decided, lambda b, t: 0.02) == 0.0
+    compute_bound = _min_survival(128.0, decided, _hinge(1e-5, 256, 1e-4))
     assert 0.0 < compute_bound < 1.0
-    assert min_survival(128.0, decided, _hinge(1e-5, 256, 2e-4)) > compute_bound
+    assert _min_survival(128.0, decided, _hinge(1e-5, 256, 2e-4)) > compute_bound
 
 
 def test_a_slot_is_priced_over_the_decided_drafts_never_beyond() -> None:
     # 64 sequences at K 3 verify 256 tokens: all below the ridge, whatever lies above it.
     decided = [(_decision(3, 2.0), 1.0)]
-    cheap = min_survival(64.0, decided, _hinge(1e-5, 256, 0.0))
-    assert min_survival(64.0, decided, _hinge(1e-5, 256, 1.0)) == pytest.approx(cheap)
+    cheap = _min_survival(64.0, decided, _hinge(1e-5, 256, 0.0))
+    assert _min_survival(64.0, decided, _hinge(1e-5, 256, 1.0)) == pytest.approx(cheap)
     # Past the ridge, the mean price over the range the cut moves the step in: the slots
     # below the ridge count at their price, not at the dearest one's.
-    at_k4 = min_survival(64.0, [(_decision(4, 2.0), 1.0)], _hinge(1e-5, 256, 1e-4))
+    at_k4 = _min_survival(64.0, [(_decision(4, 2.0), 1.0)], _hinge(1e-5, 256, 1e-4))
     rate = 64 * 2.0 / _hinge(1e-5, 256, 1e-4)(64, 64)
     assert at_k4 == pytest.approx((1e-5 + 1e-4 * 64 / 256) * rate)
 
@@ -79,14 +107,14 @@ def test_the_cut_never_asks_more_than_the_decisions_own_survival() -> None:
     # (a draw, hysteresis, an override): a request as likely as its class keeps its K.
     decided = [(_decision(3, 2.0), 0.5), (replace(_decision(2, 1.5), traffic_class="b"), 0.5)]
     steep = _hinge(1e-2, 0, 0.0)
-    assert min_survival(8.0, decided, steep) > 1.0
+    assert _min_survival(8.0, decided, steep) > 1.0
     survival = {"c": 0.6, "b": 0.45}
-    assert min_survival(8.0, decided, steep,
+    assert _min_survival(8.0, decided, steep,
                         lambda d: survival[d.traffic_class]) == pytest.approx(0.45)
     # Where the price is below it, the price.
     gentle = _hinge(1e-6, 0, 0.0)
-    assert min_survival(8.0, decided, gentle, lambda d: 0.45) == pytest.approx(
-        min_survival(8.0, decided, gentle))
+    assert _min_survival(8.0, decided, gentle, lambda d: 0.45) == pytest.approx(
+        _min_survival(8.0, decided, gentle))
 
 
 def test_nothing_is_cut_where_the_drafts_verification_is_inside_the_decisions_margin() -> None:
@@ -94,26 +122,26 @@ def test_nothing_is_cut_where_the_drafts_verification_is_inside_the_decisions_ma
     # alone would cut the least likely tokens; under a 2% margin nothing is.
     decided = [(_decision(3, 2.0), 1.0)]
     price = _hinge(1e-5, 10_000, 0.0)
-    assert min_survival(1.0, decided, price) > 0.0
-    assert min_survival(1.0, decided, price, min_gain=0.02) == 0.0
+    assert _min_survival(1.0, decided, price) > 0.0
+    assert _min_survival(1.0, decided, price, min_gain=0.02) == 0.0
     # A batch whose drafts' verification is a fifth of the step is cut at its price.
     dear = _hinge(1e-4, 10_000, 0.0)
-    assert min_survival(64.0, decided, dear, min_gain=0.02) == pytest.approx(
-        min_survival(64.0, decided, dear)) != 0.0
+    assert _min_survival(64.0, decided, dear, min_gain=0.02) == pytest.approx(
+        _min_survival(64.0, decided, dear)) != 0.0
 
 
 def test_a_drafter_pass_is_priced_at_the_steps_rate_even_where_verifying_is_free() -> None:
     decided = [(_decision(3, 2.0), 0.75), (replace(_decision(0, 1.0), draft=""), 0.25)]
     free = _hinge(0.0, 256, 1e-4)  # a batch of one: verification costs nothing
-    assert min_survival(1.0, decided, free) == 0.0
+    assert _min_survival(1.0, decided, free) == 0.0
     rate = 1 * (0.75 * 2.0 + 0.25 * 1.0) / free(1, 1)
-    assert pass_tokens(1.0, decided, free, lambda b, d: 0.002) == pytest.approx(0.002 * rate)
+    assert _pass_tokens(1.0, decided, free, lambda b, d: 0.002) == pytest.approx(0.002 * rate)
     # The drafting decisions' drafts, weighted; none drafting: nothing to stop.
     mixed = [(_decision(3, 2.0), 0.5), (replace(_decision(2, 2.0), draft="e"), 0.5)]
     per_pass = {"d": 0.002, "e": 0.004}
-    assert pass_tokens(1.0, mixed, free, lambda b, d: per_pass[d]) == pytest.approx(
+    assert _pass_tokens(1.0, mixed, free, lambda b, d: per_pass[d]) == pytest.approx(
         0.003 * 2.0 / free(1, 1))
-    assert pass_tokens(1.0, [(_decision(0, 1.0), 1.0)], free, lambda b, d: 0.002) == 0.0
+    assert _pass_tokens(1.0, [(_decision(0, 1.0), 1.0)], free, lambda b, d: 0.002) == 0.0
 
 
 def test_the_steps_rate_is_that_of_the_step_its_decisions_compose() -> None:

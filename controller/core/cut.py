@@ -16,8 +16,8 @@ compute-bound engine makes the slot dearer near the decisions' full drafts than 
 mean is what a cut that removes some of the slots saves per slot, and the step is never priced
 beyond the K the decisions chose (where the learned slope is an extrapolation). Where verifying
 is about free (a memory-bound batch) ``dt`` and so ``min_survival`` are about 0 and nothing is
-cut. ``G`` is the decisions' rate: the rate without speculation times their mean expected
-speedup, weighted by the classes' shares (the drafter included: it is what the step yields).
+cut. ``G`` is the decisions' rate: the tokens per second of the step they compose
+(``CutPrices.rate``; the drafter included: it is what the step yields).
 
 A decision chose its K because its last token pays for its verification and its drafting on
 average, so the threshold is never above the class's own mean survival at that K (the product
@@ -66,14 +66,11 @@ DecisionSurvival = Callable[[Decision], "float | None"]
 
 
 def min_survival(batch_size: float, decisions: Iterable[tuple[Decision, float]],
-                 seconds: VerifySeconds,
-                 survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0,
-                 rate: StepRate | None = None) -> float:
+                 seconds: VerifySeconds, rate: StepRate,
+                 survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0) -> float:
     """The survival a token must reach to be verified at ``batch_size``, for the bucket's
     ``decisions`` with their classes' weights (shares of the batch); 0 (nothing cut) where
-    verifying all their drafts takes less than ``min_gain`` of the step (a fraction).
-    ``rate`` None: the step's rate is the decisions' mean expected speedup over no
-    speculation (``speedup_rate``)."""
+    verifying all their drafts takes less than ``min_gain`` of the step (a fraction)."""
     weighted = [(d, w) for d, w in decisions if w > 0]
     speculating = [d for d, w in weighted if d.k > 0 and d.draft]
     if not speculating:
@@ -86,14 +83,13 @@ def min_survival(batch_size: float, decisions: Iterable[tuple[Decision, float]],
     full = seconds(batch, batch + drafts)
     if full - plain <= min_gain * full:
         return 0.0
-    threshold = (full - plain) / drafts * (rate or _speedup_rate(seconds))(batch, weighted)
+    threshold = (full - plain) / drafts * rate(batch, weighted)
     caps = [s for d in speculating if (s := survival(d)) is not None]
     return min([threshold, *caps])
 
 
 def pass_tokens(batch_size: float, decisions: Iterable[tuple[Decision, float]],
-                seconds: VerifySeconds, pass_seconds: PassSeconds,
-                rate: StepRate | None = None) -> float:
+                pass_seconds: PassSeconds, rate: StepRate) -> float:
     """The tokens one more drafter pass must be expected to add at ``batch_size`` to be run,
     for the bucket's ``decisions`` with their classes' weights: the decisions' drafts' mean price
     per pass times the decisions' rate (0 where none speculates: nothing is drafted)."""
@@ -104,36 +100,23 @@ def pass_tokens(batch_size: float, decisions: Iterable[tuple[Decision, float]],
     batch = max(1, round(batch_size))
     per_pass = sum(pass_seconds(batch, d.draft) * w for d, w in drafting) / sum(
         w for _, w in drafting)
-    return max(per_pass, 0.0) * (rate or _speedup_rate(seconds))(batch, weighted)
-
-
-def _speedup_rate(seconds: VerifySeconds) -> StepRate:
-    """Tokens per second of the decisions' steps as the rate without speculation times their
-    mean expected speedup (never below 1: the decisions speculate because it pays). Rough where
-    the classes' arms differ in cost (each speedup is priced as if the whole batch ran it)."""
-    def rate(batch: int, weighted: list[tuple[Decision, float]]) -> float:
-        total = sum(w for _, w in weighted)
-        speedup = sum(max(d.expected_speedup, 0.0) * w for d, w in weighted) / total
-        return batch * max(speedup, 1.0) / seconds(batch, batch)
-
-    return rate
+    return max(per_pass, 0.0) * rate(batch, weighted)
 
 
 def token_cut(batch_sizes: Iterable[float],
               decisions_by_bucket: Mapping[int, list[tuple[Decision, float]]],
-              seconds: VerifySeconds, calibrations: Iterable[CalibrationRows],
+              seconds: VerifySeconds, rate: StepRate, calibrations: Iterable[CalibrationRows],
               survival: DecisionSurvival = lambda d: None, min_gain: float = 0.0,
-              pass_seconds: PassSeconds | None = None, rate: StepRate | None = None
-              ) -> TokenCut:
+              pass_seconds: PassSeconds | None = None) -> TokenCut:
     """The cut of every bucket (``batch_sizes`` in bucket order); ``pass_seconds`` None: the
     drafter is never stopped early."""
     sizes = list(batch_sizes)
     return TokenCut(
-        tuple(min_survival(b, decisions_by_bucket.get(i, []), seconds, survival, min_gain, rate)
+        tuple(min_survival(b, decisions_by_bucket.get(i, []), seconds, rate, survival, min_gain)
               for i, b in enumerate(sizes)),
         tuple(calibrations),
         () if pass_seconds is None else tuple(
-            pass_tokens(b, decisions_by_bucket.get(i, []), seconds, pass_seconds, rate)
+            pass_tokens(b, decisions_by_bucket.get(i, []), pass_seconds, rate)
             for i, b in enumerate(sizes)))
 
 

@@ -185,8 +185,8 @@ class ReadModel:
                             tuple(table.accept.ravel().tolist()),
                             tuple(table.mean_accept().tolist())))
         sizes = [evidence.loads.batch_size(b) for b in range(config.n_buckets)]
-        return token_cut(sizes, by_bucket, prices.seconds, rows, prices.survival,
-                         config.policy.min_speedup - 1.0, prices.pass_seconds, prices.rate)
+        return token_cut(sizes, by_bucket, prices.seconds, prices.rate, rows, prices.survival,
+                         config.policy.min_speedup - 1.0, prices.pass_seconds)
 
     def _estimates(self, name: str, drafts: tuple[DraftSpec, ...],
                    with_evidence: list[tuple[str, str]], now: float

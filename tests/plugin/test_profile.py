@@ -11,6 +11,7 @@ from specpilot.engine_plugin.profile import (
     PROFILE_BATCH_SIZES,
     PROFILE_KS,
     RawProfile,
+    profile_batch_sizes,
     profile_shapes,
     step_profile,
 )
@@ -56,6 +57,16 @@ def test_shapes_go_breadth_first_so_a_short_budget_still_reaches_both_ends() -> 
     assert profile_shapes(max_seqs=16, max_k=2, max_tokens=40) == [
         (1, 0), (16, 0), (1, 2), (1, 1), (16, 1)]
     assert profile_shapes(max_seqs=8, max_k=0, max_tokens=8192) == [(1, 0)]
+
+
+def test_an_engine_of_larger_batches_times_them_up_to_its_max_num_seqs() -> None:
+    # The steps the cost model would otherwise price from its prior alone: doublings, then the
+    # engine's own largest batch.
+    assert profile_batch_sizes(256) == [1, 16, 32, 64, 128, 256]
+    assert profile_batch_sizes(100) == [1, 16, 32, 64, 100]
+    assert profile_batch_sizes(32) == list(PROFILE_BATCH_SIZES)
+    assert profile_shapes(max_seqs=100, max_k=1, max_tokens=160) == [
+        (1, 0), (16, 0), (32, 0), (64, 0), (100, 0), (1, 1), (16, 1), (32, 1), (64, 1)]
 
 
 class _Runner:

@@ -12,6 +12,8 @@ from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.oracle import Oracle
 from benchmarks.sim.scenario import Scenario, parse_scenario
 from benchmarks.sim.specpilot_policy import SpecPilotPolicy
+from specpilot.engine_plugin import profile
+from specpilot.engine_plugin.profile import PROFILE_BATCH_SIZES
 from tests.sim.conftest import scenario_data
 
 
@@ -146,3 +148,29 @@ def test_a_biased_start_up_profile_reaches_the_cost_model_before_any_step() -> N
     assert plain_fast[0] < 0.7 * exact[0]
     assert spec_fast[1] < 0.7 * exact[1]
     assert abs(spec_fast[0] / exact[0] - 1) < 0.1  # the plain points are not scaled
+
+
+def test_an_engine_of_large_batches_prices_its_large_verification_steps_from_its_profile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine of 256 sequences times the large steps it serves at start-up: the controller
+    prices K=2 at batch 256 (768 verified tokens, far above the ridge) from that, not from the
+    prior's slope above the ridge, which overprices it (and a price too high is never tried, so
+    never corrected)."""
+    data = scenario_data(engine={"max_k": 4, "max_batch": 256, "max_batched_tokens": 8192})
+
+    def error() -> float:
+        engine = SimEngine(parse_scenario(data))
+        policy = policies.build("specpilot", engine)
+        assert isinstance(policy, SpecPilotPolicy)
+        truth = engine.cost.seconds(256, 256 * 3, [2, 0], [512, 0])
+        return abs(policy.core.predicted_step_seconds(256, "small", 2) / truth - 1)
+
+    profiled = error()
+    # Control: the batch sizes of an engine of 32 sequences only.
+    monkeypatch.setattr(profile, "profile_batch_sizes",
+                        lambda max_seqs: [b for b in PROFILE_BATCH_SIZES if b <= max_seqs])
+    unprofiled = error()
+    print(f"K=2 at batch 256, relative error: profiled {profiled:.3f}, "
+          f"up to 32 {unprofiled:.3f}")
+    assert profiled < 0.05
+    assert unprofiled > 0.15
