@@ -75,29 +75,47 @@ def profile_batch_sizes(max_seqs: int) -> list[int]:
     return batches
 
 
-def profile_shapes(max_seqs: int, max_k: int, max_tokens: int) -> list[tuple[int, int]]:
-    """(batch size, K) in the order the profile times them, breadth first: no speculation at
-    every batch size, then the largest K at every batch size, then the Ks between. A budget
-    spent early still leaves both ends of the batch range and of K measured: the largest
-    verification steps are the ones the prior prices worst."""
+def _batch_groups(max_seqs: int) -> list[list[int]]:
+    """The batch sizes of ``profile_batch_sizes`` in the order they are timed: those every
+    engine times (``PROFILE_BATCH_SIZES``), then the larger ones, so a budget spent on a large
+    engine's largest steps never costs it the small steps every engine serves."""
     batches = profile_batch_sizes(max_seqs)
+    n = sum(1 for b in PROFILE_BATCH_SIZES if b <= max_seqs)
+    return [group for group in (batches[:n], batches[n:]) if group]
+
+
+def _breadth_first(batches: list[int], max_k: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(batch size, K) for ``batches``: no speculation at every batch size, then the largest K
+    at every batch size, then the Ks between; none above ``max_tokens``."""
     ks = [k for k in PROFILE_KS if k <= max_k]
     by_priority = ks[:1] + ks[-1:] + ks[1:-1] if len(ks) > 1 else ks
     return [(b, k) for k in by_priority for b in batches if b * (1 + k) <= max_tokens]
 
 
+def profile_shapes(max_seqs: int, max_k: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(batch size, K) in the order the profile times them, breadth first within each group of
+    ``_batch_groups``. A budget spent early still leaves both ends of the batch range and of K
+    measured: the largest verification steps are the ones the prior prices worst."""
+    return [s for group in _batch_groups(max_seqs) for s in _breadth_first(group, max_k,
+                                                                          max_tokens)]
+
+
 def profile_plan(max_seqs: int, max_k: int, max_tokens: int,
                  max_len: int) -> list[tuple[int, int, int]]:
     """(batch size, K, context tokens a sequence) in the order the profile times them: the
-    ``profile_shapes`` at no context, the ends of K (the first of them) again at
-    ``PROFILE_CONTEXT_TOKENS`` right after them (capped so a sequence fits ``max_len``; 0: the
-    runner cannot time a context, none added)."""
-    shapes = [(b, k, 0) for b, k in profile_shapes(max_seqs, max_k, max_tokens)]
-    if not max_len:
-        return shapes
-    ends = 2 * len({b for b, _, _ in shapes})
-    long = [(b, k, min(PROFILE_CONTEXT_TOKENS, max_len - 1 - k)) for b, k, _ in shapes[:ends]]
-    return shapes[:ends] + [s for s in long if s[2] > 0] + shapes[ends:]
+    ``profile_shapes`` at no context, and in each group of batch sizes the ends of K (its first
+    shapes) again at ``PROFILE_CONTEXT_TOKENS`` right after them (capped so a sequence fits
+    ``max_len``; 0: the runner cannot time a context, none added)."""
+    top = max(k for k in PROFILE_KS if k <= max_k)
+    plan: list[tuple[int, int, int]] = []
+    for group in _batch_groups(max_seqs):
+        shapes = [(b, k, 0) for b, k in _breadth_first(group, max_k, max_tokens)]
+        if max_len:
+            ends = [s for s in shapes if s[1] in (0, top)]  # breadth first: they lead
+            long = [(b, k, min(PROFILE_CONTEXT_TOKENS, max_len - 1 - k)) for b, k, _ in ends]
+            shapes = shapes[:len(ends)] + [s for s in long if s[2] > 0] + shapes[len(ends):]
+        plan += shapes
+    return plan
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from specpilot.engine_plugin.profile import (
     PROFILE_KS,
     RawProfile,
     profile_batch_sizes,
+    profile_plan,
     profile_shapes,
     step_profile,
 )
@@ -65,8 +66,14 @@ def test_an_engine_of_larger_batches_times_them_up_to_its_max_num_seqs() -> None
     assert profile_batch_sizes(256) == [1, 16, 32, 64, 128, 256]
     assert profile_batch_sizes(100) == [1, 16, 32, 64, 100]
     assert profile_batch_sizes(32) == list(PROFILE_BATCH_SIZES)
+    # The batch sizes every engine times come first: a budget spent on the largest steps never
+    # costs the small ones.
     assert profile_shapes(max_seqs=100, max_k=1, max_tokens=160) == [
-        (1, 0), (16, 0), (32, 0), (64, 0), (100, 0), (1, 1), (16, 1), (32, 1), (64, 1)]
+        (1, 0), (16, 0), (32, 0), (1, 1), (16, 1), (32, 1), (64, 0), (100, 0), (64, 1)]
+    assert profile_plan(100, 1, 160, 2048) == [
+        (1, 0, 0), (16, 0, 0), (32, 0, 0), (1, 1, 0), (16, 1, 0), (32, 1, 0),
+        (1, 0, 512), (16, 0, 512), (32, 0, 512), (1, 1, 512), (16, 1, 512), (32, 1, 512),
+        (64, 0, 0), (100, 0, 0), (64, 1, 0), (64, 0, 512), (100, 0, 512), (64, 1, 512)]
 
 
 class _Runner:
