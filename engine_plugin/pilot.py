@@ -21,7 +21,7 @@ from specpilot.contract.version import package_version
 from specpilot.engine_plugin.classify import Classifier
 from specpilot.engine_plugin.config import PluginConfig
 from specpilot.engine_plugin.deterministic import Counterfactual, DeterministicDraft
-from specpilot.engine_plugin.drafter_stop import PASSES_ATTR, StopPlan, mark_stop
+from specpilot.engine_plugin.drafter_stop import PASSES_ATTR, STOP_ATTR, StopPlan, mark_stop
 from specpilot.engine_plugin.hardware import describe_hardware
 from specpilot.engine_plugin.link import ControllerLink
 from specpilot.engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
@@ -273,6 +273,18 @@ def _load_tokenizer(path: str) -> TokenizerLike:
     return tokenizer
 
 
+@dataclass(frozen=True)
+class _TimedStep:
+    """A decode step's timing, before the passes its drafter ran are known: ``k`` the passes
+    asked."""
+
+    batch: int
+    verified_tokens: int
+    k: int
+    seconds: float
+    context_tokens: int | None
+
+
 class Pilot:
     """The plugin's state in one engine. The constructor only wires the parts together (no I/O,
     no thread); ``create`` reads the class rules, loads the tokenizers and starts the link."""
@@ -317,6 +329,9 @@ class Pilot:
         # This step's policy: one lookup per batch size, the re-picks of ``batch_k``.
         self.step = StepPolicy(self.view, self.drafts_allowed, engine.drafter)
         self._step_started = 0.0
+        # A decode step whose drafter may have stopped early in a worker of another process,
+        # timed once its drafts' width says how many passes ran (``on_drafts``).
+        self._untimed: _TimedStep | None = None
         self._last_report = time.monotonic()
 
     @classmethod
@@ -407,7 +422,8 @@ class Pilot:
 
     def on_drafts(self, requests: Mapping[str, RequestLike], req_ids: Sequence[str],
                   batch_size: int, batch_k: int | None,
-                  confidences: Sequence[Sequence[float]] | None = None) -> None:
+                  confidences: Sequence[Sequence[float]] | None = None,
+                  passes: int | None = None) -> None:
         """After the drafter proposed: cut each request's drafts to its K, or substitute a
         deterministic draft's (n-gram, suffix) where the policy picks one.
 
@@ -415,7 +431,9 @@ class Pilot:
         skipped the passes such requests do not need, and never beyond the configured
         K (what the engine sized its buffers for). Any deterministic draft keeps the output
         distribution exactly the target's. ``confidences``: the drafter's probability of each
-        token it proposed, per request in ``req_ids`` order, where it reports them."""
+        token it proposed, per request in ``req_ids`` order, where it reports them. ``passes``:
+        the width of the drafts as the drafter returned them (the passes it ran)."""
+        self._time_untimed(passes)
         if confidences is not None and len(confidences) == len(req_ids):
             states = self.requests
             for req_id, row in zip(req_ids, confidences, strict=True):
@@ -568,6 +586,7 @@ class Pilot:
         """Before vLLM applies a step's output: count drafted/accepted per request and time the
         step."""
         seconds = time.monotonic() - self._step_started
+        self._time_untimed(None)  # the previous step's drafts never came: timed at its K
         sampled = runner_output.sampled_token_ids
         index = runner_output.req_id_to_index
         invalid = scheduler_output.num_invalid_spec_tokens or {}
@@ -616,12 +635,28 @@ class Pilot:
             # The drafter drafted k passes for every sequence (cuts come after drafting), or
             # fewer where it stopped early.
             k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
+            step = _TimedStep(batch, scheduler_output.total_num_scheduled_tokens, k, seconds,
+                              step_context_tokens(scheduler_output))
             passes = getattr(scheduler_output, PASSES_ATTR, None)
             if type(passes) is int and 0 < passes < k:
-                k = passes
-            self.stats.record_step(batch, scheduler_output.total_num_scheduled_tokens,
-                                   k * batch, self.engine.drafter if k else "", k, seconds,
-                                   step_context_tokens(scheduler_output))
+                self._time(step, passes)
+            elif k > 1 and isinstance(getattr(scheduler_output, STOP_ATTR, None), StopPlan):
+                # A worker in a process of its own notes no passes on this copy of the step:
+                # the width of the drafts it returns says how many ran.
+                self._untimed = step
+            else:
+                self._time(step, k)
+
+    def _time_untimed(self, passes: int | None) -> None:
+        """Time the step held for its drafts' width, at ``passes`` where fewer than its K."""
+        step, self._untimed = self._untimed, None
+        if step is not None:
+            self._time(step, passes if passes is not None and 0 < passes < step.k else step.k)
+
+    def _time(self, step: _TimedStep, passes: int) -> None:
+        self.stats.record_step(step.batch, step.verified_tokens, passes * step.batch,
+                               self.engine.drafter if passes else "", passes, step.seconds,
+                               step.context_tokens)
 
     def after_output(self, requests: Mapping[str, RequestLike], req_ids: Collection[str],
                      running: int) -> None:

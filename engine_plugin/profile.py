@@ -244,9 +244,12 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
 def step_profile(drafter: str, data_parallel_rank: int = 0) -> tuple[StepProfile, ...]:
     """The hello's profile from what the worker measured (empty if nothing was): per (batch, K),
     the step with ``drafter`` running K passes (K=0: the target alone), i.e. the measured step
-    less the passes beyond K. ``drafter``: the model draft's name, "" if the engine has none."""
-    handed = _take_hand_off(data_parallel_rank)  # consumed even when this process measured
-    raw = _measured or handed
+    less the passes beyond K. ``drafter``: the model draft's name, "" if the engine has none.
+    Both sources are consumed: a later engine in this process (another executor, its worker
+    elsewhere) never sends this one's profile as its own."""
+    global _measured
+    handed = _take_hand_off(data_parallel_rank)
+    raw, _measured = handed or _measured, None
     if raw is None:
         return ()
     per_pass = dict(raw.pass_seconds)

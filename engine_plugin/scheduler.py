@@ -116,8 +116,9 @@ class _PilotScheduler(Scheduler):
         uniform = pilot is not None and pilot.config.k_mode == "batch_wide"
         batch, batch_k = len(self.running), (self._batch_k() if uniform else None)
         confidences = getattr(draft_token_ids, CONFIDENCE_ATTR, None)
+        passes = max((len(d) for d in draft_token_ids.draft_token_ids), default=0)
         self._guard(lambda p: p.on_drafts(self.requests, draft_token_ids.req_ids, batch,
-                                          batch_k, confidences))
+                                          batch_k, confidences, passes))
 
     def shutdown(self) -> None:
         self._guard(lambda p: p.close())

@@ -58,6 +58,7 @@ HOOKS: tuple[Hook, ...] = (
          ("self", "scheduler_output"), "scheduler.py (async)"),
     Hook("vllm.v1.engine:EngineCoreOutputs", used_by="scheduler.py"),
     Hook("vllm.v1.outputs:DraftTokenIds", "req_ids", (), "scheduler.py"),
+    Hook("vllm.v1.outputs:DraftTokenIds", "draft_token_ids", (), "scheduler.py"),
     Hook("vllm.config:SchedulerConfig", "get_scheduler_cls", ("self",), "profile.py"),
     # The worker-side patches (engine_plugin/worker_patch.py) and the start-up profile.
     *(Hook(_RUNNER, name, params, "worker_patch.py") for name, params in RUNNER_METHODS),

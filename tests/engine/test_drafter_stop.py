@@ -124,17 +124,21 @@ def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(
 def test_the_stop_reaches_a_worker_in_a_process_of_its_own(
         tiny_models: Any, exact_baseline: list[list[int]]) -> None:
     """``mp``: the worker runs in its own process (as under ``vllm serve`` with several
-    workers); the plan travels pickled with the step, and every draft is one token wide."""
+    workers); the plan travels pickled with the step, and every draft is one token wide. The
+    pilot times each decode step at the passes run, read off the drafts' width (the worker's
+    note stays in its own process)."""
     with plugin_environment({"ngram_drafts": "false"}), llm_session(
             tiny_models.exact_target, _eagle(tiny_models), SCHEDULER,
             distributed_executor_backend="mp") as llm:
         put_stop(llm, 1, pass_tokens=1e6)
         before = spec_counters(llm)
-        out = token_ids(llm.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
-                                     use_tqdm=False))
+        with steps_timed(llm) as ks:
+            out = token_ids(llm.generate(PROMPTS, params(DEFAULT_CLASS, MAX_TOKENS),
+                                         use_tqdm=False))
         used = spec_counters(llm) - before
     assert out == exact_baseline
     assert used.drafts > 0 and used.draft_tokens == used.drafts
+    assert ks and set(ks) == {1}
 
 
 @pytest.fixture(scope="module")

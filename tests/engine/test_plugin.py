@@ -467,8 +467,11 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
     controller.call(spy)
     spec = {"model": tiny_models.draft, "num_speculative_tokens": 4}
     started = time.perf_counter()
+    # 64 sequences: more than the batch sizes every engine times (up to 32), so the larger ones
+    # an engine serves are timed too.
     with plugin_env(controller=controller.target, step_profile="true"), llm_session(
-            tiny_models.target, spec, SCHEDULER, distributed_executor_backend=executor) as llm:
+            tiny_models.target, spec, SCHEDULER, distributed_executor_backend=executor,
+            max_num_seqs=64) as llm:
         built = time.perf_counter() - started
         controller.wait_for(one_engine, what="the engine's hello")
         out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)
@@ -478,6 +481,7 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
     print(f"engine built in {built:.1f} s; profile: " + ", ".join(
         f"B={b} passes={k}: {p.seconds * 1e3:.2f} ms" for (b, k), p in sorted(points.items())))
     assert (1, 0) in points and (1, 4) in points and len(points) >= 4
+    assert (64, 0) in points and (64, 4) in points
     assert all(p.draft in ("", tiny_models.draft.name) for p in hello.step_profile)
     assert all(0 < p.seconds < 1.0 for p in hello.step_profile)
     # The engine type its step costs are shared under: this CPU, one worker, the tiny dtype.

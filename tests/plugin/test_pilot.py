@@ -630,6 +630,46 @@ def test_a_step_whose_drafter_stopped_early_is_timed_at_the_passes_run() -> None
     assert timed(None) == (4, 8)
 
 
+def test_a_step_whose_drafter_may_stop_in_another_process_is_timed_at_its_drafts_width() -> None:
+    """With the worker in a process of its own, nothing is noted on the scheduler's copy of the
+    step: a step with a stop plan is timed once its drafts arrive, at their width (the passes
+    run); where they never arrive, at the K asked when the next step's output comes. The
+    control: a step without a plan is timed at once, at the K asked."""
+    from specpilot.engine_plugin.drafter_stop import StopPlan, mark_stop
+
+    config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
+
+    def timed(plan: bool, width: int | None) -> list[tuple[int, int]]:
+        pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+        requests = _batch(pilot, ["a", "a"])
+        ks = []
+        for _ in range(2):
+            pilot.on_schedule_start()
+            output = SimpleNamespace(
+                num_scheduled_tokens=dict.fromkeys(requests, 1), total_num_scheduled_tokens=2,
+                scheduled_spec_decode_tokens={}, num_invalid_spec_tokens=None,
+                num_spec_tokens_to_schedule=4)
+            mark_stop(output, StopPlan(0.1, 1.0, {}) if plan else None)
+            sampled = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(requests)},
+                                      sampled_token_ids=[[9], [9]])
+            pilot.on_output(output, sampled)
+            ks.append([(s.k, s.sum_draft_tokens)
+                       for s in pilot.stats.drain(running_requests=2).step_sums])
+            if width is not None:
+                pilot.on_drafts(requests, list(requests), 2, None, None,  # type: ignore[arg-type]
+                                width)
+                ks.append([(s.k, s.sum_draft_tokens)
+                           for s in pilot.stats.drain(running_requests=2).step_sums])
+        pilot.close()
+        return [k for step in ks for k in step]
+
+    assert timed(True, 1) == [(1, 2), (1, 2)]
+    assert timed(True, 4) == [(4, 8), (4, 8)]
+    # The drafts never came: the first step is timed when the second's output comes.
+    assert timed(True, None) == [(4, 8)]
+    assert timed(False, 1) == [(4, 8), (4, 8)]
+
+
 def test_batch_max_prices_a_step_at_its_requests_context(monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-step re-pick is asked with the mean KV length of the step's requests."""
     from specpilot.engine_plugin.policy.step import StepPolicy

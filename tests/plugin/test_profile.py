@@ -42,6 +42,14 @@ def test_passes_beyond_k_are_taken_off_the_measured_step(measured: None) -> None
     assert got[(1, 2)].seconds == pytest.approx(0.012 - 4 * 0.002 + 2 * 0.002)
 
 
+def test_a_profile_is_sent_once_never_as_a_later_engines(measured: None) -> None:
+    # An engine whose worker ran in this process, then one whose worker runs in another and
+    # hands off nothing: the second sends no profile, not the first one's.
+    profile._measured = RawProfile(0, ((16, 0, 0.004, 0),), ())
+    assert len(step_profile("")) == 1
+    assert step_profile("") == ()
+
+
 def test_without_a_model_drafter_every_point_is_the_target_alone(measured: None) -> None:
     profile._measured = RawProfile(0, ((16, 0, 0.004, 0), (16, 2, 0.006, 0)), ())
     assert [(p.verified_tokens, p.draft, p.draft_passes) for p in step_profile("")] == [
