@@ -116,13 +116,22 @@ class _PilotScheduler(Scheduler):
         uniform = pilot is not None and pilot.config.k_mode == "batch_wide"
         batch, batch_k = len(self.running), (self._batch_k() if uniform else None)
         confidences = getattr(draft_token_ids, CONFIDENCE_ATTR, None)
-        passes = max((len(d) for d in draft_token_ids.draft_token_ids), default=0)
+        passes = _draft_width(draft_token_ids)
         self._guard(lambda p: p.on_drafts(self.requests, draft_token_ids.req_ids, batch,
                                           batch_k, confidences, passes))
 
     def shutdown(self) -> None:
         self._guard(lambda p: p.close())
         super().shutdown()
+
+
+def _draft_width(draft_token_ids: DraftTokenIds) -> int | None:
+    """The widest draft the drafter returned (the passes it ran); None where vLLM's drafts are
+    not the lists this reads (the step is then timed at the K asked)."""
+    try:
+        return max((len(d) for d in draft_token_ids.draft_token_ids), default=0)
+    except Exception:
+        return None
 
 
 class SpecPilotScheduler(_PilotScheduler):

@@ -195,3 +195,15 @@ def test_control_a_stop_whose_tokens_leave_their_probabilities_biases_the_sample
     put_stop(self_drafting, 2, pass_tokens=1e6)
     samples = samples_of(self_drafting, seed0=80_000)
     assert differing_positions(references[1], samples)
+
+
+def test_the_drafts_width_is_read_off_vllms_lists_and_never_raises() -> None:
+    """What the scheduler hands the pilot as the passes a drafter ran: the widest draft; None
+    (the step then timed at the K asked) where the drafts are not lists."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    from specpilot.engine_plugin.scheduler import _draft_width
+
+    assert _draft_width(DraftTokenIds(["a", "b"], [[1, 2], [3, 4]])) == 2
+    assert _draft_width(DraftTokenIds([], [])) == 0
+    assert _draft_width(DraftTokenIds(["a"], None)) is None  # type: ignore[arg-type]
