@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "PASSES_ATTR",
     "STOP_ATTR",
     "StopPlan",
     "drafter_stop_installed",
@@ -61,10 +60,6 @@ log = logging.getLogger("specpilot.plugin")
 
 STOP_ATTR = "specpilot_drafter_stop"
 """On a SchedulerOutput: the :class:`StopPlan` for the drafts proposed at the end of its step."""
-PASSES_ATTR = "specpilot_drafter_passes"
-"""Set by the worker on a SchedulerOutput whose drafter stopped early: the passes it ran. Seen
-by the scheduler where it shares the object with the worker (an in-process executor); a
-worker in another process has its own copy, and the step is then timed as K passes."""
 _PATCHED = "__specpilot_stop__"
 _METHOD = "propose"  # of PROPOSER: the draft loop the stop leaves
 _state: dict[str, bool] = {}
@@ -113,7 +108,6 @@ class _Run:
         self.tokens: list[torch.Tensor] = []
         self.probs: list[torch.Tensor] = []
         self.blind = False  # a pass without its confidences: the drafter runs on
-        self.stopped = False
 
     def after_pass(self, tokens: torch.Tensor, probs: torch.Tensor | None) -> None:
         """Called by the ``_sample_draft_tokens`` wrapper after each pass; raises
@@ -138,7 +132,6 @@ class _Run:
             self.blind = True
             return
         if not go_on:
-            self.stopped = True
             raise _Stopped
 
     def result(self) -> torch.Tensor:
@@ -184,8 +177,6 @@ def stopping(runner: Any, output: Any) -> Iterator[None]:
     finally:
         if run is not None:
             setattr(drafter, PASS_HOOK_ATTR, None)
-            if run.stopped:
-                setattr(output, PASSES_ATTR, len(run.tokens))
 
 
 def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,7 +21,7 @@ from specpilot.contract.version import package_version
 from specpilot.engine_plugin.classify import Classifier
 from specpilot.engine_plugin.config import PluginConfig
 from specpilot.engine_plugin.deterministic import Counterfactual, DeterministicDraft
-from specpilot.engine_plugin.drafter_stop import PASSES_ATTR, STOP_ATTR, StopPlan, mark_stop
+from specpilot.engine_plugin.drafter_stop import STOP_ATTR, StopPlan, mark_stop
 from specpilot.engine_plugin.hardware import describe_hardware
 from specpilot.engine_plugin.link import ControllerLink
 from specpilot.engine_plugin.ngram import NGRAM_DRAFT, NgramProposer
@@ -329,8 +329,8 @@ class Pilot:
         # This step's policy: one lookup per batch size, the re-picks of ``batch_k``.
         self.step = StepPolicy(self.view, self.drafts_allowed, engine.drafter)
         self._step_started = 0.0
-        # A decode step whose drafter may have stopped early in a worker of another process,
-        # timed once its drafts' width says how many passes ran (``on_drafts``).
+        # A decode step whose drafter may have stopped early, timed once its drafts' width says
+        # how many passes ran (``on_drafts``).
         self._untimed: _TimedStep | None = None
         self._last_report = time.monotonic()
 
@@ -637,12 +637,9 @@ class Pilot:
             k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
             step = _TimedStep(batch, scheduler_output.total_num_scheduled_tokens, k, seconds,
                               step_context_tokens(scheduler_output))
-            passes = getattr(scheduler_output, PASSES_ATTR, None)
-            if type(passes) is int and 0 < passes < k:
-                self._time(step, passes)
-            elif k > 1 and isinstance(getattr(scheduler_output, STOP_ATTR, None), StopPlan):
-                # A worker in a process of its own notes no passes on this copy of the step:
-                # the width of the drafts it returns says how many ran.
+            if k > 1 and isinstance(getattr(scheduler_output, STOP_ATTR, None), StopPlan):
+                # The drafter may stop early in the worker (whose process may be another): the
+                # width of the drafts it returns says how many passes ran.
                 self._untimed = step
             else:
                 self._time(step, k)

@@ -116,8 +116,7 @@ def test_the_stop_shortens_eagle_drafts_and_keeps_greedy_outputs(
     # The control: without a pass price the drafter runs K passes and the cut keeps two.
     assert control.drafts > 0 and control.draft_tokens == 2 * control.drafts
     assert set(widths[None]) == {K}
-    # The pilot times each decode step at the passes the drafter ran (the in-process worker
-    # notes them on the step's SchedulerOutput).
+    # The pilot times each decode step at the passes the drafter ran (its drafts' width).
     assert set(timed[1e6]) == {1} and set(timed[None]) == {K}
 
 
@@ -125,8 +124,7 @@ def test_the_stop_reaches_a_worker_in_a_process_of_its_own(
         tiny_models: Any, exact_baseline: list[list[int]]) -> None:
     """``mp``: the worker runs in its own process (as under ``vllm serve`` with several
     workers); the plan travels pickled with the step, and every draft is one token wide. The
-    pilot times each decode step at the passes run, read off the drafts' width (the worker's
-    note stays in its own process)."""
+    pilot times each decode step at the passes run, read off the drafts' width."""
     with plugin_environment({"ngram_drafts": "false"}), llm_session(
             tiny_models.exact_target, _eagle(tiny_models), SCHEDULER,
             distributed_executor_backend="mp") as llm:

@@ -601,40 +601,11 @@ def test_a_decode_steps_timing_carries_the_context_its_requests_held() -> None:
     assert step_context(False) == (1, None)
 
 
-def test_a_step_whose_drafter_stopped_early_is_timed_at_the_passes_run() -> None:
-    """The worker notes the passes run on the SchedulerOutput where it stopped the drafter:
-    the step is timed as that many passes (K=1, one draft token per sequence), not the K
-    asked. The control: without the note, the K asked."""
-    from specpilot.engine_plugin.drafter_stop import PASSES_ATTR
-
-    config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
-
-    def timed(passes: int | None) -> tuple[int, int]:
-        pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
-        requests = _batch(pilot, ["a", "a"])
-        pilot.on_schedule_start()
-        output = SimpleNamespace(
-            num_scheduled_tokens=dict.fromkeys(requests, 1), total_num_scheduled_tokens=2,
-            scheduled_spec_decode_tokens={}, num_invalid_spec_tokens=None,
-            num_spec_tokens_to_schedule=4)
-        if passes is not None:
-            setattr(output, PASSES_ATTR, passes)
-        sampled = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(requests)},
-                                  sampled_token_ids=[[9], [9]])
-        pilot.on_output(output, sampled)
-        (sums,) = pilot.stats.drain(running_requests=2).step_sums
-        pilot.close()
-        return sums.k, sums.sum_draft_tokens
-
-    assert timed(1) == (1, 2)
-    assert timed(None) == (4, 8)
-
-
-def test_a_step_whose_drafter_may_stop_in_another_process_is_timed_at_its_drafts_width() -> None:
-    """With the worker in a process of its own, nothing is noted on the scheduler's copy of the
-    step: a step with a stop plan is timed once its drafts arrive, at their width (the passes
-    run); where they never arrive, at the K asked when the next step's output comes. The
-    control: a step without a plan is timed at once, at the K asked."""
+def test_a_step_whose_drafter_may_stop_is_timed_at_its_drafts_width() -> None:
+    """A step with a stop plan is timed once its drafts arrive, at their width (the passes the
+    drafter ran, in whichever process the worker runs): K=1, one draft token per sequence, not
+    the K asked; where they never arrive, at the K asked when the next step's output comes.
+    The control: a step without a plan is timed at once, at the K asked."""
     from specpilot.engine_plugin.drafter_stop import StopPlan, mark_stop
 
     config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
