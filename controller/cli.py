@@ -41,7 +41,7 @@ import yaml
 from google.protobuf.message import Message
 
 from specpilot.contract.buckets import batch_range, parse_batch
-from specpilot.contract.records import Override, arm_key
+from specpilot.contract.records import ALL_CLASSES, Override, arm_key
 from specpilot.contract.tls import TLSError, open_channel
 from specpilot.controller.logsafe import shown
 from specpilot.controller.server.app import ServeError, engine_credentials, start_server
@@ -326,7 +326,24 @@ def policy_set(stub: PolicyStub, args: argparse.Namespace) -> int:
                             metadata=_write_metadata(args))
     print(f"override on {args.cls}: {_override_text(override)}; policy version "
           f"{resp.policy_version}")
+    if args.pin_k and _engines(stub, args) == []:
+        # With engines connected, a pin above their largest K is refused; before any, it is
+        # taken, and the engines run what they can.
+        print(f"no engine is connected yet: K={args.pin_k} is capped at the largest K an "
+              "engine offers once one connects (specpilot policy get shows what runs)")
     return 0
+
+
+def _engines(stub: PolicyStub, args: argparse.Namespace) -> list[str] | None:
+    """The engines connected to the controller; None where it did not say (the write is
+    done: a failed read must not make it look refused)."""
+    # The class just overridden keeps the answer small ("*" is no class: all of them).
+    cls = "" if args.cls == ALL_CLASSES else args.cls
+    try:
+        return list(stub.GetPolicy(policy_pb2.GetPolicyRequest(traffic_class=cls),
+                                   timeout=args.timeout).engines)
+    except grpc.RpcError:
+        return None
 
 
 def policy_clear(stub: PolicyStub, args: argparse.Namespace) -> int:
@@ -633,7 +650,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     get.add_argument("--json", action="store_true", help="print the response as JSON")
     set_ = action("set", policy_set, "set an override", True)
     what = set_.add_mutually_exclusive_group(required=True)
-    what.add_argument("--pin-k", type=int, help="pin K (0 = off)")
+    what.add_argument("--pin-k", type=int, metavar="N",
+                      help="pin K (0 = off); refused above the largest K the connected engines "
+                           "offer; with no engine connected yet, taken and capped at an "
+                           "engine's largest K once one connects")
     what.add_argument("--force-draft", metavar="DRAFT", help="use this draft")
     what.add_argument("--force-off", action="store_true", help="speculation off")
     set_.add_argument("--note", default="", help="kept with the override")
@@ -708,8 +728,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(f"no command '{command}' (specpilot --help lists them){hint}", err=True)
         return 2
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+        sys.stdout.flush()  # what is still buffered fails here, not in the interpreter's exit
+    except BrokenPipeError:
+        return _stdout_closed()
     return result
+
+
+# The exit status when the reader of stdout went away early (`specpilot policy get | head`):
+# 128 + SIGPIPE, what a shell reports for a program that signal ended, as `cat` and other
+# commands end there; quietly (no traceback), and `set -o pipefail` still sees the cut.
+STDOUT_CLOSED_EXIT = 128 + signal.SIGPIPE
+
+
+def _stdout_closed() -> int:
+    # Python flushes stdout again at exit: with /dev/null behind it, that flush cannot fail
+    # (it would print "Exception ignored ... BrokenPipeError").
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return STDOUT_CLOSED_EXIT
 
 
 if __name__ == "__main__":

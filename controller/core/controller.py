@@ -223,7 +223,9 @@ class ControllerCore:
 
     def check_operator_override(self, override: Override) -> None:
         """What an operator's override must also satisfy (``Overrides.check_operator``)."""
-        self._overrides.check_operator(override, [d.name for d in self.drafts()])
+        drafts = self.drafts()
+        largest_k = max((d.max_k for d in drafts), default=0) if len(self._engines) else None
+        self._overrides.check_operator(override, [d.name for d in drafts], largest_k)
 
     def clear_override(self, traffic_class: str,
                        scope: OverrideScope = OverrideScope.POD) -> bool:

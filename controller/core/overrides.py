@@ -64,17 +64,33 @@ class Overrides:
                 f"(max_classes={self._config.max_classes}) is reached, so its traffic is "
                 f"folded into {OTHER_CLASS!r}: override {OTHER_CLASS!r} instead")
 
-    def check_operator(self, override: Override, offered: Sequence[str]) -> None:
+    def check_operator(self, override: Override, offered: Sequence[str],
+                       largest_k: int | None = None) -> None:
         """What an operator's override must also satisfy (the policy API's bounds; overrides
-        the core is given directly, as in tests, skip them): K at most the policy's max K, a
-        forced draft one of the connected engines offer (``offered``) or a declared one (the
-        same rule with or without engines), a note of at most MAX_NOTE_CHARS, and a class that
-        is declared or that an engine has reported (else any client could take the class slots
-        with overrides). ValueError naming the field and how to declare what it lacks."""
+        the core is given directly, as in tests, skip them): K at most the policy's max K and
+        at most ``largest_k``, the largest K the connected engines offer (None: no engine
+        connected; a pin is then taken, and capped at an engine's largest K once one
+        connects, as when an engine with a smaller one replaces another), a forced draft one
+        of the connected engines offer (``offered``) or a declared one (the same rule with or
+        without engines), a note of at most MAX_NOTE_CHARS, and a class that is declared or
+        that an engine has reported (else any client could take the class slots with
+        overrides). ValueError naming the field and how to declare what it lacks."""
         self.check(override)
         max_k = self._config.policy.max_k
         if override.pin_k is not None and not 0 <= override.pin_k <= max_k:
             raise ValueError(f"override.pin_k: {override.pin_k} outside 0..max_k {max_k}")
+        if override.pin_k and largest_k is not None and override.pin_k > largest_k:
+            # Taken, it would run as the engines' largest K while the policy showed the pin.
+            if largest_k == 0:
+                raise ValueError(
+                    f"override.pin_k: {override.pin_k}, but the connected engines offer no "
+                    "speculation (no draft of theirs was accepted; the controller's log says "
+                    "why): pin 0 or force speculation off, or connect an engine with "
+                    "speculative decoding configured")
+            raise ValueError(
+                f"override.pin_k: {override.pin_k} is above {largest_k}, the largest K the "
+                f"connected engines offer: pin {largest_k} or less (0 turns speculation off), "
+                "or restart the engines with a larger num_speculative_tokens")
         known = [*offered, *sorted(self._config.declared_drafts.difference(offered))]
         if (draft := override.force_draft) is not None and draft not in known:
             named = draft if valid_class_name(draft) else "NAME"

@@ -7,6 +7,7 @@ caller's asyncio loop. The core is only ever touched from that loop, so it needs
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import os
@@ -39,6 +40,7 @@ from specpilot.controller.server.hub import Hub
 from specpilot.controller.server.overload import LoopLag, ReportBudget
 from specpilot.controller.server.policy_service import PolicyService
 from specpilot.controller.server.policy_writes import AuditLog, PolicyWriter
+from specpilot.controller.server.ports import in_use_message, port_in_use, taken_by
 from specpilot.controller.server.stubs import add_engine_service, add_policy_service
 from specpilot.controller.settings import (
     FleetConfig,
@@ -71,6 +73,12 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# grpcio sets SO_REUSEPORT by default: a second controller on the same port would start
+# without error and the kernel would split the connections between the two.
+EXCLUSIVE_PORT_OPTIONS = [("grpc.so_reuseport", 0)]
+# The flag that picks each listener's port, for a message about a port in use.
+PORT_FLAGS = {"grpc_port": "--grpc-port N", "http_port": "--http-port N",
+              "engine_grpc_port": "--set engine_grpc_port=N"}
 # Oversized reports must reach the handler, which answers with a reason and keeps the stream;
 # gRPC's own limit (which would kill the stream) sits well above settings.max_report_bytes.
 RECEIVE_LIMIT_FACTOR = 4
@@ -271,12 +279,16 @@ def _bind_grpc(server: grpc.aio.Server, settings: ServerConfig, tls: ServerTLS |
     """Add the gRPC port (plaintext, TLS, or TLS requiring client certificates) and, with
     tls_client_auth "engines", the engines' mTLS port; their numbers."""
     host = _host_for_url(settings.grpc_host)
-    wanted = [(settings.grpc_port, tls is not None and tls.main_port_requires_client_certificates)]
+    wanted = [(settings.grpc_port, tls is not None and tls.main_port_requires_client_certificates,
+               "grpc_port")]
     if settings.engine_grpc_port is not None:
-        wanted.append((settings.engine_grpc_port, True))
+        wanted.append((settings.engine_grpc_port, True, "engine_grpc_port"))
     ports: list[int] = []
-    for number, client_certificates in wanted:
+    for number, client_certificates, setting in wanted:
         address = f"{host}:{number}"
+        # Tried first: gRPC's own failure is a bare "Failed to bind" plus a log line of its own.
+        if port_in_use(settings.grpc_host, number):
+            raise ServeError(_in_use("gRPC", address, number, setting))
         try:
             if tls is None:
                 ports.append(server.add_insecure_port(address))
@@ -284,15 +296,22 @@ def _bind_grpc(server: grpc.aio.Server, settings: ServerConfig, tls: ServerTLS |
                 ports.append(server.add_secure_port(address, tls.grpc_credentials(
                     client_certificates=client_certificates)))
         except RuntimeError as exc:
+            if port_in_use(settings.grpc_host, number):  # taken since the trial
+                raise ServeError(_in_use("gRPC", address, number, setting)) from exc
             raise ServeError(f"cannot listen for gRPC on {address}: {exc}") from exc
     return ports[0], ports[1] if len(ports) > 1 else None
+
+
+def _in_use(listener: str, address: str, port: int, setting: str) -> str:
+    return in_use_message(listener, address, port, setting, PORT_FLAGS[setting],
+                          taken_by(port), os.getpid())
 
 
 async def _start_grpc(settings: ServerConfig, engine: EngineService, policy: PolicyService,
                       health: health_aio.HealthServicer, tls: ServerTLS | None = None,
                       ) -> tuple[grpc.aio.Server, int, int | None]:
     limit = RECEIVE_LIMIT_FACTOR * settings.max_report_bytes
-    server = grpc.aio.server(options=[*KEEPALIVE_OPTIONS,
+    server = grpc.aio.server(options=[*KEEPALIVE_OPTIONS, *EXCLUSIVE_PORT_OPTIONS,
                                       ("grpc.max_receive_message_length", limit)])
     add_engine_service(engine, server)
     add_policy_service(policy, server)
@@ -319,9 +338,10 @@ async def _start_http(settings: ServerConfig, app: web.Application, metrics: Met
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        raise ServeError(
-            f"cannot listen for HTTP on {settings.http_host}:{settings.http_port}: {exc}"
-        ) from exc
+        address = f"{_host_for_url(settings.http_host)}:{settings.http_port}"
+        if exc.errno == errno.EADDRINUSE:
+            raise ServeError(_in_use("HTTP", address, settings.http_port, "http_port")) from exc
+        raise ServeError(f"cannot listen for HTTP on {address}: {exc}") from exc
     port = int(runner.addresses[0][1])
     return runner, port
 

@@ -146,11 +146,14 @@ class _Refused(asyncio.Protocol):
 
 
 class CappedSite(web.TCPSite):
-    """``web.TCPSite`` that accepts at most ``max_connections`` connections at once."""
+    """``web.TCPSite`` that accepts at most ``max_connections`` connections at once, on a port
+    it holds alone."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
                  ssl_context: Any, max_connections: int, metrics: Metrics) -> None:
-        super().__init__(runner, host, port, ssl_context=ssl_context)
+        # No SO_REUSEPORT: a second controller on the port must fail to start, not share the
+        # connections (SO_REUSEADDR, asyncio's default, only allows a restart past TIME_WAIT).
+        super().__init__(runner, host, port, ssl_context=ssl_context, reuse_port=False)
         self._max_connections, self._metrics = max_connections, metrics
 
     async def start(self) -> None:

@@ -914,6 +914,10 @@ def _expected_set(request: policy_pb2.SetOverrideRequest, auth: tuple[tuple[str,
         return invalid  # a class an engine reported (or a declared one), or "*"
     if action == "pin_k" and ov.pin_k > core.config.policy.max_k:
         return invalid
+    # With engines connected, no more than the largest K they offer.
+    if action == "pin_k" and core.engines_connected and ov.pin_k > max(
+            (d.max_k for d in core.drafts()), default=0):
+        return invalid
     if action == "force_draft" and ov.force_draft not in {d.name for d in core.drafts()}:
         return invalid
     if len(ov.note) > 1000:

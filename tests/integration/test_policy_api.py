@@ -17,7 +17,7 @@ from specpilot.controller.settings import load_settings
 from specpilot.controller.wire import event_to_proto
 from specpilot.v1 import common_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
-from tests.integration.engine_client import DRAFT, EngineClient, acceptance, report
+from tests.integration.engine_client import DRAFT, EngineClient, acceptance, hello, report
 
 pytestmark = pytest.mark.integration
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -317,6 +317,59 @@ async def test_override_values_beyond_what_the_engines_can_run_are_refused(
     assert (await engine.send(report(1, acceptance("chat")))).accepted
     assert server.core.canonical_class("chat") == "chat"
     await engine.close()
+
+
+async def test_a_pin_above_the_largest_k_the_engines_offer_is_refused_naming_it() -> None:
+    """With engines connected, a pin above the largest K they offer is INVALID_ARGUMENT naming
+    that K; before any engine connects it is taken, and runs capped at an engine's largest K.
+    Control: a pin of 6 with an engine offering K up to 4 was taken, and shown and run as
+    K=4."""
+    server = await start_server(load_settings(**{**FAST_SETTINGS, "declared_classes": ["chat"]}))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            stub = async_policy_stub(channel)
+            await stub.SetOverride(_pin("chat", 6), metadata=AUTH)  # no engine yet: taken
+            engine = EngineClient(channel)
+            await engine.connect(hello(max_k=4))
+            assert (await engine.send(report(1))).accepted
+            decisions = snapshot(server).class_view("chat").decisions
+            assert decisions and {d.k for d in decisions} == {4}  # capped
+            for k in (5, 8):
+                code, details = await _code(stub.SetOverride(_pin("chat", k), metadata=AUTH))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT
+                assert details.startswith(f"override.pin_k: {k} is above 4, the largest K the "
+                                          "connected engines offer: pin 4 or less"), details
+                assert "num_speculative_tokens" in details
+            assert [o.pin_k for o in snapshot(server).overrides] == [6]  # nothing changed
+            await stub.SetOverride(_pin("chat", 4), metadata=AUTH)
+            await stub.SetOverride(_pin("*", 0), metadata=AUTH)  # off is always there
+            # Another engine offering a draft of a larger K raises the bound.
+            wide_hello = hello("engine-2", max_k=6)
+            wide_hello.drafts[0].name = "draft-wide"
+            wide = EngineClient(channel)
+            await wide.connect(wide_hello)
+            await stub.SetOverride(_pin("chat", 6), metadata=AUTH)
+            await wide.close()
+            await engine.close()
+    finally:
+        await server.stop(grace_seconds=0.1)
+
+    server = await start_server(load_settings(**{**FAST_SETTINGS, "declared_classes": ["chat"]}))
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            plain_hello = hello(max_k=0)  # a plain engine: no speculation configured
+            del plain_hello.drafts[:]
+            plain = EngineClient(channel)
+            await plain.connect(plain_hello)
+            stub = async_policy_stub(channel)
+            code, details = await _code(stub.SetOverride(_pin("chat", 1), metadata=AUTH))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert details.startswith("override.pin_k: 1, but the connected engines offer no "
+                                      "speculation"), details
+            await stub.SetOverride(_pin("chat", 0), metadata=AUTH)
+            await plain.close()
+    finally:
+        await server.stop(grace_seconds=0.1)
 
 
 async def test_one_client_holds_at_most_its_share_of_watchers() -> None:
