@@ -10,9 +10,11 @@ import asyncio
 import base64
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from itertools import product
@@ -34,7 +36,6 @@ from specpilot.contract.records import (
     EngineReport,
     StepTimingRecord,
 )
-from specpilot.controller import cli
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.metrics import Metrics
 from specpilot.controller.server.app import start_server
@@ -190,6 +191,7 @@ def test_every_combination_renders_valid_kubernetes(values: dict[str, Any]) -> N
         == env["SPECPILOT_ENGINE_SECRET"]["valueFrom"]
     assert env["SPECPILOT_ENGINE_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == token_secret
     assert spec["initContainers"].index(minter) == 0  # before the engine and the native sidecar
+    assert minter["image"] == engine["image"]  # never the controller's (fail-static)
     assert not any("secretKeyRef" in e.get("valueFrom", {}) and e["valueFrom"]["secretKeyRef"][
         "name"] == token_secret for e in engine["env"])
     assert engine_env["SPECPILOT_PLUGIN_TOKEN_FILE"] == "/run/specpilot-engine/token"
@@ -582,6 +584,125 @@ def test_the_readiness_check_catches_a_gating_controller() -> None:
             assert readiness_gates(pod_spec(docs)) == [f"specpilot.{probe}"]
 
 
+def controller_gates(docs: list[dict[str, Any]]) -> list[str]:
+    """What would let the controller's image hold back the engine's start: an init container
+    of the controller's image (the kubelet runs every init container to completion, and pulls
+    and starts a native sidecar, before it starts any main container), the controller listed
+    before the engine (the kubelet starts main containers in order), a pod-local volume (an
+    emptyDir: what one container writes for another) that the engine mounts and a container of
+    the controller's image also mounts (something the engine would wait for), and a lifecycle
+    hook on the engine."""
+    spec = pod_spec(docs)
+    controller_image = controller_of(docs)["image"]
+    gates = [f"initContainers.{c['name']}" for c in spec.get("initContainers", [])
+             if c["image"] == controller_image]
+    names = [c["name"] for c in spec["containers"]]
+    if names[0] != "vllm":
+        gates.append(f"containers: {names} (the engine is not first)")
+    engine = engine_of(docs)
+    written = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+    shared = written & {m["name"] for m in engine.get("volumeMounts", [])} & {
+        m["name"] for c in spec.get("initContainers", []) + spec["containers"]
+        if c["image"] == controller_image for m in c.get("volumeMounts", [])}
+    gates += [f"volume {v} shared with the controller's image" for v in sorted(shared)]
+    if "lifecycle" in engine:
+        gates.append("vllm.lifecycle")
+    return gates
+
+
+def test_the_engine_starts_without_the_controller_image() -> None:
+    """Fail-static at the Pod level: by default nothing that runs before the engine uses the
+    controller's image (the engine-token step runs the engine's image) and the controller is
+    an ordinary container after the engine, so an unpullable controller image leaves the engine
+    serving on its static configuration. Across both values matrices only the native sidecar
+    opt-in (sidecar.native=true) puts the controller before the engine, as documented."""
+    docs = render({})
+    spec, engine, ctl = pod_spec(docs), engine_of(docs), controller_of(docs)
+    assert {c["image"] for c in spec["initContainers"]} == {engine["image"]}
+    assert ctl["image"] != engine["image"]
+    assert ctl in spec["containers"] and "restartPolicy" not in ctl
+    assert controller_gates(docs) == []
+    for values in MATRIX + [serving_values(*case) for case in SERVING]:
+        native = values["sidecar"]["native"]
+        assert controller_gates(render(values)) == (["initContainers.specpilot"] if native
+                                                    else []), json.dumps(values)[:160]
+
+
+def test_the_start_check_catches_a_controller_gate() -> None:
+    """The control of controller_gates: the engine-token step on the controller's image (as
+    the chart had it), the controller listed first, a volume shared with it, and the native
+    sidecar opt-in are each caught."""
+    def mutated(change: Any) -> list[str]:
+        docs = render({})
+        change(pod_spec(docs), controller_of(docs))
+        return controller_gates(docs)
+
+    def minter_on_controller_image(spec: dict[str, Any], ctl: dict[str, Any]) -> None:
+        spec["initContainers"][0]["image"] = ctl["image"]
+
+    def controller_first(spec: dict[str, Any], ctl: dict[str, Any]) -> None:
+        spec["containers"].reverse()
+
+    def shared_volume(spec: dict[str, Any], ctl: dict[str, Any]) -> None:
+        ctl["volumeMounts"].append({"name": "engine-token", "mountPath": "/run/t"})
+
+    assert mutated(minter_on_controller_image) == [
+        "initContainers.engine-token", "volume engine-token shared with the controller's image"]
+    assert mutated(controller_first) == ["containers: ['specpilot', 'vllm'] (the engine is "
+                                         "not first)"]
+    assert mutated(shared_volume) == ["volume engine-token shared with the controller's image"]
+    assert controller_gates(render({"sidecar": {"native": True}})) == ["initContainers.specpilot"]
+
+
+def vllm_parses(arg_lists: list[list[str]]) -> list[dict[str, Any]]:
+    """Each argument list parsed by the installed vLLM's own OpenAI-server parser (in a child
+    process: importing vLLM loads torch and its plugins), with the scheduler class it names
+    resolved: vLLM's async_scheduling (None = left to vLLM, which turns it on for draft methods
+    on GPUs) and whether the class is an AsyncScheduler."""
+    program = """
+import importlib, json, sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+try:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+out = []
+for args in json.load(sys.stdin):
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+    module, _, name = ns.scheduler_cls.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    out.append({"async_scheduling": ns.async_scheduling, "scheduler_cls": ns.scheduler_cls,
+                "async_class": issubclass(cls, AsyncScheduler),
+                "scheduler": issubclass(cls, Scheduler)})
+print("PARSED " + json.dumps(out))
+"""
+    ran = subprocess.run([sys.executable, "-c", program], input=json.dumps(arg_lists),
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    line = next(x for x in ran.stdout.splitlines() if x.startswith("PARSED "))
+    parsed: list[dict[str, Any]] = json.loads(line.removeprefix("PARSED "))
+    return parsed
+
+
+def test_the_engine_sets_async_scheduling_with_its_matching_scheduler_class() -> None:
+    """engine.asyncScheduling both ways: the rendered arguments, parsed by vLLM's own server
+    parser, set async scheduling explicitly (never left to vLLM, which turns it on for draft
+    methods, where the sync class's update_draft_token_ids is never called) and name the
+    specpilot scheduler class of that mode."""
+    cases = (False, True)
+    rendered = [engine_of(render({"engine": {"asyncScheduling": on}}))["args"] for on in cases]
+    for on, args in zip(cases, rendered, strict=True):
+        assert ("--async-scheduling" if on else "--no-async-scheduling") in args
+    parsed = vllm_parses(rendered)
+    for on, got in zip(cases, parsed, strict=True):
+        assert got["async_scheduling"] is on, got
+        assert got["scheduler"] and got["async_class"] is on, got
+        assert got["scheduler_cls"] == "specpilot.engine_plugin.scheduler." + (
+            "SpecPilotAsyncScheduler" if on else "SpecPilotScheduler")
+
+
 # Kubernetes' types in values.schema.json: their fields listed, so that a misspelt field fails
 # `helm install` naming it.
 SCHEMA_TYPES = {
@@ -671,6 +792,11 @@ def test_strict_validation_is_a_real_check() -> None:
     ({"engine": {"speculativeConfig": ["model"]}}, "speculativeConfig"),
     ({"policyToken": {"engineSecretValue": "too-short"}}, "engineSecretValue"),
     ({"policyToken": {"engineKey": "engine-token"}}, "engineKey"),
+    ({"engine": {"extraArgs": ["--async-scheduling"]}},
+     "engine.extraArgs has --async-scheduling: set engine.asyncScheduling instead"),
+    ({"engine": {"extraArgs": ["--scheduler-cls=my.Scheduler"]}},
+     "engine.extraArgs has --scheduler-cls=my.Scheduler: set engine.asyncScheduling instead"),
+    ({"engine": {"tokenInit": {"resources": {"limit": {"memory": "1Gi"}}}}}, "limit"),
 ])
 def test_broken_values_are_refused_naming_the_value(values: dict[str, Any], message: str
                                                     ) -> None:
@@ -685,12 +811,12 @@ def test_a_generated_token_secret_is_kept_across_upgrades() -> None:
     assert len(secret["data"]["token"]) >= 40  # 32 random characters, base64
 
 
-def test_the_chart_issues_each_engine_its_own_token(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the pod runs: the engine-token init container's command (its $(POD_NAME) as the
-    kubelet expands it) writes the engine's own token from the Secret's engine secret where the
-    engine reads it; the controller, on the chart's settings with the same secret, takes the
-    engine's stream for its pod's id and refuses it for another pod's."""
+def test_the_chart_issues_each_engine_its_own_token(tmp_path: Path) -> None:
+    """What the pod runs: the engine-token init container's command line (its module run by
+    this interpreter for the image's python3, its $(POD_NAME) as the kubelet expands it) writes
+    the engine's own token from the Secret's engine secret where the engine reads it; the
+    controller, on the chart's settings with the same secret, takes the engine's stream for its
+    pod's id and refuses it for another pod's."""
     secret = "engine-secret-of-the-release-0123456789"
     docs = render({"policyToken": {"engineSecretValue": secret}})
     assert base64.b64decode(one(docs, "Secret")["data"]["engine-secret"]).decode() == secret
@@ -700,9 +826,14 @@ def test_the_chart_issues_each_engine_its_own_token(tmp_path: Path,
     local = str(tmp_path / "token")  # the shared volume, here
     args = [a.replace("$(POD_NAME)", "demo-7d9f").replace(token_file, local)
             for a in minter["args"]]
-    monkeypatch.setenv("SPECPILOT_ENGINE_SECRET", secret)
-    assert cli.main(args) == 0
-    monkeypatch.delenv("SPECPILOT_ENGINE_SECRET")
+    # The engine's image runs it: the module form of specpilot's CLI, with its python3.
+    assert minter["image"] == engine_of(docs)["image"]
+    assert minter["command"][:2] == ["python3", "-m"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPILOT_")}
+    ran = subprocess.run([sys.executable, *minter["command"][1:], *args], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path,
+                         env={**env, "SPECPILOT_ENGINE_SECRET": secret})
+    assert ran.returncode == 0, ran.stdout + ran.stderr
     own = (("authorization", f"Bearer {Path(local).read_text().strip()}"),)
     config = next(d for d in docs if d["kind"] == "ConfigMap" and "specpilot.yaml" in d["data"])
     settings = {**yaml.safe_load(config["data"]["specpilot.yaml"]), "grpc_host": "127.0.0.1",
@@ -781,9 +912,8 @@ def test_the_alert_tests_can_fail(rules_file: Path) -> None:
 # --- the Grafana dashboard ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def exported_metrics() -> set[str]:
-    """Every series name a controller with an engine, reports and decisions exports, and
-    every vllm: series of the installed vLLM."""
+def controller_exposition() -> str:
+    """What a controller with an engine, reports and decisions exports (controller/metrics.py)."""
     core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
     now = time.time()
     core.connect_engine(EngineHello("e", "m", "v", (DraftSpec("d", DraftKind.MODEL, 4, "v"),),
@@ -793,8 +923,15 @@ def exported_metrics() -> set[str]:
                                   step_timings=(StepTimingRecord(0, "d", 2, 5, 5, 15, 10, 0.1),)),
                 now)
     metrics.decisions(core.decide(now))
+    return metrics.render().decode()
+
+
+@pytest.fixture(scope="module")
+def exported_metrics(controller_exposition: str) -> set[str]:
+    """Every series name the controller exports, and every vllm: series of the installed
+    vLLM."""
     names = set()
-    for line in metrics.render().decode().splitlines():
+    for line in controller_exposition.splitlines():
         if line.startswith("# TYPE "):
             name, kind = line.split()[2:4]
             names.add(name)
@@ -873,3 +1010,91 @@ def test_a_dashboard_naming_a_metric_that_does_not_exist_is_caught(
     assert unknown_metrics(old, exported_metrics) == {"vllm:time_per_output_token_seconds_bucket"}
     assert unknown_metrics("rate(vllm:spec_decode_num_accepted_tokens[5m])", exported_metrics)
     assert unknown_metrics("up", exported_metrics)
+
+
+@pytest.fixture(scope="module")
+def model_labelled(controller_exposition: str, exported_metrics: set[str]) -> set[str]:
+    """The series that carry model_name: the controller's whose samples have it, and every
+    vllm: series (vLLM labels each with model_name and engine)."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    loggers = Path(next(iter(spec.submodule_search_locations))) / "v1" / "metrics" / "loggers.py"
+    assert 'labelnames = ["model_name", "engine"]' in loggers.read_text()
+    ours = {line.split("{")[0] for line in controller_exposition.splitlines()
+            if not line.startswith("#") and 'model_name="' in line}
+    assert "specpilot_class_measured_speedup_ratio" in ours  # the fixture has a served step
+    return ours | {n for n in exported_metrics if n.startswith("vllm:")}
+
+
+VARIABLE_MATCHERS = {"model": "model_name", "namespace": "namespace", "pod": "pod"}
+_SELECTOR = re.compile(r"(specpilot_[a-z0-9_]+|vllm:[a-z0-9_:]+)(\{[^}]*\})?")
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+
+
+def unfiltered(expr: str, model_labelled: set[str]) -> list[str]:
+    """The metric selectors of ``expr`` that do not follow the dashboard's variables: each must
+    match namespace=~"$namespace" and pod=~"$pod" (labels Prometheus' Kubernetes scrapes add),
+    and model_name=~"$model" where the series carries model_name. The controller's pod-wide
+    series have no model label; they follow the model through $pod, whose options are the
+    model's pods."""
+    missing = []
+    for selector in _SELECTOR.finditer(expr):
+        name = selector.group(1)
+        have = set(_MATCHER.findall(selector.group(2) or ""))
+        want = {(label, "=~", f"${var}") for var, label in VARIABLE_MATCHERS.items()
+                if var != "model" or name in model_labelled}
+        missing += [f"{name}: {label}" for label, _, _ in sorted(want - have)]
+    return missing
+
+
+def _variable_query(variable: dict[str, Any]) -> str:
+    query = variable["query"]
+    return str(query["query"] if isinstance(query, dict) else query)
+
+
+def test_the_grafana_dashboard_filters_by_model_namespace_and_pod(
+        exported_metrics: set[str], model_labelled: set[str]) -> None:
+    """The model, namespace and pod variables, chained (a pod is one of the model's), and every
+    query of every panel filtered by them; the measured-speedup panel among the panels."""
+    dash = json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    queries = {}
+    for name, label in VARIABLE_MATCHERS.items():
+        v = variables[name]
+        assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}", name
+        # Several at once, and All = the values listed (no allValue such as .*), so All pods
+        # are the selected model's pods.
+        assert v["multi"] and v["includeAll"] and "allValue" not in v, name
+        queries[name] = q = _variable_query(v)
+        assert re.fullmatch(rf"label_values\((.+), {label}\)", q), q
+        assert not unknown_metrics(q, exported_metrics), q
+    assert 'model_name=~"$model"' in queries["namespace"]
+    assert 'model_name=~"$model"' in queries["pod"] and 'namespace=~"$namespace"' in queries["pod"]
+    exprs = [(p["title"], t["expr"]) for p in _panels() for t in p["targets"]]
+    assert exprs
+    for title, expr in exprs:
+        assert not unfiltered(expr, model_labelled), (title, expr, unfiltered(expr, model_labelled))
+    measured = [p for p in _panels() if any(
+        "specpilot_class_measured_speedup_ratio" in t["expr"] for t in p["targets"])]
+    assert [p["title"] for p in measured] == ["Measured speedup, by class"]
+    assert measured[0]["fieldConfig"]["defaults"]["unit"] == "suffix:x"
+
+
+def test_a_query_that_ignores_the_variables_is_caught(model_labelled: set[str]) -> None:
+    """The control of unfiltered(): the dashboard's queries before the variables, a selector
+    missing one matcher, and a matcher with another value are caught; a pod-wide series needs
+    no model matcher."""
+    assert unfiltered("specpilot_class_measured_speedup_ratio", model_labelled) == [
+        "specpilot_class_measured_speedup_ratio: model_name",
+        "specpilot_class_measured_speedup_ratio: namespace",
+        "specpilot_class_measured_speedup_ratio: pod"]
+    assert unfiltered("sum(specpilot_engines_connected)", model_labelled) == [
+        "specpilot_engines_connected: namespace", "specpilot_engines_connected: pod"]
+    assert unfiltered('rate(vllm:generation_tokens_total{namespace=~"$namespace", '
+                      'pod=~"$pod"}[5m])', model_labelled) == [
+        "vllm:generation_tokens_total: model_name"]
+    assert unfiltered('specpilot_speculation_enabled{model_name=~"$model", namespace="ml", '
+                      'pod=~"$pod"}', model_labelled) == [
+        "specpilot_speculation_enabled: namespace"]
+    assert not unfiltered('sum(specpilot_engines_connected{namespace=~"$namespace", '
+                          'pod=~"$pod"})', model_labelled)

@@ -88,6 +88,11 @@ extended resource's request must equal its limit). */}}
 {{- fail "model.source=volume needs exactly one of model.volume.existingClaim, model.volume.hostPath and model.volume.spec" -}}
 {{- end -}}
 {{- end -}}
+{{- range .Values.engine.extraArgs -}}
+{{- if or (hasPrefix "--async-scheduling" .) (hasPrefix "--no-async-scheduling" .) (hasPrefix "--scheduler-cls" .) -}}
+{{- fail (printf "engine.extraArgs has %s: set engine.asyncScheduling instead (the chart passes the async-scheduling flag and the matching specpilot scheduler class)" .) -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled -}}
 {{- fail "metrics.serviceMonitor.enabled and metrics.podMonitor.enabled are both true: enable one (each would scrape the controller)" -}}
 {{- end -}}
@@ -109,12 +114,19 @@ container that derives the engine's own token; never for the engine. */}}
 {{- end -}}
 
 {{/* An init container that writes the engine's own token (derived from the engine secret and
-its engine id, the pod's name) for the engine to read; it runs before the engine and the
-native sidecar, and is the only container besides the controller that sees the secret. */}}
+its engine id, the pod's name) for the engine to read; it runs before the engine (and before a
+native sidecar), and is the only container besides the controller that sees the secret. It runs
+the engine's image, which holds specpilot (the plugin's wheel, its CLI included), so the engine's
+start never needs the controller's image (fail-static includes the Pod: an unpullable controller
+image leaves the engine serving on its static configuration). The module form runs the CLI with
+the interpreter the plugin is installed in (the image's entry point is vLLM's server).
+NVIDIA_VISIBLE_DEVICES=void: the vLLM image's CUDA base sets "all", which would show every GPU of
+the node to a container that requests none. */}}
 {{- define "specpilot.engineTokenContainer" -}}
 - name: engine-token
-  image: "{{ .Values.controller.image.repository }}:{{ .Values.controller.image.tag }}"
-  imagePullPolicy: {{ .Values.controller.image.pullPolicy }}
+  image: "{{ .Values.engine.image.repository }}:{{ .Values.engine.image.tag }}"
+  imagePullPolicy: {{ .Values.engine.image.pullPolicy }}
+  command: ["python3", "-m", "specpilot.controller.cli"]
   args: ["engine-token", "--id", "$(POD_NAME)", "--output", "{{ include "specpilot.engineTokenDir" . }}/token"]
   env:
     - name: POD_NAME
@@ -122,12 +134,12 @@ native sidecar, and is the only container besides the controller that sees the s
         fieldRef:
           fieldPath: metadata.name
     {{- include "specpilot.engineSecretEnv" . | nindent 4 }}
+    - name: NVIDIA_VISIBLE_DEVICES
+      value: void
   resources:
-    {{- toYaml .Values.controller.resources | nindent 4 }}
-  {{- with .Values.controller.securityContext }}
+    {{- toYaml .Values.engine.tokenInit.resources | nindent 4 }}
   securityContext:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
+    {{- toYaml (merge (dict "readOnlyRootFilesystem" true) (deepCopy (.Values.engine.securityContext | default dict))) | nindent 4 }}
   volumeMounts:
     - name: engine-token
       mountPath: {{ include "specpilot.engineTokenDir" . }}
