@@ -32,6 +32,7 @@ from benchmarks.demo.eagle import (
     train_head,
 )
 from benchmarks.demo.models import warmup_cosine
+from benchmarks.real.fetch import timed
 from benchmarks.real.smollm2 import MARKER as TARGET_MARKER
 
 VERSION = "specpilot-smollm2-drafters-1"
@@ -266,5 +267,6 @@ def prepare_drafters(target_dir: Path, training_text: Callable[[], TrainingText]
                     "build_seconds": round(time.perf_counter() - started, 2),
                     "train_summary": summary}
 
-        build_once(Path(path), MARKER, valid, build)
+        with timed(f"{name} drafter", progress):
+            build_once(Path(path), MARKER, valid, build)
     return paths

