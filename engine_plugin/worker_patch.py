@@ -28,6 +28,14 @@ them, so the patches then change nothing.
    drafter cached none (greedy drafting, or a skipped pass) vLLM already treats every row as
    one-hot and nothing changes. ``execute_model`` is wrapped only to hand the step's marks to
    the sampler (``_sample`` does not see the scheduler output).
+3. **Off is free in the sampler** (``GPUModelRunner._sample``). A speculative engine sends every
+   step through the rejection sampler, drafts or not; with any sampled (T > 0) request in the
+   batch it draws exponential noise over the whole batch x vocabulary for recovered tokens,
+   and it samples the bonus tokens through extra copies of the logits. In a step of the
+   plugin's scheduler where no request has a draft (every K 0: speculation off), the logits
+   hold one row per request, exactly as without speculation, and the wrapper hands them to
+   the plain sampler: the same tokens under greedy decoding, the target's distribution when
+   sampling, the output shape the runner's bookkeeping takes for a step without drafts.
 
 :func:`install_worker_patches` is idempotent, version-guarded (it checks the exact methods and
 parameters it relies on) and never raises: when the internals are missing it logs one line and
@@ -54,6 +62,7 @@ __all__ = [
     "DETERMINISTIC_ATTR",
     "SKIP_ATTR",
     "deterministic_draft_probs",
+    "draft_free",
     "install_worker_patches",
     "is_decode_only",
     "mark_step",
@@ -69,6 +78,7 @@ SKIP_ATTR = "specpilot_skip_idle_drafter"
 DETERMINISTIC_ATTR = "specpilot_deterministic_drafts"
 """On a SchedulerOutput: the ids of requests whose scheduled drafts are deterministic (n-gram)."""
 _STEP_ATTR = "_specpilot_deterministic"  # on the runner: the current step's deterministic ids
+_MARKED_ATTR = "_specpilot_marked"  # on the runner: the current step came from the plugin
 _PATCHED = "__specpilot_patched__"
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -77,6 +87,7 @@ _NEEDED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("propose_draft_token_ids", ("self", "scheduler_output", "sampled_token_ids")),
     ("_get_spec_decode_draft_probs", ("self", "spec_decode_metadata")),
     ("execute_model", ("self", "scheduler_output")),
+    ("_sample", ("self", "logits", "spec_decode_metadata")),
 )
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -163,6 +174,7 @@ def _wrap_execute(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         setattr(self, _STEP_ATTR, getattr(scheduler_output, DETERMINISTIC_ATTR, frozenset()))
+        setattr(self, _MARKED_ATTR, hasattr(scheduler_output, SKIP_ATTR))
         return original(self, scheduler_output, *args, **kwargs)
 
     setattr(execute_model, _PATCHED, True)
@@ -184,10 +196,30 @@ def _wrap_draft_probs(original: Callable[..., Any]) -> Callable[..., Any]:
     return _get_spec_decode_draft_probs
 
 
+def draft_free(spec_decode_metadata: Any) -> bool:
+    """Whether a step verifies no draft at all (every request's K 0 in it)."""
+    return spec_decode_metadata is not None and max(
+        spec_decode_metadata.num_draft_tokens, default=0) == 0
+
+
+def _wrap_sample(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _sample(self: Any, logits: Any, spec_decode_metadata: Any, *args: Any,
+                **kwargs: Any) -> Any:
+        # Only in the plugin's steps: under a plain vLLM scheduler the patches change nothing.
+        if getattr(self, _MARKED_ATTR, False) and draft_free(spec_decode_metadata):
+            return original(self, logits, None, *args, **kwargs)
+        return original(self, logits, spec_decode_metadata, *args, **kwargs)
+
+    setattr(_sample, _PATCHED, True)
+    return _sample
+
+
 _WRAPPERS: Mapping[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     "propose_draft_token_ids": _wrap_propose,
     "execute_model": _wrap_execute,
     "_get_spec_decode_draft_probs": _wrap_draft_probs,
+    "_sample": _wrap_sample,
 }
 
 
@@ -257,7 +289,8 @@ def install_worker_patches() -> bool:
             if not _state.get("announced"):
                 _state["announced"] = True
                 log.info("specpilot: installed the worker patches (idle drafter skip, one-hot "
-                         "rows for n-gram drafts, the drafter's early stop)")
+                         "rows for n-gram drafts, the drafter's early stop, the plain sampler "
+                         "for steps without drafts)")
         return True
     except Exception:
         log.exception("specpilot: failed to install the worker patches")

