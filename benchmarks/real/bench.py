@@ -1,26 +1,30 @@
 """``specpilot bench real``: SmolLM2-135M-Instruct on held-out ShareGPT traffic, served by vLLM's
 OpenAI server with the plugin, driven by vLLM's own serving benchmark, under every static
 configuration a user could pick and under specpilot; alternating, repeated; medians, spread,
-ratios, the ceiling, and the exactness checks in every run.
+ratios, the ceiling, and the exactness checks in every run. The load is a plan of phases sized by
+wall-clock time (:mod:`benchmarks.real.plan`); each phase's tokens/s counts its time only
+(:mod:`benchmarks.real.client`), and a run's is the phases' tokens over their summed seconds.
 
 Each repetition runs every configuration once, in an order rotated by one per repetition. Each
 specpilot configuration has its own controller (a ``specpilot serve`` sidecar) that lives across
 its runs, as a sidecar lives beside its engine. Exactness: the greedy classes' texts equal no
-speculation's, request by request, in every run; the sampled class's first
+speculation's, request by request, in every run, on the requests of each phase's sequence that
+both runs reached (a faster configuration gets further); the sampled class's first
 ``PROBE_TOKENS`` tokens on a fixed prompt are distributed as no speculation's (chi-square and
 total variation per position, :mod:`benchmarks.demo.distribution`).
 
 The ceiling: every phase served by the static configuration best in that phase (its median
-tokens/s), the tokens of the whole run over the sum of those phases' times.
+tokens/s), the tokens those phases would give over the plan's time.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +42,15 @@ from benchmarks.demo.configs import (
 )
 from benchmarks.demo.distribution import Comparison, compare_positions
 from benchmarks.real.client import run_phase
-from benchmarks.real.plan import MAX_TOKENS, PHASES, LoadPhase, build_plan
+from benchmarks.real.plan import (
+    DEFAULT_PLAN,
+    MAX_TOKENS,
+    ROUND,
+    TimedPhase,
+    phase_pools,
+    phase_requests,
+    plan_spec,
+)
 from benchmarks.real.probe import PROBE_SAMPLES, sample_probe
 from benchmarks.real.server import OpenAIServer, free_port, server_command
 from benchmarks.real.sharegpt import CLASSES, HELDOUT, TrafficRequest
@@ -102,7 +114,8 @@ class RealBenchOptions:
     reps: int = 3
     out: Path = Path("benchmarks/results/real")
     configs: tuple[str, ...] = ()  # names to run (default: all)
-    phases: tuple[LoadPhase, ...] = PHASES
+    phases: tuple[TimedPhase, ...] = DEFAULT_PLAN
+    seed: int = 0  # of the phases' request sequences
     max_tokens: int = MAX_TOKENS
     probe_samples: int = PROBE_SAMPLES
     cache: Path | None = None
@@ -117,26 +130,31 @@ class RealBenchOptions:
 
 @dataclass
 class Run:
-    """One configuration's run: vLLM's result per phase, in the plan's order."""
+    """One configuration's run: vLLM's result per phase, in the plan's order, with the phase's
+    own keys (:func:`benchmarks.real.client.phase_result`). Its tokens are those streamed within
+    the phases' time, its seconds the phases' (a drain after a phase's time counts in neither)."""
 
     config: str
     rep: int
     phases: list[dict[str, Any]]
 
     @property
-    def output_tokens(self) -> int:
-        return sum(int(p["total_output_tokens"]) for p in self.phases)
+    def output_tokens(self) -> float:
+        return sum(sum(p["window_output_tokens"]) for p in self.phases)
 
     @property
     def seconds(self) -> float:
-        return sum(float(p["duration"]) for p in self.phases)
+        return sum(float(p["phase_seconds"]) for p in self.phases)
 
     @property
     def tokens_per_second(self) -> float:
         return self.output_tokens / self.seconds
 
     def phase_rate(self, i: int) -> float:
-        return float(self.phases[i]["output_throughput"])
+        return float(self.phases[i]["window_tokens_per_second"])
+
+    def requests(self, i: int) -> int:
+        return len(self.phases[i]["request_ids"])
 
 
 def _percentile(xs: Sequence[float], q: float) -> float:
@@ -148,18 +166,37 @@ def _percentile(xs: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def request_rows(run: Run, plan: Sequence[Sequence[TrafficRequest]]) -> list[dict[str, Any]]:
-    """Per request: class, phase, output tokens, TTFT and TPOT (s), text."""
+def request_rows(run: Run) -> list[dict[str, Any]]:
+    """Per request sent: id, class, phase, position in its phase's sequence, output tokens
+    (all, and those within the phase's time), TTFT and TPOT (s), text."""
     rows = []
-    for i, (phase, requests) in enumerate(zip(run.phases, plan, strict=True)):
-        for j, r in enumerate(requests):
+    for i, phase in enumerate(run.phases):
+        for j, (rid, cls) in enumerate(zip(phase["request_ids"], phase["classes"], strict=True)):
             n = int(phase["output_lens"][j])
             ttft = float(phase["ttfts"][j])
             latency = float(phase["latencies"][j])
-            rows.append({"class": r.class_name, "phase": i, "tokens": n, "ttft": ttft,
-                         "tpot": (latency - ttft) / (n - 1) if n > 1 else math.nan,
+            rows.append({"id": rid, "class": cls, "phase": i, "position": j, "tokens": n,
+                         "window_tokens": float(phase["window_output_tokens"][j]),
+                         "ttft": ttft, "tpot": (latency - ttft) / (n - 1) if n > 1 else math.nan,
                          "text": phase["generated_texts"][j]})
     return rows
+
+
+def compare_greedy(mine: Run, reference: Run, greedy: frozenset[str]) -> tuple[int, int]:
+    """(mismatched, compared): the greedy requests whose text differs from the reference's, of
+    those compared, in each phase over the prefix of its sequence both runs reached. Raises
+    ValueError when the runs sent different requests at one position (not the same plan)."""
+    mismatched = compared = 0
+    for i, (a, b) in enumerate(zip(mine.phases, reference.phases, strict=True)):
+        n = min(len(a["request_ids"]), len(b["request_ids"]))
+        if a["request_ids"][:n] != b["request_ids"][:n]:
+            raise ValueError(f"phase {i}: {mine.config} and {reference.config} sent different "
+                             "requests; the runs did not replay the same plan")
+        for j in range(n):
+            if a["classes"][j] in greedy:
+                compared += 1
+                mismatched += a["generated_texts"][j] != b["generated_texts"][j]
+    return mismatched, compared
 
 
 @dataclass(frozen=True)
@@ -185,8 +222,10 @@ class ConfigFigures:
     latency: Latency  # over every request of every repetition
     class_latency: dict[str, Latency]
     class_tokens_per_second: dict[str, float]  # the class's output tokens / run time, median
-    acceptance: dict[str, float]  # per phase name: vLLM's acceptance rate (pooled over reps)
+    acceptance: tuple[float, ...]  # per phase: vLLM's acceptance rate (pooled over reps)
     mismatched: int  # greedy requests whose text differs from no speculation's
+    compared: int  # greedy requests compared (those both runs reached), over the repetitions
+    requests: tuple[float, ...]  # requests sent per phase, median of the repetitions
     distribution: tuple[Comparison, ...] = ()
     # vLLM's own figures per phase, as its serving benchmark computed them (medians over the
     # repetitions): VLLM_FIELDS.
@@ -205,24 +244,21 @@ VLLM_FIELDS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpo
                "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms")
 
 
-def _acceptance(runs: Sequence[Run], phases: Sequence[LoadPhase]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for i, p in enumerate(phases):
+def _acceptance(runs: Sequence[Run], n_phases: int) -> tuple[float, ...]:
+    out = []
+    for i in range(n_phases):
         drafted = sum(int(r.phases[i].get("spec_decode_draft_tokens", 0)) for r in runs)
         accepted = sum(int(r.phases[i].get("spec_decode_accepted_tokens", 0)) for r in runs)
-        out[p.name] = accepted / drafted if drafted else math.nan
-    return out
+        out.append(accepted / drafted if drafted else math.nan)
+    return tuple(out)
 
 
-def figures(name: str, runs: Sequence[Run], plan: Sequence[Sequence[TrafficRequest]],
-            reference: Run, phases: Sequence[LoadPhase], greedy: frozenset[str],
-            probe: Sequence[Sequence[int]] | None, reference_probe: Sequence[Sequence[int]] | None
-            ) -> ConfigFigures:
-    rows = [request_rows(r, plan) for r in runs]
+def figures(name: str, runs: Sequence[Run], reference: Run, phases: Sequence[TimedPhase],
+            greedy: frozenset[str], probe: Sequence[Sequence[int]] | None,
+            reference_probe: Sequence[Sequence[int]] | None) -> ConfigFigures:
+    rows = [request_rows(r) for r in runs]
     pooled = [row for rs in rows for row in rs]
-    ref_rows = request_rows(reference, plan)
-    mismatched = sum(1 for rs in rows for mine, ref in zip(rs, ref_rows, strict=True)
-                     if mine["class"] in greedy and mine["text"] != ref["text"])
+    checks = [compare_greedy(r, reference, greedy) for r in runs if r is not reference]
     classes = sorted({r["class"] for r in pooled})
     return ConfigFigures(
         name=name, rates=tuple(r.tokens_per_second for r in runs),
@@ -231,9 +267,12 @@ def figures(name: str, runs: Sequence[Run], plan: Sequence[Sequence[TrafficReque
         latency=latency(pooled),
         class_latency={c: latency([r for r in pooled if r["class"] == c]) for c in classes},
         class_tokens_per_second={c: statistics.median(
-            sum(r["tokens"] for r in rs if r["class"] == c) / run.seconds
+            sum(r["window_tokens"] for r in rs if r["class"] == c) / run.seconds
             for rs, run in zip(rows, runs, strict=True)) for c in classes},
-        acceptance=_acceptance(runs, phases), mismatched=mismatched,
+        acceptance=_acceptance(runs, len(phases)), mismatched=sum(m for m, _ in checks),
+        compared=sum(n for _, n in checks),
+        requests=tuple(statistics.median(r.requests(i) for r in runs)
+                       for i in range(len(phases))),
         vllm=tuple({k: statistics.median(float(r.phases[i].get(k, math.nan)) for r in runs)
                     for k in VLLM_FIELDS} for i in range(len(phases))),
         distribution=(tuple(compare_positions(reference_probe, probe))
@@ -260,14 +299,15 @@ def _phase_rate(i: int) -> Callable[[ConfigFigures], float]:
     return lambda f: f.phase_rates[i]
 
 
-def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures], reference: Run,
+def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures], seconds: Sequence[float],
            calibration: tuple[CalibrationRow, ...] = ()) -> Versus:
+    """``ours`` against the static configurations; ``seconds``: the plan's phases' durations
+    (the ceiling runs each on its best static configuration for that long)."""
     best = max(statics, key=lambda f: f.tokens_per_second)
     n_phases = len(ours.phase_rates)
     tops = [max(statics, key=_phase_rate(i)) for i in range(n_phases)]
-    tokens = [int(p["total_output_tokens"]) for p in reference.phases]
-    ceiling = sum(tokens) / sum(t / top.phase_rates[i] for i, (t, top) in
-                                enumerate(zip(tokens, tops, strict=True)))
+    ceiling = sum(s * top.phase_rates[i] for i, (s, top) in
+                  enumerate(zip(seconds, tops, strict=True))) / sum(seconds)
     return Versus(
         ours.name, best.name, ours.tokens_per_second / best.tokens_per_second,
         tuple(ours.phase_rates[i] / tops[i].phase_rates[i] for i in range(n_phases)),
@@ -280,7 +320,7 @@ def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures], reference: Run
 class RealReport:
     configs: list[ConfigFigures]
     versus: list[Versus]
-    phases: tuple[LoadPhase, ...]
+    phases: tuple[TimedPhase, ...]
     seconds: float
     drafters: dict[str, Any] = field(default_factory=dict)
     # The drafters' acceptance table and the engine's step costs (markdown), when measured.
@@ -292,6 +332,11 @@ class RealReport:
         dtype's batch-shape noise (0 in float32)."""
         off = next((c for c in self.configs if c.name == OFF), None)
         return off.mismatched if off is not None else 0
+
+    @property
+    def greedy_noise_compared(self) -> int:
+        off = next((c for c in self.configs if c.name == OFF), None)
+        return off.compared if off is not None else 0
 
     @property
     def exact(self) -> bool:
@@ -321,20 +366,27 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def phase_label(p: TimedPhase) -> str:
+    return f"{p.name} (c={p.concurrency}, {p.seconds:g} s)"
+
+
 def markdown(report: RealReport) -> str:
-    phases = [f"{p.name} (c={p.concurrency})" for p in report.phases]
+    phases = [phase_label(p) for p in report.phases]
     rows = [[c.name, _fmt(c.tokens_per_second),
              " / ".join(_fmt(x) for x in c.rates),
              *(_fmt(x) for x in c.phase_rates),
              _fmt(c.latency.ttft_p50 * 1e3, 0), _fmt(c.latency.ttft_p99 * 1e3, 0),
              _fmt(c.latency.tpot_p50 * 1e3, 1), _fmt(c.latency.tpot_p99 * 1e3, 1),
-             str(c.mismatched),
+             f"{c.mismatched} / {c.compared}",
              "reference" if c.name == OFF else ("same" if all(x.same for x in c.distribution)
                                                  else "DIFFERS")]
             for c in report.configs]
     lines = [report.headline(), "",
-             "End to end (output tokens/s, median of the repetitions; vLLM's serving "
-             "benchmark):", "",
+             f"Plan (`--plan {plan_spec(report.phases)}`): closed-loop clients per phase for "
+             "its seconds, then its requests in flight finish; tokens/s counts the tokens "
+             "streamed within the phases' time over that time.", "",
+             "End to end (output tokens/s, median of the repetitions; measured by vLLM's "
+             "serving-benchmark client; greedy ≠ off: differing / compared):", "",
              *_table(["configuration", "tokens/s", "per repetition", *phases, "TTFT p50 ms",
                       "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "greedy ≠ off",
                       "sampled distribution"], rows), ""]
@@ -346,20 +398,21 @@ def markdown(report: RealReport) -> str:
                                   f"{_fmt(c.class_latency[k].tpot_p99 * 1e3)})"
                                   if k in c.class_latency else "-" for k in classes)]
                        for c in report.configs]), ""]
-    lines += ["vLLM's own figures (its serving benchmark's result JSON, `vllm-results.json`; "
-              "per phase: output tokens/s; TTFT, TPOT and end-to-end latency p50-p99 ms; "
-              "medians of the repetitions; - where vLLM did not compute one):", "",
+    lines += ["vLLM's own figures (its serving benchmark's metrics, `vllm-results.json`; per "
+              "phase: requests sent; output tokens/s over the phase and its drain; TTFT, TPOT "
+              "and end-to-end latency p50-p99 ms; medians of the repetitions; - where vLLM did "
+              "not compute one):", "",
               *_table(["configuration", *phases],
-                      [[c.name, *(f"{_fmt(v['output_throughput'])} tok/s; TTFT "
+                      [[c.name, *(f"{n:g} req; {_fmt(v['output_throughput'])} tok/s; TTFT "
                                   f"{_fmt(v['median_ttft_ms'], 0)}-{_fmt(v['p99_ttft_ms'], 0)}; "
                                   f"TPOT {_fmt(v['median_tpot_ms'])}-{_fmt(v['p99_tpot_ms'])}; "
                                   f"E2E {_fmt(v['median_e2el_ms'], 0)}-"
                                   f"{_fmt(v['p99_e2el_ms'], 0)}"
-                                  for v in c.vllm)] for c in report.configs]), ""]
+                                  for n, v in zip(c.requests, c.vllm, strict=True))]
+                       for c in report.configs]), ""]
     lines += ["Acceptance (vLLM's spec-decode counters, accepted / drafted tokens, per phase):",
               "", *_table(["configuration", *phases],
-                          [[c.name, *(_fmt(c.acceptance.get(p.name, math.nan), 2)
-                                      for p in report.phases)]
+                          [[c.name, *(_fmt(a, 2) for a in c.acceptance)]
                            for c in report.configs if c.name != OFF]), ""]
     for v in report.versus:
         lines += [
@@ -375,12 +428,12 @@ def markdown(report: RealReport) -> str:
         if v.calibration:
             lines += calibration_markdown(v.name, v.calibration)
     lines += [*report.drafter_tables]
-    requests = sum(p.requests for p in report.phases)
     lines += [f"- sampled distribution the target's in every configuration: "
               f"{'yes' if report.distributions_same else 'NO'}"
-              f"; greedy requests whose text differs from no speculation's first run: per "
-              f"configuration above, and {report.greedy_noise} between no speculation's own "
-              f"repetitions (of {requests} requests a run, all classes), the dtype's noise",
+              f"; greedy requests whose text differs from no speculation's first run (on the "
+              f"requests both reached): per configuration above, and {report.greedy_noise} of "
+              f"{report.greedy_noise_compared} between no speculation's own repetitions, the "
+              f"dtype's noise",
               f"- whole benchmark {report.seconds / 60:.1f} min"]
     return "\n".join(lines)
 
@@ -391,6 +444,7 @@ def report_json(report: RealReport) -> dict[str, Any]:
 
     return {
         "headline": report.headline(),
+        "plan": plan_spec(report.phases),
         "phases": [vars(p) for p in report.phases],
         "configs": [{"name": c.name, "tokens_per_second": clean(c.tokens_per_second),
                      "rates": [clean(x) for x in c.rates],
@@ -400,8 +454,9 @@ def report_json(report: RealReport) -> dict[str, Any]:
                                        for k, v in c.class_latency.items()},
                      "class_tokens_per_second": {k: clean(v) for k, v in
                                                  c.class_tokens_per_second.items()},
-                     "acceptance": {k: clean(v) for k, v in c.acceptance.items()},
-                     "mismatched": c.mismatched,
+                     "acceptance": [clean(x) for x in c.acceptance],
+                     "requests": list(c.requests),
+                     "mismatched": c.mismatched, "compared": c.compared,
                      "distribution": [{"p_value": x.p_value, "total_variation":
                                        round(x.total_variation, 4), "same": x.same}
                                       for x in c.distribution]}
@@ -420,7 +475,7 @@ def plot(report: RealReport, path: Path) -> None:
     from benchmarks.plots import pyplot, save_figure
 
     plt = pyplot()
-    groups = [f"{p.name}\n(c={p.concurrency})" for p in report.phases] + ["all"]
+    groups = [f"{p.name}\n(c={p.concurrency}, {p.seconds:g} s)" for p in report.phases] + ["all"]
     x = np.arange(len(groups))
     width = 0.8 / max(len(report.configs), 1)
     fig, ax = plt.subplots(figsize=(14, 4.8))
@@ -460,10 +515,16 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
     models = prepare_real_models(options.cache, drafters=drafters, quick=options.quick_drafters)
     tables = drafter_tables(models) if drafters and options.drafter_tables else []
     heldout = {c.name: models.traffic.requests(c.name, HELDOUT) for c in CLASSES}
-    plan = build_plan(heldout, options.phases)
+    n_phases = len(options.phases)
+    phase_pools(heldout, n_phases, options.seed)  # a class too small fails before any server
+
+    def sequence(i: int) -> Iterator[TrafficRequest]:
+        return phase_requests(heldout, i, n_phases, options.seed)
+
     greedy = frozenset(c.name for c in CLASSES if c.temperature == 0)
     offline = [c.name for c in CLASSES if c.offline]
-    sampled = next(r for phase in plan for r in phase if r.temperature > 0)
+    sampled = next((r for r in itertools.islice(sequence(0), 10 * ROUND) if r.temperature > 0),
+                   None)
     from vllm.tokenizers import get_tokenizer
 
     tokenizer = get_tokenizer(str(models.target))
@@ -471,6 +532,9 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
     probes: dict[str, list[list[int]]] = {}
     total = options.reps * len(configs)
     logs = options.out / "logs"
+    run_seconds = sum(p.seconds for p in options.phases)
+    echo(f"plan {plan_spec(options.phases)}: {run_seconds / 60:.1f} min of load a run (and each "
+         f"phase's drain), {total} runs")
     with ExitStack() as stack:
         controllers: dict[str, Sidecar] = {}
         for c in configs:
@@ -491,11 +555,17 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
                        if config.specpilot else {})
                 with OpenAIServer(command, env, logs / f"{config.name}-{rep}.log", port) as url:
                     results = []
-                    for phase, requests in zip(options.phases, plan, strict=True):
-                        results.append(run_phase(url, SERVED_NAME, requests,
-                                                 phase.concurrency, options.max_tokens,
-                                                 tokenizer))
-                    if config.name not in probes and options.probe_samples:
+                    for i, phase in enumerate(options.phases):
+                        result = run_phase(url, SERVED_NAME, sequence(i), phase.concurrency,
+                                           phase.seconds, options.max_tokens, tokenizer,
+                                           tag=f"{config.name}-{rep}-{i}")
+                        results.append(result)
+                        echo(f"  {config.name} rep {rep + 1} {phase_label(phase)}: "
+                             f"{len(result['request_ids'])} requests, "
+                             f"{result['window_tokens_per_second']:.1f} tok/s, drain "
+                             f"{result['drain_seconds']:.1f} s")
+                    if sampled is not None and config.name not in probes \
+                            and options.probe_samples:
                         probes[config.name] = sample_probe(url, SERVED_NAME, sampled,
                                                            options.probe_samples)
                 run = Run(config.name, rep, results)
@@ -506,22 +576,24 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
                      + f"  ({(time.monotonic() - started) / 60:.1f} min)")
         decisions = {name: c.get("/api/decisions") for name, c in controllers.items()}
         calibration = {name: c.cost_calibration() for name, c in controllers.items()}
-    reference = (runs.get(OFF) or next(iter(runs.values())))[0]
-    figs = [figures(c.name, runs[c.name], plan, reference, options.phases, greedy,
-                    probes.get(c.name), probes.get(OFF)) for c in configs]
-    statics = [f for f, c in zip(figs, configs, strict=True) if not c.specpilot]
-    report = RealReport(
-        figs, [versus(f, statics, reference, calibration.get(c.name, ()))
-               for f, c in zip(figs, configs, strict=True) if c.specpilot and statics],
-        options.phases, time.monotonic() - started, models.drafter_summary, tables)
     out = options.out
     out.mkdir(parents=True, exist_ok=True)
-    (out / "real.json").write_text(json.dumps(report_json(report), indent=2) + "\n")
-    # vLLM's own result JSON of every phase of every run, as its serving benchmark wrote it.
+    # Every phase of every run (vLLM's metrics in its result JSON's keys, with the phase's own),
+    # written before any figure is derived, so the runs' hours survive a failing one.
     (out / "vllm-results.json").write_text(json.dumps(
         {name: [{"rep": r.rep, "phases": r.phases} for r in rs] for name, rs in runs.items()})
         + "\n")
     (out / "probes.json").write_text(json.dumps(probes) + "\n")
+    reference = (runs.get(OFF) or next(iter(runs.values())))[0]
+    figs = [figures(c.name, runs[c.name], reference, options.phases, greedy,
+                    probes.get(c.name), probes.get(OFF)) for c in configs]
+    statics = [f for f, c in zip(figs, configs, strict=True) if not c.specpilot]
+    seconds = [p.seconds for p in options.phases]
+    report = RealReport(
+        figs, [versus(f, statics, seconds, calibration.get(c.name, ()))
+               for f, c in zip(figs, configs, strict=True) if c.specpilot and statics],
+        options.phases, time.monotonic() - started, models.drafter_summary, tables)
+    (out / "real.json").write_text(json.dumps(report_json(report), indent=2) + "\n")
     for name, body in decisions.items():
         (out / f"decisions-{name}.json").write_bytes(body)
     (out / "real.md").write_text(markdown(report) + "\n")

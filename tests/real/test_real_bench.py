@@ -1,5 +1,6 @@
-"""The real benchmark's pure parts: the traffic plan, the per-request figures from vLLM's
-result, the exactness count, and the ratios and ceiling against the static configurations."""
+"""The real benchmark's pure parts: the demo's counted plan, the per-request figures from
+vLLM's result, the exactness count on the requests both runs reached, and the ratios and ceiling
+against the static configurations."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from benchmarks.demo.configs import EngineConfig, specpilot_config, without_toke
 from benchmarks.real.bench import (
     ConfigFigures,
     Run,
+    compare_greedy,
     figures,
     real_configs,
     real_optional_configs,
@@ -19,7 +21,7 @@ from benchmarks.real.bench import (
     select_configs,
     versus,
 )
-from benchmarks.real.plan import LoadPhase, build_plan, class_counts
+from benchmarks.real.plan import LoadPhase, TimedPhase, build_plan, class_counts
 from benchmarks.real.sharegpt import CLASSES, TrafficRequest
 from specpilot.controller.settings import core_config, load_settings
 
@@ -56,17 +58,26 @@ def test_the_plan_refuses_more_requests_than_a_class_holds() -> None:
         build_plan(HELDOUT, (LoadPhase("huge", 1, 100),))
 
 
+TIMED = (TimedPhase("light", 1, 10.0), TimedPhase("peak", 8, 10.0))
+
+
 def _run(name: str, plan: list[list[TrafficRequest]], rate: float, texts: dict[str, str],
-         tpot: float = 0.01) -> Run:
+         tpot: float = 0.01, seconds: float = 10.0) -> Run:
+    """A run that sent ``plan``'s requests per phase, 50 tokens each, ``rate`` tokens/s within
+    each phase's ``seconds`` (the rest in its drain)."""
     phases = []
     for requests in plan:
         n = len(requests)
         tokens = [50] * n
-        duration = sum(tokens) / rate
-        phases.append({"duration": duration, "total_output_tokens": sum(tokens),
-                       "output_throughput": rate, "output_lens": tokens, "ttfts": [0.1] * n,
-                       "latencies": [0.1 + 49 * tpot] * n,
+        within = rate * seconds
+        phases.append({"duration": seconds + 1, "total_output_tokens": sum(tokens),
+                       "output_throughput": sum(tokens) / (seconds + 1), "output_lens": tokens,
+                       "ttfts": [0.1] * n, "latencies": [0.1 + 49 * tpot] * n,
                        "generated_texts": [texts.get(r.id, "same") for r in requests],
+                       "request_ids": [r.id for r in requests],
+                       "classes": [r.class_name for r in requests],
+                       "window_output_tokens": [within / n] * n, "phase_seconds": seconds,
+                       "window_tokens_per_second": within / seconds,
                        "spec_decode_draft_tokens": 100, "spec_decode_accepted_tokens": 40})
     return Run(name, 0, phases)
 
@@ -78,12 +89,51 @@ def test_figures_count_greedy_mismatches_only_and_read_tpot() -> None:
     a_chat = next(r for p in plan for r in p if r.class_name == "chat")
     a_code = next(r for p in plan for r in p if r.class_name == "code")
     other = _run("x", plan, 100.0, {a_chat.id: "sampled differs", a_code.id: "greedy differs"})
-    f = figures("x", [other], plan, reference, PHASES, greedy, None, None)
+    f = figures("x", [other], reference, TIMED, greedy, None, None)
     assert f.mismatched == 1  # the sampled class may differ; the greedy one may not
+    assert f.compared == sum(r.class_name in greedy for p in plan for r in p)
     assert f.latency.tpot_p50 == pytest.approx(0.01)
-    assert f.acceptance["light"] == pytest.approx(0.4)
-    rows = request_rows(other, plan)
+    assert f.acceptance[0] == pytest.approx(0.4)
+    assert f.requests == (4, 12)
+    # The reference's own first run is not compared with itself.
+    again = _run("off", plan, 100.0, {a_code.id: "noise"})
+    off = figures("off", [reference, again], reference, TIMED, greedy, None, None)
+    assert (off.mismatched, off.compared) == (1, f.compared)
+    rows = request_rows(other)
     assert len(rows) == 16 and all(r["tokens"] == 50 for r in rows)
+    assert [r["position"] for r in rows if r["phase"] == 1] == list(range(12))
+
+
+def test_a_run_counts_the_phases_time_not_the_drain() -> None:
+    plan = build_plan(HELDOUT, PHASES)
+    run = _run("x", plan, 30.0, {}, seconds=10.0)
+    # 300 tokens within each 10 s phase; the drain's tokens and second are in neither.
+    assert run.seconds == pytest.approx(20.0)
+    assert run.output_tokens == pytest.approx(600.0)
+    assert run.tokens_per_second == pytest.approx(30.0)
+    assert run.phase_rate(1) == pytest.approx(30.0)
+    assert run.phases[1]["output_throughput"] != pytest.approx(30.0)  # vLLM's, with the drain
+
+
+def test_greedy_outputs_compare_on_the_prefix_both_runs_reached() -> None:
+    plan = build_plan(HELDOUT, PHASES)
+    greedy = frozenset(c.name for c in CLASSES if c.temperature == 0)
+    last_greedy = next(r for r in reversed(plan[1]) if r.class_name in greedy)
+    cut = plan[1].index(last_greedy)
+    # The reference reached fewer of the peak's requests; the faster run's text differs only on
+    # one the reference did not reach, so nothing it can be compared on differs.
+    reference = _run("off", [plan[0], plan[1][:cut]], 10.0, {})
+    faster = _run("x", plan, 20.0, {last_greedy.id: "unreached"})
+    common = [*plan[0], *plan[1][:cut]]
+    assert compare_greedy(faster, reference, greedy) == (
+        0, sum(r.class_name in greedy for r in common))
+    # Reached by both: counted.
+    reference = _run("off", plan, 10.0, {})
+    assert compare_greedy(faster, reference, greedy)[0] == 1
+    # A run that did not replay the same sequence is an error, not a comparison.
+    shuffled = _run("y", [plan[0], list(reversed(plan[1]))], 10.0, {})
+    with pytest.raises(ValueError, match="same plan"):
+        compare_greedy(shuffled, reference, greedy)
 
 
 def test_versus_ratios_and_the_ceiling_take_each_phase_best() -> None:
@@ -93,20 +143,24 @@ def test_versus_ratios_and_the_ceiling_take_each_phase_best() -> None:
 
     def fig(name: str, rates: tuple[float, float]) -> ConfigFigures:
         run = _run(name, plan, 1.0, {})
-        for phase, rate in zip(run.phases, rates, strict=True):
-            phase["output_throughput"] = rate
-            phase["duration"] = phase["total_output_tokens"] / rate
-        return figures(name, [run], plan, ref, PHASES, greedy, None, None)
+        for phase, rate, seconds in zip(run.phases, rates, (10.0, 30.0), strict=True):
+            n = len(phase["request_ids"])
+            phase["phase_seconds"] = seconds
+            phase["window_tokens_per_second"] = rate
+            phase["window_output_tokens"] = [rate * seconds / n] * n
+        return figures(name, [run], ref, TIMED, greedy, None, None)
 
     fast_light, fast_peak = fig("a", (200.0, 100.0)), fig("b", (100.0, 200.0))
     ours = fig("ours", (200.0, 200.0))
-    v = versus(ours, [fast_light, fast_peak], ref)
+    v = versus(ours, [fast_light, fast_peak], (10.0, 30.0))
     assert v.ratio_per_phase == pytest.approx((1.0, 1.0))
     assert v.best_per_phase == ("a", "b")
     assert v.ceiling_share == pytest.approx(1.0)
-    # The best single static: tokens 200 (light) + 600 (peak) -> b runs 2 + 3 = 5 s.
+    # Each phase on its best static for the plan's time: (10 s x 200 + 30 s x 200) / 40 s.
+    assert v.ceiling_tokens_per_second == pytest.approx(200.0)
+    # The best single static: a gives 2,000 + 3,000 tokens in 40 s, b 1,000 + 6,000.
     assert v.best_static == "b"
-    assert v.ratio_best_static == pytest.approx((800 / 4) / (800 / 5))
+    assert v.ratio_best_static == pytest.approx(200 / (7000 / 40))
     assert not math.isnan(v.tpot_p99_ratio)
 
 
