@@ -16,12 +16,15 @@ DEFAULT_CACHE = cache_root() / "demo-models"
 SPECPILOT = "specpilot"
 SPECPILOT_EAGLE = "specpilot-eagle"
 SPECPILOT_SUFFIX = "specpilot-suffix"
+SPECPILOT_NGRAM = "specpilot-ngram"
 OFF = "off"
 # The model drafters specpilot runs on, with the name of its configuration on each.
 SPECPILOT_NAMES: dict[str, str] = {"draft": SPECPILOT, "eagle": SPECPILOT_EAGLE}
-# Every engine specpilot steers: the model drafters, and vLLM's suffix decoding (no model drafter
-# whose passes the engine pays for while speculation is off; K cut per request).
-SPECPILOT_ENGINES: dict[str, str] = {**SPECPILOT_NAMES, "suffix": SPECPILOT_SUFFIX}
+# Every engine specpilot steers: the model drafters, and vLLM's suffix decoding and prompt lookup
+# (no model drafter whose passes the engine pays for while speculation is off; K cut per
+# request).
+SPECPILOT_ENGINES: dict[str, str] = {**SPECPILOT_NAMES, "suffix": SPECPILOT_SUFFIX,
+                                     "ngram": SPECPILOT_NGRAM}
 
 # vLLM's own static schedule by batch size, (first batch size, last batch size, K): long drafts
 # while the batch is small, shorter ones as it grows, none in a large batch.
@@ -115,19 +118,32 @@ def optional_configs() -> list[EngineConfig]:
 def specpilot_config(max_k: int = 4, drafter: str = "draft") -> EngineConfig:
     """specpilot on ``drafter`` up to ``max_k``. On a model drafter ("draft", "eagle") with
     n-gram and suffix drafts substituted where they win (suffix drafts are off by default in the
-    plugin; the benchmark offers them); on vLLM's suffix decoding ("suffix") with K cut per
-    request (the only K mode that engine runs)."""
+    plugin; the benchmark offers them); on vLLM's suffix decoding ("suffix") or prompt lookup
+    ("ngram") with K cut per request (the only K mode the suffix engine runs)."""
     if drafter not in SPECPILOT_ENGINES:
-        raise ValueError(f"specpilot runs on a model drafter {sorted(SPECPILOT_NAMES)} or on "
-                         f"suffix decoding, not {drafter!r}")
-    if drafter == "suffix":
-        return EngineConfig(SPECPILOT_SUFFIX, drafter, max_k, specpilot=True,
+        raise ValueError(f"specpilot runs on a model drafter {sorted(SPECPILOT_NAMES)}, on "
+                         f"suffix decoding or on n-gram, not {drafter!r}")
+    if drafter in ("suffix", "ngram"):
+        return EngineConfig(SPECPILOT_ENGINES[drafter], drafter, max_k, specpilot=True,
                             plugin_env={"K_MODE": "per_request"})
     # batch_max: the drafter drafts only the largest K the batch's requests want, so a shorter
     # K (or off) saves draft passes too, not only verification; each request keeps its own K.
     return EngineConfig(SPECPILOT_NAMES[drafter], drafter, max_k, specpilot=True,
                         plugin_env={"K_MODE": "batch_max", "SUFFIX_DRAFTS": "true"},
                         draft_sampling=PROBABILISTIC)
+
+
+FORCED_OFF_SUFFIX = "-forced-off"
+
+
+def forced_off(ours: EngineConfig, classes: Iterable[str]) -> EngineConfig:
+    """``ours`` with every class of ``classes`` marked offline, so its controller pins it off:
+    the engine configured for speculation, specpilot's answer always "off". What "off is free"
+    is measured with, against an engine without speculation. Named ``<name>-forced-off``."""
+    if not ours.specpilot:
+        raise ValueError(f"{ours.name}: only a specpilot configuration can be forced off")
+    return replace(ours, name=ours.name + FORCED_OFF_SUFFIX,
+                   controller={**ours.controller, "offline_classes": sorted(set(classes))})
 
 
 NOCUT_SUFFIX = "-nocut"

@@ -37,6 +37,7 @@ from benchmarks.demo.configs import (
     OFF,
     PROBABILISTIC,
     EngineConfig,
+    forced_off,
     specpilot_config,
     without_token_cut,
 )
@@ -55,6 +56,7 @@ from benchmarks.real.probe import PROBE_SAMPLES, sample_probe
 from benchmarks.real.server import OpenAIServer, free_port, server_command
 from benchmarks.real.sharegpt import CLASSES, HELDOUT, TrafficRequest
 from benchmarks.real.smollm2 import SERVED_NAME
+from specpilot.contract.classes import DEFAULT_CLASS
 
 if TYPE_CHECKING:
     from benchmarks.demo.sidecar import Sidecar
@@ -90,9 +92,15 @@ def real_configs(max_k: int = 4) -> list[EngineConfig]:
 def real_optional_configs(max_k: int = 4) -> list[EngineConfig]:
     """Configurations run only when named (``--config``): specpilot on the head and on the draft
     model with the controller's ``token_cut`` off, everything else as with it (``batch_max``,
-    where the engine is told each request's K, so it cuts each request's drafts)."""
+    where the engine is told each request's K, so it cuts each request's drafts); specpilot on
+    n-gram; and each engine specpilot steers with every class forced off (``-forced-off``:
+    what off costs against no speculation)."""
+    classes = [c.name for c in CLASSES] + [DEFAULT_CLASS]
     return [without_token_cut(specpilot_config(max_k, "eagle")),
-            without_token_cut(specpilot_config(max_k))]
+            without_token_cut(specpilot_config(max_k)),
+            specpilot_config(max_k, "ngram"),
+            *(forced_off(specpilot_config(max_k, d), classes)
+              for d in ("suffix", "ngram", "eagle", "draft"))]
 
 
 def select_configs(names: Sequence[str], max_k: int = 4) -> list[EngineConfig]:

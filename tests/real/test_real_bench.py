@@ -169,7 +169,7 @@ def test_the_nocut_configurations_differ_from_specpilot_only_in_the_controllers_
     assert [c.name for c in select_configs(())] == [c.name for c in real_configs()]
     assert not any(c.controller for c in real_configs())
     by_name = {c.name: c for c in real_optional_configs(max_k=3)}
-    assert list(by_name) == ["specpilot-eagle-nocut", "specpilot-nocut"]
+    assert list(by_name)[:2] == ["specpilot-eagle-nocut", "specpilot-nocut"]
     for ours in (specpilot_config(3, "eagle"), specpilot_config(3)):
         nocut = by_name[f"{ours.name}-nocut"]
         # Everything else equal, the engine in batch_max (where it cuts each request's drafts).
@@ -190,3 +190,23 @@ def test_the_cut_needs_a_model_drafter() -> None:
         without_token_cut(specpilot_config(drafter="suffix"))
     with pytest.raises(ValueError, match="model drafter"):
         without_token_cut(EngineConfig("eagle:2p", "eagle", 2))
+
+
+def test_forced_off_configurations_pin_every_class_off_on_each_steered_engine() -> None:
+    from benchmarks.demo.configs import forced_off
+    from specpilot.contract.classes import DEFAULT_CLASS
+    from specpilot.controller.core.policy import PolicyConfig
+
+    by_name = {c.name: c for c in real_optional_configs(max_k=3)}
+    classes = {c.name for c in CLASSES} | {DEFAULT_CLASS}
+    for drafter in ("suffix", "ngram", "eagle", "draft"):
+        ours = specpilot_config(3, drafter)
+        off = by_name[f"{ours.name}-forced-off"]
+        # The same engine (drafter, K, plugin), the controller told every class is offline,
+        # which it pins off by default.
+        assert replace(off, name=ours.name, controller={}) == ours
+        settings = core_config(load_settings(**off.controller))
+        assert set(settings.offline_classes) == classes
+        assert PolicyConfig().offline_mode == "pin_off"
+    with pytest.raises(ValueError, match="specpilot configuration"):
+        forced_off(real_configs()[0], classes)
