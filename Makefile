@@ -2,7 +2,7 @@
 # venv's own binaries.
 #
 #   make demo    set up, then `specpilot demo`: controller + vLLM-CPU engine + mixed traffic, live
-#                (the first run builds the real model and its drafters, about 15 minutes; later
+#                (the first run builds the real model and its drafters, 15-25 minutes; later
 #                runs about two minutes)
 #   make test    set up, lint (ruff, mypy, buf lint, proto staleness) and run the whole pytest suite
 #   make serve   set up, then `specpilot serve` on the embedded defaults (SERVE_ARGS=... to add flags)
