@@ -46,7 +46,7 @@ from specpilot.contract.tls import TLSError, open_channel
 from specpilot.controller.logsafe import shown
 from specpilot.controller.server.app import ServeError, engine_credentials, start_server
 from specpilot.controller.server.auth import engine_token
-from specpilot.controller.server.explain import arm_label, decision_detail
+from specpilot.controller.server.explain import TOO_LITTLE, arm_label, decision_detail
 from specpilot.controller.server.stubs import PolicyStub, policy_stub
 from specpilot.controller.server.views import to_json_dict
 from specpilot.controller.settings import (
@@ -88,7 +88,8 @@ def known_variables() -> tuple[str, ...]:
     plugin's (SPECPILOT_PLUGIN_*): start-up warns about any other (a misspelt one)."""
     tools = ("SPECPILOT_CACHE",  # what `models --real` and the benchmarks build (benchmarks.real)
              "SPECPILOT_DEMO_CACHE",  # the demo's tiny models (benchmarks.demo.cli)
-             "SPECPILOT_TEST_CACHE")  # the test suite's models (tests/engine)
+             "SPECPILOT_TEST_CACHE",  # the test suite's models (tests/engine)
+             "SPECPILOT_VENV", "SPECPILOT_LOCK")  # tools/setup-venv.sh: another venv or lock
     return (CONFIG_ENV, TARGET_ENV, *(env for _, env, _ in TLS_OPTIONS), *tools)
 
 
@@ -260,7 +261,8 @@ def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
     rows = [
         (c.traffic_class + (" (offline)" if c.offline else ""),
          batch_range(bounds, d.batch_bucket),
-         arm_label(d.draft, d.k), _reason(d.reason), f"{d.expected_speedup:.2f}x",
+         arm_label(d.draft, d.k), _reason(d.reason),
+         speedup_text(d.expected_speedup, d.too_little_evidence),
          f"{d.probe_rate:.1%} of {'steps' if d.probe_steps else 'requests'} at K={d.probe_k}"
          if d.probe_rate > 0 else "-")
         for c in resp.classes for d in c.decisions
@@ -283,22 +285,37 @@ def render_policy(resp: policy_pb2.GetPolicyResponse) -> str:
     return "\n".join(out)
 
 
+def speedup_text(speedup: float, too_little_evidence: bool) -> str:
+    """An expected speedup over no speculation as the policy's tables print it: "too little
+    evidence" where the posteriors cannot tell it from 1 (or it was bounded by the step costs
+    measured), and no ratio where the choice slows the rest of a shared batch more than the
+    class gains (its speedup reads 0)."""
+    if too_little_evidence:
+        return TOO_LITTLE
+    return "slows the batch" if speedup < 0.005 else f"{speedup:.2f}x"
+
+
 def render_event(e: common_pb2.DecisionEvent, bounds: Sequence[int]) -> str:
     """One decision as ``policy watch`` prints it; ``bounds``: the controller's batch bucket
-    upper bounds, to name the batch range."""
+    upper bounds, to name the batch range. A change reads "<before> -> <after>"; a class's
+    first decision in a bucket (nothing was in force: ``previous_k`` unset) reads
+    "first: <after>", never as a change from "off"."""
     d = e.decision
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.unix_seconds))
+    change = (f"{shown(arm_label(e.previous_draft, e.previous_k))} -> "
+              if e.HasField("previous_k") else "first: ")
     return (f"{when}  v{e.policy_version}  {d.traffic_class}  "
             f"batch {batch_range(tuple(bounds), d.batch_bucket)}  "
-            f"{shown(arm_label(e.previous_draft, e.previous_k))} -> "
-            f"{shown(arm_label(d.draft, d.k))}  {shown(decision_detail(event_from_proto(e)))}")
+            f"{change}{shown(arm_label(d.draft, d.k))}  "
+            f"{shown(decision_detail(event_from_proto(e)))}")
 
 
 def render_explanation(resp: policy_pb2.ExplainDecisionResponse) -> str:
     chosen = arm_key(resp.decision.draft, resp.decision.k)
     rows = [("*" if arm_key(a.draft, a.k) == chosen else "", arm_label(a.draft, a.k),
              f"{a.expected_tokens:.2f}", f"{a.step_seconds * 1e3:.2f}",
-             f"{a.goodput_tokens_per_second:.1f}", f"{a.speedup:.2f}x") for a in resp.arms]
+             f"{a.goodput_tokens_per_second:.1f}", speedup_text(a.speedup, a.too_little_evidence))
+            for a in resp.arms]
     table = _table(("", "ARM", "E[TOKENS]", "STEP MS", "TOKENS/S", "SPEEDUP"), rows)
     return f"{shown(resp.text)}\n\nat batch size {resp.batch_size}:\n{table}"
 

@@ -147,6 +147,7 @@ def arm_to_proto(arm: ArmValue) -> policy_pb2.ArmScore:
         step_seconds=arm.step_seconds,
         goodput_tokens_per_second=arm.goodput,
         speedup=arm.speedup,
+        too_little_evidence=arm.too_little_evidence,
     )
 
 

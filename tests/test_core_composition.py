@@ -24,8 +24,9 @@ COMP = Composition(PRICING, {("chat", "m"): CHAT_MODEL, ("chat", "ngram"): CHAT_
 def test_the_one_formula_prices_the_cost_models_mean_everywhere() -> None:
     """The formula written out from the weights by name (``StepPricing``'s fields) against every
     use of them: an engine's ``StepPricing.seconds``, the controller's mixed steps
-    (``predict_mixed``) and its fitted rows (``features`` x weights), after some observed steps
-    (every column moved off its prior)."""
+    (``predict_mixed``, within the shapes timed: beyond them it extends the edge, as
+    ``test_core_cost_model`` checks) and its fitted rows (``features`` x weights), after some
+    observed steps (every column moved off its prior)."""
     model = StepCostModel((16, 64, 256), CostPrior(ridge_tokens=64), 600.0, [1, 8, 32], 4)
     model.ensure_drafts(["m", "m2"])
     rng = np.random.default_rng(1)
@@ -50,8 +51,11 @@ def test_the_one_formula_prices_the_cost_models_mean_everywhere() -> None:
             + sum(d.fixed_seconds * drafting[name] + d.seconds_per_pass * passes[name]
                   + d.seconds_per_token * tokens[name] for name, d in p.drafts.items()))
     assert np.allclose(p.seconds(12.0, verified, passes, tokens, context), want, rtol=1e-12)
+    assert mean.extent is not None
+    timed = verified <= mean.extent.tokens  # the largest step observed
     assert np.allclose(mean.predict_mixed(12.0, verified, drafting, passes, tokens,
-                                          context_tokens=context), want, rtol=1e-12)
+                                          context_tokens=context)[timed], want[timed],
+                       rtol=1e-12)
     for name, b, k in (("m", 1, 0), ("m", 8, 3), ("m2", 32, 4), ("m2", 64, 2)):
         row = model.features(StepShape(b, b * (1 + k), name if k else "", k, b * k, context))
         priced = p.seconds(b, np.array([b * (1.0 + k)]), {name: np.array([float(k)])},

@@ -163,8 +163,10 @@ def _drawn(model: StepCostModel, n: int, seed: int) -> np.ndarray:
 
 def test_the_mean_of_many_cost_draws_is_the_mean_prediction() -> None:
     model = _fed(np.random.default_rng(1), (1, 2))
-    draws = _drawn(model, 4000, 2)
-    mean = np.array([model.predict(StepShape.for_arm(8, k, "d", True)) for k in range(7)])
+    # Within the shapes timed (K <= 2 at batch 8) a price is linear in the weights; beyond them
+    # it is extended from their edge at a slope of at least 0 (not linear).
+    draws = _drawn(model, 4000, 2)[:, :3]
+    mean = np.array([model.predict(StepShape.for_arm(8, k, "d", True)) for k in range(3)])
     assert np.all(np.abs(draws.mean(axis=0) - mean) < 4 * draws.std(axis=0) / np.sqrt(4000))
 
 
@@ -332,3 +334,20 @@ def test_arms_are_priced_at_the_context_their_batch_size_runs_at() -> None:
     long = model.predict_curve(16, "", False, 0)[0]
     assert long - model.predict_curve(16, "", False, 0, context_tokens=0.0)[0] == pytest.approx(
         1e-7 * 1000 * 16, rel=1e-6)
+
+
+def test_a_shape_beyond_those_timed_is_priced_from_their_edge_never_cheaper() -> None:
+    """Timed at batch 8, K = 1 and 2 only: inside that the fit prices; beyond it (a larger batch,
+    more verified tokens) the price goes on from the edge at slopes of at least 0, so no larger
+    step is priced below a smaller one, whatever the fit's hinges do out there."""
+    model = _fed(np.random.default_rng(1), (1, 2))
+    for k in range(5):
+        by_batch = [model.predict_arm(b, k, "d", True) for b in (8, 16, 32, 64, 128)]
+        assert by_batch == sorted(by_batch), (k, by_batch)
+    for b in (8, 16, 64):
+        curve = model.predict_curve(b, "d", True, 6)
+        assert np.all(np.diff(curve) >= 0) and curve[0] > 0, (b, curve)
+    mean = model.mean
+    assert mean.extent is not None and (mean.extent.batch_size, mean.extent.tokens) == (8, 24)
+    inside = StepShape.for_arm(8, 2, "d", True)
+    assert mean.predict(inside) == pytest.approx(float(model.features(inside) @ mean.theta))

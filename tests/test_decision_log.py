@@ -117,8 +117,8 @@ def kept_figures_agree(event: DecisionEvent) -> bool:
     assert fig is not None
     if not _by_goodput(fig, new.reason) or fig.best is not None:
         return True
-    if fig.chosen is None or fig.previous is None:
-        return True
+    if fig.chosen is None or fig.previous is None or fig.previous.too_little_evidence:
+        return True  # no comparison is claimed
     return (fig.chosen.goodput >= fig.previous.goodput
             or (new.k == 0 and fig.previous.speedup < MIN_SPEEDUP))
 
@@ -197,11 +197,23 @@ def cases(reason: Reason) -> Iterator[tuple[str, DecisionEvent]]:
         yield "first decision", _event(("d", 4), None, reason, d4, None)
         yield "another draft at the same K", _event(
             ("ngram", 4), ("d", 4), reason, _arm("ngram", 4, 1500.0, acceptance=None), d4)
+        yield "a shorter K the posteriors cannot rank", _event(
+            ("d", 2), ("d", 4), reason, _arm("d", 2, 1310.0),
+            replace(_arm("d", 4, 1300.0), too_little_evidence=True))
+        yield "a gain the posteriors cannot tell from none", _event(
+            ("d", 1), ("", 0), reason, replace(_arm("d", 1, 1030.0), too_little_evidence=True),
+            replace(OFF, too_little_evidence=True))
     elif reason is Reason.EXPLORE:
         yield "a K the means rank second", _event(
             ("d", 3), ("d", 4), reason, _arm("d", 3, 1210.0), d4, d4)
         yield "a K that gains less than drafting must", _event(
             ("d", 1), ("", 0), reason, _arm("d", 1, 1010.0), OFF, OFF)
+    elif reason is Reason.NEIGHBOURS:
+        yield "no longer than at a smaller batch", _event(
+            ("d", 2), ("d", 4), reason, _arm("d", 2, 1200.0), d4, d4)
+        yield "off as at a smaller batch, the posteriors unable to rank", _event(
+            ("", 0), ("d", 1), reason, OFF, replace(_arm("d", 1, 1020.0), too_little_evidence=True),
+            replace(_arm("d", 3, 1040.0), too_little_evidence=True))
     elif reason is Reason.CHANGE_DETECTED:
         yield "the means favour the new arm", _event(
             ("", 0), ("d", 4), reason, OFF, _arm("d", 4, 400.0))
@@ -427,3 +439,51 @@ def test_the_real_core_words_every_override_kind_as_an_operator_s() -> None:
             assert e.decision.reason is Reason.OVERRIDE
             assert f"set by an operator ({ov.action})" in line, line
             assert contradictions(e, line) == [], line
+
+
+def test_a_comparison_the_posteriors_cannot_rank_reads_too_little_evidence_not_a_ratio() -> None:
+    unranked = [(name, e) for reason in Reason for name, e in cases(reason)
+                if e.figures is not None and any(
+                    f is not None and f.too_little_evidence
+                    for f in (e.figures.chosen, e.figures.previous, e.figures.best))]
+    assert len(unranked) >= 3
+    for name, event in unranked:
+        fig = event.figures
+        assert fig is not None
+        line = decision_text(event)
+        assert "too little evidence" in line, (name, line)
+        compared = [f for f in (fig.previous, fig.best) if f is not None]
+        for f in compared:
+            if f.too_little_evidence:  # neither way round as a ratio of goodputs
+                other = arm_label(f.draft, f.k)
+                assert not any(other in (a, b) for a, _, b in RATIO.findall(line)), (name, line)
+        if fig.chosen is not None and fig.chosen.too_little_evidence:
+            assert "x no speculation" not in line.split("; by posterior means")[0], (name, line)
+
+
+def test_policy_watch_prints_a_first_decision_as_one_not_as_a_change_from_off() -> None:
+    """A class's first decision in a bucket had nothing in force before it: "first: off", never
+    "off -> off" (nor "off -> d K=2" for a first speculative one)."""
+    for new in (("", 0), ("d", 2)):
+        chosen = OFF if not new[1] else _arm("d", 2, 1400.0)
+        event = _event(new, None, Reason.GOODPUT, chosen, None)
+        line = render_event(event_to_proto(event), DEFAULT_BUCKET_BOUNDS)
+        assert f"  first: {arm_label(*new)}  " in line, line
+        assert " -> " not in line, line
+    changed = render_event(event_to_proto(_event(("", 0), ("d", 4), Reason.GOODPUT, OFF,
+                                                 _arm("d", 4, 440.0))), DEFAULT_BUCKET_BOUNDS)
+    assert "  d K=4 -> off  " in changed, changed
+
+
+def test_the_log_holds_changes_of_arm_only() -> None:
+    """Events exist for a changed (draft, K) only: a refreshed estimate, reason or probe share
+    moves the policy version (the engines need it) but is no decision a person watches for."""
+    core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+    core.connect_engine(HELLO, now=0.0)
+    lines: dict[int, str] = {}
+    _run(core, 1, 29, HIGH, lines)
+    _run(core, 30, 89, LOW, lines)  # off at batch 32, probing the model draft
+    probes = {d.probe_rate for d in core.snapshot(89.0).class_view("chat").decisions}
+    assert any(p > 0 for p in probes)
+    for e in core.snapshot(89.0).log:
+        assert e.previous is None or e.previous.arm != e.decision.arm, e

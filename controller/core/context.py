@@ -81,12 +81,13 @@ class Contexts:
         goodput is priced by the mean costs). ``running``: see ``others``."""
         estimator, loads = self._evidence.estimator, self._evidence.loads
         sunk = self._engines.sunk_draft()
-        sampled, mean, position1 = {}, {}, {}
+        sampled, mean, position1, posteriors = {}, {}, {}, {}
         for d in drafts:
             post = estimator.posterior(name, d.name, now)
             sampled[d.name] = post.sample(self._rng)
             mean[d.name] = post.mean
             position1[d.name] = (float(post.alpha[0]), float(post.beta[0]))
+            posteriors[d.name] = (post.alpha, post.beta)
         buckets = tuple(
             BucketState(b, loads.batch_size(b), state.decisions.get(b), state.changed_at.get(b),
                         fresh=self.fresh(state, b))
@@ -110,6 +111,9 @@ class Contexts:
             position1=position1,
             drafter_sunk=sunk is not None,
             evidence=frozenset(d.name for d in drafts if estimator.has_data(name, d.name)),
+            posteriors=posteriors,
+            ratio_cap=(None if (measured := self._evidence.cost.measured_ratio_range) is None
+                       else measured[1]),
         )
         policy = self._config.policy
         priced = [b for b in unpriced.buckets
@@ -154,7 +158,7 @@ class Contexts:
                        if ctx.override is not None and d.name == ctx.override.force_draft)
         prices = price_steps(
             partial(cost.predict_curve, sunk_draft=sunk), cost.predict_mixed, ctx.drafts,
-            max_k, mean, ctx.others, forced)
+            max_k, mean, ctx.others, forced, spread=partial(cost.arm_spread, sunk_draft=sunk))
         drawn_prices = None if drawn is None else price_steps(
             partial(drawn.predict_curve, sunk_draft=sunk), drawn.predict_mixed, ctx.drafts,
             max_k, sampled, ctx.others)

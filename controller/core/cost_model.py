@@ -17,6 +17,14 @@ Bayesian linear regression in information form: the prior is a set of virtual ob
 prior roofline (so it is usable before any data and carries units), the data evidence decays by
 2^(-dt/half_life), so unexcited directions fall back to the prior instead of drifting.
 
+A shape larger than any the model timed (more sequences, or more verified tokens, than its own
+observations reached: ``Extent``) is priced from the edge of what was timed: the fit at the
+nearest timed size plus the edge's slopes per sequence and per verified token, neither below
+zero, times the excess. Extrapolated freely, a fit of a few timed shapes against the prior's
+virtual ones bent its hinges and its per-sequence weight to opposite signs beyond them: a plain
+step at an untimed batch size priced at the 1 us floor (so that K=1 expected ten times the
+goodput of K=2 there), or every K at one price (speculation free at high load).
+
 The evidence is a sufficient statistic (``CostEvidence``: the information matrix, the
 time-weighted features, the squared times, reports and steps), so engines of one type (model,
 drafts, hardware) share it as they share acceptance evidence: the posterior is prior + own + the
@@ -26,7 +34,7 @@ fleet's (``specpilot.controller.core.fleet.fleet_costs``), and what a model expo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +48,7 @@ from specpilot.contract.pricing import (
     StepColumns,
     StepPricing,
 )
+from specpilot.contract.records import DraftSpec
 from specpilot.controller.core.tunable import tunable
 
 SunkDraft = tuple[str, int]  # (model draft name, draft passes per step)
@@ -258,19 +267,79 @@ class StepShape:
         return cls(batch_size, tokens, draft, k, batch_size * k, context_tokens)
 
 
+@dataclass(frozen=True)
+class Extent:
+    """How far the shapes a cost model timed itself (start-up profile and live steps) reach: the
+    largest batch size, sequences, and the most verified tokens of a step."""
+
+    batch_size: float
+    tokens: float
+
+    def including(self, shape: StepShape) -> Extent:
+        return Extent(max(self.batch_size, shape.batch_size),
+                      max(self.tokens, shape.verified_tokens))
+
+
 class PricedCosts:
     """Step-time predictions under one weight vector (the posterior mean, or one draw of it),
     with the curve cache of that vector: the policy asks for the same few curves for every class,
     so one set of weights serves a whole decide round."""
 
-    def __init__(self, model: StepCostModel, theta: FloatArray) -> None:
+    def __init__(self, model: StepCostModel, theta: FloatArray,
+                 extent: Extent | None = None) -> None:
         self._model = model
         self.theta = theta
+        # What the model timed: beyond it, shapes are priced from its edge (``_from_edge``).
+        self.extent = extent
         self._curve_cache: dict[tuple[int, str, int, SunkDraft | None, float], FloatArray] = {}
         self._arrays: PricingArrays | None = None
 
-    def predict(self, shape: StepShape) -> float:
+    def _fit(self, shape: StepShape) -> float:
         return max(float(self._model.features(shape) @ self.theta), MIN_STEP_SECONDS)
+
+    def _from_edge(self, batch_size: float, tokens: FloatArray,
+                   fit: Callable[[float, FloatArray], FloatArray]) -> FloatArray:
+        """Seconds of steps of ``batch_size`` sequences verifying ``tokens`` (one entry each),
+        ``fit(batch, tokens)`` giving the fit's: the fit inside the extent; beyond it, priced on
+        from its edge. A larger batch goes on from the largest one timed at the same tokens per
+        sequence, at the mean price of one more such sequence over the batch sizes timed; more
+        tokens than any step verified go on at the edge's mean price per token above a plain
+        step. Means, not the last segment's slopes, which the fit's hinges bend either way; at
+        least 0: continuous at the edge, and never cheaper than it."""
+        ext = self.extent
+        if ext is None or (batch_size <= ext.batch_size and tokens.max() <= ext.tokens):
+            return fit(batch_size, tokens)
+        per_sequence = tokens / batch_size
+        b = min(batch_size, ext.batch_size)
+
+        def at(batch: float) -> FloatArray:
+            """The price at ``batch`` <= the edge batch, of the same tokens per sequence."""
+            want = per_sequence * batch
+            t = np.minimum(want, ext.tokens)
+            edge = fit(batch, t)
+            plain = np.full_like(t, batch)
+            mean = (edge - fit(batch, plain)) / np.maximum(t - plain, 1.0)
+            last = edge - fit(batch, t - 1.0)
+            slope = np.maximum(np.where(t > plain, mean, last), 0.0)
+            return np.asarray(edge + slope * (want - t), dtype=np.float64)
+
+        priced = at(b)
+        if batch_size > b:
+            # One more sequence at the mean price of one over the batch sizes timed (from one
+            # sequence up), as with tokens: the last one alone follows the fit's bends.
+            low = 1.0 if b > 1.0 else 0.0
+            per_sequence_price = (priced - at(low)) / (b - low)
+            priced = priced + np.maximum(per_sequence_price, 0.0) * (batch_size - b)
+        inside = (batch_size <= ext.batch_size) & (tokens <= ext.tokens)
+        return np.asarray(np.where(inside, fit(batch_size, tokens), priced), dtype=np.float64)
+
+    def predict(self, shape: StepShape) -> float:
+        def fit(b: float, t: FloatArray) -> FloatArray:
+            return np.array([self._fit(replace(shape, batch_size=b, verified_tokens=float(x)))
+                             for x in t])
+
+        return float(self._from_edge(shape.batch_size, np.array([shape.verified_tokens]),
+                                     fit)[0])
 
     def predict_mixed(self, batch_size: float, verified_tokens: npt.ArrayLike,
                       drafting: dict[str, FloatArray], passes: dict[str, FloatArray],
@@ -285,8 +354,12 @@ class PricedCosts:
             self._arrays = self._model.columns.arrays(self.theta)
         if context_tokens is None:
             context_tokens = self._model.context_at(batch_size)
-        return self._arrays.seconds_by_name(batch_size, verified_tokens, passes, draft_tokens,
-                                            drafting, context_tokens)
+        arrays, context = self._arrays, context_tokens
+
+        def fit(b: float, t: FloatArray) -> FloatArray:
+            return arrays.seconds_by_name(b, t, passes, draft_tokens, drafting, context)
+
+        return self._from_edge(batch_size, np.asarray(verified_tokens, dtype=np.float64), fit)
 
     def predict_arm(self, batch_size: int, k: int, draft: str, draft_is_model: bool,
                     sunk_draft: SunkDraft | None = None,
@@ -309,13 +382,18 @@ class PricedCosts:
         key = (batch_size, draft if draft_is_model else "", max_k, sunk_draft, context)
         curve = self._curve_cache.get(key)
         if curve is None:
-            xs = np.array([
-                self._model.features(
-                    StepShape.for_arm(batch_size, k, draft, draft_is_model, sunk_draft, context))
-                for k in range(max_k + 1)])
-            # More verified tokens never make a step faster: the running maximum keeps a noisy or
-            # extrapolated fit (or a draw) from rewarding longer drafts with cheaper steps.
-            curve = np.maximum.accumulate(np.maximum(xs @ self.theta, MIN_STEP_SECONDS))
+            shapes = [StepShape.for_arm(batch_size, k, draft, draft_is_model, sunk_draft, context)
+                      for k in range(max_k + 1)]
+
+            def fit(b: float, t: FloatArray) -> FloatArray:
+                return np.array([self._fit(replace(sh, batch_size=b, verified_tokens=float(x)))
+                                 for sh, x in zip(shapes, t, strict=True)])
+
+            seconds = self._from_edge(batch_size,
+                                      np.array([sh.verified_tokens for sh in shapes]), fit)
+            # More verified tokens never make a step faster: the running maximum keeps a noisy
+            # fit (or a draw) from rewarding longer drafts with cheaper steps.
+            curve = np.maximum.accumulate(np.maximum(seconds, MIN_STEP_SECONDS))
             curve.setflags(write=False)
             self._curve_cache[key] = curve
         return curve
@@ -346,6 +424,10 @@ class StepCostModel:
         self._fleet = _Sums(self.n_features)  # the other sidecars' (set_fleet), decayed alike
         self._at: float | None = None
         self._mean: PricedCosts | None = None
+        self._factored: tuple[FloatArray, FloatArray] | None = None
+        self._spread_cache: dict[tuple[object, ...], FloatArray] = {}
+        self._extent: Extent | None = None  # what this model's own observations reached
+        self._ratio_range: tuple[float, float] | None = None
         self._profile: tuple[tuple[StepShape, float], ...] = ()  # (shape, seconds): set_profile
         self._rebuild_prior()
 
@@ -432,6 +514,8 @@ class StepCostModel:
 
     def _invalidate(self) -> None:
         self._mean = None
+        self._factored = None
+        self._spread_cache.clear()
 
     @property
     def knot_tokens(self) -> tuple[int, ...]:
@@ -472,8 +556,25 @@ class StepCostModel:
     def observe(self, shape: StepShape, mean_step_seconds: float, steps: float, now: float) -> None:
         """Add ``steps`` steps of this mean shape whose mean wall time was ``mean_step_seconds``."""
         self._decay_to(now)
+        if shape.verified_tokens > shape.batch_size or shape.draft_passes > 0:
+            plain = self.predict(StepShape(shape.batch_size, shape.batch_size,
+                                           context_tokens=shape.context_tokens))
+            ratio = mean_step_seconds / plain
+            lo, hi = self._ratio_range or (ratio, ratio)
+            self._ratio_range = (min(lo, ratio), max(hi, ratio))
+        self._extent = (Extent(shape.batch_size, shape.verified_tokens) if self._extent is None
+                        else self._extent.including(shape))
         self._own.add_point(self.features(shape), mean_step_seconds, steps)
         self._invalidate()
+
+    @property
+    def measured_ratio_range(self) -> tuple[float, float] | None:
+        """The smallest and largest ratio of a timed speculative step's seconds to those of a
+        step without speculation at its batch size and context (by the fit when it was timed):
+        the range a speculative step's price was seen in; None before any was timed. Start-up
+        profile points count; evidence taken from the fleet or restored after a restart does
+        not (nor does it widen the ``Extent``)."""
+        return self._ratio_range
 
     @property
     def observed_steps(self) -> float:
@@ -517,7 +618,9 @@ class StepCostModel:
         millions of tokens and evidence weighs up to 10^12 steps: unscaled, P's condition number
         passed 10^16 at the largest plausible shapes and every decide round failed to factorize
         it. Hinge columns are nearly collinear far above the knots; then a jitter keeps the
-        scaled P positive definite."""
+        scaled P positive definite. Kept until the next observation."""
+        if self._factored is not None:
+            return self._factored
         p = self._precision()
         d = np.asarray(1.0 / np.sqrt(np.diag(p)), dtype=np.float64)
         scaled = p * d[:, None] * d[None, :]
@@ -525,7 +628,8 @@ class StepCostModel:
             chol = np.linalg.cholesky(scaled)
         except np.linalg.LinAlgError:
             chol = np.linalg.cholesky(scaled + _JITTER * np.eye(d.size))
-        return np.asarray(chol, dtype=np.float64), d
+        self._factored = np.asarray(chol, dtype=np.float64), d
+        return self._factored
 
     @property
     def mean(self) -> PricedCosts:
@@ -533,7 +637,7 @@ class StepCostModel:
         if self._mean is None:
             chol, d = self._factor()
             y = np.linalg.solve(chol, d * (self._prior_b + self._evidence().b))
-            self._mean = PricedCosts(self, d * np.linalg.solve(chol.T, y))
+            self._mean = PricedCosts(self, d * np.linalg.solve(chol.T, y), self._extent)
         return self._mean
 
     @property
@@ -566,7 +670,41 @@ class StepCostModel:
         chol, d = self._factor()
         # precision = D^-1 L L^T D^-1  ->  D L^-T z ~ N(0, precision^-1)
         u = d * np.linalg.solve(chol.T, rng.standard_normal(self.n_features))
-        return PricedCosts(self, self.mean.theta + scale * u)
+        return PricedCosts(self, self.mean.theta + scale * u, self._extent)
+
+    def arm_spread(self, batch_size: int, drafts: Sequence[DraftSpec], max_k: int,
+                   sunk_draft: SunkDraft | None = None) -> FloatArray:
+        """The relative posterior covariance, Cov(t_a, t_b) / (t_a t_b), of the step seconds of
+        every arm of ``drafts`` at ``batch_size`` (off, then each draft's K = 1..max, every
+        sequence on the arm, at the context steps of this batch size run at): how well the
+        model knows what each arm costs, and how alike its errors are (cached until the next
+        observation)."""
+        context = self.context_at(batch_size)
+        key = (batch_size, tuple((d.name, d.pass_draft, min(max_k, d.max_k)) for d in drafts),
+               sunk_draft, context)
+        spread = self._spread_cache.get(key)
+        if spread is None:
+            shapes = [StepShape.for_arm(batch_size, 0, "", False, sunk_draft, context)]
+            for d in drafts:
+                shapes.extend(StepShape.for_arm(batch_size, k, d.pass_draft, bool(d.pass_draft),
+                                                sunk_draft, context)
+                              for k in range(1, min(max_k, d.max_k) + 1))
+            xs = np.array([self.features(sh) for sh in shapes])
+            fit = np.maximum(xs @ self.theta, MIN_STEP_SECONDS)
+            spread = self.covariance(shapes) / np.outer(fit, fit)
+            spread.setflags(write=False)
+            self._spread_cache[key] = spread
+        return spread
+
+    def covariance(self, shapes: Sequence[StepShape]) -> FloatArray:
+        """The posterior covariance of the fit's step seconds at ``shapes`` (seconds^2, a row
+        and a column per shape): sigma^2 X precision^-1 X^T, sigma^2 the noise variance. How
+        well the model knows what a shape costs: wide where nothing near it was timed."""
+        chol, d = self._factor()
+        xs = np.array([self.features(s) for s in shapes]).reshape(len(shapes), self.n_features)
+        # precision^-1 = D L^-T L^-1 D  ->  X precision^-1 X^T = (L^-1 D X^T)^T (L^-1 D X^T)
+        v = np.linalg.solve(chol, d[:, None] * xs.T)
+        return np.asarray(self.noise_variance() * (v.T @ v), dtype=np.float64)
 
     def predict(self, shape: StepShape) -> float:
         return self.mean.predict(shape)

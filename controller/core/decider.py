@@ -18,6 +18,8 @@ from specpilot.controller.core.policy import (
     ClassContext,
     choose,
     decision_figures,
+    follow_neighbours,
+    needs_neighbours,
     offered,
     priced_batch,
     with_probe,
@@ -81,6 +83,14 @@ class Decider:
         for each new choice to ``events``; whether an engine must hear of a change."""
         policy, name = self._parts.config.policy, ctx.traffic_class
         choices = [choose(ctx, policy, bucket) for bucket in ctx.buckets]
+        if needs_neighbours(ctx, choices):
+            # Neighbouring buckets bound each other (``follow_neighbours``): priced at every
+            # bucket's batch size first.
+            for bucket in ctx.buckets:
+                ctx = self._parts.contexts.priced_at(ctx, priced_batch(ctx, bucket))
+            loads = self._parts.evidence.loads
+            choices = follow_neighbours(ctx, policy, choices,
+                                        [loads.steps(b.bucket) for b in ctx.buckets])
         ctx = self._parts.contexts.priced_for_probes(ctx, choices)
         material = False
         for bucket, choice in zip(ctx.buckets, choices, strict=True):

@@ -22,10 +22,14 @@ expected speedup, the "losing by means" test and explanations. On top of the arg
   - overrides: operator pins win over everything; offline classes are pinned off (or scored at
     the largest bucket in "goodput" mode).
 
-A bucket is decided in two small stages, ``choose`` (the arm) then ``with_probe`` (the probe).
-Neither prices anything: the context carries the step seconds they read, computed before each
-stage by the decider (``specpilot.controller.core.prices``; ``unpriced_decision`` and
-``probe_curves`` say what a stage will read).
+A bucket is decided in two small stages, ``choose`` (the arm) then ``with_probe`` (the probe);
+between them the class's buckets being decided are kept within their neighbours of more evidence
+(``follow_neighbours``: the best K falls as the batch grows). Neither prices anything: the
+context carries the step seconds they read, computed before each stage by the decider
+(``specpilot.controller.core.prices``; ``unpriced_decision``, ``needs_neighbours`` and
+``probe_curves`` say what a stage will read). Every figure shown of an arm (a decision's
+expected speedup, the decision log's, an explanation's) comes from ``shown_arms``: bounded by
+what a step can deliver, and flagged where the posteriors cannot rank the arms compared.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ from specpilot.contract.records import (
 from specpilot.controller.core.acceptance import CREDIBLE_LEVEL
 from specpilot.controller.core.beta import credible_bounds
 from specpilot.controller.core.goodput import expected_tokens_curve, goodput, speedup
-from specpilot.controller.core.mix import BatchOthers, priced_arm_rates
+from specpilot.controller.core.mix import BatchOthers, arm_keys
 from specpilot.controller.core.prices import StepPrices
+from specpilot.controller.core.ranking import rank_threshold, rank_z, tokens_covariance
 from specpilot.controller.core.tunable import tunable
 
 FloatArray = npt.NDArray[np.float64]
@@ -99,6 +104,14 @@ class PolicyConfig:
     """K of probed requests where the drafter runs anyway (per-request engines), tokens;
     batch-wide engines probe at K=1, the cheapest (every probe there costs the whole batch's
     drafter passes)."""
+    rank_probability: float = tunable(0.8, gt=0.5, le=0.999)
+    """Smallest posterior probability (0.8 = 80%) with which one arm's goodput must be above
+    another's for the figures shown to rank them: a ratio of two arms' goodputs in the
+    decision log, an arm's expected speedup over no speculation in the policy, the decision
+    log and the explanations. Where neither order is that likely (a class after a few
+    requests, a shape no step was timed at), or an arm's price was bounded by the step costs
+    measured, they say "too little evidence" instead (``specpilot.controller.core.ranking``).
+    Decisions do not read it."""
     composition_margin: float = tunable(0.01, ge=0, le=1)
     """Relative gain in a step's tokens per second an engine's per-step re-pick of the settled
     classes' arms (for the classes and counts in that step) needs over the decisions
@@ -161,6 +174,13 @@ class ClassContext:
     drafter_sunk: bool = False
     # The drafts with acceptance evidence for the class (the others' rates are the prior).
     evidence: frozenset[str] = frozenset()
+    # Per draft: the Beta(alpha, beta) of its per-position acceptance (what the figures shown
+    # say of their spread, ``shown_arms``); a draft missing here counts as known exactly.
+    posteriors: Mapping[str, tuple[FloatArray, FloatArray]] = field(default_factory=dict)
+    # The largest ratio of a speculative step's time to a plain one's the cost model measured
+    # (``StepCostModel.measured_ratio_range``); a figure shown prices no arm beyond it. None:
+    # none measured yet.
+    ratio_cap: float | None = None
 
     @property
     def has_data(self) -> bool:
@@ -185,6 +205,9 @@ class ArmValue:
     step_seconds: float
     goodput: float
     speedup: float
+    # The posteriors cannot tell whether the arm gains over no speculation, or its price was
+    # bounded by the step costs measured (``ShownArms``): its speedup ranks nothing.
+    too_little_evidence: bool = False
 
     @property
     def arm(self) -> tuple[str, int]:
@@ -243,44 +266,118 @@ def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArra
     if drawn_costs and ctx.drawn_prices is not None:
         prices = ctx.drawn_prices
     others = ctx.others.get(batch_size)
-    if others is not None:
-        return _mixed_arm_table(ctx, others, prices.mixed_arms(batch_size, ctx.drafts), curves,
-                                max_k)
-    keys: list[tuple[str, int]] = [("", 0)]
+    keys = arm_keys(ctx.drafts, max_k)
     expected: list[FloatArray] = [np.ones(1)]
-    steps: list[FloatArray] = [prices.off(batch_size)]
     for spec in ctx.drafts:
-        k_max = min(max_k, spec.max_k)
-        keys.extend((spec.name, k) for k in range(1, k_max + 1))
-        expected.append(curves[spec.name][1 : k_max + 1])
-        steps.append(prices.curve(batch_size, spec.name, k_max)[1:])
-    e, t = np.concatenate(expected), np.concatenate(steps)
-    return ArmTable(keys, e, t, goodput(e, batch_size, t), speedup(e, t, t[0]))
+        expected.append(np.asarray(curves[spec.name][1 : min(max_k, spec.max_k) + 1],
+                                   dtype=np.float64))
+    e = np.concatenate(expected)
+    if others is not None:
+        t = prices.mixed_arms(batch_size, ctx.drafts)
+    else:
+        t = np.concatenate([prices.off(batch_size)] + [
+            prices.curve(batch_size, spec.name, min(max_k, spec.max_k))[1:]
+            for spec in ctx.drafts])
+    return _scored(keys, e, t, batch_size, others)
 
 
-def _mixed_arm_table(ctx: ClassContext, o: BatchOthers, seconds: FloatArray,
-                     curves: Mapping[str, FloatArray], max_k: int) -> ArmTable:
-    """Arms scored by the whole batch's goodput, the other classes held at their arms (their
-    step ``seconds`` priced in advance).
+def _scored(keys: list[tuple[str, int]], e: FloatArray, t: FloatArray, batch_size: int,
+            others: BatchOthers | None) -> ArmTable:
+    """The table of arms ``keys`` (off first) of expected tokens ``e`` in steps of ``t``
+    seconds. Where ``others`` holds the rest of the batch, arms are scored by the whole batch's
+    goodput, the other classes held at their arms.
 
-    The goodput column is attributed to this class: its own rate with speculation off plus
-    what the arm adds to (or takes from) the batch, so that ``min_speedup`` and hysteresis keep
-    their per-class meaning; with no other classes it equals the homogeneous table.
-    """
-    r = priced_arm_rates(o, ctx.drafts, curves, max_k, seconds)
-    own_off = o.self_count / r.step_seconds[0]
-    attributed = own_off + r.batch_rate - r.batch_rate[0]
+    The goodput column is then attributed to this class: its own rate with speculation off
+    plus what the arm adds to (or takes from) the batch, so that ``min_speedup`` and
+    hysteresis keep their per-class meaning; with no other classes it equals the homogeneous
+    table."""
+    if others is None:
+        return ArmTable(keys, e, t, goodput(e, batch_size, t), speedup(e, t, t[0]))
+    batch_rate = (others.self_count * e + others.tokens) / t
+    own_off = others.self_count / t[0]
+    attributed = own_off + batch_rate - batch_rate[0]
     # An arm that takes more from the batch than the class's own rate scores below zero (the
     # ranking keeps that), but a speedup is a ratio of rates: it reads 0, never negative.
-    return ArmTable(r.keys, r.expected_tokens, r.step_seconds, attributed,
-                    np.maximum(attributed / own_off, 0.0))
+    return ArmTable(keys, e, t, attributed, np.maximum(attributed / own_off, 0.0))
 
 
-def arm_values(ctx: ClassContext, batch_size: int, rates: Mapping[str, FloatArray],
-               max_k: int) -> list[ArmValue]:
-    """Every arm scored with the given per-position rates (for explanations and tests)."""
-    curves = {name: expected_tokens_curve(r) for name, r in rates.items()}
-    return arm_table(ctx, batch_size, curves, max_k).values()
+def arm_values(ctx: ClassContext, cfg: PolicyConfig, batch_size: int) -> list[ArmValue]:
+    """Every arm scored by posterior means as figures show it (``shown_arms``), each flagged
+    where its speedup ranks nothing (for explanations and tests)."""
+    shown = shown_arms(ctx, cfg, batch_size)
+    return [replace(v, too_little_evidence=not shown.ranked(i, 0))
+            for i, v in enumerate(shown.table.values())]
+
+
+@dataclass(frozen=True)
+class ShownArms:
+    """A class's arms at one batch size as figures show them (``shown_arms``): the table by
+    posterior means, each arm's step time bounded by the ratios measured (``bounded`` where the
+    bound took), and what says whether the posteriors rank two arms (``ranked``)."""
+
+    table: ArmTable
+    bounded: npt.NDArray[np.bool_]
+    tokens_cov: FloatArray  # posterior covariance of the arms' expected tokens per step
+    seconds_spread: FloatArray  # relative posterior covariance of their step seconds
+    sequences: float  # the class's sequences in the batch
+    others_tokens: float  # the other sequences' tokens per step
+    threshold: float  # the z-score a ranking needs (``ranking.rank_threshold``)
+
+    def ranked(self, i: int, j: int) -> bool:
+        """Whether the posteriors rank arm ``i``'s goodput against arm ``j``'s with the
+        configured probability (either way), and neither price was bounded."""
+        if i == j:
+            return True
+        if self.bounded[i] or self.bounded[j]:
+            return False
+        t, c, v = self.table.step_seconds, self.tokens_cov, self.seconds_spread
+        z = rank_z((float(self.table.expected_tokens[i]), float(self.table.expected_tokens[j])),
+                   (float(t[i]), float(t[j])),
+                   (float(c[i, i]), float(c[j, j]), float(c[i, j])),
+                   (float(v[i, i] * t[i] ** 2), float(v[j, j] * t[j] ** 2),
+                    float(v[i, j] * t[i] * t[j])),
+                   self.sequences, self.others_tokens)
+        return abs(z) >= self.threshold
+
+
+def shown_arms(ctx: ClassContext, cfg: PolicyConfig, batch_size: int,
+               mean: ArmTable | None = None) -> ShownArms:
+    """The arms at ``batch_size`` as every figure shows them (the policy's expected speedups,
+    the decision log's, the explanations'): by posterior means (``mean``, the table if already
+    scored), with no arm's expected tokens above K + 1 and no arm's step time further above the
+    plain step's than the largest ratio the cost model measured (``ClassContext.ratio_cap``):
+    a price beyond that is an extrapolation, shown at the bound and ranking nothing. Decisions
+    read the tables unbounded."""
+    table = mean if mean is not None else arm_table(ctx, batch_size, ctx.mean_curves, cfg.max_k)
+    ks = np.array([k for _, k in table.keys], dtype=np.float64)
+    e = np.minimum(table.expected_tokens, ks + 1.0)
+    t = table.step_seconds
+    bounded = e < table.expected_tokens
+    if ctx.ratio_cap is not None and t.size > 1:
+        cap = t[0] * max(ctx.ratio_cap, 1.0)
+        over = np.concatenate(([False], t[1:] > cap * (1.0 + 1e-9)))
+        bounded |= over
+        t = np.where(over, cap, t)
+    others = ctx.others.get(batch_size)
+    if bounded.any():
+        table = _scored(table.keys, e, t, batch_size, others)
+    n = len(table.keys)
+    tokens_cov = np.zeros((n, n))
+    row = 1
+    for spec in ctx.drafts:
+        k_max = min(cfg.max_k, spec.max_k)
+        posterior = ctx.posteriors.get(spec.name)
+        if posterior is not None:
+            cov = tokens_covariance(posterior[0], posterior[1], k_max)
+            tokens_cov[row:row + k_max, row:row + k_max] = cov[1:, 1:]
+        row += k_max
+    spread = ctx.prices.arm_spread(batch_size, ctx.drafts)
+    if spread is None or spread.shape != (n, n):
+        spread = np.zeros((n, n))
+    sequences, others_tokens = ((others.self_count, others.tokens) if others is not None
+                                else (float(batch_size), 0.0))
+    return ShownArms(table, bounded, tokens_cov, spread, sequences, others_tokens,
+                     rank_threshold(cfg.rank_probability))
 
 
 def chance_above(alpha: float, beta: float, threshold: float) -> float:
@@ -475,8 +572,9 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
         drawn = (arm_table(only, state.batch_size, ctx.sampled_curves, cfg.max_k)
                  if state.fresh else mean)
         i = 1 + int(np.argmax(drawn.goodput[1:]))  # the best K >= 1 with that draft
-        return Decision(name, state.bucket, spec.name, drawn.keys[i][1], Reason.OVERRIDE,
-                        float(mean.speedup[i]))
+        k = drawn.keys[i][1]
+        return _shown_decision(ctx, cfg, state.batch_size,
+                               Decision(name, state.bucket, spec.name, k, Reason.OVERRIDE))
     pin = min(ov.pin_k or 0, cfg.max_k)
     current = state.current.draft if state.current and state.current.k else ""
     candidates = [d for d in ctx.drafts if d.max_k >= pin] or list(ctx.drafts)
@@ -484,10 +582,21 @@ def _override_decision(ctx: ClassContext, cfg: PolicyConfig, state: BucketState)
         candidates, key=lambda d: float(ctx.mean_curves[d.name][min(pin, d.max_k)])
     )
     k = min(pin, chosen.max_k)
-    table = arm_table(ctx, state.batch_size, ctx.mean_curves, cfg.max_k)
-    row = table.index((chosen.name, k))
-    return Decision(name, state.bucket, chosen.name, k, Reason.OVERRIDE,
-                    float(table.speedup[row]) if row is not None else 1.0)
+    return _shown_decision(ctx, cfg, state.batch_size,
+                           Decision(name, state.bucket, chosen.name, k, Reason.OVERRIDE))
+
+
+def _shown_decision(ctx: ClassContext, cfg: PolicyConfig, batch_size: int, decision: Decision,
+                    mean: ArmTable | None = None) -> Decision:
+    """``decision`` with its expected speedup as figures show it at ``batch_size``
+    (``shown_arms``; ``mean``: the table by posterior means, if already scored), flagged where
+    it ranks nothing."""
+    shown = shown_arms(ctx, cfg, batch_size, mean)
+    i = shown.table.index(decision.arm)
+    if i is None:  # no longer offered: no estimate
+        return replace(decision, expected_speedup=1.0, too_little_evidence=True)
+    return replace(decision, expected_speedup=float(shown.table.speedup[i]),
+                   too_little_evidence=not shown.ranked(i, 0))
 
 
 def _warmup(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
@@ -558,7 +667,6 @@ def choose(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Choice:
         near[mean_i] = True
         best_i = int(np.argmax(np.where(near, scores, -np.inf)))
     best_draft, best_k = sampled.keys[best_i]
-    expected = float(mean.speedup[best_i])  # same arm order in both tables
     if ctx.change_detected:
         reason = Reason.CHANGE_DETECTED
     elif best_i == mean_i:
@@ -567,15 +675,14 @@ def choose(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Choice:
         reason = Reason.EXPLORE
     if ctx.offline:
         reason = Reason.OFFLINE
-    candidate = Decision(name, state.bucket, best_draft, best_k, reason, expected)
+    candidate = _shown_decision(ctx, cfg, batch,
+                                Decision(name, state.bucket, best_draft, best_k, reason), mean)
 
     if current is None or current.reason in (Reason.WARMUP, Reason.OVERRIDE):
         return Choice(candidate, probed=True)
     if candidate.same_choice(current):
         # Same arm: refresh the estimate (and the probe share), keep the original reason.
-        refreshed = Decision(name, state.bucket, current.draft, current.k, current.reason,
-                             expected)
-        return Choice(refreshed, probed=True)
+        return Choice(replace(candidate, reason=current.reason), probed=True)
     if not ctx.change_detected:
         young = state.changed_at is not None and ctx.now - state.changed_at < cfg.dwell_seconds
         cur = sampled.index(current.arm)
@@ -588,6 +695,121 @@ def choose(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Choice:
         if (young and offered(ctx.drafts, current)) or within:
             return Choice(current, probed=True)
     return Choice(candidate, probed=True)
+
+
+# Reasons of the choices that neighbouring buckets may bound (``follow_neighbours``): goodput
+# choices, not an operator's, an offline pin or the warm-up K.
+_FOLLOWING = (Reason.GOODPUT, Reason.EXPLORE, Reason.CHANGE_DETECTED, Reason.NEIGHBOURS)
+
+
+def _longer(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether arm ``a`` verifies more drafts than arm ``b``: it speculates and ``b`` does not,
+    or both run one draft and ``a`` at the larger K (arms of two drafts do not compare)."""
+    return a[1] > 0 and (b[1] == 0 or (a[0] == b[0] and a[1] > b[1]))
+
+
+def _deciding(ctx: ClassContext, state: BucketState, choice: Choice) -> bool:
+    """Whether the bucket's choice is being taken now by the goodput rule (new evidence of its
+    own, or its first decision), so that its neighbours may bound it: a choice held without
+    evidence stays put."""
+    first = state.current is None or state.current.reason is Reason.WARMUP
+    return ((state.fresh or first) and choice.decision.reason in _FOLLOWING
+            and ctx.override is None and not ctx.offline)
+
+
+def _monotone(ctx: ClassContext, cfg: PolicyConfig, longer: tuple[str, int],
+              shorter: tuple[str, int], small: int, large: int) -> bool:
+    """Whether the cost model is monotone between batch sizes ``small`` < ``large`` for two
+    arms of the class: each arm's step costs at least as much at the larger batch, and where
+    the ``longer`` arm runs a model drafter's passes (a cost per step that a larger batch
+    shares), its step relative to the ``shorter`` one's is priced at least as dear there too.
+
+    Physics: a class's acceptance, so its expected tokens per step, is the same at every batch
+    size, while the price of verifying more tokens per sequence grows with the batch (the step
+    turns from memory- to compute-bound): the best K falls as the batch grows, and a longer
+    arm chosen at a larger batch than a shorter one is a draw's noise, not a finding. A model
+    drafter's fixed and per-pass costs are the exception (they weigh less in a larger step), so
+    there the model itself must price the longer arm relatively dearer at the larger batch."""
+    def seconds(batch: int) -> tuple[float, float]:
+        t = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
+        i, j = t.index(longer), t.index(shorter)
+        return ((math.nan, math.nan) if i is None or j is None
+                else (float(t.step_seconds[i]), float(t.step_seconds[j])))
+    (long_small, short_small), (long_large, short_large) = seconds(small), seconds(large)
+    if not (long_large >= long_small and short_large >= short_small):
+        return False
+    passes = any(d.name == longer[0] and d.pass_draft for d in ctx.drafts)
+    return not passes or long_large / short_large >= (long_small / short_small) * (1 - 1e-9)
+
+
+def needs_neighbours(ctx: ClassContext, choices: Sequence[Choice]) -> bool:
+    """Whether ``follow_neighbours`` may change ``choices`` (one per bucket, batch order): a
+    longer arm at a larger batch than a shorter one, one of them being decided now. What the
+    decider prices every bucket's batch size for."""
+    arms = [c.decision.arm for c in choices]
+    deciding = [_deciding(ctx, b, c) for b, c in zip(ctx.buckets, choices, strict=True)]
+    return any(_longer(arms[j], arms[i]) and (deciding[i] or deciding[j])
+               for i in range(len(arms)) for j in range(i + 1, len(arms)))
+
+
+def follow_neighbours(ctx: ClassContext, cfg: PolicyConfig, choices: Sequence[Choice],
+                      evidence: Sequence[float]) -> list[Choice]:
+    """The class's choices (one per bucket, batch order) with each bucket being decided now
+    kept within its neighbours of more evidence: no longer arm than the nearest such bucket of
+    a smaller batch chose, and no shorter one than the nearest of a larger batch, where the
+    cost model is monotone (``_monotone``: the best K falls as the batch grows).
+    ``evidence``: the steps timed in each bucket (decayed).
+
+    Why: each bucket is decided on its own, a measured one by the round's Thompson draw, one
+    without steps of its own by posterior means on extrapolated prices, at the moment the class
+    first has evidence; alone, one request's evidence can leave a table that reads off, K=1,
+    off, K=4 across neighbouring batch ranges. Buckets are visited from the most evidence to
+    the least (those without steps last, the nearest to a measured one first), each bounded by
+    the nearest already visited on either side. A bound that binds takes the best arm by
+    posterior means within it. Choices held without evidence of their own are never moved (a
+    bucket's decision changes on evidence only)."""
+    out = list(choices)
+    n = len(out)
+    measured = [i for i in range(n) if evidence[i] > 0]
+    order = sorted(range(n), key=lambda i: (-evidence[i],
+                                            min((abs(i - j) for j in measured), default=0), i))
+    visited: list[int] = []
+    for i in order:
+        state = ctx.buckets[i]
+        if _deciding(ctx, state, out[i]):
+            lo = max((j for j in visited if j < i), default=None)
+            hi = min((j for j in visited if j > i), default=None)
+            out[i] = _within(ctx, cfg, state, out[i],
+                             None if lo is None else (ctx.buckets[lo], out[lo].decision.arm),
+                             None if hi is None else (ctx.buckets[hi], out[hi].decision.arm))
+        visited.append(i)
+    return out
+
+
+def _within(ctx: ClassContext, cfg: PolicyConfig, state: BucketState, choice: Choice,
+            lo: tuple[BucketState, tuple[str, int]] | None,
+            hi: tuple[BucketState, tuple[str, int]] | None) -> Choice:
+    """``choice`` for ``state``'s bucket, or, where it breaks the bound of its neighbour of a
+    smaller batch (``lo``) or of a larger one (``hi``), the best arm by posterior means within
+    both (``follow_neighbours``)."""
+    arm, batch = choice.decision.arm, priced_batch(ctx, state)
+    broken = ((lo is not None and _longer(arm, lo[1])
+               and _monotone(ctx, cfg, arm, lo[1], priced_batch(ctx, lo[0]), batch))
+              or (hi is not None and _longer(hi[1], arm)
+                  and _monotone(ctx, cfg, hi[1], arm, batch, priced_batch(ctx, hi[0]))))
+    if not broken:
+        return choice
+    mean = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
+    allowed = np.array([(lo is None or not _longer(a, lo[1])) and (hi is None
+                        or not _longer(hi[1], a)) for a in mean.keys])
+    if not allowed.any():
+        return choice
+    best = mean.keys[int(np.argmax(np.where(allowed, mean.scores(cfg.min_speedup), -np.inf)))]
+    current = state.current
+    if current is not None and current.arm == best and current.reason is not Reason.WARMUP:
+        return Choice(current, probed=True)
+    decision = Decision(ctx.traffic_class, state.bucket, best[0], best[1], Reason.NEIGHBOURS)
+    return Choice(_shown_decision(ctx, cfg, batch, decision, mean), probed=True)
 
 
 def decide_bucket(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Decision:
@@ -604,23 +826,28 @@ def priced_batch(ctx: ClassContext, state: BucketState) -> int:
 def decision_figures(ctx: ClassContext, cfg: PolicyConfig, state: BucketState,
                      decision: Decision, previous: Decision | None) -> DecisionFigures:
     """The figures ``decision`` (replacing ``previous``) was taken on, for the decision log to
-    keep: the arms by posterior means and mean step costs, as ``decide_bucket`` compares them.
-    An arm the engines no longer offer, or one a broken cost prices, has no estimate; one whose
-    draft has no acceptance evidence yet is priced on the prior (its acceptance is None)."""
+    keep: the arms by posterior means and mean step costs, as ``decide_bucket`` compares them,
+    and as figures show them (``shown_arms``: bounded, and flagged where the posteriors cannot
+    rank an arm against the chosen one, or the chosen one against no speculation). An arm the
+    engines no longer offer, or one a broken cost prices, has no estimate; one whose draft has
+    no acceptance evidence yet is priced on the prior (its acceptance is None)."""
     batch = priced_batch(ctx, state)
     table = arm_table(ctx, batch, ctx.mean_curves, cfg.max_k)
+    shown = shown_arms(ctx, cfg, batch, table)
+    chosen_row = table.index(decision.arm)
 
-    def figures(arm: tuple[str, int]) -> ArmFigures | None:
+    def figures(arm: tuple[str, int], against: int | None) -> ArmFigures | None:
         i = table.index(arm)
         if i is None:
             return None
         draft, k = arm
-        gain, ratio = float(table.goodput[i]), float(table.speedup[i])
+        gain, ratio = float(shown.table.goodput[i]), float(shown.table.speedup[i])
         if not (math.isfinite(gain) and math.isfinite(ratio)):
             return None
         evidence = k > 0 and draft in ctx.evidence
-        return ArmFigures(draft, k, float(table.expected_tokens[i]), gain, ratio,
-                          position1_acceptance(ctx, draft) if evidence else None)
+        unranked = against is None or not shown.ranked(i, against)
+        return ArmFigures(draft, k, float(shown.table.expected_tokens[i]), gain, ratio,
+                          position1_acceptance(ctx, draft) if evidence else None, unranked)
 
     best = table.keys[table.best(cfg.min_speedup)]
     if ctx.override is not None:
@@ -631,9 +858,9 @@ def decision_figures(ctx: ClassContext, cfg: PolicyConfig, state: BucketState,
         pinned_by = ""
     return DecisionFigures(
         batch_size=batch,
-        chosen=figures(decision.arm),
-        previous=None if previous is None else figures(previous.arm),
-        best=None if best == decision.arm else figures(best),
+        chosen=figures(decision.arm, 0),
+        previous=None if previous is None else figures(previous.arm, chosen_row),
+        best=None if best == decision.arm else figures(best, chosen_row),
         pinned_by=pinned_by,
     )
 

@@ -5,6 +5,10 @@ model's fit), so that no reader reaches into a part's state.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
+
 from specpilot.contract.pricing import StepPricing
 from specpilot.contract.records import (
     CalibrationRows,
@@ -19,7 +23,7 @@ from specpilot.controller.core.cost_model import StepShape
 from specpilot.controller.core.cut import CutPrices, token_cut
 from specpilot.controller.core.mix import Arm
 from specpilot.controller.core.parts import CoreParts
-from specpilot.controller.core.policy import arm_values
+from specpilot.controller.core.policy import shown_arms
 from specpilot.controller.core.snapshot import (
     AcceptanceEstimate,
     ClassView,
@@ -104,12 +108,19 @@ class ReadModel:
         ctx = self._parts.contexts.build(traffic_class, state, self._parts.engines.drafts(), now,
                                    self._parts.evidence.mean_curves(now), every_bucket=True)
         batch = self._parts.evidence.loads.batch_size(bucket)
-        max_k = self._parts.config.policy.max_k
-        arms = tuple(arm_values(ctx, batch, ctx.mean_rates, max_k))
+        policy = self._parts.config.policy
+        shown = shown_arms(ctx, policy, batch)
+        arms = tuple(replace(v, too_little_evidence=not shown.ranked(i, 0))
+                     for i, v in enumerate(shown.table.values()))
         rates = tuple((d.name, tuple(float(r) for r in ctx.mean_rates[d.name][: d.max_k]))
                       for d in ctx.drafts)
-        return Explanation(traffic_class, state.decisions.get(bucket), batch, arms, rates,
-                           ctx.override)
+        decision = state.decisions.get(bucket)
+        # Whether the posteriors rank the arm of the best goodput by means against the
+        # decision's (what the explanation's text compares).
+        chosen = None if decision is None else shown.table.index(decision.arm)
+        best = int(np.argmax(shown.table.goodput))
+        return Explanation(traffic_class, decision, batch, arms, rates, ctx.override,
+                           best_ranked=chosen is None or shown.ranked(best, chosen))
 
     def snapshot(self, now: float) -> CoreSnapshot:
         """The whole state as of ``now``, frozen (posteriors decay with time, so ``now``
@@ -156,6 +167,7 @@ class ReadModel:
             log=self._parts.published.log,
             batch_bucket_upper_bounds=self._parts.config.batch_bucket_upper_bounds,
             measured_buckets=self._parts.evidence.loads.measured(),
+            step_ratio_range=self._parts.evidence.cost.measured_ratio_range,
             offline_classes=self._parts.config.offline_classes,
             max_classes=self._parts.config.max_classes,
             composition=self._parts.published.composition,

@@ -161,6 +161,10 @@ class CoreSnapshot:
     # The batch buckets in which an engine has timed a decode step; the others' decisions come
     # from the priors alone.
     measured_buckets: tuple[int, ...] = ()
+    # The smallest and largest ratio of a timed speculative step to a plain step at its batch
+    # size (``StepCostModel.measured_ratio_range``): no figure prices an arm's step beyond it.
+    # None before any speculative step was timed.
+    step_ratio_range: tuple[float, float] | None = None
 
     @property
     def n_buckets(self) -> int:
@@ -181,9 +185,9 @@ class CoreSnapshot:
 @dataclass(frozen=True)
 class Explanation:
     """Why one class runs what it runs at one batch bucket, in numbers (the text is rendered at
-    the edge): the decision, every arm scored by posterior means at the bucket's batch size, the
-    mean acceptance by position per draft, and the override in force. The probe is part of the
-    decision."""
+    the edge): the decision, every arm scored by posterior means at the bucket's batch size as
+    figures show them (``policy.shown_arms``), the mean acceptance by position per draft, and
+    the override in force. The probe is part of the decision."""
 
     traffic_class: str
     decision: Decision | None
@@ -192,3 +196,6 @@ class Explanation:
     # (draft, mean acceptance rate by position 1..its max K) per draft of the connected engines.
     rates: tuple[tuple[str, tuple[float, ...]], ...]
     override: Override | None
+    # Whether the posteriors rank the best arm by means against the decision's arm
+    # (``policy.ShownArms.ranked``); False: the figures cannot tell the two apart.
+    best_ranked: bool = True

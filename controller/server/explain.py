@@ -8,6 +8,10 @@ from __future__ import annotations
 from specpilot.contract.records import OFFLINE_PIN, ArmFigures, DecisionEvent, Reason
 from specpilot.controller.core.snapshot import Explanation
 
+# What figures say instead of a ratio where the posteriors cannot rank the arms compared
+# (``ArmFigures.too_little_evidence``, ``PolicyConfig.rank_probability``).
+TOO_LITTLE = "too little evidence"
+
 
 def arm_label(draft: str, k: int) -> str:
     """One (draft, K) as people read it: "off" without speculation, else "<draft> K=<k>"."""
@@ -26,13 +30,21 @@ def explanation_text(ex: Explanation) -> str:
         lines.append(
             f"Expected {chosen.expected_tokens:.2f} tokens per step in "
             f"{chosen.step_seconds * 1e3:.2f} ms: {chosen.goodput:.1f} tokens/s, "
-            f"{chosen.speedup:.2f}x no speculation."
+            + (f"{TOO_LITTLE} to tell it from no speculation." if chosen.too_little_evidence
+               else "slowing the rest of the batch more than it gains." if chosen.goodput <= 0
+               else f"{_times(chosen.speedup)} no speculation.")
         )
-    if best.arm != decision.arm:
+    if best.arm != decision.arm and not ex.best_ranked:
+        lines.append(
+            f"By posterior means {arm_label(repr(best.draft), best.k)} expects more, but with "
+            f"{TOO_LITTLE} to rank the two."
+        )
+    elif best.arm != decision.arm:
         lines.append(
             f"By posterior means the best arm is {arm_label(repr(best.draft), best.k)} at "
-            f"{best.speedup:.2f}x; the choice holds by hysteresis, dwell time, an override or an "
-            "exploratory draw."
+            + (f"{_times(best.speedup)}" if not best.too_little_evidence
+               else f"a speedup with {TOO_LITTLE} to tell it from no speculation")
+            + "; the choice holds by hysteresis, dwell time, an override or an exploratory draw."
         )
     for draft, rates in ex.rates:
         lines.append(f"Acceptance by position for {draft!r}: "
@@ -64,7 +76,8 @@ def decision_text(event: DecisionEvent) -> str:
     they do not favour (an exploring draw, a detected change) says so beside the arm they do
     favour; one that no goodput comparison made (an operator's override, an offline pin,
     warm-up) says what made it, with the chosen arm's own figures. A missing figure reads "no
-    estimate yet"."""
+    estimate yet"; a comparison the posteriors cannot rank (``ArmFigures.too_little_evidence``)
+    reads "too little evidence" instead of a ratio."""
     return f"{_change(event)} {decision_detail(event)}"
 
 
@@ -83,12 +96,17 @@ def decision_detail(event: DecisionEvent) -> str:
     lead = {Reason.OVERRIDE: f"set by an operator ({fig.pinned_by or 'override'})",
             Reason.EXPLORE: f"exploring, to learn what {chosen} gains",
             Reason.CHANGE_DETECTED: "acceptance changed: decided afresh on the reset estimates",
+            Reason.NEIGHBOURS: "held within the choices of the neighbouring batch ranges with "
+                               "more evidence (the best K falls as the batch grows)",
             Reason.OFFLINE: "offline class, priced at full load"}.get(new.reason)
     parts += [lead] if lead else []
     if new.reason is Reason.OVERRIDE:
         if fig.chosen is None or new.k:
             parts.append(_expected(chosen, fig.chosen))
-        if fig.best is not None:
+        if fig.best is not None and fig.best.too_little_evidence:
+            parts.append(f"by posterior means {arm_label(fig.best.draft, fig.best.k)} would "
+                         f"be the best, with {TOO_LITTLE} to rank it against {chosen}")
+        elif fig.best is not None:
             parts.append(f"by posterior means {arm_label(fig.best.draft, fig.best.k)} would be "
                          f"the best, at {_speedup(fig.best)}" if fig.best.k else
                          "by posterior means no draft gains enough to pay for drafting")
@@ -131,6 +149,8 @@ def _expected(label: str, f: ArmFigures | None) -> str:
     """The chosen arm's own expectation."""
     if f is None:
         return f"{label}: no estimate yet"
+    if f.too_little_evidence:
+        return f"{TOO_LITTLE} to tell {label} from no speculation"
     if f.goodput <= 0:
         return "expected to slow the rest of the batch more than it gains"
     return f"expected {_speedup(f)}"
@@ -147,6 +167,8 @@ def _gain(new: str, chosen: ArmFigures, old: str, previous: ArmFigures | None) -
     less than it must (``PolicyConfig.min_speedup``)."""
     if previous is None:  # no engine offers it any more
         return f"{old}: no estimate to compare with"
+    if previous.too_little_evidence:
+        return f"{TOO_LITTLE} to rank {new} against {old}"
     if previous.goodput <= 0 < chosen.goodput:
         return f"{old} would slow the rest of the batch more than it gains"
     if chosen.goodput >= previous.goodput > 0:
@@ -161,6 +183,8 @@ def _gain(new: str, chosen: ArmFigures, old: str, previous: ArmFigures | None) -
 def _against_best(new: str, chosen: ArmFigures, best: ArmFigures) -> str:
     """A choice the posterior means do not favour, against the arm they do."""
     name = arm_label(best.draft, best.k)
+    if best.too_little_evidence:
+        return f"{TOO_LITTLE} to rank {new} against {name}, the best by posterior means"
     if chosen.goodput <= 0:
         return f"{new} would slow the rest of the batch; by posterior means {name} is the best"
     if chosen.goodput >= best.goodput:  # above off, by less than drafting must gain

@@ -164,7 +164,7 @@ def event_to_json(e: DecisionEvent) -> str:
         return {"traffic_class": d.traffic_class, "bucket": d.bucket, "draft": d.draft,
                 "k": d.k, "reason": d.reason.value, "expected_speedup": d.expected_speedup,
                 "probe_rate": d.probe_rate, "probe_k": d.probe_k, "probe_draft": d.probe_draft,
-                "probe_steps": d.probe_steps}
+                "probe_steps": d.probe_steps, "too_little_evidence": d.too_little_evidence}
     return _dump({
         "policy_version": e.policy_version, "at": e.at,
         "decision": decision(e.decision),
@@ -176,7 +176,8 @@ def event_to_json(e: DecisionEvent) -> str:
 def _figures_json(f: DecisionFigures) -> dict[str, Any]:
     def arm(a: ArmFigures | None) -> list[Any] | None:
         return None if a is None else [a.draft, a.k, a.expected_tokens, a.goodput, a.speedup,
-                                       None if a.acceptance is None else list(a.acceptance)]
+                                       None if a.acceptance is None else list(a.acceptance),
+                                       a.too_little_evidence]
     return {"batch_size": f.batch_size, "chosen": arm(f.chosen), "previous": arm(f.previous),
             "best": arm(f.best), "pinned_by": f.pinned_by}
 
@@ -185,11 +186,13 @@ def _figures_from_json(raw: dict[str, Any]) -> DecisionFigures:
     def arm(a: list[Any] | None) -> ArmFigures | None:
         if a is None:
             return None
-        draft, k, tokens, gain, ratio, acceptance = a
+        # Records from before the flag was kept have six entries.
+        draft, k, tokens, gain, ratio, acceptance, *flag = a
         return ArmFigures(str(draft), int(k), _finite(tokens, "expected_tokens"),
                           _finite(gain, "goodput"), _finite(ratio, "speedup"),
                           None if acceptance is None else (_finite(acceptance[0], "acceptance"),
-                                                           _finite(acceptance[1], "acceptance")))
+                                                           _finite(acceptance[1], "acceptance")),
+                          bool(flag[0]) if flag else False)
     return DecisionFigures(int(raw["batch_size"]), arm(raw["chosen"]), arm(raw["previous"]),
                            arm(raw["best"]), str(raw["pinned_by"]))
 
@@ -203,7 +206,8 @@ def event_from_json(text: str | bytes) -> DecisionEvent:
                             int(d["k"]), Reason(d["reason"]),
                             _finite(d["expected_speedup"], "expected_speedup"),
                             _finite(d["probe_rate"], "probe_rate"), int(d["probe_k"]),
-                            str(d["probe_draft"]), bool(d.get("probe_steps", False)))
+                            str(d["probe_draft"]), bool(d.get("probe_steps", False)),
+                            bool(d.get("too_little_evidence", False)))
         previous = raw["previous"]
         figures = raw.get("figures")
         return DecisionEvent(int(raw["policy_version"]), _finite(raw["at"], "at"),

@@ -25,6 +25,7 @@ from specpilot.controller import cli
 from specpilot.controller.server.app import RunningServer, start_server
 from specpilot.controller.settings import load_settings, settings_reference
 from specpilot.controller.store.redis_store import RedisStore
+from specpilot.v1 import common_pb2, engine_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import DRAFT, EngineClient, acceptance, hello, report
 
@@ -525,3 +526,98 @@ async def test_names_an_engine_chose_reach_the_terminal_escaped(
     code, out, _ = await _cli(capsys, server, "get")
     assert code == 0 and "\x1b" not in out and "cleared\n" not in out
     assert "'e1\\x1b[2J\\ncleared'" in out and "'d\\x1b[31m'" in out
+
+
+# --- plausible figures or none ---------------------------------------------------------------
+# A CPU n-gram engine's start-up profile, timed while other work shared its cores and cut short
+# by its budget: (batch size, verified tokens, context tokens, milliseconds).
+_NOISY_PROFILE = ((1, 1, 0, 20.5), (16, 16, 0, 42.7), (32, 32, 0, 71.7), (1, 5, 0, 15.6),
+                  (1, 1, 512, 28.0), (16, 16, 512, 33.9), (32, 32, 512, 71.6),
+                  (1, 5, 512, 22.4), (1, 2, 0, 30.2), (16, 32, 0, 112.8))
+
+
+async def _cpu_ngram_engine(channel: grpc.aio.Channel) -> EngineClient:
+    """An n-gram engine with that profile, after one request of class chat at batch 4, K=4."""
+    msg = engine_pb2.EngineHello(
+        engine_id="engine-1", model="smollm2", target_vocab_hash="vocab-0001", max_k=4,
+        drafts=[engine_pb2.DraftInfo(name="ngram", kind=common_pb2.DRAFT_KIND_NGRAM, max_k=4)],
+        capabilities=engine_pb2.EngineCapabilities(batch_wide_k=True,
+                                                   ngram_counterfactual=True),
+        engine_version="test", plugin_version="test", max_batch_size=256,
+        step_profile=[engine_pb2.StepProfile(batch_size=b, verified_tokens=t, seconds=ms / 1e3,
+                                             context_tokens=c)
+                      for b, t, c, ms in _NOISY_PROFILE])
+    engine = EngineClient(channel)
+    await engine.connect(msg)
+    result = await engine.send(engine_pb2.EngineReport(
+        sequence=1, interval_seconds=2.0, running_requests=4,
+        acceptance=[acceptance("chat", (10, 10, 10, 10, 10), draft="ngram")],
+        step_timings=[engine_pb2.StepTiming(batch_bucket=2, draft="ngram", k=4, steps=20,
+                                            sum_batch_size=80, sum_verified_tokens=400,
+                                            sum_step_seconds=20 * 0.0849,
+                                            sum_context_tokens=80 * 1365)]))
+    assert result.accepted, result
+    return engine
+
+
+def _speedup_cells(out: str, cls: str) -> list[str]:
+    """The SPEEDUP column of ``cls``'s rows of ``policy get``'s table."""
+    lines = out.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith("CLASS ") and "SPEEDUP" in line)
+    header, rows = lines[top], lines[top + 1:]
+    rows = rows[:rows.index("")] if "" in rows else rows
+    start, end = header.index("SPEEDUP"), header.index("PROBE")
+    return [row[start:end].strip() for row in rows if row.startswith(f"{cls} ")]
+
+
+async def test_policy_get_shows_a_pinned_speedup_a_step_can_deliver(
+    server: RunningServer, channel: grpc.aio.Channel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    engine = await _cpu_ngram_engine(channel)
+    code, _, _ = await _cli(capsys, server, "--token", TOKEN, "set", "--class", "chat",
+                            "--pin-k", "2")
+    assert code == 0
+    code, out, _ = await _cli(capsys, server, "get", "--class", "chat")
+    assert code == 0
+    cells = _speedup_cells(out, "chat")
+    assert len(cells) == 9, out
+    for cell in cells:
+        # A ratio a step of K=2 can deliver (at most 3 tokens a step, never a hundred plain
+        # steps' time), or no ratio at all.
+        if cell not in ("too little evidence", "slows the batch"):
+            assert re.fullmatch(r"\d+\.\d\dx", cell), (cell, out)
+            assert 0.01 <= float(cell[:-1]) <= 3.0, (cell, out)
+    await engine.close()
+
+
+async def test_policy_watch_prints_changes_only(
+    server: RunningServer, channel: grpc.aio.Channel
+) -> None:
+    """Each line is a change of (draft, K), "<before> -> <after>" with two different arms, or a
+    bucket's first decision, "first: <after>": never "off -> off"."""
+    engine = await _cpu_ngram_engine(channel)
+    logged = len(snapshot(server).log)
+    assert logged > 0
+    proc = subprocess.Popen(
+        [SPECPILOT, "policy", "--target", server.grpc_target, "watch"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = _Lines(proc)
+        replayed = [await asyncio.to_thread(lines.next, STARTUP_SECONDS)
+                    for _ in range(logged)]
+        firsts = 0
+        for line in replayed:
+            change = re.search(r"  batch \S+  (first: (\S.*?)|(\S.*?) -> (\S.*?))  \S", line)
+            assert change, line
+            if change.group(2) is not None:
+                firsts += 1
+            else:
+                assert change.group(3) != change.group(4), line
+        assert firsts >= 9, replayed  # every bucket of class chat, at least
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    await engine.close()

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specpilot.contract.buckets import batch_range
-from specpilot.contract.records import Override
+from specpilot.contract.records import Override, Reason
 from specpilot.controller.core.cost_model import StepShape
 from specpilot.controller.server.app import RunningServer, start_server
 from specpilot.controller.server.auth import engine_token
@@ -440,9 +440,8 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
     assert _metric(server, "specpilot_acceptance_per_token_ratio",
                    **{**model, "class": "chat", "draft": DRAFT}) == pytest.approx(161 / 192,
                                                                                  rel=1e-6)
-    decisions = sum(_metric(server, "specpilot_decisions_total", reason=r)
-                    for r in ("warmup", "goodput", "explore", "change_detected", "override",
-                              "offline"))
+    decisions = sum(_metric(server, "specpilot_decisions_total", reason=r.value)
+                    for r in Reason)
     assert decisions == len(snapshot(server).log)
     assert np.isclose(_metric(server, "specpilot_policy_version"), server.core.version)
     await engine.close()

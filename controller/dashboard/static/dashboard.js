@@ -192,6 +192,14 @@ function renderFleet(fleet) {
   }
 }
 
+// A decision's expected speedup over no speculation, as the CLI prints it: none where the
+// posteriors cannot tell it from 1, and none where it slows the rest of a shared batch.
+function speedupText(d) {
+  if (d.too_little_evidence) return "too little evidence";
+  const x = Number(d.expected_speedup);
+  return x < 0.005 ? "slows the batch" : `${x.toFixed(2)}x`;
+}
+
 function renderTable(policy) {
   const bounds = policy.batch_bucket_upper_bounds;
   const head = $("ktable").tHead;
@@ -223,16 +231,20 @@ function renderTable(policy) {
         + (reasonName(d.reason) === "explore" ? " explore" : "") + (seen ? "" : " unmeasured"),
         "data-class": c.traffic_class, "data-bucket": String(d.batch_bucket), "data-k": String(k),
         title: `${k ? `draft ${d.draft}, K=${k}` : "speculation off"}; ${reasonName(d.reason)}; expected `
-          + `${Number(d.expected_speedup).toFixed(2)}x` + (d.probe_rate > 0 ? `; probing ${(100 * d.probe_rate).toFixed(1)}% of ${d.probe_steps ? "steps" : "requests"} at K=${d.probe_k}` : "")
+          + speedupText(d) + (d.probe_rate > 0 ? `; probing ${(100 * d.probe_rate).toFixed(1)}% of ${d.probe_steps ? "steps" : "requests"} at K=${d.probe_k}` : "")
           + (seen ? "" : "; no step measured at this batch size yet: from the priors")},
         k ? `${d.draft}:${k}` : "off");
       if (reasonName(d.reason) === "override") cell.append(el("span", {class: "ovr-mark"}, " ●"));
       tr.append(cell);
     }
     const share = c.batch_share === undefined ? "—" : `${(100 * c.batch_share).toFixed(0)}%`;
-    const expected = c.decisions.length ? Math.max(...c.decisions.map((d) => Number(d.expected_speedup))) : 1;
+    // The best of the expectations the posteriors can tell from no speculation.
+    const ranked = c.decisions.filter((d) => !d.too_little_evidence);
+    const expected = !c.decisions.length ? "1.00x"
+      : ranked.length ? `${Math.max(...ranked.map((d) => Number(d.expected_speedup))).toFixed(2)}x`
+      : "too little evidence";
     const measured = c.measured_speedup === undefined ? "—" : `${c.measured_speedup.toFixed(2)}x`;
-    tr.append(el("td", {}, share), el("td", {}, `${expected.toFixed(2)}x expected / ${measured} measured`
+    tr.append(el("td", {}, share), el("td", {}, `${expected} expected / ${measured} measured`
       + (inForce ? " · override" : "")));
     rows.push(tr);
   }

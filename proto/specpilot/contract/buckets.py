@@ -115,6 +115,10 @@ class BucketLoads:
         """``context_per_sequence`` of the bucket of ``batch_size``."""
         return self.context_per_sequence(bucket_of(self._bounds, max(1, round(batch_size))))
 
+    def steps(self, bucket: int) -> float:
+        """The decode steps timed in ``bucket``, decayed (0: none yet)."""
+        return self._steps.get(bucket, 0.0)
+
     def measured(self) -> tuple[int, ...]:
         """The buckets in which a decode step was timed, ascending."""
         return tuple(sorted(b for b, steps in self._steps.items() if steps > 0))

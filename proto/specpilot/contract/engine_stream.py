@@ -270,6 +270,7 @@ def decision_to_proto(d: Decision) -> common_pb2.Decision:
         probe_k=d.probe_k,
         probe_draft=d.probe_draft,
         probe_steps=d.probe_steps,
+        too_little_evidence=d.too_little_evidence,
     )
 
 
@@ -285,6 +286,7 @@ def decision_from_proto(msg: common_pb2.Decision) -> Decision:
         probe_k=msg.probe_k,
         probe_draft=msg.probe_draft,
         probe_steps=msg.probe_steps,
+        too_little_evidence=msg.too_little_evidence,
     )
 
 
@@ -308,14 +310,15 @@ def arm_figures_to_proto(f: ArmFigures) -> common_pb2.ArmFigures:
     return common_pb2.ArmFigures(
         draft=f.draft, k=f.k, expected_tokens=f.expected_tokens,
         goodput_tokens_per_second=f.goodput, speedup=f.speedup,
-        acceptance_mean=mean, acceptance_half_width=half_width)
+        acceptance_mean=mean, acceptance_half_width=half_width,
+        too_little_evidence=f.too_little_evidence)
 
 
 def arm_figures_from_proto(msg: common_pb2.ArmFigures) -> ArmFigures:
     acceptance = ((msg.acceptance_mean, msg.acceptance_half_width)
                   if msg.HasField("acceptance_mean") else None)
     return ArmFigures(msg.draft, msg.k, msg.expected_tokens, msg.goodput_tokens_per_second,
-                      msg.speedup, acceptance)
+                      msg.speedup, acceptance, msg.too_little_evidence)
 
 
 def figures_to_proto(f: DecisionFigures) -> common_pb2.DecisionFigures:

@@ -30,6 +30,9 @@ class Reason(enum.Enum):
     CHANGE_DETECTED = "change_detected"
     OVERRIDE = "override"
     OFFLINE = "offline"
+    # Bounded by the choices of neighbouring batch ranges with more evidence: no longer arm
+    # than at a smaller batch, no shorter one than at a larger (``policy.follow_neighbours``).
+    NEIGHBOURS = "neighbours"
 
 
 class DraftKind(enum.Enum):
@@ -179,6 +182,10 @@ class Decision:
     # probe_rate is a share of steps, in each of which every request of the class probes
     # (engines that announced step probes); else a share of the class's requests.
     probe_steps: bool = False
+    # The posteriors cannot tell whether the arm gains over no speculation: expected_speedup
+    # ranks nothing, and readers show "too little evidence" instead (for a bounded figure,
+    # also where the arm's price lies beyond the step costs measured).
+    too_little_evidence: bool = False
 
     @property
     def arm(self) -> tuple[str, int]:
@@ -299,6 +306,10 @@ class ArmFigures:
     # specpilot.controller.core.acceptance.CREDIBLE_LEVEL); None with speculation off, and while the
     # draft has no acceptance evidence (the arm is priced on the prior).
     acceptance: tuple[float, float] | None = None
+    # The posteriors cannot rank this arm's goodput against the chosen arm's (for the chosen
+    # arm: its speedup against no speculation), or its price was bounded by the step costs
+    # measured: lines say "too little evidence" instead of a ratio.
+    too_little_evidence: bool = False
 
     @property
     def arm(self) -> tuple[str, int]:

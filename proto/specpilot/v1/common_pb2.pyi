@@ -15,6 +15,7 @@ class DecisionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_REASON_CHANGE_DETECTED: _ClassVar[DecisionReason]
     DECISION_REASON_OVERRIDE: _ClassVar[DecisionReason]
     DECISION_REASON_OFFLINE: _ClassVar[DecisionReason]
+    DECISION_REASON_NEIGHBOURS: _ClassVar[DecisionReason]
 
 class DraftKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,13 +30,14 @@ DECISION_REASON_EXPLORE: DecisionReason
 DECISION_REASON_CHANGE_DETECTED: DecisionReason
 DECISION_REASON_OVERRIDE: DecisionReason
 DECISION_REASON_OFFLINE: DecisionReason
+DECISION_REASON_NEIGHBOURS: DecisionReason
 DRAFT_KIND_UNSPECIFIED: DraftKind
 DRAFT_KIND_MODEL: DraftKind
 DRAFT_KIND_NGRAM: DraftKind
 DRAFT_KIND_SUFFIX: DraftKind
 
 class Decision(_message.Message):
-    __slots__ = ("traffic_class", "batch_bucket", "draft", "k", "reason", "expected_speedup", "probe_rate", "probe_k", "probe_draft", "probe_steps")
+    __slots__ = ("traffic_class", "batch_bucket", "draft", "k", "reason", "expected_speedup", "probe_rate", "probe_k", "probe_draft", "probe_steps", "too_little_evidence")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class Decision(_message.Message):
     PROBE_K_FIELD_NUMBER: _ClassVar[int]
     PROBE_DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOO_LITTLE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
     batch_bucket: int
     draft: str
@@ -56,7 +59,8 @@ class Decision(_message.Message):
     probe_k: int
     probe_draft: str
     probe_steps: bool
-    def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., expected_speedup: _Optional[float] = ..., probe_rate: _Optional[float] = ..., probe_k: _Optional[int] = ..., probe_draft: _Optional[str] = ..., probe_steps: _Optional[bool] = ...) -> None: ...
+    too_little_evidence: bool
+    def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., expected_speedup: _Optional[float] = ..., probe_rate: _Optional[float] = ..., probe_k: _Optional[int] = ..., probe_draft: _Optional[str] = ..., probe_steps: _Optional[bool] = ..., too_little_evidence: _Optional[bool] = ...) -> None: ...
 
 class DecisionEvent(_message.Message):
     __slots__ = ("policy_version", "unix_seconds", "decision", "previous_draft", "previous_k", "figures")
@@ -75,7 +79,7 @@ class DecisionEvent(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ..., unix_seconds: _Optional[float] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., previous_draft: _Optional[str] = ..., previous_k: _Optional[int] = ..., figures: _Optional[_Union[DecisionFigures, _Mapping]] = ...) -> None: ...
 
 class ArmFigures(_message.Message):
-    __slots__ = ("draft", "k", "expected_tokens", "goodput_tokens_per_second", "speedup", "acceptance_mean", "acceptance_half_width")
+    __slots__ = ("draft", "k", "expected_tokens", "goodput_tokens_per_second", "speedup", "acceptance_mean", "acceptance_half_width", "too_little_evidence")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +87,7 @@ class ArmFigures(_message.Message):
     SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_MEAN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_HALF_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TOO_LITTLE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     draft: str
     k: int
     expected_tokens: float
@@ -90,7 +95,8 @@ class ArmFigures(_message.Message):
     speedup: float
     acceptance_mean: float
     acceptance_half_width: float
-    def __init__(self, draft: _Optional[str] = ..., k: _Optional[int] = ..., expected_tokens: _Optional[float] = ..., goodput_tokens_per_second: _Optional[float] = ..., speedup: _Optional[float] = ..., acceptance_mean: _Optional[float] = ..., acceptance_half_width: _Optional[float] = ...) -> None: ...
+    too_little_evidence: bool
+    def __init__(self, draft: _Optional[str] = ..., k: _Optional[int] = ..., expected_tokens: _Optional[float] = ..., goodput_tokens_per_second: _Optional[float] = ..., speedup: _Optional[float] = ..., acceptance_mean: _Optional[float] = ..., acceptance_half_width: _Optional[float] = ..., too_little_evidence: _Optional[bool] = ...) -> None: ...
 
 class DecisionFigures(_message.Message):
     __slots__ = ("batch_size", "chosen", "previous", "best", "pinned_by")

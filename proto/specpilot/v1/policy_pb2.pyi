@@ -172,20 +172,22 @@ class ExplainDecisionRequest(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., batch_bucket: _Optional[int] = ...) -> None: ...
 
 class ArmScore(_message.Message):
-    __slots__ = ("draft", "k", "expected_tokens", "step_seconds", "goodput_tokens_per_second", "speedup")
+    __slots__ = ("draft", "k", "expected_tokens", "step_seconds", "goodput_tokens_per_second", "speedup", "too_little_evidence")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GOODPUT_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    TOO_LITTLE_EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     draft: str
     k: int
     expected_tokens: float
     step_seconds: float
     goodput_tokens_per_second: float
     speedup: float
-    def __init__(self, draft: _Optional[str] = ..., k: _Optional[int] = ..., expected_tokens: _Optional[float] = ..., step_seconds: _Optional[float] = ..., goodput_tokens_per_second: _Optional[float] = ..., speedup: _Optional[float] = ...) -> None: ...
+    too_little_evidence: bool
+    def __init__(self, draft: _Optional[str] = ..., k: _Optional[int] = ..., expected_tokens: _Optional[float] = ..., step_seconds: _Optional[float] = ..., goodput_tokens_per_second: _Optional[float] = ..., speedup: _Optional[float] = ..., too_little_evidence: _Optional[bool] = ...) -> None: ...
 
 class ExplainDecisionResponse(_message.Message):
     __slots__ = ("decision", "arms", "text", "batch_size")
