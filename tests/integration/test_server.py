@@ -421,17 +421,35 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
     engine = EngineClient(channel)
     await engine.connect()
     assert (await engine.send(report(1))).accepted
-    snap = snapshot(server)
-    chat, model = snap.class_view("chat"), {"model_name": "tiny-target"}
-    for d in chat.decisions:
-        labels = {**model, "class": "chat",
-                  "batch": batch_range(snap.batch_bucket_upper_bounds, d.bucket)}
-        assert _metric(server, "specpilot_decision_speculative_tokens", **labels) == d.k
-        assert _metric(server, "specpilot_decision_expected_speedup_ratio",
-                       **labels) == d.expected_speedup
-    on = any(d.k for d in chat.decisions)
-    assert _metric(server, "specpilot_speculation_enabled",
-                   **{**model, "class": "chat"}) == float(on)
+    model = {"model_name": "tiny-target"}
+
+    def decisions_exported() -> None:
+        snap = snapshot(server)
+        chat = snap.class_view("chat")
+        for d in chat.decisions:
+            labels = {**model, "class": "chat",
+                      "batch": batch_range(snap.batch_bucket_upper_bounds, d.bucket)}
+            assert _metric(server, "specpilot_decision_speculative_tokens", **labels) == d.k
+            assert _metric(server, "specpilot_decision_expected_speedup_ratio",
+                           **labels) == d.expected_speedup
+        on = any(d.k for d in chat.decisions)
+        assert _metric(server, "specpilot_speculation_enabled",
+                       **{**model, "class": "chat"}) == float(on)
+        decisions = sum(_metric(server, "specpilot_decisions_total", reason=r.value)
+                        for r in Reason)
+        assert decisions == len(snapshot(server).log)
+        assert np.isclose(_metric(server, "specpilot_policy_version"), server.core.version)
+
+    # The periodic decide round may land between reading the core and reading the metrics:
+    # the metrics follow the decisions once it has been published.
+    for _ in range(40):
+        try:
+            decisions_exported()
+            break
+        except AssertionError:
+            await asyncio.sleep(0.05)
+    else:
+        decisions_exported()
     post = server.core.estimate("chat", DRAFT, time.time())
     assert _metric(server, "specpilot_acceptance_first_position_ratio",
                    **{**model, "class": "chat", "draft": DRAFT}) == pytest.approx(post.mean[0],
@@ -440,10 +458,6 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
     assert _metric(server, "specpilot_acceptance_per_token_ratio",
                    **{**model, "class": "chat", "draft": DRAFT}) == pytest.approx(161 / 192,
                                                                                  rel=1e-6)
-    decisions = sum(_metric(server, "specpilot_decisions_total", reason=r.value)
-                    for r in Reason)
-    assert decisions == len(snapshot(server).log)
-    assert np.isclose(_metric(server, "specpilot_policy_version"), server.core.version)
     await engine.close()
 
 
