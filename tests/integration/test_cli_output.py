@@ -4,10 +4,12 @@ what the engines offer, a pin before any engine, and a reader that stops reading
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -84,6 +86,23 @@ def _small_pipe() -> tuple[int, int]:
     return read, write
 
 
+@contextlib.asynccontextmanager
+async def _into_a_reader_that_leaves(server: RunningServer, *args: str
+                                     ) -> AsyncIterator[tuple[subprocess.Popen[str], bytes]]:
+    """``specpilot policy ARGS`` writing into a small pipe whose reader closes after the first
+    line: the process and that line; the process is killed afterwards if still running."""
+    read, write = _small_pipe()
+    proc = subprocess.Popen([SPECPILOT, "policy", "--target", server.grpc_target, *args],
+                            env=_env(), stdout=write, stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    try:
+        yield proc, await asyncio.to_thread(_read_one_line_then_close, read)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 async def _engine_with_two_classes(channel: grpc.aio.Channel) -> EngineClient:
     engine = EngineClient(channel)
     await engine.connect()
@@ -95,18 +114,9 @@ async def test_policy_get_into_a_reader_that_leaves_early_exits_quietly(
         server: RunningServer, channel: grpc.aio.Channel) -> None:
     """`specpilot policy get --json | head -1`. Control: a BrokenPipeError traceback, exit 1."""
     engine = await _engine_with_two_classes(channel)
-    read, write = _small_pipe()
-    proc = subprocess.Popen(
-        [SPECPILOT, "policy", "--target", server.grpc_target, "get", "--json"], env=_env(),
-        stdout=write, stderr=subprocess.PIPE, text=True)
-    os.close(write)
-    try:
-        assert await asyncio.to_thread(_read_one_line_then_close, read) == b"{\n"
+    async with _into_a_reader_that_leaves(server, "get", "--json") as (proc, first):
+        assert first == b"{\n"
         _, err = await asyncio.to_thread(proc.communicate, timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert err == "" and proc.returncode == STDOUT_CLOSED
     await engine.close()
@@ -117,22 +127,12 @@ async def test_policy_watch_into_a_reader_that_leaves_early_exits_quietly(
     """`specpilot policy watch | head -1`: ends at its next decision. Control: a
     BrokenPipeError traceback, exit 1."""
     engine = await _engine_with_two_classes(channel)
-    read, write = _small_pipe()
-    proc = subprocess.Popen(
-        [SPECPILOT, "policy", "--target", server.grpc_target, "watch", "--json"], env=_env(),
-        stdout=write, stderr=subprocess.PIPE, text=True)
-    os.close(write)
-    try:
-        first = await asyncio.to_thread(_read_one_line_then_close, read)
+    async with _into_a_reader_that_leaves(server, "watch", "--json") as (proc, first):
         assert first.startswith(b"{") and first.endswith(b"}\n")
         # New decisions for the watch to write where nobody reads any more.
         set_ = await _policy(server, "--token", TOKEN, "set", "--class", "*", "--force-off")
         assert set_.returncode == 0, set_.stderr
         _, err = await asyncio.to_thread(proc.communicate, timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert proc.returncode == STDOUT_CLOSED, err
     await engine.close()
