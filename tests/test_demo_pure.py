@@ -260,7 +260,7 @@ def test_the_eagle_configurations_of_the_line_up() -> None:
     with pytest.raises(ValueError, match="EAGLE head"):
         ours.speculative_config(Path("/d"))
     with pytest.raises(ValueError, match="model drafter"):
-        specpilot_config(drafter="ngram")
+        specpilot_config(drafter="medusa")
     # On suffix decoding: K cut per request, its rivals the drafts it can run (no model draft).
     on_suffix = specpilot_config(drafter="suffix")
     assert on_suffix.plugin_env == {"K_MODE": "per_request"}

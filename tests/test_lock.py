@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import sysconfig
 import tomllib
 from pathlib import Path
 
@@ -70,7 +71,10 @@ def test_a_lock_missing_a_package_or_out_of_range_is_caught() -> None:
 def test_the_venv_was_installed_from_the_lock() -> None:
     pins = locked(LOCK.read_text(encoding="utf-8"))
     drift = []
-    for dist in importlib.metadata.distributions():
+    # What pip installed into the venv's site-packages, not the copies other packages vendor
+    # (setuptools puts its own packaging and wheel on sys.path once imported).
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    for dist in importlib.metadata.distributions(path=site):
         name = canonicalize_name(dist.metadata["Name"])
         if name in pins and Version(dist.version) != pins[name]:
             drift.append(f"{name} {dist.version} (locked {pins[name]})")
