@@ -248,7 +248,7 @@ def test_shed_reports_are_sent_again_later_and_nothing_is_lost(
         assert link.report_interval_seconds > 0.05  # stretched while the controller sheds
         # Every payload taken in the end: none lost.
         wait_for(lambda: evidence(controller, "chat", DRAFT)[0][:1] == pytest.approx(
-            [1 + 2 + 4], rel=0.01), "every payload taken", timeout=60.0)
+            [1 + 2 + 4], rel=0.01), "every payload taken", timeout=180.0)  # a busy CI host
         assert link.dropped == 0
         shed = metric(controller, "specpilot_reports_shed_total")
         assert shed is not None and shed == link.reports_shed > 0
