@@ -74,6 +74,15 @@ class ModeDrafts:
         pass
 
 
+# Code-like prompts whose greedy continuations the tiny target repeats across requests (what
+# suffix and n-gram drafts match), and vLLM's suffix decoding at the plugin's largest K.
+REPEATING_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+                     "import os\nimport sys\nimport os\nimport",
+                     "one two three four one two three four one two",
+                     "for i in range(10):\n    print(i)\n"]
+SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 4}
+
+
 # The sampled-distribution check: N_SAMPLES continuations of SAMPLE_PROMPT, SAMPLE_TOKENS each.
 N_SAMPLES = 400
 SAMPLE_TOKENS = 4

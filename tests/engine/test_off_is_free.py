@@ -23,6 +23,8 @@ from benchmarks.demo.engine import SCHEDULER, llm_session, put_policy
 from specpilot.engine_plugin.suffix import SUFFIX_DRAFT
 from specpilot.engine_plugin.worker_patch import draft_free
 from tests.engine.harness import (
+    REPEATING_PROMPTS,
+    SUFFIX_SPEC,
     differing_positions,
     pilot_of,
     runner_of,
@@ -34,12 +36,8 @@ from tests.engine.harness import (
 
 pytestmark = pytest.mark.engine
 
-PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-           "import os\nimport sys\nimport os\nimport",
-           "one two three four one two three four one two",
-           "for i in range(10):\n    print(i)\n"]
+PROMPTS = REPEATING_PROMPTS
 MAX_TOKENS = 24
-SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 4}
 OFF = ("", 0)
 
 

@@ -25,6 +25,8 @@ from specpilot.engine_plugin.ngram import NGRAM_DRAFT
 from specpilot.engine_plugin.suffix import SUFFIX_DRAFT
 from tests.engine.harness import (
     FAST_CONTROLLER,
+    REPEATING_PROMPTS,
+    SUFFIX_SPEC,
     assert_sampled_arm,
     differing_positions,
     observed_acceptance,
@@ -41,13 +43,8 @@ from tests.engine.harness import (
 
 pytestmark = pytest.mark.engine
 
-# Code-like prompts whose greedy continuations the tiny target repeats across requests.
-PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-           "import os\nimport sys\nimport os\nimport",
-           "one two three four one two three four one two",
-           "for i in range(10):\n    print(i)\n"]
+PROMPTS = REPEATING_PROMPTS
 MAX_TOKENS = 24
-SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 4}
 
 
 def _greedy(llm: Any) -> list[list[int]]:
