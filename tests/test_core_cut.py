@@ -13,10 +13,12 @@ import pytest
 from specpilot.contract import engine_stream
 from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
 from specpilot.contract.records import (
+    ALL_CLASSES,
     CalibrationRows,
     ConfidenceRecord,
     Decision,
     EngineReport,
+    Override,
     PolicyUpdate,
     Reason,
     TokenCut,
@@ -198,6 +200,18 @@ def test_the_snapshot_carries_calibrations_only_where_confidences_were_counted()
     assert len(core.snapshot(2.0).cut.pass_tokens) == core.config.n_buckets  # type: ignore[union-attr]
     assert rows.mean_accept == pytest.approx(  # the calibration's, token-weighted by position
         core.calibration("chat", "d", 2.0, True).mean_accept().tolist())
+
+
+def test_a_pinned_class_is_neither_cut_nor_stopped_early() -> None:
+    core = _core(token_cut=True)
+    _confidences(core)
+    assert len(core.snapshot(2.0).cut.calibrations) == 1  # type: ignore[union-attr]  # control
+    for pinned in ("chat", ALL_CLASSES):
+        core.set_override(Override(pinned, pin_k=2))
+        assert core.snapshot(2.0).cut.calibrations == ()  # type: ignore[union-attr]
+        core.clear_override(pinned)
+    core.set_override(Override("chat", force_draft="d"))  # the controller still picks K
+    assert len(core.snapshot(2.0).cut.calibrations) == 1  # type: ignore[union-attr]
 
 
 def test_the_cut_crosses_the_wire() -> None:

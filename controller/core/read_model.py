@@ -176,7 +176,8 @@ class ReadModel:
 
     def _token_cut(self, classes: tuple[ClassView, ...], now: float) -> TokenCut:
         """What engines cut drafts with (``cut``), from the decisions of ``classes`` and the
-        calibrations of the (class, draft) pairs whose confidences were counted."""
+        calibrations of the (class, draft) pairs whose confidences were counted; none for a
+        class under a pinned K, which engines then neither cut nor stop the drafter early for."""
         evidence, config = self._parts.evidence, self._parts.config
         by_bucket: dict[int, list[tuple[Decision, float]]] = {}
         for view in classes:
@@ -188,6 +189,8 @@ class ReadModel:
                                                   if d.kind == DraftKind.MODEL})
         rows = []
         for name in self._parts.classes.names():
+            if (pin := self._parts.overrides.in_force(name)) is not None and pin.pin_k:
+                continue  # an operator's K is verified whole: no rows, no cut
             for draft in (d.name for d in self._parts.engines.drafts()):
                 for transformed in (False, True):
                     if evidence.calibration.has_data(name, draft, transformed):
