@@ -132,8 +132,9 @@ class PluginConfig:
     """In the batch modes, skip the drafter's pass in a decode step whose batch K is 0 (every
     request off or on n-gram or suffix drafts); a step that prefills always runs it. Saves the
     drafter's first forward (10-20% of a step on CPUs); the skipped positions are holes in the
-    drafter's KV cache that cost some later acceptance, never correctness: ``true`` or
-    ``false``."""
+    drafter's KV cache that cost some later acceptance, never correctness. vLLM's n-gram and
+    suffix proposers, which keep no KV, are skipped in every K mode and in any step where every
+    scheduled request is off: ``true`` or ``false``."""
 
     hardware: str = ""
     """What the engine runs on, as the controller's fleet groups engines (with the model and

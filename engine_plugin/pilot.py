@@ -326,6 +326,8 @@ class Pilot:
         self._verifying_deterministic: frozenset[str] = frozenset()
         # Drafts per request the drafter was asked for in the current step (mark_step).
         self._drafter_k = engine.max_k
+        # The current step's drafter proposes nothing (mark_step): timed without its passes.
+        self._drafter_idle_now = False
         # This step's policy: one lookup per batch size, the re-picks of ``batch_k``.
         self.step = StepPolicy(self.view, self.drafts_allowed, engine.drafter)
         self._step_started = 0.0
@@ -514,18 +516,33 @@ class Pilot:
         if k and not proposal:
             self.stats.record_verification(state.traffic_class, draft, k, 0)
 
-    def mark_step(self, output: SchedulerOutputLike) -> None:
+    def mark_step(self, output: SchedulerOutputLike, batch_size: int) -> None:
         """On a step's SchedulerOutput, for the worker (specpilot.engine_plugin.worker_patch): which
-        scheduled drafts are deterministic (substituted since the last step), and whether the
+        scheduled drafts are deterministic (substituted since the last step), whether the
         drafter may skip its pass (batch modes; the worker also requires batch K 0 and a
-        decode-only step)."""
+        decode-only step), and whether it is idle (:meth:`_drafter_idle`)."""
         substituted = self._substituted.intersection(output.scheduled_spec_decode_tokens)
         # A running request this step did not schedule keeps its substituted drafts for later.
         self._substituted.difference_update(output.num_scheduled_tokens)
         self._verifying_deterministic = frozenset(substituted)
         self._drafter_k = output.num_spec_tokens_to_schedule
+        self._drafter_idle_now = self._drafter_idle(output, batch_size)
         skip = self.config.skip_idle_drafter and self.config.k_mode != "per_request"
-        mark_step(output, skip_drafter=skip, deterministic=self._verifying_deterministic)
+        mark_step(output, skip_drafter=skip, deterministic=self._verifying_deterministic,
+                  idle_drafter=self._drafter_idle_now)
+
+    def _drafter_idle(self, output: SchedulerOutputLike, batch_size: int) -> bool:
+        """Whether the engine's drafter may skip its proposal after this step outright, in
+        every K mode and also in a step that prefills: it keeps no state per sequence (n-gram,
+        suffix), and every scheduled request's class is off at ``batch_size``, so its drafts
+        would all be cut. A suffix drafter's trees then miss the step's tokens (drafts of a
+        request switched on later match less of its own response, never wrongly)."""
+        ids = output.num_scheduled_tokens
+        if (not ids or not self.config.skip_idle_drafter
+                or self.engine.drafter_kind not in (DraftKind.NGRAM, DraftKind.SUFFIX)):
+            return False
+        lookup, states = self._lookup(batch_size), self.requests
+        return all(req_id in states and self._choice(req_id, lookup).k == 0 for req_id in ids)
 
     def plan_drafter_stop(self, output: SchedulerOutputLike, requests: Mapping[str, RequestLike],
                           batch_size: int) -> None:
@@ -634,7 +651,8 @@ class Pilot:
         if batch and scheduler_output.total_num_scheduled_tokens <= decode_tokens:
             # The drafter drafted k passes for every sequence (cuts come after drafting), or
             # fewer where it stopped early.
-            k = scheduler_output.num_spec_tokens_to_schedule if self.engine.max_k else 0
+            k = (scheduler_output.num_spec_tokens_to_schedule
+                 if self.engine.max_k and not self._drafter_idle_now else 0)
             step = _TimedStep(batch, scheduler_output.total_num_scheduled_tokens, k, seconds,
                               step_context_tokens(scheduler_output))
             if k > 1 and isinstance(getattr(scheduler_output, STOP_ATTR, None), StopPlan):

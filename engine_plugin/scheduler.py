@@ -143,7 +143,7 @@ class SpecPilotScheduler(_PilotScheduler):
         if k is not None:
             # The drafter drafts this many for the next step: batch-wide K saves draft work too.
             output.num_spec_tokens_to_schedule = min(k, output.num_spec_tokens_to_schedule)
-        self._guard(lambda p: p.mark_step(output))
+        self._guard(lambda p: p.mark_step(output, len(self.running)))
         self._guard(lambda p: p.plan_drafter_stop(output, self.requests, len(self.running)))
         return output
 

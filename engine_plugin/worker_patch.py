@@ -19,6 +19,9 @@ them, so the patches then change nothing.
    step that prefills is never skipped: its first pass writes the prompt into the drafter's KV.
    The skipped positions stay holes in the drafter's KV cache (zeroed blocks on CPU); later
    drafts attend to them, which costs acceptance, never correctness (verification is lossless).
+   A drafter without state per sequence (vLLM's n-gram and suffix proposers) is skipped in any
+   step, prefill included and in every K mode, where no scheduled request takes its drafts
+   (:data:`IDLE_ATTR`: every one's class off): its proposal would be cut whole.
 2. **Deterministic rows** (``GPUModelRunner._get_spec_decode_draft_probs``). With
    ``draft_sample_method="probabilistic"`` rejection sampling divides by the drafter's
    probabilities. A request whose drafts the plugin replaced by n-gram tokens
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DETERMINISTIC_ATTR",
+    "IDLE_ATTR",
     "SKIP_ATTR",
     "deterministic_draft_probs",
     "draft_free",
@@ -75,6 +79,9 @@ log = logging.getLogger("specpilot.plugin")
 
 SKIP_ATTR = "specpilot_skip_idle_drafter"
 """On a SchedulerOutput: True when the plugin allows skipping the drafter in this step."""
+IDLE_ATTR = "specpilot_idle_drafter"
+"""On a SchedulerOutput: True when the drafter keeps no state per sequence (n-gram, suffix) and
+no request of the step takes its drafts (every one off): its proposal is skipped outright."""
 DETERMINISTIC_ATTR = "specpilot_deterministic_drafts"
 """On a SchedulerOutput: the ids of requests whose scheduled drafts are deterministic (n-gram)."""
 _STEP_ATTR = "_specpilot_deterministic"  # on the runner: the current step's deterministic ids
@@ -93,10 +100,12 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
-def mark_step(output: Any, *, skip_drafter: bool, deterministic: Collection[str]) -> None:
+def mark_step(output: Any, *, skip_drafter: bool, deterministic: Collection[str],
+              idle_drafter: bool = False) -> None:
     """Set the plugin's marks on a SchedulerOutput (scheduler side)."""
     setattr(output, SKIP_ATTR, skip_drafter)
     setattr(output, DETERMINISTIC_ATTR, frozenset(deterministic))
+    setattr(output, IDLE_ATTR, idle_drafter)
 
 
 def is_decode_only(output: Any) -> bool:
@@ -106,7 +115,11 @@ def is_decode_only(output: Any) -> bool:
 
 
 def should_skip_drafter(output: Any) -> bool:
-    """The drafter's pass may be skipped: marked by the plugin, batch K 0, decode only."""
+    """The drafter's pass may be skipped: marked idle by the plugin (a drafter without state per
+    sequence that no scheduled request takes drafts from), or marked by it with batch K 0 in a
+    decode-only step."""
+    if getattr(output, IDLE_ATTR, False) is True:
+        return True
     return (getattr(output, SKIP_ATTR, False) is True
             and output.num_spec_tokens_to_schedule == 0 and is_decode_only(output))
 

@@ -75,12 +75,15 @@ class ModeDrafts:
 
 
 # Code-like prompts whose greedy continuations the tiny target repeats across requests (what
-# suffix and n-gram drafts match), and vLLM's suffix decoding at the plugin's largest K.
+# suffix and n-gram drafts match), and vLLM's suffix decoding and n-gram prompt lookup at the
+# plugin's largest K.
 REPEATING_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
                      "import os\nimport sys\nimport os\nimport",
                      "one two three four one two three four one two",
                      "for i in range(10):\n    print(i)\n"]
 SUFFIX_SPEC = {"method": "suffix", "num_speculative_tokens": 4}
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+              "prompt_lookup_max": 4}
 
 
 # The sampled-distribution check: N_SAMPLES continuations of SAMPLE_PROMPT, SAMPLE_TOKENS each.
@@ -116,7 +119,7 @@ def assert_sampled_arm(llm: Any, arm: str, reference: list[list[int]], *, one_ho
 
     pilot = pilot_of(llm)
     if not one_hot:
-        monkeypatch.setattr(pilot, "mark_step", lambda output: mark_step(
+        monkeypatch.setattr(pilot, "mark_step", lambda output, batch_size: mark_step(
             output, skip_drafter=False, deterministic=()))
     before = spec_counters(llm)
     samples = samples_of(llm, seed0=seed0)

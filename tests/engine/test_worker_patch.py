@@ -137,7 +137,7 @@ def test_ngram_drafts_under_probabilistic_drafting_sample_the_target(
         plain, prompt_len = plain_samples
         pilot.deterministic[NGRAM_DRAFT] = ModeDrafts(plain, prompt_len)
         if not one_hot:
-            pilot.mark_step = lambda output: mark_step(output, skip_drafter=False,
+            pilot.mark_step = lambda output, batch_size: mark_step(output, skip_drafter=False,
                                                        deterministic=())
         before = spec_counters(llm)
         samples, _ = sample(llm, 100_000 * (1 + list(ARMS).index(arm)), classes)

@@ -270,18 +270,18 @@ def test_ngram_drafts_stay_marked_until_a_step_schedules_them() -> None:
             self.num_spec_tokens_to_schedule = 2
 
     skipped = Output(["r1"])  # r0 is running but this step had no room for it
-    pilot.mark_step(skipped)  # type: ignore[arg-type]
+    pilot.mark_step(skipped, 2)  # type: ignore[arg-type]
     assert pilot._verifying_deterministic == frozenset()
     later = Output(["r0", "r1"])
-    pilot.mark_step(later)  # type: ignore[arg-type]
+    pilot.mark_step(later, 2)  # type: ignore[arg-type]
     assert pilot._verifying_deterministic == {"r0"}  # verified as n-gram (one-hot) when it does run
-    pilot.mark_step(Output(["r0", "r1"]))  # type: ignore[arg-type]
+    pilot.mark_step(Output(["r0", "r1"]), 2)  # type: ignore[arg-type]
     assert pilot._verifying_deterministic == frozenset()  # consumed by the step that verified them
     # The drafter's own tokens replace a request's n-gram drafts: no mark any more.
     _drafted(pilot, requests, 2)
     _policy(pilot, {"a": ("draft", 2), "b": ("draft", 2)})
     _drafted(pilot, requests, 2)
-    pilot.mark_step(Output(["r0", "r1"]))  # type: ignore[arg-type]
+    pilot.mark_step(Output(["r0", "r1"]), 2)  # type: ignore[arg-type]
     assert pilot._verifying_deterministic == frozenset()
     pilot.close()
 
@@ -712,3 +712,43 @@ def test_the_drafters_stop_is_planned_per_request_from_the_decisions() -> None:
     # No pass price, or one pass asked: nothing to stop.
     assert _stop_plan("per_request", pass_tokens=()) is None
     assert _stop_plan("per_request", batch_k=1) is None
+
+
+@pytest.mark.parametrize("kind", [DraftKind.SUFFIX, DraftKind.NGRAM, DraftKind.MODEL])
+def test_a_stateless_drafter_is_idle_when_every_scheduled_request_is_off(kind: DraftKind) -> None:
+    """vLLM's n-gram and suffix proposers keep no state per sequence: where every scheduled
+    request's class is off they are marked idle (the worker skips them, prefill steps too), and
+    the step is timed without their passes. A request on, one the pilot does not know, a model
+    drafter (its KV must see every step) or ``skip_idle_drafter`` off keep the proposal."""
+    from specpilot.engine_plugin.worker_patch import IDLE_ATTR, should_skip_drafter
+
+    e = _native_engine(kind)
+
+    def step(policy: Mapping[str, tuple[str, int]], scheduled: Sequence[str] = ("r0", "r1"),
+             skip: bool = True) -> tuple[bool, list[tuple[int, int]]]:
+        config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False,
+                              skip_idle_drafter=skip)
+        pilot = Pilot(e, config, Classifier(), announce(e, config, load))
+        _batch(pilot, ["a", "b"])
+        _policy(pilot, policy)
+        pilot.on_schedule_start()
+        output = SimpleNamespace(
+            num_scheduled_tokens=dict.fromkeys(scheduled, 1),
+            total_num_scheduled_tokens=len(scheduled), scheduled_spec_decode_tokens={},
+            num_invalid_spec_tokens=None, num_spec_tokens_to_schedule=4)
+        pilot.mark_step(output, 2)  # type: ignore[arg-type]
+        sampled = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(scheduled)},
+                                  sampled_token_ids=[[9]] * len(scheduled))
+        pilot.on_output(output, sampled)  # type: ignore[arg-type]
+        timed = [(s.k, s.sum_draft_tokens)
+                 for s in pilot.stats.drain(running_requests=2).step_sums]
+        pilot.close()
+        assert getattr(output, IDLE_ATTR) is should_skip_drafter(output)
+        return should_skip_drafter(output), timed
+
+    off = {"a": ("", 0), "b": ("", 0)}
+    stateless = kind is not DraftKind.MODEL
+    assert step(off) == (stateless, [(0, 0)] if stateless else [(4, 8)])
+    assert step({"a": ("", 0), "b": (e.drafter, 2)}) == (False, [(4, 8)])
+    assert step(off, ("r0", "stranger"))[0] is False
+    assert step(off, skip=False)[0] is False
