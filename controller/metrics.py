@@ -115,6 +115,10 @@ class Metrics:
             "specpilot_cost_model_predicted_seconds",
             "Their wall time as the cost model predicted it before learning them, seconds.",
             cost_labels, registry=r)
+        self._cost_changes = Counter(
+            "specpilot_cost_model_changes_detected",
+            "Times the engine's step times left the cost model's predictions for long enough "
+            "(its change test) that most of the step-cost evidence was forgotten.", registry=r)
         self._http_refused = Counter(
             "specpilot_http_refused",
             "HTTP connections and requests refused, by reason: host (Host header not in "
@@ -167,9 +171,12 @@ class Metrics:
         self._reports_rejected.labels(reason).inc()
 
     def report_accepted(self, records_dropped: int, folded_classes: int,
-                        predictions: Iterable[StepPrediction]) -> None:
+                        predictions: Iterable[StepPrediction], costs_changed: bool = False
+                        ) -> None:
         self._records_dropped.inc(records_dropped)
         self._classes_folded.inc(folded_classes)
+        if costs_changed:
+            self._cost_changes.inc()
         for p in predictions:
             labels = (batch_range(self._bounds, p.batch_bucket), str(p.k))
             self._timed_steps.labels(*labels).inc(p.steps)

@@ -35,7 +35,7 @@ def test_the_one_formula_prices_the_cost_models_mean_everywhere() -> None:
         context = float(rng.integers(10, 1000))
         shape = StepShape(b, b * (1 + k), "m" if k else "", k, b * k, context)
         model.observe(shape, 0.02 + 1e-4 * b * (1 + k) + 0.003 * k + 1e-8 * context * b * (1 + k)
-                      + rng.normal(0, 1e-4), 3, 0.0)
+                      + rng.normal(0, 1e-4), 3)
     mean = model.mean
     p = mean.pricing()
     verified = np.array([4.0, 40.0, 100.0, 400.0])

@@ -1,11 +1,19 @@
-"""Step-cost model: priors before data, online fit, forgetting back to the prior."""
+"""Step-cost model: priors before data, online fit, forgetting only along what new steps measure,
+and a change test on residuals."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from specpilot.controller.core.cost_model import CostEvidence, CostPrior, StepCostModel, StepShape
+from specpilot.controller.core.cost_model import (
+    CostChangeTest,
+    CostEvidence,
+    CostPrior,
+    StepCostModel,
+    StepShape,
+    _Sums,
+)
 
 KNOTS = (16, 32, 64, 128, 256)
 
@@ -41,35 +49,111 @@ def test_prior_alone_gives_the_prior_roofline() -> None:
 def test_online_fit_recovers_the_true_step_times() -> None:
     rng = np.random.default_rng(0)
     model = _model()
-    for t in range(300):
+    for _ in range(300):
         batch = int(rng.choice([1, 2, 4, 8, 16, 32]))
         k = int(rng.integers(0, 7))
         seconds = _truth(batch, k) * (1 + 0.02 * rng.standard_normal())
-        model.observe(StepShape.for_arm(batch, k, "d", True), seconds, 50, now=float(t))
+        model.observe(StepShape.for_arm(batch, k, "d", True), seconds, 50)
     for batch in (1, 8, 32):
         for k in range(7):
             assert model.predict_arm(batch, k, "d", True) == pytest.approx(_truth(batch, k),
                                                                            rel=0.05)
 
 
-def test_unexcited_directions_fall_back_to_the_prior() -> None:
-    model = _model(half_life=10.0)
-    shape = StepShape.for_arm(32, 4, "d", True)
-    prior_value = model.predict(shape)  # the raw fit, without the policy's monotone envelope
+def test_a_shape_the_engine_stops_running_keeps_what_was_measured() -> None:
+    """No clock: an hour of batch-1 steps leaves a peak's batch-32 steps priced as measured."""
+    model = _model(half_life=1000.0)
+    peak = StepShape.for_arm(32, 4, "d", True)
+    prior_value = model.predict(peak)  # the raw fit, without the policy's monotone envelope
     for _ in range(20):
-        model.observe(shape, prior_value * 3, 100, now=0.0)
-    assert model.predict(shape) == pytest.approx(prior_value * 3, rel=0.05)
-    # Twenty half-lives later that evidence is worth ~0.002 steps: the prior is back in charge.
-    model.observe(StepShape.for_arm(1, 0, "", False), model.predict_arm(1, 0, "", False), 1,
-                  now=200.0)
-    assert model.predict(shape) == pytest.approx(prior_value, rel=0.1)
-    assert model.observed_steps < 1.01
+        model.observe(peak, prior_value * 3, 100)
+    assert model.predict(peak) == pytest.approx(prior_value * 3, rel=0.05)
+    quiet = StepShape.for_arm(1, 0, "", False)
+    for _ in range(200):  # twenty half-lives of steps, all of another shape
+        model.observe(quiet, 0.012, 100)
+    assert model.predict(quiet) == pytest.approx(0.012, rel=0.02)
+    assert model.predict(peak) == pytest.approx(prior_value * 3, rel=0.1)
+
+
+def test_a_shape_the_engine_keeps_running_follows_its_drift() -> None:
+    model = _model(half_life=1000.0)
+    quiet = StepShape.for_arm(1, 0, "", False)
+    for _ in range(50):
+        model.observe(quiet, 0.012, 100)
+    for _ in range(100):  # ten half-lives at a new cost
+        model.observe(quiet, 0.018, 100)
+    assert model.predict(quiet) == pytest.approx(0.018, rel=0.01)
+    # The control: with a half-life far longer than the run, the old cost still weighs.
+    slow = _model(half_life=1e9)
+    for seconds, n in ((0.012, 50), (0.018, 100)):
+        for _ in range(n):
+            slow.observe(quiet, seconds, 100)
+    assert slow.predict(quiet) == pytest.approx(0.016, rel=0.01)
+
+
+def test_forgetting_at_a_shape_keeps_the_fit_and_what_other_shapes_measured() -> None:
+    rng = np.random.default_rng(4)
+    sums = _Sums(3)
+    shapes = [np.array([1.0, 1.0, 0.0]), np.array([1.0, 32.0, 0.0]), np.array([1.0, 8.0, 64.0])]
+    for _ in range(30):
+        for x in shapes:
+            sums.add_point(x, float(x @ [1.0, 2.0, 3.0]) + rng.normal(0, 0.1), 5.0)
+    fit = np.linalg.solve(sums.a, sums.b)
+    before = sums.a.copy()
+    quiet, peak = shapes[0], shapes[1]
+
+    def information(a: np.ndarray, x: np.ndarray) -> float:  # on x^T theta
+        return 1.0 / float(x @ np.linalg.solve(a, x))
+
+    residual = sums.yy - sums.b @ fit
+    sums.forget_along(quiet, 0.75)
+    # (to the ridge that keeps an evidence of few shapes invertible)
+    assert information(sums.a, quiet) == pytest.approx(0.25 * information(before, quiet),
+                                                       rel=1e-3)
+    assert information(sums.a, peak) > 0.9 * information(before, peak)
+    assert np.linalg.solve(sums.a, sums.b) == pytest.approx(fit, rel=1e-4)
+    assert sums.yy - sums.b @ fit == pytest.approx(residual, rel=1e-3)  # the misfit: the noise
+    assert np.allclose(sums.a, sums.a.T) and np.linalg.eigvalsh(sums.a).min() > 0
+
+
+def test_a_change_of_the_hardware_is_detected_on_residuals_and_relearnt() -> None:
+    """Every step twice as dear (another tenant): the change test fires within a few reports and
+    the model prices the new costs; the control, steps within the fit's error for as long, never
+    fires."""
+    def fitted(test: CostChangeTest) -> StepCostModel:
+        model = StepCostModel(KNOTS, CostPrior(ridge_tokens=64), 20000.0,
+                              [1, 2, 4, 8, 16, 32, 64], 6, change_test=test)
+        model.ensure_drafts(["d"])
+        rng = np.random.default_rng(5)
+        for _ in range(300):
+            batch, k = int(rng.choice([1, 4, 16, 32])), int(rng.integers(0, 5))
+            model.observe(StepShape.for_arm(batch, k, "d", True), _truth(batch, k), 50)
+        return model
+
+    def run(factor: float, jitter: float) -> StepCostModel:
+        model = fitted(CostChangeTest(0.15, 400.0))
+        rng = np.random.default_rng(6)
+        for _ in range(60):
+            batch, k = int(rng.choice([1, 4, 16, 32])), int(rng.integers(0, 5))
+            noise = 1 + jitter * rng.uniform(-1, 1)
+            model.observe(StepShape.for_arm(batch, k, "d", True),
+                          factor * _truth(batch, k) * noise, 50)
+        return model
+
+    changed = run(2.0, 0.02)
+    assert changed.changes_detected >= 1
+    for batch in (1, 16, 32):
+        assert changed.predict_arm(batch, 2, "d", True) == pytest.approx(2 * _truth(batch, 2),
+                                                                        rel=0.1)
+    steady = run(1.0, 0.12)
+    assert steady.changes_detected == 0
+    assert CostChangeTest(0.15, 400.0).observe(np.log(2.0), 800) is True  # the test can fire
 
 
 def test_new_drafts_keep_the_evidence_so_far() -> None:
     model = _model()
     for _ in range(10):
-        model.observe(StepShape.for_arm(8, 0, "", False), 0.05, 100, now=0.0)
+        model.observe(StepShape.for_arm(8, 0, "", False), 0.05, 100)
     before = model.predict_arm(8, 0, "", False)
     model.ensure_drafts(["d", "other"])
     assert model.n_features == 4 + len(KNOTS) + 2 * 3  # fixed, per pass, per token per draft
@@ -85,7 +169,7 @@ def test_step_curves_never_fall_with_more_drafts() -> None:
     model = _model()
     # A fit where longer steps were measured faster (noise, or another engine's drafter).
     for k, seconds in ((0, 0.030), (2, 0.012), (4, 0.010)):
-        model.observe(StepShape.for_arm(8, k, "d", True), seconds, 500, now=0.0)
+        model.observe(StepShape.for_arm(8, k, "d", True), seconds, 500)
     for sunk in (None, ("d", 4)):
         curve = model.predict_curve(8, "d", True, 6, sunk)
         assert np.all(np.diff(curve) >= 0)
@@ -121,8 +205,8 @@ def test_live_timings_take_over_from_a_centred_prior_as_from_the_generic_one() -
     for profile in ((), PROFILE):
         model = _model()
         model.set_profile(profile)
-        for t in range(20):
-            model.observe(shape, 3 * _truth(16, 2), 10, now=float(t))
+        for _ in range(20):
+            model.observe(shape, 3 * _truth(16, 2), 10)
         assert model.predict(shape) == pytest.approx(3 * _truth(16, 2), rel=0.05)
 
 
@@ -145,11 +229,11 @@ def test_the_centre_follows_the_draft_columns() -> None:
 
 def _fed(rng: np.random.Generator, ks: tuple[int, ...], noise: float = 5e-4) -> StepCostModel:
     model = _model()
-    for i in range(200):
+    for _ in range(200):
         for k in ks:
             # A report's mean over 10 steps, each with ``noise`` of its own.
             y = _truth(8, k) + rng.normal(0.0, noise / np.sqrt(10.0))
-            model.observe(StepShape.for_arm(8, k, "d", True), y, 10.0, now=float(i))
+            model.observe(StepShape.for_arm(8, k, "d", True), y, 10.0)
     return model
 
 
@@ -190,10 +274,10 @@ def test_a_zero_sample_scale_prices_by_the_means() -> None:
 def _fitted(seed: int = 0, reports: int = 200) -> StepCostModel:
     rng = np.random.default_rng(seed)
     model = _model()
-    for t in range(reports):
+    for _ in range(reports):
         batch = int(rng.choice([1, 2, 4, 8, 16, 32]))
         k = int(rng.integers(0, 7))
-        model.observe(StepShape.for_arm(batch, k, "d", True), _truth(batch, k), 50, now=float(t))
+        model.observe(StepShape.for_arm(batch, k, "d", True), _truth(batch, k), 50)
     return model
 
 
@@ -209,17 +293,17 @@ def _prices(model: StepCostModel) -> list[float]:
 def test_a_model_with_another_ones_evidence_prices_like_it_and_exports_only_its_own() -> None:
     veteran, newcomer = _fitted(), _model()
     assert _worst_error(newcomer) > 0.3  # the generic prior is far off this hardware
-    shared = veteran.export(now=199.0)
-    newcomer.set_fleet(shared.aligned(newcomer.drafts, newcomer.knot_tokens), now=199.0)
+    shared = veteran.export()
+    newcomer.set_fleet(shared.aligned(newcomer.drafts, newcomer.knot_tokens))
     assert _worst_error(newcomer) < 0.05
     # What it publishes is its own (nothing yet): the fleet's is never re-published.
-    assert newcomer.observed_steps == 0 and newcomer.export(199.0).steps == 0
+    assert newcomer.observed_steps == 0 and newcomer.export().steps == 0
     # A second exchange replaces the fleet view: the prices stay as they were. The
     # double-count control: the evidence taken twice prices otherwise.
     priced = _prices(newcomer)
-    newcomer.set_fleet(shared, now=199.0)
+    newcomer.set_fleet(shared)
     assert _prices(newcomer) == priced
-    newcomer.set_fleet(shared.plus(shared), now=199.0)
+    newcomer.set_fleet(shared.plus(shared))
     assert _prices(newcomer) != priced
 
 
@@ -227,35 +311,35 @@ def test_evidence_with_the_drafts_in_another_order_is_aligned_column_by_column()
     rng = np.random.default_rng(1)
     ab = StepCostModel(KNOTS, CostPrior(ridge_tokens=64), 1e9, [1, 4, 16], 4)
     ab.ensure_drafts(["a", "b"])
-    for t in range(100):
+    for _ in range(100):
         batch, k = int(rng.choice([1, 4, 16])), int(rng.integers(1, 5))
         d = str(rng.choice(["a", "b"]))
         cost = _truth(batch, k) * (2.0 if d == "b" else 1.0)
-        ab.observe(StepShape.for_arm(batch, k, d, True), cost, 20, now=float(t))
+        ab.observe(StepShape.for_arm(batch, k, d, True), cost, 20)
     ba = StepCostModel(KNOTS, CostPrior(ridge_tokens=64), 1e9, [1, 4, 16], 4)
     ba.ensure_drafts(["b", "a"])
-    ba.set_fleet(ab.export(99.0).aligned(ba.drafts, ba.knot_tokens), now=99.0)
+    ba.set_fleet(ab.export().aligned(ba.drafts, ba.knot_tokens))
     for d in ("a", "b"):
         assert ba.predict_arm(8, 3, d, True) == pytest.approx(ab.predict_arm(8, 3, d, True),
                                                              rel=1e-6)
     # Other drafts or other knots are another engine type's: not aligned.
-    assert ab.export(99.0).aligned(("a",), KNOTS) is None
-    assert ab.export(99.0).aligned(("a", "b"), (16, 32)) is None
+    assert ab.export().aligned(("a",), KNOTS) is None
+    assert ab.export().aligned(("a", "b"), (16, 32)) is None
 
 
-def test_a_restarted_model_takes_its_flushed_evidence_back_decayed() -> None:
+def test_a_restarted_model_takes_its_flushed_evidence_back_whole() -> None:
     before = _fitted()
-    flushed = before.export(now=199.0)
-    after = _model(half_life=100.0)
-    assert after.restore(flushed, at=199.0, now=299.0)
-    assert after.observed_steps == pytest.approx(flushed.steps / 2)  # one half-life later
-    assert after.export(299.0).steps == pytest.approx(flushed.steps / 2)  # held as its own
+    flushed = before.export()
+    after = _model()
+    assert after.restore(flushed)  # however long the restart took: costs are the hardware's
+    assert after.observed_steps == pytest.approx(flushed.steps)
+    assert after.export().steps == pytest.approx(flushed.steps)  # held as its own
     assert _worst_error(after) < 0.05
 
 
 @pytest.mark.parametrize("damage", ["nan", "asymmetric", "shape", "negative"])
 def test_cost_evidence_that_is_not_sound_is_refused(damage: str) -> None:
-    ev = _fitted(reports=20).export(19.0)
+    ev = _fitted(reports=20).export()
     info, times, steps = ev.information.copy(), ev.weighted_times.copy(), ev.steps
     if damage == "nan":
         times[0] = float("nan")
@@ -287,7 +371,7 @@ def _fit_context_steps(model: StepCostModel, with_context: bool) -> None:
                 shape = StepShape.for_arm(b, k, "d", True,
                                           context_tokens=context if with_context else 0.0)
                 t = _context_truth(b, k, context) * (1 + 0.01 * rng.standard_normal())
-                model.observe(shape, t, 50, now=0.0)
+                model.observe(shape, t, 50)
 
 
 def test_the_fit_recovers_a_known_context_slope_and_leaving_it_out_fits_worse() -> None:

@@ -179,12 +179,12 @@ def test_fleet_costs_skip_this_sidecar_departed_ones_and_other_drafts() -> None:
     mine = replace(ev, sidecar="me")
     old = replace(ev, sidecar="old", at=5.0 - 700.0)
     drafts, knots = ev.evidence.drafts, ev.evidence.knots
-    total, count = fleet_costs([ev, mine, old], "me", GPU, drafts, knots, 5.0, 600.0, 600.0)
+    total, count = fleet_costs([ev, mine, old], "me", GPU, drafts, knots, 5.0, 600.0)
     assert count == 1 and total is not None and total.steps == pytest.approx(ev.evidence.steps)
-    assert fleet_costs([ev], "me", GPU, ("other",), knots, 5.0, 600.0, 600.0) == (None, 0)
-    # Decayed to now with the cost half-life.
-    later, _ = fleet_costs([ev], "me", GPU, drafts, knots, 605.0, 600.0, 1e9)
-    assert later is not None and later.steps == pytest.approx(ev.evidence.steps / 2)
+    assert fleet_costs([ev], "me", GPU, ("other",), knots, 5.0, 600.0) == (None, 0)
+    # Not discounted by age: a sidecar's step costs are its hardware's while it is not departed.
+    later, _ = fleet_costs([ev], "me", GPU, drafts, knots, 605.0, 1e9)
+    assert later is not None and later.steps == pytest.approx(ev.evidence.steps)
 
 
 def test_a_restarted_core_takes_its_flushed_costs_back_but_not_another_hardwares() -> None:
@@ -193,8 +193,8 @@ def test_a_restarted_core_takes_its_flushed_costs_back_but_not_another_hardwares
     flushed = before.export_costs("a", 30.0)
     assert flushed is not None
     after = _core(hardware=GPU)
-    assert after.restore_costs(flushed, now=30.0)
+    assert after.restore_costs(flushed)
     assert after.predicted_step_seconds(16, "d", 4) == pytest.approx(
         before.predicted_step_seconds(16, "d", 4), rel=0.02)
     moved = _core(hardware="NVIDIA L4 tp1 pp1 bfloat16")  # same id, rescheduled elsewhere
-    assert not moved.restore_costs(flushed, now=30.0)
+    assert not moved.restore_costs(flushed)

@@ -27,8 +27,17 @@ class CoreConfig:
     cost_knots_tokens: tuple[int, ...] = tunable((16, 32, 64, 128, 256, 512, 1024),
                                                  increasing=True)
     """Verified-token counts where the step-cost slope may change (hinge knots)."""
-    cost_half_life_seconds: float = tunable(600.0, gt=0)
-    """Half-life of step-timing evidence, seconds."""
+    cost_half_life_steps: float = tunable(20000.0, gt=0)
+    """Steps after which what the step-timing evidence says about a step shape is halved by
+    newer steps of that shape (shapes the engine stops running keep their evidence: step costs
+    are not forgotten on a clock), steps."""
+    cost_change_tolerance: float = tunable(0.15, gt=0)
+    """Log ratio of a measured step time to its prediction within which the step-cost change
+    test counts nothing (the fit's own error; 0.15 is about 16%)."""
+    cost_change_threshold_steps: float = tunable(400.0, gt=0)
+    """Steps' excess log ratio (beyond the tolerance, summed) at which the step costs are taken
+    to have changed and most of their evidence is forgotten, steps (a doubled step time fires
+    within about 750 steps, a 30% one within about 3,600)."""
     batch_bucket_upper_bounds: tuple[int, ...] = tunable(DEFAULT_BUCKET_BOUNDS, increasing=True)
     """Inclusive upper bounds of batch-size buckets, sequences; one open bucket follows the
     last."""

@@ -262,8 +262,8 @@ class ControllerCore:
     def export_costs(self, sidecar: str, now: float) -> CostExport | None:
         return self._fleet.export_costs(sidecar, now)
 
-    def restore_costs(self, export: CostExport, now: float) -> bool:
-        return self._fleet.restore_costs(export, now)
+    def restore_costs(self, export: CostExport) -> bool:
+        return self._fleet.restore_costs(export)
 
     def set_fleet_costs(self, exports: Iterable[CostExport], me: str, now: float,
                         max_age_seconds: float) -> int:

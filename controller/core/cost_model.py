@@ -14,8 +14,17 @@ much as two passes), a cost per sequential draft pass (K of them) and per propos
 Without the fixed term the jump from no speculation to K=1 is read as a per-pass cost, and longer
 drafts are priced far above what they cost. N-gram drafts cost nothing measurable. The fit is
 Bayesian linear regression in information form: the prior is a set of virtual observations of the
-prior roofline (so it is usable before any data and carries units), the data evidence decays by
-2^(-dt/half_life), so unexcited directions fall back to the prior instead of drifting.
+prior roofline (so it is usable before any data and carries units).
+
+Step costs are facts about the hardware, not about the traffic, so the evidence is never forgotten
+on a clock: a quiet hour of small batches must not return a peak's batch sizes to the prior.
+Each observation forgets only along its own direction (directional forgetting: n new steps of
+features x halve, every ``half_life_steps`` steps, what the evidence says along x, and nothing
+across it), so a shape the engine keeps running follows drift while one it stopped running keeps
+what was measured. A change of the hardware itself (another tenant, a new build) shows in the
+residuals: a two-sided CUSUM of each observation's log ratio to the prediction before it
+(``CostChangeTest``) forgets most of the evidence when it accumulates past its threshold, as the
+acceptance estimator does on a detected change.
 
 A shape larger than any the model timed (more sequences, or more verified tokens, than its own
 observations reached: ``Extent``) is priced from the edge of what was timed: the fit at the
@@ -55,6 +64,12 @@ SunkDraft = tuple[str, int]  # (model draft name, draft passes per step)
 _RIDGE = 1e-9  # keeps the information matrix invertible for features no design point excites
 # Added to the unit diagonal of the scaled precision only when it does not factorize as it is.
 _JITTER = 1e-10
+# Keeps the scaled information matrix invertible where the evidence measured too few shapes
+# (the features of an unmeasured shape then read a huge variance: nothing is forgotten).
+_FORGET_RIDGE = 1e-9
+# The share of a model's own evidence kept when its change test fires: the new costs take over
+# within a report or two, the old ones still temper a single noisy one.
+_FORGET_ON_CHANGE = 1.0 / 64.0
 # Virtual reports behind the prior noise level: the noise estimate follows the data quickly.
 _NOISE_PRIOR_REPORTS = 2.0
 # The context the prior's virtual steps are read at for the context column's own weight,
@@ -97,7 +112,7 @@ class CostPrior:
     virtual reports; the residuals of the observed reports take over)."""
     profile_weight_steps: float = tunable(1.0, ge=0)
     """Weight of each point of an engine's start-up step profile, in equivalent observed steps
-    (it decays like live timings); 0 = profiles ignored. One step a point outweighs the generic
+    (forgotten like live timings); 0 = profiles ignored. One step a point outweighs the generic
     prior where nothing was observed, and lets the live timings take over within a report
     where the engine runs: the profile times the forward passes but not a speculative step's
     input preparation and rejection sampling, so its speculative points are low (at 10 a point
@@ -119,10 +134,10 @@ class CostPrior:
 
 @dataclass(frozen=True, eq=False)
 class CostEvidence:
-    """Decayed step-timing evidence of a cost model, in information form: ``information`` =
+    """Step-timing evidence of a cost model, in information form: ``information`` =
     sum w x x^T and ``weighted_times`` = sum w x t over observed steps (w steps of features x and
     mean time t), ``squared_times`` = sum w t^2 (seconds^2), ``reports`` and ``steps`` the
-    decayed counts. Columns: ``StepColumns(knots, drafts)``."""
+    counts. Columns: ``StepColumns(knots, drafts)``."""
 
     drafts: tuple[str, ...]
     knots: tuple[int, ...]
@@ -151,12 +166,6 @@ class CostEvidence:
         if not np.allclose(self.information, self.information.T, rtol=1e-9, atol=0.0):
             raise ValueError("cost evidence: the information matrix must be symmetric")
 
-    def scaled(self, factor: float) -> CostEvidence:
-        """The evidence weighted by ``factor`` (a decay)."""
-        return CostEvidence(self.drafts, self.knots, self.information * factor,
-                            self.weighted_times * factor, self.squared_times * factor,
-                            self.reports * factor, self.steps * factor)
-
     def plus(self, other: CostEvidence) -> CostEvidence:
         """The sum of two evidences with the same columns."""
         if (other.drafts, other.knots) != (self.drafts, self.knots):
@@ -182,7 +191,7 @@ class CostEvidence:
 
 
 class _Sums:
-    """A cost model's decayed evidence, mutable (what ``CostEvidence`` records, unchecked: it
+    """A cost model's evidence, mutable (what ``CostEvidence`` records, unchecked: it
     only ever holds what ``observe`` added or a checked record brought)."""
 
     def __init__(self, n: int) -> None:
@@ -198,6 +207,31 @@ class _Sums:
         self.yy *= f
         self.reports *= f
         self.steps *= f
+
+    def forget_along(self, x: FloatArray, fraction: float) -> None:
+        """Forget ``fraction`` of what the evidence knows of the step time at features ``x``
+        (x^T theta), and only that: un-observe c = fraction / (x^T A^+ x) steps of shape x at
+        the evidence's own fit there, so the information on x^T theta falls to (1 - fraction)
+        of itself while the fit, its squared residuals and what other shapes' steps measured
+        stay (the counts too: the residuals' mean square is the noise, not recency). A shape
+        the evidence knows nothing of forgets nothing."""
+        if fraction <= 0.0:
+            return
+        diag = np.diag(self.a)
+        if not diag.max(initial=0.0) > 0.0:
+            return
+        # A^+ through the unit-diagonal scaling (features run from 1 to millions of tokens).
+        d = np.where(diag > 0.0, 1.0 / np.sqrt(np.where(diag > 0.0, diag, 1.0)), 0.0)
+        scaled = self.a * d[:, None] * d[None, :] + _FORGET_RIDGE * np.eye(d.size)
+        y = np.linalg.solve(scaled, d * x)
+        s = float((d * x) @ y)  # x^T A^+ x: the variance of the evidence's fit at x, per step
+        if not s > 0.0:
+            return
+        fit_at_x = float(y @ (d * self.b))  # x^T A^+ b
+        c = fraction / s
+        self.a -= c * np.outer(x, x)
+        self.b -= (c * fit_at_x) * x
+        self.yy = max(self.yy - c * fit_at_x * fit_at_x, 0.0)
 
     def add_point(self, x: FloatArray, seconds: float, steps: float) -> None:
         self.a += steps * np.outer(x, x)
@@ -399,15 +433,38 @@ class PricedCosts:
         return curve
 
 
+@dataclass
+class CostChangeTest:
+    """A two-sided CUSUM of observations' log ratios to their prediction, in steps: ``observe``
+    says when the engine's step costs have changed (the sums pass ``threshold_steps``), and
+    restarts. Deviations within ``tolerance`` (the fit's own error) never add up. Tested only
+    once the model holds ``threshold_steps`` of its own evidence: before, predictions are the
+    prior's, and being wrong is what they are for."""
+
+    tolerance: float
+    threshold_steps: float
+    up: float = 0.0
+    down: float = 0.0
+
+    def observe(self, log_ratio: float, steps: float) -> bool:
+        self.up = max(0.0, self.up + steps * (log_ratio - self.tolerance))
+        self.down = max(0.0, self.down + steps * (-log_ratio - self.tolerance))
+        if max(self.up, self.down) <= self.threshold_steps:
+            return False
+        self.up = self.down = 0.0
+        return True
+
+
 class StepCostModel:
     def __init__(
         self,
         knots: Sequence[int],
         prior: CostPrior,
-        half_life_seconds: float,
+        half_life_steps: float,
         design_batch_sizes: Sequence[int],
         design_max_k: int,
         context_at: Callable[[float], float] | None = None,
+        change_test: CostChangeTest | None = None,
     ) -> None:
         if prior.ridge_tokens not in knots:
             raise ValueError("prior ridge_tokens must be one of the knots")
@@ -415,14 +472,16 @@ class StepCostModel:
         # The mean context per sequence steps of a batch size run at (what arms are priced at
         # unless a call names one); None: 0, context unpriced.
         self.context_at: Callable[[float], float] = context_at or (lambda _batch: 0.0)
-        self.half_life_seconds = half_life_seconds
+        self.half_life_steps = half_life_steps
+        # None: no change test (the evidence follows drift by directional forgetting alone).
+        self.change_test = change_test
+        self.changes_detected = 0
         self._design_batch_sizes = list(design_batch_sizes)
         self._design_max_k = design_max_k
         # The weights' columns; model drafts get their own as engines announce them.
         self.columns = StepColumns(knots, ())
-        self._own = _Sums(self.n_features)  # this model's observations, decayed to _at
-        self._fleet = _Sums(self.n_features)  # the other sidecars' (set_fleet), decayed alike
-        self._at: float | None = None
+        self._own = _Sums(self.n_features)  # this model's observations
+        self._fleet = _Sums(self.n_features)  # the other sidecars' (set_fleet)
         self._mean: PricedCosts | None = None
         self._factored: tuple[FloatArray, FloatArray] | None = None
         self._spread_cache: dict[tuple[object, ...], FloatArray] = {}
@@ -535,7 +594,7 @@ class StepCostModel:
         """Remove the cost columns of ``model_drafts`` (drafts no engine announces any more), so
         the columns, and the prior that grows with their square, stay bounded across engines
         that come and go with new draft names. Their steps' evidence on the target's terms is
-        kept (it decays like the rest)."""
+        kept."""
         gone = [d for d in model_drafts if d in self.columns.index]
         if not gone:
             return
@@ -546,16 +605,25 @@ class StepCostModel:
         self._rebuild_prior()
 
     # --- fitting ----------------------------------------------------------------------------
-    def _decay_to(self, now: float) -> None:
-        if self._at is not None and now > self._at:
-            f = float(2.0 ** (-(now - self._at) / self.half_life_seconds))
-            self._own.scale(f)
-            self._fleet.scale(f)
-        self._at = now if self._at is None else max(self._at, now)
-
-    def observe(self, shape: StepShape, mean_step_seconds: float, steps: float, now: float) -> None:
-        """Add ``steps`` steps of this mean shape whose mean wall time was ``mean_step_seconds``."""
-        self._decay_to(now)
+    def observe(self, shape: StepShape, mean_step_seconds: float, steps: float,
+                profile: bool = False, predicted: float | None = None) -> bool:
+        """Add ``steps`` steps of this mean shape whose mean wall time was ``mean_step_seconds``,
+        forgetting along its features first; True when the change test fired on it (most of the
+        evidence was then forgotten). ``profile``: a start-up profile point (the prior's centre,
+        never tested for a change). ``predicted``: what the model predicted for the shape before
+        the report it came in (None: now)."""
+        x = self.features(shape)
+        changed = False
+        if (self.change_test is not None and not profile
+                and self._own.steps >= self.change_test.threshold_steps):
+            before = self.predict(shape) if predicted is None else predicted
+            ratio = mean_step_seconds / max(before, MIN_STEP_SECONDS)
+            if ratio > 0 and self.change_test.observe(float(np.log(ratio)), steps):
+                self._own.scale(_FORGET_ON_CHANGE)
+                self._ratio_range = None
+                self.changes_detected += 1
+                changed = True
+        self._own.forget_along(x, 1.0 - 2.0 ** (-steps / self.half_life_steps))
         if shape.verified_tokens > shape.batch_size or shape.draft_passes > 0:
             plain = self.predict(StepShape(shape.batch_size, shape.batch_size,
                                            context_tokens=shape.context_tokens))
@@ -564,8 +632,9 @@ class StepCostModel:
             self._ratio_range = (min(lo, ratio), max(hi, ratio))
         self._extent = (Extent(shape.batch_size, shape.verified_tokens) if self._extent is None
                         else self._extent.including(shape))
-        self._own.add_point(self.features(shape), mean_step_seconds, steps)
+        self._own.add_point(x, mean_step_seconds, steps)
         self._invalidate()
+        return changed
 
     @property
     def measured_ratio_range(self) -> tuple[float, float] | None:
@@ -578,32 +647,27 @@ class StepCostModel:
 
     @property
     def observed_steps(self) -> float:
-        """Decayed number of this model's own observed steps (0 before any data)."""
+        """This model's own observed steps (0 before any data; a detected change forgets most)."""
         return self._own.steps
 
     # --- sharing (specpilot.controller.core.fleet) ------------------------------------------------
-    def export(self, now: float) -> CostEvidence:
-        """This model's own evidence, decayed to ``now`` (never the fleet's)."""
-        f = 1.0
-        if self._at is not None and now > self._at:
-            f = float(2.0 ** (-(now - self._at) / self.half_life_seconds))
-        return self._own.record(self.drafts, self.knot_tokens).scaled(f)
+    def export(self) -> CostEvidence:
+        """This model's own evidence (never the fleet's)."""
+        return self._own.record(self.drafts, self.knot_tokens)
 
-    def restore(self, evidence: CostEvidence, at: float, now: float) -> bool:
-        """Take back this model's own evidence as of ``at`` (its last flush before a restart);
-        False when its columns are not this model's."""
+    def restore(self, evidence: CostEvidence) -> bool:
+        """Take back this model's own evidence (its last flush before a restart: the hardware's
+        step costs, as valid as they were); False when its columns are not this model's."""
         ev = evidence.aligned(self.drafts, self.knot_tokens)
         if ev is None:
             return False
-        self._decay_to(now)
-        self._own.add(ev.scaled(float(2.0 ** (-max(now - at, 0.0) / self.half_life_seconds))))
+        self._own.add(ev)
         self._invalidate()
         return True
 
-    def set_fleet(self, evidence: CostEvidence | None, now: float) -> None:
-        """The other sidecars' evidence as of ``now`` with this model's columns
-        (``CostEvidence.aligned``), replacing the previous fleet view; None forgets it."""
-        self._decay_to(now)
+    def set_fleet(self, evidence: CostEvidence | None) -> None:
+        """The other sidecars' evidence with this model's columns (``CostEvidence.aligned``),
+        replacing the previous fleet view; None forgets it."""
         self._fleet = _Sums(self.n_features)
         if evidence is not None:
             self._fleet.add(evidence)

@@ -24,7 +24,7 @@ from specpilot.controller.core.acceptance import AcceptanceEstimator
 from specpilot.controller.core.calibration import ConfidenceCalibration
 from specpilot.controller.core.class_table import ClassTable
 from specpilot.controller.core.config import CoreConfig
-from specpilot.controller.core.cost_model import StepCostModel, StepShape
+from specpilot.controller.core.cost_model import CostChangeTest, StepCostModel, StepShape
 from specpilot.controller.core.engines import EngineRegistry, EngineState
 from specpilot.controller.core.goodput import expected_tokens_curve
 from specpilot.controller.core.mix import ClassMix, ServedSpeedup
@@ -64,10 +64,11 @@ class Evidence:
         self.cost = StepCostModel(
             config.cost_knots_tokens,
             config.cost_prior,
-            config.cost_half_life_seconds,
+            config.cost_half_life_steps,
             [config.bucket_batch_size(b) for b in range(config.n_buckets)],
             config.policy.max_k,
             self.loads.context_at,
+            CostChangeTest(config.cost_change_tolerance, config.cost_change_threshold_steps),
         )
         self._bucket_seen: dict[int, float] = {}
         self._profile_weight = config.cost_prior.profile_weight_steps
@@ -111,7 +112,7 @@ class Evidence:
         self.cost.set_profile(points)
         if self._profile_weight > 0:
             for shape, seconds in points:
-                self.cost.observe(shape, seconds, self._profile_weight, now)
+                self.cost.observe(shape, seconds, self._profile_weight, profile=True)
 
     def forget_drafts(self, names: Iterable[str]) -> None:
         """Model drafts no connected engine announces: their cost columns and estimates."""
@@ -166,10 +167,11 @@ class Evidence:
             classes[cls].evidence_at = now  # traffic, even with no drafts to count
             if cls not in verified:
                 self.mix.observe(cls, max(req.output_tokens - req.accepted_tokens, 1), now)
-        predictions = self._observe_timings(engine, report, now)
+        predictions, costs_changed = self._observe_timings(engine, report, now)
         folded = tuple(sorted(n for n, v in mapping.items() if v != n))
         return IngestResult(folded_classes=folded, changes_detected=tuple(changes),
-                            step_predictions=tuple(predictions))
+                            step_predictions=tuple(predictions),
+                            step_costs_changed=costs_changed)
 
     def _observe_served(self, report: EngineReport, mapping: Mapping[str, str],
                         now: float) -> None:
@@ -190,11 +192,12 @@ class Evidence:
                                 steps * ratios[arm], now)
 
     def _observe_timings(self, engine: EngineState, report: EngineReport,
-                         now: float) -> list[StepPrediction]:
+                         now: float) -> tuple[list[StepPrediction], bool]:
         """The report's step timings, each predicted by the costs as they were before the
-        report (one solve per report, not per record), then learnt."""
+        report (one solve per report, not per record), then learnt; and whether they showed the
+        step costs changed (the cost model's change test)."""
         predictions = []
-        learnt: list[tuple[StepShape, float, int]] = []
+        learnt: list[tuple[StepShape, float, int, float]] = []
         for st in report.step_timings:
             if st.steps <= 0:
                 continue
@@ -213,9 +216,11 @@ class Evidence:
             self._bucket_seen[st.batch_bucket] = now
             self.loads.observe(st.batch_bucket, st.steps, st.sum_batch_size, now,
                                st.sum_context_tokens)
-            predictions.append(StepPrediction(st.batch_bucket, st.k, st.steps,
-                                              self.cost.predict(shape), measured))
-            learnt.append((shape, measured, st.steps))
-        for shape, measured, steps in learnt:
-            self.cost.observe(shape, measured, steps, now)
-        return predictions
+            predicted = self.cost.predict(shape)
+            predictions.append(StepPrediction(st.batch_bucket, st.k, st.steps, predicted,
+                                              measured))
+            learnt.append((shape, measured, st.steps, predicted))
+        changed = False
+        for shape, measured, steps, predicted in learnt:
+            changed |= self.cost.observe(shape, measured, steps, predicted=predicted)
+        return predictions, changed

@@ -123,12 +123,12 @@ class CostExport:
 
 
 def fleet_costs(exports: Iterable[CostExport], me: str, hardware: str, drafts: tuple[str, ...],
-                knots: tuple[int, ...], now: float, half_life_seconds: float,
+                knots: tuple[int, ...], now: float,
                 max_age_seconds: float) -> tuple[CostEvidence | None, int]:
     """The other sidecars' step-cost evidence of this engine type (``hardware`` and the set of
-    model ``drafts``, with the same ``knots``), each decayed from its stamp to ``now`` and
-    summed in this sidecar's column order; with how many sidecars it came from. (None, 0)
-    when none matches."""
+    model ``drafts``, with the same ``knots``), summed in this sidecar's column order, from the
+    sidecars that exported within ``max_age_seconds`` of ``now`` (step costs are the hardware's:
+    not discounted by age); with how many sidecars it came from. (None, 0) when none matches."""
     total: CostEvidence | None = None
     count = 0
     for ex in exports:
@@ -138,7 +138,6 @@ def fleet_costs(exports: Iterable[CostExport], me: str, hardware: str, drafts: t
         ev = ex.evidence.aligned(drafts, knots)
         if ev is None:
             continue
-        ev = ev.scaled(float(2.0 ** (-max(age, 0.0) / half_life_seconds)))
         total = ev if total is None else total.plus(ev)
         count += 1
     return total, count

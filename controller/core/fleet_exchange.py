@@ -68,19 +68,19 @@ class FleetExchange:
             {key: ev for key, ev in evidence.items() if key[1] not in forgotten}, now)
 
     def export_costs(self, sidecar: str, now: float) -> CostExport | None:
-        """This controller's own step-cost evidence, decayed to ``now`` (never the fleet's);
-        None while the hardware is not known (nothing to share it with)."""
+        """This controller's own step-cost evidence, stamped ``now`` (never the fleet's); None
+        while the hardware is not known (nothing to share it with)."""
         hardware = self._engines.hardware()
         if not hardware:
             return None
-        return CostExport(sidecar, now, hardware, self._evidence.cost.export(now))
+        return CostExport(sidecar, now, hardware, self._evidence.cost.export())
 
-    def restore_costs(self, export: CostExport, now: float) -> bool:
+    def restore_costs(self, export: CostExport) -> bool:
         """Take back this controller's own step-cost evidence (its last flush before a
         restart); False when it was made for other hardware or other drafts."""
         if export.hardware != self._engines.hardware():
             return False
-        return self._evidence.cost.restore(export.evidence, export.at, now)
+        return self._evidence.cost.restore(export.evidence)
 
     def set_fleet_costs(self, exports: Iterable[CostExport], me: str, now: float,
                         max_age_seconds: float) -> int:
@@ -89,9 +89,9 @@ class FleetExchange:
         cost = self._evidence.cost
         hardware = self._engines.hardware()
         if not hardware:
-            cost.set_fleet(None, now)
+            cost.set_fleet(None)
             return 0
         evidence, count = fleet_costs(exports, me, hardware, cost.drafts, cost.knot_tokens, now,
-                                      self._config.cost_half_life_seconds, max_age_seconds)
-        cost.set_fleet(evidence, now)
+                                      max_age_seconds)
+        cost.set_fleet(evidence)
         return count

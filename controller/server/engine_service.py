@@ -277,7 +277,12 @@ class EngineService:
             if budget is not None and has_records:  # heartbeats are taken free
                 budget.spend(time.perf_counter() - started)
         self._metrics.report_accepted(report.records_dropped, len(result.folded_classes),
-                                      result.step_predictions)
+                                      result.step_predictions, result.step_costs_changed)
+        if result.step_costs_changed:
+            log.warning("engine %s: step times left the cost model's predictions; the step-cost "
+                        "evidence was mostly forgotten and is relearnt from its next steps "
+                        "(specpilot_cost_model_changes_detected_total)",
+                        safe_name(session.engine_id))
         session.send(engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
             sequence=report.sequence, accepted=True, code=grpc.StatusCode.OK.value[0],
             folded_classes=result.folded_classes)))

@@ -186,7 +186,7 @@ class FleetSync:
     async def _restore_costs(self, model: str) -> None:
         own = [c for c in await self._store.costs(model, self._clock() - self._max_age)
                if c.sidecar == self._id.sidecar]
-        if own and self._core.restore_costs(own[0], self._clock()):
+        if own and self._core.restore_costs(own[0]):
             log.info("restored step-cost evidence of %.0f steps from the state store (flushed "
                      "%.1f s ago)", own[0].evidence.steps, self._clock() - own[0].at)
         self._costs_restored = True

@@ -130,6 +130,31 @@ async def test_hello_gets_ack_then_policy(server: RunningServer, channel: grpc.a
     assert snapshot(server).engines == ()
 
 
+async def test_a_change_of_the_engines_step_costs_is_counted_and_logged(
+        server: RunningServer, channel: grpc.aio.Channel, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    engine = EngineClient(channel)
+    await engine.connect()
+
+    def timed(sequence: int, seconds_per_step: float) -> engine_pb2.EngineReport:
+        msg = report(sequence)  # 400 steps of batch 4 at K=2
+        msg.step_timings.append(engine_pb2.StepTiming(
+            batch_bucket=2, draft=DRAFT, k=2, steps=400, sum_batch_size=1600,
+            sum_verified_tokens=4800, sum_draft_tokens=3200,
+            sum_step_seconds=400 * seconds_per_step))
+        return msg
+
+    for seq in range(1, 16):  # 6,000 steps at 25 ms: the model knows this shape
+        assert (await engine.send(timed(seq, 0.025))).accepted
+    assert _metric(server, "specpilot_cost_model_changes_detected_total") == 0  # the control
+    for seq in range(16, 19):  # the same steps ten times as dear: another tenant on the host
+        assert (await engine.send(timed(seq, 0.25))).accepted
+    assert _metric(server, "specpilot_cost_model_changes_detected_total") == 1
+    assert "step times left the cost model's predictions" in caplog.text
+    assert server.core.predicted_seconds(StepShape(4, 12, DRAFT, 2, 8)) > 0.1
+    await engine.close()
+
+
 async def test_report_before_hello_fails_the_stream(
     server: RunningServer, channel: grpc.aio.Channel
 ) -> None:

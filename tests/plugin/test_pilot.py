@@ -736,10 +736,10 @@ def test_a_stateless_drafter_is_idle_when_every_scheduled_request_is_off(kind: D
             num_scheduled_tokens=dict.fromkeys(scheduled, 1),
             total_num_scheduled_tokens=len(scheduled), scheduled_spec_decode_tokens={},
             num_invalid_spec_tokens=None, num_spec_tokens_to_schedule=4)
-        pilot.mark_step(output, 2)  # type: ignore[arg-type]
+        pilot.mark_step(output, 2)
         sampled = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(scheduled)},
                                   sampled_token_ids=[[9]] * len(scheduled))
-        pilot.on_output(output, sampled)  # type: ignore[arg-type]
+        pilot.on_output(output, sampled)
         timed = [(s.k, s.sum_draft_tokens)
                  for s in pilot.stats.drain(running_requests=2).step_sums]
         pilot.close()

@@ -406,6 +406,9 @@ class IngestResult:
     folded_classes: tuple[str, ...] = ()
     changes_detected: tuple[tuple[str, str], ...] = ()
     step_predictions: tuple[StepPrediction, ...] = ()
+    # The report's step timings moved the cost model's change test past its threshold: the
+    # hardware's step costs changed, and most of their evidence was forgotten.
+    step_costs_changed: bool = False
 
 
 class ReportRejected(ValueError):
