@@ -5,6 +5,7 @@ answering within their budget while engines flood the controller."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import statistics
 import time
 from typing import cast
@@ -87,6 +88,12 @@ async def _flooded(share: float) -> tuple[RunningServer, list[engine_pb2.ReportR
     health: list[float] = []
     policy: list[float] = []
     done = asyncio.Event()
+    # The latencies are the server loop's, not this test process's garbage collector: after the
+    # engine tests the process holds millions of objects, and a full collection among them can
+    # pause the loop for seconds (one probe waited 2 s on a busy CI host; a sidecar's own
+    # process holds none of them).
+    gc.collect()
+    gc.disable()
     prober = asyncio.create_task(_probe(server, done, health, policy))
     await asyncio.sleep(0.1)
     try:
@@ -95,6 +102,7 @@ async def _flooded(share: float) -> tuple[RunningServer, list[engine_pb2.ReportR
     finally:
         done.set()
         await prober
+        gc.enable()
     return server, results, heartbeats, health, policy
 
 
