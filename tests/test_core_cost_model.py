@@ -114,6 +114,13 @@ def test_forgetting_at_a_shape_keeps_the_fit_and_what_other_shapes_measured() ->
     assert np.linalg.solve(sums.a, sums.b) == pytest.approx(fit, rel=1e-4)
     assert sums.yy - sums.b @ fit == pytest.approx(residual, rel=1e-3)  # the misfit: the noise
     assert np.allclose(sums.a, sums.a.T) and np.linalg.eigvalsh(sums.a).min() > 0
+    # A shape with a feature no step measured (a first step with context, say) forgets nothing:
+    # the evidence knows nothing of its time, and its diagonal must stay >= 0.
+    narrow = _Sums(3)
+    narrow.add_point(np.array([1.0, 2.0, 0.0]), 1.0, 5.0)
+    kept = narrow.a.copy()
+    narrow.forget_along(np.array([1.0, 2.0, 7.0]), 0.5)
+    assert np.array_equal(narrow.a, kept)
 
 
 def test_a_change_of_the_hardware_is_detected_on_residuals_and_relearnt() -> None:

@@ -218,8 +218,8 @@ class _Sums:
         if fraction <= 0.0:
             return
         diag = np.diag(self.a)
-        if not diag.max(initial=0.0) > 0.0:
-            return
+        if np.any((diag <= 0.0) & (x != 0.0)):
+            return  # a feature no step measured: nothing is known of x^T theta yet
         # A^+ through the unit-diagonal scaling (features run from 1 to millions of tokens).
         d = np.where(diag > 0.0, 1.0 / np.sqrt(np.where(diag > 0.0, diag, 1.0)), 0.0)
         scaled = self.a * d[:, None] * d[None, :] + _FORGET_RIDGE * np.eye(d.size)
