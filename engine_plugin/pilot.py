@@ -162,6 +162,12 @@ class EngineSpec:
         )
 
     @property
+    def deterministic_drafter(self) -> bool:
+        """The engine's own drafter is vLLM's n-gram or suffix proposer: it proposes 0..K tokens
+        a request and keeps no state (no KV) per sequence."""
+        return self.drafter_kind in (DraftKind.NGRAM, DraftKind.SUFFIX)
+
+    @property
     def can_substitute(self) -> bool:
         """Draft tokens can be replaced in the sync scheduler. They are verified as one-hot
         (so the output distribution stays the target's) under greedy draft sampling, and under
@@ -446,7 +452,7 @@ class Pilot:
         uniform = self.step.uniform(lookup, self._class_counts)
         # The engine's own n-gram or suffix drafter proposes 0..K tokens: each request's K
         # asked is recorded below, so no shortcut for it.
-        variable = self.engine.drafter_kind in (DraftKind.NGRAM, DraftKind.SUFFIX)
+        variable = self.engine.deterministic_drafter
         if (not variable and uniform is not None and uniform.draft == self.engine.drafter
                 and uniform.draft in self.drafts_allowed and uniform.k >= self._drafter_k
                 and (batch_k is None or batch_k == uniform.k)
@@ -539,7 +545,7 @@ class Pilot:
         request switched on later match less of its own response, never wrongly)."""
         ids = output.num_scheduled_tokens
         if (not ids or not self.config.skip_idle_drafter
-                or self.engine.drafter_kind not in (DraftKind.NGRAM, DraftKind.SUFFIX)):
+                or not self.engine.deterministic_drafter):
             return False
         lookup, states = self._lookup(batch_size), self.requests
         return all(req_id in states and self._choice(req_id, lookup).k == 0 for req_id in ids)
@@ -612,7 +618,7 @@ class Pilot:
         index_of, invalid_of, state_of = index.get, invalid.get, self.requests.get
         record = self.stats.record_verification
         verifying, drafter = self._verifying_deterministic, self.engine.drafter
-        variable = self.engine.drafter_kind in (DraftKind.NGRAM, DraftKind.SUFFIX)
+        variable = self.engine.deterministic_drafter
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             n = len(drafts)
             scheduled_drafts += n

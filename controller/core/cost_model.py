@@ -475,7 +475,6 @@ class StepCostModel:
         self.half_life_steps = half_life_steps
         # None: no change test (the evidence follows drift by directional forgetting alone).
         self.change_test = change_test
-        self.changes_detected = 0
         self._design_batch_sizes = list(design_batch_sizes)
         self._design_max_k = design_max_k
         # The weights' columns; model drafts get their own as engines announce them.
@@ -621,7 +620,6 @@ class StepCostModel:
             if ratio > 0 and self.change_test.observe(float(np.log(ratio)), steps):
                 self._own.scale(_FORGET_ON_CHANGE)
                 self._ratio_range = None
-                self.changes_detected += 1
                 changed = True
         self._own.forget_along(x, 1.0 - 2.0 ** (-steps / self.half_life_steps))
         if shape.verified_tokens > shape.batch_size or shape.draft_passes > 0:
