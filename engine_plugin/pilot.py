@@ -76,6 +76,10 @@ class _Request:
     confidences: Sequence[float] | None = None
     # The K the token cut shortened this step's drafts from (0: not cut): scored as this K.
     cut_from: int = 0
+    # A model drafter's engine decided at the request's first scheduled step (``Pilot._admit``).
+    admitted: bool = False
+    # Admitted while its class was off: the model drafter never sees it, so it stays off.
+    off_for_life: bool = False
 
 
 def transforms_sampling(request: RequestLike) -> bool:
@@ -334,6 +338,9 @@ class Pilot:
         self._drafter_k = engine.max_k
         # The current step's drafter proposes nothing (mark_step): timed without its passes.
         self._drafter_idle_now = False
+        # Held requests admitted off (``_admit``), and the choice each of them runs with.
+        self._off_for_life = 0
+        self._off = Choice(engine.drafter, 0, False)
         # This step's policy: one lookup per batch size, the re-picks of ``batch_k``.
         self.step = StepPolicy(self.view, self.drafts_allowed, engine.drafter)
         self._step_started = 0.0
@@ -377,6 +384,7 @@ class Pilot:
         self._substituted.discard(req_id)
         if state is None:
             return None
+        self._off_for_life -= state.off_for_life
         self._count_class(state.traffic_class, -1)
         self.picks.forget(req_id)
         return state
@@ -420,8 +428,8 @@ class Pilot:
     def _choice(self, req_id: str, lookup: PolicyLookup) -> Choice:
         """The request's (draft, K) under ``lookup``, resolved once per lookup and request."""
         state = self.requests.get(req_id)
-        if state is not None and state.choice_from is lookup:
-            return state.choice
+        if state is not None and (state.choice_from is lookup or state.off_for_life):
+            return self._off if state.off_for_life else state.choice
         traffic_class = state.traffic_class if state is not None else DEFAULT_CLASS
         choice = self.step.choice(lookup, traffic_class, req_id)
         if state is not None:
@@ -453,7 +461,8 @@ class Pilot:
         # The engine's own n-gram or suffix drafter proposes 0..K tokens: each request's K
         # asked is recorded below, so no shortcut for it.
         variable = self.engine.deterministic_drafter
-        if (not variable and uniform is not None and uniform.draft == self.engine.drafter
+        if (not variable and not self._off_for_life and uniform is not None
+                and uniform.draft == self.engine.drafter
                 and uniform.draft in self.drafts_allowed and uniform.k >= self._drafter_k
                 and (batch_k is None or batch_k == uniform.k)
                 and not (batch_k is None and confidences is not None and lookup.cuts())):
@@ -532,22 +541,46 @@ class Pilot:
         self._substituted.difference_update(output.num_scheduled_tokens)
         self._verifying_deterministic = frozenset(substituted)
         self._drafter_k = output.num_spec_tokens_to_schedule
+        self._admit(output, batch_size)
         self._drafter_idle_now = self._drafter_idle(output, batch_size)
         skip = self.config.skip_idle_drafter and self.config.k_mode != "per_request"
         mark_step(output, skip_drafter=skip, deterministic=self._verifying_deterministic,
                   idle_drafter=self._drafter_idle_now)
 
+    def _admit(self, output: SchedulerOutputLike, batch_size: int) -> None:
+        """A model drafter must see a request's prompt to draft for it later, so whether it
+        ever will is decided once, at the request's first scheduled step: a request whose
+        class is off at ``batch_size`` then is never drafted for (``off_for_life``), and
+        steps of such requests only skip the drafter, prefill included (``_drafter_idle``)."""
+        if not self.config.skip_idle_drafter or self.engine.drafter_kind is not DraftKind.MODEL:
+            return
+        states, lookup = self.requests, self._lookup(batch_size)
+        for req_id in output.num_scheduled_tokens:
+            state = states.get(req_id)
+            if state is None or state.admitted:
+                continue
+            state.admitted = True
+            if self._choice(req_id, lookup).k == 0:
+                state.off_for_life = True
+                self._off_for_life += 1
+
     def _drafter_idle(self, output: SchedulerOutputLike, batch_size: int) -> bool:
         """Whether the engine's drafter may skip its proposal after this step outright, in
-        every K mode and also in a step that prefills: it keeps no state per sequence (n-gram,
-        suffix), and every scheduled request's class is off at ``batch_size``, so its drafts
-        would all be cut. A suffix drafter's trees then miss the step's tokens (drafts of a
-        request switched on later match less of its own response, never wrongly)."""
+        every K mode and also in a step that prefills: no scheduled request takes its drafts.
+        A drafter that keeps no state per sequence (n-gram, suffix) is idle where every
+        scheduled request's class is off at ``batch_size``; a suffix drafter's trees then miss
+        the step's tokens (drafts of a request switched on later match less of its own
+        response, never wrongly). A model drafter, whose KV must hold what it drafts from, is
+        idle only where every scheduled request was admitted off (``_admit``)."""
         ids = output.num_scheduled_tokens
-        if (not ids or not self.config.skip_idle_drafter
-                or not self.engine.deterministic_drafter):
+        if not ids or not self.config.skip_idle_drafter:
             return False
-        lookup, states = self._lookup(batch_size), self.requests
+        states = self.requests
+        if not self.engine.deterministic_drafter:
+            return bool(self._off_for_life) and all(
+                (state := states.get(req_id)) is not None and state.off_for_life
+                for req_id in ids)
+        lookup = self._lookup(batch_size)
         return all(req_id in states and self._choice(req_id, lookup).k == 0 for req_id in ids)
 
     def plan_drafter_stop(self, output: SchedulerOutputLike, requests: Mapping[str, RequestLike],

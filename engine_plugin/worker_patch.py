@@ -21,7 +21,9 @@ them, so the patches then change nothing.
    drafts attend to them, which costs acceptance, never correctness (verification is lossless).
    A drafter without state per sequence (vLLM's n-gram and suffix proposers) is skipped in any
    step, prefill included and in every K mode, where no scheduled request takes its drafts
-   (:data:`IDLE_ATTR`: every one's class off): its proposal would be cut whole.
+   (:data:`IDLE_ATTR`: every one's class off): its proposal would be cut whole. So is a model
+   drafter where every scheduled request was admitted off (never to be drafted for: its KV
+   holes are never read).
 2. **Deterministic rows** (``GPUModelRunner._get_spec_decode_draft_probs``). With
    ``draft_sample_method="probabilistic"`` rejection sampling divides by the drafter's
    probabilities. A request whose drafts the plugin replaced by n-gram tokens
@@ -80,8 +82,8 @@ log = logging.getLogger("specpilot.plugin")
 SKIP_ATTR = "specpilot_skip_idle_drafter"
 """On a SchedulerOutput: True when the plugin allows skipping the drafter in this step."""
 IDLE_ATTR = "specpilot_idle_drafter"
-"""On a SchedulerOutput: True when the drafter keeps no state per sequence (n-gram, suffix) and
-no request of the step takes its drafts (every one off): its proposal is skipped outright."""
+"""On a SchedulerOutput: True when no request of the step takes the drafter's drafts (every one
+off; for a model drafter, admitted off for life): its proposal is skipped outright."""
 DETERMINISTIC_ATTR = "specpilot_deterministic_drafts"
 """On a SchedulerOutput: the ids of requests whose scheduled drafts are deterministic (n-gram)."""
 _STEP_ATTR = "_specpilot_deterministic"  # on the runner: the current step's deterministic ids

@@ -9,6 +9,10 @@ suffix method, K up to 4; n-gram for the proposer too) with the plugin.
   target's distribution on this path fails the distribution check.
 - With every class off, vLLM's proposer is never called, prefill steps included, with the
   same greedy outputs and samples. Control: with the mark withheld it is called every step.
+- A model drafter (a draft model, ``batch_max``) with every class off when its requests
+  arrive never runs either, prefill steps included (each request is admitted off for life),
+  with the same greedy outputs and samples. Control: without the admission decision it runs in
+  every step that prefills.
 - A step in which some request drafts keeps the rejection sampler and the proposer (a mixed
   batch, classes on and off), with greedy outputs identical to no speculation.
 """
@@ -22,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.demo.engine import SCHEDULER, llm_session, put_policy
+from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
 from specpilot.engine_plugin.suffix import SUFFIX_DRAFT
 from specpilot.engine_plugin.worker_patch import draft_free
 from tests.engine.harness import (
@@ -75,6 +79,28 @@ def test_an_ngram_engine_with_every_class_off_never_proposes(
         samples = samples_of(ngram, seed0=70_000)
         assert proposals.calls == 0
     assert not differing_positions(references[1], samples)
+
+
+@pytest.mark.parametrize("admit", [True, False])
+def test_a_draft_model_with_every_class_off_never_drafts(
+        admit: bool, tiny_models: Any, references: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 4,
+            "draft_sample_method": "probabilistic"}
+    with plugin_environment({"k_mode": "batch_max"}), llm_session(
+            tiny_models.target, spec, SCHEDULER) as draft:
+        pilot = pilot_of(draft)
+        if not admit:  # the control: requests are not admitted off, so prefill runs the drafter
+            monkeypatch.setattr(pilot, "_admit", lambda output, batch_size: None)
+        proposals = spy_proposer(draft, monkeypatch)
+        put_policy(pilot.view, {"code": OFF, "chat": OFF, "default": OFF}, version=1)
+        assert greedy_outputs(draft, ["code", "chat"] * 2) == references[0]
+        if admit:
+            samples = samples_of(draft, seed0=80_000)
+            assert not differing_positions(references[1], samples)
+            assert proposals.calls == 0
+        else:
+            assert proposals.calls > 0
+        assert pilot._off_for_life == 0  # every request finished and forgotten
 
 
 def test_control_without_the_wrapper_the_rejection_sampler_runs_every_step(

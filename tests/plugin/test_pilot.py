@@ -715,11 +715,11 @@ def test_the_drafters_stop_is_planned_per_request_from_the_decisions() -> None:
 
 
 @pytest.mark.parametrize("kind", [DraftKind.SUFFIX, DraftKind.NGRAM, DraftKind.MODEL])
-def test_a_stateless_drafter_is_idle_when_every_scheduled_request_is_off(kind: DraftKind) -> None:
-    """vLLM's n-gram and suffix proposers keep no state per sequence: where every scheduled
-    request's class is off they are marked idle (the worker skips them, prefill steps too), and
-    the step is timed without their passes. A request on, one the pilot does not know, a model
-    drafter (its KV must see every step) or ``skip_idle_drafter`` off keep the proposal."""
+def test_the_drafter_is_idle_when_every_scheduled_request_is_off(kind: DraftKind) -> None:
+    """Where every scheduled request's class is off, the drafter's proposal is marked idle (the
+    worker skips it, prefill steps too: these requests are new, so a model drafter admits them
+    off) and the step is timed without its passes. A request on, one the pilot does not know or
+    ``skip_idle_drafter`` off keep the proposal."""
     from specpilot.engine_plugin.worker_patch import IDLE_ATTR, should_skip_drafter
 
     e = _native_engine(kind)
@@ -732,10 +732,7 @@ def test_a_stateless_drafter_is_idle_when_every_scheduled_request_is_off(kind: D
         _batch(pilot, ["a", "b"])
         _policy(pilot, policy)
         pilot.on_schedule_start()
-        output = SimpleNamespace(
-            num_scheduled_tokens=dict.fromkeys(scheduled, 1),
-            total_num_scheduled_tokens=len(scheduled), scheduled_spec_decode_tokens={},
-            num_invalid_spec_tokens=None, num_spec_tokens_to_schedule=4)
+        output = _output(scheduled)
         pilot.mark_step(output, 2)
         sampled = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(scheduled)},
                                   sampled_token_ids=[[9]] * len(scheduled))
@@ -747,8 +744,58 @@ def test_a_stateless_drafter_is_idle_when_every_scheduled_request_is_off(kind: D
         return should_skip_drafter(output), timed
 
     off = {"a": ("", 0), "b": ("", 0)}
-    stateless = kind is not DraftKind.MODEL
-    assert step(off) == (stateless, [(0, 0)] if stateless else [(4, 8)])
+    assert step(off) == (True, [(0, 0)])
     assert step({"a": ("", 0), "b": (e.drafter, 2)}) == (False, [(4, 8)])
     assert step(off, ("r0", "stranger"))[0] is False
     assert step(off, skip=False)[0] is False
+
+
+def _output(scheduled: Sequence[str]) -> SimpleNamespace:
+    """A decode step's SchedulerOutput as ``mark_step`` and ``on_output`` read it."""
+    return SimpleNamespace(
+        num_scheduled_tokens=dict.fromkeys(scheduled, 1), total_num_scheduled_tokens=len(scheduled),
+        scheduled_spec_decode_tokens={}, num_invalid_spec_tokens=None,
+        num_spec_tokens_to_schedule=4)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_model_drafter_never_drafts_for_a_request_admitted_off(skip: bool) -> None:
+    """A model drafter must see a request's prompt to draft for it, so a request whose class is
+    off at its first scheduled step stays off for life: later steps holding only such requests
+    skip the drafter (prefill too), and its drafts are cut to nothing after its class turns on,
+    while a request admitted on keeps the drafter. Control: with ``skip_idle_drafter`` off the
+    drafter sees every request and a class switched on drafts for all of them."""
+    from specpilot.engine_plugin.worker_patch import IDLE_ATTR
+
+    e = _native_engine(DraftKind.MODEL)
+    config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False,
+                          skip_idle_drafter=skip)
+    pilot = Pilot(e, config, Classifier(), announce(e, config, load))
+    requests = _batch(pilot, ["a", "b"])
+    put_policy(pilot.view, {"a": ("", 0), "b": (e.drafter, 2)}, version=1)
+
+    def idle(scheduled: Sequence[str]) -> bool:
+        pilot.on_schedule_start()
+        output = _output(scheduled)
+        pilot.mark_step(output, len(scheduled))
+        return bool(getattr(output, IDLE_ATTR))
+
+    assert not idle(["r0", "r1"])  # r0 admitted off, r1 on
+    assert idle(["r0"]) is skip
+    put_policy(pilot.view, {"a": (e.drafter, 4), "b": ("", 0)}, version=2)
+    r2 = requests["r2"] = _Request(2)  # class a, now on
+    r2.sampling_params = _Params("a")  # type: ignore[assignment]
+    pilot.on_add_request(r2)  # type: ignore[arg-type]
+    assert idle(["r0"]) is skip  # still off for life
+    assert not idle(["r0", "r2"]) and not idle(["r1"])  # r2 admitted on; r1 was
+    pilot.on_schedule_start()
+    for r in requests.values():
+        r.spec_token_ids = [5, 6, 7, 8]
+    pilot.on_drafts(requests, list(requests), 3, None)  # type: ignore[arg-type]
+    assert requests["r0"].spec_token_ids == ([] if skip else [5, 6, 7, 8])
+    assert requests["r2"].spec_token_ids == [5, 6, 7, 8]
+    assert requests["r1"].spec_token_ids == []  # admitted on, b off now: cut this step
+    for req_id in requests:
+        pilot._forget(req_id)  # what on_free does first
+    assert pilot._off_for_life == 0
+    pilot.close()
