@@ -225,7 +225,7 @@ def announce(engine: EngineSpec, config: PluginConfig, load: TokenizerLoader) ->
         # the controller then prices draft passes as the batch's largest K.
         batch_wide_k=config.k_mode != "per_request",
         ngram_substitution=substitute,
-        ngram_counterfactual=substitute,
+        ngram_counterfactual=substitute or e.deterministic_drafter,
         step_probes=True,  # PolicyLookup probes whole steps where a decision asks it
         # Per-step re-picks need the drafter's passes to follow the step's largest K.
         step_composition=config.step_composition and config.k_mode == "batch_max",
@@ -322,8 +322,14 @@ class Pilot:
         self.deterministic: dict[str, DeterministicDraft] = {
             d.name: _proposer(d.name, engine, config) for d in hello.drafts
             if d.kind is not DraftKind.MODEL and d.name != engine.drafter}
+        # The drafts scored counterfactually: those, and the engine's own n-gram or suffix
+        # drafter, whose acceptance would otherwise go unmeasured while its classes are off (a
+        # class turned off early, on little evidence, would never be seen to pay again).
+        self._scored: dict[str, DeterministicDraft] = dict(self.deterministic)
+        if engine.deterministic_drafter and engine.drafter in self.drafts_allowed:
+            self._scored[engine.drafter] = _proposer(engine.drafter, engine, config)
         self.counterfactual = {name: Counterfactual(d.propose, engine.max_k)
-                               for name, d in self.deterministic.items()}
+                               for name, d in self._scored.items()}
         self.requests: dict[str, _Request] = {}
         # The requests held, for the ones a step scores counterfactually.
         self.picks = CounterfactualPicks(config.counterfactual_per_step)
@@ -739,11 +745,13 @@ class Pilot:
             return request
 
         states, record = self.requests, self.stats.record_verification
+        own = self.engine.drafter if self.engine.deterministic_drafter else None
         for req_id, request in self.picks.pick(eligible, running):
             state = states[req_id]
             for name, counterfactual in self.counterfactual.items():
-                # A request served by this draft is measured for real, not counterfactually.
-                if state.draft == name:
+                # A request served by this draft is measured for real, not counterfactually
+                # (by the engine's own drafter: where it was asked for drafts this step).
+                if (state.asked_k > 0) if name == own else (state.draft == name):
                     continue
                 scored = counterfactual.step(req_id, request.all_token_ids,
                                              request.num_prompt_tokens)
@@ -753,7 +761,7 @@ class Pilot:
     def on_free(self, request: RequestLike) -> None:
         req_id = request.request_id
         state = self._forget(req_id)
-        for name, proposer in self.deterministic.items():
+        for name, proposer in self._scored.items():
             proposer.finish(req_id, request.all_token_ids, request.num_prompt_tokens)
             self.counterfactual[name].forget(req_id)
         if state is None:

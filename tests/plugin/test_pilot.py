@@ -453,6 +453,42 @@ def test_vllms_own_deterministic_drafter_is_scored_as_the_k_asked(kind: DraftKin
     assert _verified(kind) == {4: (1, 1, 1, 0, 0)}
 
 
+@pytest.mark.parametrize("kind", [DraftKind.SUFFIX, DraftKind.NGRAM])
+def test_vllms_own_deterministic_drafter_is_scored_counterfactually_while_off(
+        kind: DraftKind) -> None:
+    """While its class is off, the engine's own n-gram or suffix drafter proposes nothing, so
+    the plugin scores its drafts counterfactually (its own proposer of the same kind): a class
+    turned off is seen to pay again, also on requests it served before. Control: a request the
+    drafter serves is scored for real only."""
+    e = _native_engine(kind)
+
+    def scored(*policies: tuple[str, int]) -> list[AcceptanceRecord]:
+        """Eight steps under each of ``policies`` in turn: the counterfactual records of the
+        engine's drafter."""
+        config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
+        pilot = Pilot(e, config, Classifier(), announce(e, config, load))
+        assert e.drafter in pilot.counterfactual
+        requests = _batch(pilot, ["a"])
+        r0 = requests["r0"]
+        for version, policy in enumerate(policies, start=1):
+            put_policy(pilot.view, {"a": policy}, version=version)
+            pilot.stats.drain(running_requests=1)  # only this policy's records are kept
+            for token in [1, 2, 3, 4] * 2:  # repeats its prompt: every proposal matches
+                r0.all_token_ids = [*r0.all_token_ids, token]
+                r0.spec_token_ids = [1, 2, 3, 4] if policy[1] else []
+                pilot.on_schedule_start()
+                pilot.on_drafts(requests, ["r0"], 1, None)  # type: ignore[arg-type]
+                pilot.after_output(requests, ["r0"], running=1)  # type: ignore[arg-type]
+        records = pilot.stats.drain(running_requests=1).acceptance
+        pilot.close()
+        return [r for r in records if r.draft == e.drafter and r.counterfactual]
+
+    off = scored(("", 0))
+    assert off and sum(sum(r.steps_by_accepted[1:]) for r in off) > 0  # tries, some accepted
+    assert scored((e.drafter, 4)) == []
+    assert scored((e.drafter, 4), ("", 0))  # served, then off: scored again
+
+
 def test_a_model_drafter_is_scored_as_it_drafted() -> None:
     # Control: a model drafter's proposal is what the engine verifies, K as drafted (an empty
     # one is no step of speculation at all); the rule above would have put all three under K=4.
