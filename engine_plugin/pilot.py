@@ -556,8 +556,10 @@ class Pilot:
     def _admit(self, output: SchedulerOutputLike, batch_size: int) -> None:
         """A model drafter must see a request's prompt to draft for it later, so whether it
         ever will is decided once, at the request's first scheduled step: a request whose
-        class is off at ``batch_size`` then is never drafted for (``off_for_life``), and
-        steps of such requests only skip the drafter, prefill included (``_drafter_idle``)."""
+        class is off at ``batch_size`` then, and probes nothing (a probe, of requests or of
+        whole steps, needs the drafter to have seen the requests it drafts for), is never
+        drafted for (``off_for_life``), and steps of such requests only skip the drafter,
+        prefill included (``_drafter_idle``)."""
         if not self.config.skip_idle_drafter or self.engine.drafter_kind is not DraftKind.MODEL:
             return
         states, lookup = self.requests, self._lookup(batch_size)
@@ -566,7 +568,8 @@ class Pilot:
             if state is None or state.admitted:
                 continue
             state.admitted = True
-            if self._choice(req_id, lookup).k == 0:
+            if (self.step.resolve(lookup, state.traffic_class).choice.k == 0
+                    and not lookup.probes(state.traffic_class)):
                 state.off_for_life = True
                 self._off_for_life += 1
 

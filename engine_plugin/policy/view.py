@@ -318,6 +318,16 @@ class PolicyLookup:
             log.debug("policy lookup failed; static configuration", exc_info=True)
             return ClassChoice(self._static, 0.0, self._static, self._epoch)
 
+    def probes(self, traffic_class: str) -> bool:
+        """Whether the class's decision probes a draft (a share of its requests or of whole
+        steps), whatever this lookup's draw. Never raises: False on unexpected input."""
+        try:
+            entry = self._entry(traffic_class)[0]
+            return entry is not None and entry.probe_rate > 0.0 and entry.probe_choice.k > 0
+        except Exception:
+            log.debug("policy lookup failed", exc_info=True)
+            return False
+
     def uniform(self, classes: Iterable[str]) -> Choice | None:
         """The one choice every request of ``classes`` gets, or None where they differ or a
         class probes requests (its requests then differ by their keys). Never raises."""

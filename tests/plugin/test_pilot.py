@@ -794,6 +794,35 @@ def _output(scheduled: Sequence[str]) -> SimpleNamespace:
         num_spec_tokens_to_schedule=4)
 
 
+@pytest.mark.parametrize("probe_steps", [True, False])
+def test_a_request_of_a_class_that_probes_the_drafter_is_not_admitted_off(
+        probe_steps: bool) -> None:
+    """A class off that probes the model draft (whole steps, or a share of requests) admits its
+    requests on: a probe drafts for requests the drafter must have seen. Control: the same class
+    without a probe admits them off."""
+    from specpilot.contract.records import EngineDecision, PolicyUpdate
+
+    e = _native_engine(DraftKind.MODEL)
+
+    def admitted_off(probe_rate: float) -> bool:
+        config = PluginConfig(k_mode="batch_max", ngram_drafts=False, suffix_drafts=False)
+        pilot = Pilot(e, config, Classifier(), announce(e, config, load))
+        _batch(pilot, ["a"])
+        pilot.view.apply(PolicyUpdate(1, tuple(
+            EngineDecision("a", bucket, "", 0, probe_rate=probe_rate, probe_k=1,
+                           probe_draft=e.drafter, probe_steps=probe_steps)
+            for bucket in range(len(pilot.view.bucket_bounds) + 1)),
+            fail_static_timeout_seconds=1e9))
+        pilot.on_schedule_start()
+        pilot.mark_step(_output(["r0"]), 1)
+        off = pilot.requests["r0"].off_for_life
+        pilot.close()
+        return off
+
+    assert not admitted_off(0.01)
+    assert admitted_off(0.0)
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_a_model_drafter_never_drafts_for_a_request_admitted_off(skip: bool) -> None:
     """A model drafter must see a request's prompt to draft for it, so a request whose class is
