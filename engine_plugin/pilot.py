@@ -344,9 +344,8 @@ class Pilot:
         self._drafter_k = engine.max_k
         # The current step's drafter proposes nothing (mark_step): timed without its passes.
         self._drafter_idle_now = False
-        # Held requests admitted off (``_admit``), and the choice each of them runs with.
+        # Held requests admitted off (``_admit``).
         self._off_for_life = 0
-        self._off = Choice(engine.drafter, 0, False)
         # This step's policy: one lookup per batch size, the re-picks of ``batch_k``.
         self.step = StepPolicy(self.view, self.drafts_allowed, engine.drafter)
         self._step_started = 0.0
@@ -434,8 +433,10 @@ class Pilot:
     def _choice(self, req_id: str, lookup: PolicyLookup) -> Choice:
         """The request's (draft, K) under ``lookup``, resolved once per lookup and request."""
         state = self.requests.get(req_id)
-        if state is not None and (state.choice_from is lookup or state.off_for_life):
-            return self._off if state.off_for_life else state.choice
+        if state is not None and state.off_for_life:
+            return self.step.off
+        if state is not None and state.choice_from is lookup:
+            return state.choice
         traffic_class = state.traffic_class if state is not None else DEFAULT_CLASS
         choice = self.step.choice(lookup, traffic_class, req_id)
         if state is not None:

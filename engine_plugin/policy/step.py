@@ -19,12 +19,13 @@ class StepPolicy:
     the drafts the engine may run; ``drafter``: the engine's own drafter, named with K 0 where a
     choice is not allowed."""
 
-    __slots__ = ("_allowed", "_classes", "_composed", "_drafter", "_lookups", "_view")
+    __slots__ = ("_allowed", "_classes", "_composed", "_lookups", "_view", "off")
 
     def __init__(self, view: PolicyView, allowed: Collection[str], drafter: str) -> None:
         self._view = view
         self._allowed = allowed
-        self._drafter = drafter
+        # What a request runs while off: the engine's drafter at K 0.
+        self.off = Choice(drafter, 0, False)
         self._lookups: dict[int, PolicyLookup] = {}
         self._composed: dict[str, Choice] = {}
         self._classes: dict[tuple[PolicyLookup, str], ClassChoice] = {}
@@ -79,7 +80,7 @@ class StepPolicy:
 
     def _runnable(self, choice: Choice) -> Choice:
         if choice.k and choice.draft not in self._allowed:
-            return Choice(self._drafter, 0, False)
+            return self.off
         return choice
 
 
