@@ -10,6 +10,12 @@ steps (output processing, the engine loop) is kept apart. The table says, per co
 how the run's wall time splits and what each kind of step costs, so a cost model that prices
 decode steps alone can be checked against where the time goes.
 
+The decode-only steps are then replayed into a fresh controller step-cost model (the
+controller's default settings, no start-up profile), as an engine reports them (per report
+interval, per batch range and K; runs in the order they ran), each priced just before the model
+learns it: the table of its one-step-ahead errors says whether the model's form can price this
+engine's steps.
+
     .venv/bin/python benchmarks/step_anatomy.py --config off --config suffix:4 --reps 3
 
 Results: ``benchmarks/results/step-anatomy/`` (JSON and markdown).
@@ -148,6 +154,66 @@ def closed_loop(llm: Any, prompts: Iterator[tuple[list[int], Any]], concurrency:
     log.wall_seconds = time.perf_counter() - started
 
 
+def replay(logs: Sequence[StepLog], k_of: dict[str, int], interval_seconds: float = 1.0
+           ) -> list[tuple[str, str, int, int, float, float]]:
+    """The decode-only steps of ``logs`` fed to a fresh step-cost model as an engine reports
+    them; per (configuration, batch range, K): steps, mean predicted and measured seconds, each
+    record priced before the model learnt it. ``k_of``: each configuration's K (a step with
+    drafts runs at it)."""
+    from specpilot.contract.buckets import bucket_lower_size, bucket_of
+    from specpilot.controller.core.cost_model import CostChangeTest, StepCostModel, StepShape
+    from specpilot.controller.settings import Settings, core_config
+
+    config = core_config(Settings())
+    bounds = config.batch_bucket_upper_bounds
+    model = StepCostModel(config.cost_knots_tokens, config.cost_prior,
+                          config.cost_half_life_steps,
+                          [config.bucket_batch_size(b) for b in range(config.n_buckets)],
+                          config.policy.max_k, None,
+                          CostChangeTest(config.cost_change_tolerance,
+                                         config.cost_change_threshold_steps))
+    cells: dict[tuple[str, int, int], list[float]] = {}
+    for log in logs:
+        sums: dict[tuple[int, int], list[float]] = {}
+        elapsed = 0.0
+        rows = [s for s in log.steps if not s[2]]  # decode-only
+        for i, (batch, decode, _, drafts, context, seconds) in enumerate(rows):
+            key = (bucket_of(bounds, batch), k_of[log.config] if drafts else 0)
+            acc = sums.setdefault(key, [0.0] * 5)
+            for j, x in enumerate((1, batch, decode, context, seconds)):
+                acc[j] += x
+            elapsed += seconds
+            if elapsed < interval_seconds and i + 1 < len(rows):
+                continue
+            for (bucket, k), (n, b, t, ctx, secs) in sums.items():
+                shape = StepShape(b / n, t / n, context_tokens=ctx / b)
+                cell = cells.setdefault((log.config, bucket, k), [0.0, 0.0, 0.0])
+                cell[0] += n
+                cell[1] += model.predict(shape) * n
+                cell[2] += secs
+                model.observe(shape, secs / n, n)
+            sums.clear()
+            elapsed = 0.0
+
+    def label(bucket: int) -> str:
+        if bucket >= len(bounds):
+            return f">{bounds[-1]}"
+        lo, hi = bucket_lower_size(bounds, bucket), bounds[bucket]
+        return f"{lo}-{hi}" if hi > lo else str(hi)
+
+    return [(name, label(bucket), k, int(n), predicted / n, measured / n)
+            for (name, bucket, k), (n, predicted, measured) in sorted(cells.items())]
+
+
+def replay_markdown(rows: Sequence[tuple[str, str, int, int, float, float]]) -> str:
+    lines = ["| configuration | batch | K | steps | predicted ms | measured ms | error |",
+             "|---|---|---|---|---|---|---|"]
+    for name, batch, k, n, predicted, measured in rows:
+        lines.append(f"| {name} | {batch} | {k} | {n} | {1e3 * predicted:.1f} | "
+                     f"{1e3 * measured:.1f} | {100 * (predicted / measured - 1):+.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(logs: Sequence[StepLog]) -> str:
     by_config: dict[str, list[StepLog]] = {}
     for log in logs:
@@ -237,8 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "steps.json").write_text(json.dumps(
         {f"{log.config}/{log.rep}": log.steps for log in logs}))
     table = markdown(logs)
-    (args.out / "step-anatomy.md").write_text(table)
+    replayed = replay_markdown(replay(logs, {c.name: c.k for c in configs}))
+    (args.out / "step-anatomy.md").write_text(table + "\n" + replayed)
     print(table)
+    print(replayed)
     return 0
 
 

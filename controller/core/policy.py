@@ -12,9 +12,7 @@ expected speedup, the "losing by means" test and explanations. On top of the arg
   - hysteresis: a new arm must beat the current one's sampled goodput by ``hysteresis_ratio``,
     except while a detected acceptance change is being absorbed (the old margin is stale) and
     when switching off speculation that loses by posterior means;
-  - dwell: a choice younger than ``dwell_seconds`` stays, unless a change was just detected
-    or, for speculation, new evidence prices it below no speculation by posterior means (a
-    trial of a longer K at a large batch lasts at most until the next report);
+  - dwell: a choice younger than ``dwell_seconds`` stays, unless a change was just detected;
   - probing: while no model draft runs (off, or deterministic drafts), a share of requests (in
     batch-wide engines: of steps, all of the class's requests in each) runs it at a low K, sized
     by what a probe costs against the arm in force and the chance that the model draft beats
@@ -76,8 +74,7 @@ class PolicyConfig:
     warmup_k: int = tunable(2, ge=0, at_most="max_k")
     """K used for a class before any data, tokens."""
     dwell_seconds: float = tunable(5.0, ge=0)
-    """Minimum time a (class, bucket) choice stays, seconds; speculation that new evidence
-    prices below no speculation (posterior means) goes sooner."""
+    """Minimum time a (class, bucket) choice stays, seconds."""
     joint_interval_seconds: float = tunable(5.0, gt=0)
     """Age after which a bucket's joint (whole-batch) arm search is rerun, seconds (two buckets
     per decide round; all after a detected change)."""
@@ -691,15 +688,10 @@ def choose(ctx: ClassContext, cfg: PolicyConfig, state: BucketState) -> Choice:
         cur = sampled.index(current.arm)
         # Speculation that does not pay by posterior means is switched off without waiting for
         # a margin: near-zero acceptance with cheap verification would otherwise hold forever.
-        current_speedup = float(mean.speedup[cur]) if cur is not None else math.inf
-        losing = current.k > 0 and current_speedup < cfg.min_speedup
+        losing = (cur is not None and current.k > 0
+                  and float(mean.speedup[cur]) < cfg.min_speedup)
         margin = 0.0 if ctx.recovering or (best_k == 0 and losing) else cfg.hysteresis_ratio
         within = cur is not None and scores[best_i] <= scores[cur] * (1.0 + margin)
-        # The dwell keeps a young choice from a draw's noise, not from the evidence: speculation
-        # that the bucket's new evidence prices slower than no speculation (a longer K tried at
-        # a large batch, say) goes at the next decision, so a trial costs at most one report.
-        if young and state.fresh and current.k > 0 and current_speedup < 1.0:
-            young = False
         if (young and offered(ctx.drafts, current)) or within:
             return Choice(current, probed=True)
     return Choice(candidate, probed=True)
