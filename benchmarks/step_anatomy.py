@@ -161,17 +161,13 @@ def replay(logs: Sequence[StepLog], k_of: dict[str, int], interval_seconds: floa
     record priced before the model learnt it. ``k_of``: each configuration's K (a step with
     drafts runs at it)."""
     from specpilot.contract.buckets import bucket_lower_size, bucket_of
-    from specpilot.controller.core.cost_model import CostChangeTest, StepCostModel, StepShape
+    from specpilot.controller.core.cost_model import StepShape
+    from specpilot.controller.core.evidence import step_cost_model
     from specpilot.controller.settings import Settings, core_config
 
     config = core_config(Settings())
     bounds = config.batch_bucket_upper_bounds
-    model = StepCostModel(config.cost_knots_tokens, config.cost_prior,
-                          config.cost_half_life_steps,
-                          [config.bucket_batch_size(b) for b in range(config.n_buckets)],
-                          config.policy.max_k, None,
-                          CostChangeTest(config.cost_change_tolerance,
-                                         config.cost_change_threshold_steps))
+    model = step_cost_model(config)
     cells: dict[tuple[str, int, int], list[float]] = {}
     for log in logs:
         sums: dict[tuple[int, int], list[float]] = {}

@@ -6,7 +6,7 @@ each bucket runs at; and how a report adds to them (``ingest``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +50,22 @@ class MeanCurves:
         return curve
 
 
+def step_cost_model(config: CoreConfig,
+                    context_at: Callable[[float], float] | None = None) -> StepCostModel:
+    """A fresh step-cost model with ``config``'s knots, prior, forgetting and change test,
+    designed over its batch buckets; ``context_at``: the mean context per sequence steps of a
+    batch size run at (None: context unpriced)."""
+    return StepCostModel(
+        config.cost_knots_tokens,
+        config.cost_prior,
+        config.cost_half_life_steps,
+        [config.bucket_batch_size(b) for b in range(config.n_buckets)],
+        config.policy.max_k,
+        context_at,
+        CostChangeTest(config.cost_change_tolerance, config.cost_change_threshold_steps),
+    )
+
+
 class Evidence:
     def __init__(self, config: CoreConfig, engines: EngineRegistry) -> None:
         self._engines = engines
@@ -61,15 +77,7 @@ class Evidence:
         # are priced at), and when an engine last reported such steps.
         self.loads = BucketLoads(config.batch_bucket_upper_bounds,
                                  config.traffic_half_life_seconds)
-        self.cost = StepCostModel(
-            config.cost_knots_tokens,
-            config.cost_prior,
-            config.cost_half_life_steps,
-            [config.bucket_batch_size(b) for b in range(config.n_buckets)],
-            config.policy.max_k,
-            self.loads.context_at,
-            CostChangeTest(config.cost_change_tolerance, config.cost_change_threshold_steps),
-        )
+        self.cost = step_cost_model(config, self.loads.context_at)
         self._bucket_seen: dict[int, float] = {}
         self._profile_weight = config.cost_prior.profile_weight_steps
         # Drafts forgotten for want of an engine announcing them, while the fleet's store
