@@ -10,11 +10,11 @@ steps (output processing, the engine loop) is kept apart. The table says, per co
 how the run's wall time splits and what each kind of step costs, so a cost model that prices
 decode steps alone can be checked against where the time goes.
 
-The decode-only steps are then replayed into a fresh controller step-cost model (the
-controller's default settings, no start-up profile), as an engine reports them (per report
-interval, per batch range and K; runs in the order they ran), each priced just before the model
-learns it: the table of its one-step-ahead errors says whether the model's form can price this
-engine's steps.
+Every step is then replayed into a fresh controller step-cost model (the controller's default
+settings, no start-up profile), as an engine reports it (per report interval, per batch range
+and K, a step's tokens beyond one per sequence and its drafts as prefill; runs in the order they
+ran), each priced just before the model learns it: the table of its one-step-ahead errors, for
+decode-only and mixed steps apart, says whether the model's form can price this engine's steps.
 
     .venv/bin/python benchmarks/step_anatomy.py --config off --config suffix:4 --reps 3
 
@@ -155,11 +155,12 @@ def closed_loop(llm: Any, prompts: Iterator[tuple[list[int], Any]], concurrency:
 
 
 def replay(logs: Sequence[StepLog], k_of: dict[str, int], interval_seconds: float = 1.0
-           ) -> list[tuple[str, str, int, int, float, float]]:
-    """The decode-only steps of ``logs`` fed to a fresh step-cost model as an engine reports
-    them; per (configuration, batch range, K): steps, mean predicted and measured seconds, each
-    record priced before the model learnt it. ``k_of``: each configuration's K (a step with
-    drafts runs at it)."""
+           ) -> list[tuple[str, str, int, str, int, float, float]]:
+    """The steps of ``logs`` fed to a fresh step-cost model as an engine reports them (each
+    sequence verifies one token plus its drafts; a step's other tokens are prefill); per
+    (configuration, batch range, K, decode-only or mixed): steps, mean predicted and measured
+    seconds, each report's records priced before the model learnt them. ``k_of``: each
+    configuration's K (a step with drafts runs at it)."""
     from specpilot.contract.buckets import bucket_lower_size, bucket_of
     from specpilot.controller.core.cost_model import StepShape
     from specpilot.controller.core.evidence import step_cost_model
@@ -168,26 +169,32 @@ def replay(logs: Sequence[StepLog], k_of: dict[str, int], interval_seconds: floa
     config = core_config(Settings())
     bounds = config.batch_bucket_upper_bounds
     model = step_cost_model(config)
-    cells: dict[tuple[str, int, int], list[float]] = {}
+    cells: dict[tuple[str, int, int, str], list[float]] = {}
     for log in logs:
-        sums: dict[tuple[int, int], list[float]] = {}
+        # An engine's records are per (batch range, K); the table splits them by kind as well.
+        sums: dict[tuple[int, int, str], list[float]] = {}
         elapsed = 0.0
-        rows = [s for s in log.steps if not s[2]]  # decode-only
-        for i, (batch, decode, _, drafts, context, seconds) in enumerate(rows):
-            key = (bucket_of(bounds, batch), k_of[log.config] if drafts else 0)
-            acc = sums.setdefault(key, [0.0] * 5)
-            for j, x in enumerate((1, batch, decode, context, seconds)):
+        for i, (batch, decode, prefill, drafts, context, seconds) in enumerate(log.steps):
+            verified = batch + drafts
+            key = (bucket_of(bounds, batch), k_of[log.config] if drafts else 0,
+                   "mixed" if prefill else "decode")
+            acc = sums.setdefault(key, [0.0] * 6)
+            for j, x in enumerate((1, batch, verified, context, seconds,
+                                   decode + prefill - verified)):
                 acc[j] += x
             elapsed += seconds
-            if elapsed < interval_seconds and i + 1 < len(rows):
+            if elapsed < interval_seconds and i + 1 < len(log.steps):
                 continue
-            for (bucket, k), (n, b, t, ctx, secs) in sums.items():
-                shape = StepShape(b / n, t / n, context_tokens=ctx / b)
-                cell = cells.setdefault((log.config, bucket, k), [0.0, 0.0, 0.0])
+            learnt = []
+            for (bucket, k, kind), (n, b, t, ctx, secs, pre) in sums.items():
+                shape = StepShape(b / n, t / n, context_tokens=ctx / b, prefill_tokens=pre / n)
+                cell = cells.setdefault((log.config, bucket, k, kind), [0.0, 0.0, 0.0])
                 cell[0] += n
                 cell[1] += model.predict(shape) * n
                 cell[2] += secs
-                model.observe(shape, secs / n, n)
+                learnt.append((shape, secs / n, n))
+            for shape, mean_seconds, n in learnt:
+                model.observe(shape, mean_seconds, n)
             sums.clear()
             elapsed = 0.0
 
@@ -197,15 +204,15 @@ def replay(logs: Sequence[StepLog], k_of: dict[str, int], interval_seconds: floa
         lo, hi = bucket_lower_size(bounds, bucket), bounds[bucket]
         return f"{lo}-{hi}" if hi > lo else str(hi)
 
-    return [(name, label(bucket), k, int(n), predicted / n, measured / n)
-            for (name, bucket, k), (n, predicted, measured) in sorted(cells.items())]
+    return [(name, label(bucket), k, kind, int(n), predicted / n, measured / n)
+            for (name, bucket, k, kind), (n, predicted, measured) in sorted(cells.items())]
 
 
-def replay_markdown(rows: Sequence[tuple[str, str, int, int, float, float]]) -> str:
-    lines = ["| configuration | batch | K | steps | predicted ms | measured ms | error |",
-             "|---|---|---|---|---|---|---|"]
-    for name, batch, k, n, predicted, measured in rows:
-        lines.append(f"| {name} | {batch} | {k} | {n} | {1e3 * predicted:.1f} | "
+def replay_markdown(rows: Sequence[tuple[str, str, int, str, int, float, float]]) -> str:
+    lines = ["| configuration | batch | K | steps of | n | predicted ms | measured ms | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, batch, k, kind, n, predicted, measured in rows:
+        lines.append(f"| {name} | {batch} | {k} | {kind} | {n} | {1e3 * predicted:.1f} | "
                      f"{1e3 * measured:.1f} | {100 * (predicted / measured - 1):+.1f}% |")
     return "\n".join(lines) + "\n"
 

@@ -146,8 +146,9 @@ class PluginConfig:
     cost differently (power limits, shared hosts), at most 200 printable characters."""
 
     step_profile: bool = True
-    """Time a few dummy target steps and drafter passes after the warm-up of an engine on
-    specpilot's scheduler (about 1-2 s; each shape the fastest of five) and send them in the
+    """Time a few dummy target steps (decode steps, and one that prefills a prompt chunk beside
+    them) and drafter passes after the warm-up of an engine on specpilot's scheduler (about
+    1-2 s; each shape the fastest of five) and send them in the
     hello, so the controller's cost model starts from this hardware (its prior centred on
     them, ``cost_prior_profile_center_steps``, and each a light observation,
     ``cost_prior_profile_weight_steps``): ``true`` or ``false``."""

@@ -285,14 +285,14 @@ def _load_tokenizer(path: str) -> TokenizerLike:
 
 @dataclass(frozen=True)
 class _TimedStep:
-    """A decode step's timing, before the passes its drafter ran are known: ``k`` the passes
-    asked."""
+    """A step's timing, before the passes its drafter ran are known: ``k`` the passes asked."""
 
     batch: int
     verified_tokens: int
     k: int
     seconds: float
     context_tokens: int | None
+    prefill_tokens: int
 
 
 class Pilot:
@@ -694,16 +694,17 @@ class Pilot:
             state.drafted += drafted
             state.accepted += accepted
         batch = len(scheduler_output.num_scheduled_tokens)
-        decode_tokens = batch + scheduled_drafts
-        # Only decode steps are timed: the cost model prices decode steps, and a step that also
-        # prefills is far longer (compute-bound), so averaging it in would skew every estimate.
-        if batch and scheduler_output.total_num_scheduled_tokens <= decode_tokens:
+        if batch:
+            # Every sequence verifies one token plus its drafts; a step's tokens beyond those are
+            # prompt chunks prefilled beside the decoding, priced by their own column.
+            total = scheduler_output.total_num_scheduled_tokens
+            verified = min(total, batch + scheduled_drafts)
             # The drafter drafted k passes for every sequence (cuts come after drafting), or
             # fewer where it stopped early.
             k = (scheduler_output.num_spec_tokens_to_schedule
                  if self.engine.max_k and not self._drafter_idle_now else 0)
-            step = _TimedStep(batch, scheduler_output.total_num_scheduled_tokens, k, seconds,
-                              step_context_tokens(scheduler_output))
+            step = _TimedStep(batch, verified, k, seconds, step_context_tokens(scheduler_output),
+                              total - verified)
             if k > 1 and isinstance(getattr(scheduler_output, STOP_ATTR, None), StopPlan):
                 # The drafter may stop early in the worker (whose process may be another): the
                 # width of the drafts it returns says how many passes ran.
@@ -720,7 +721,7 @@ class Pilot:
     def _time(self, step: _TimedStep, passes: int) -> None:
         self.stats.record_step(step.batch, step.verified_tokens, passes * step.batch,
                                self.engine.drafter if passes else "", passes, step.seconds,
-                               step.context_tokens)
+                               step.context_tokens, step.prefill_tokens)
 
     def after_output(self, requests: Mapping[str, RequestLike], req_ids: Collection[str],
                      running: int) -> None:

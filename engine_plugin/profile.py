@@ -1,11 +1,13 @@
-"""Start-up step profile: a few timed dummy decode steps, so the controller's step-cost model starts
-from this hardware instead of its generic prior.
+"""Start-up step profile: a few timed dummy decode steps and one step that prefills prompt tokens,
+so the controller's step-cost model starts from this hardware instead of its generic prior.
 
 Worker side: ``install_step_profile`` (from the general plugin's ``register``) wraps the worker's
 ``compile_or_warm_up_model``, which runs after the model is loaded and the KV cache exists. The
 wrapper times the runner's ``_dummy_run`` (a uniform decode batch: the target's forward and, for a
 model drafter, its passes; ``uniform_decode_query_len`` is set to 1 + K for the call and restored)
-at a few batch sizes x K, and the drafter's own ``dummy_run`` to price one draft pass, each the
+at a few batch sizes x K, one step that prefills (vLLM's own profiling batch: a full batch of
+sequences sharing ``PROFILE_PREFILL_TOKENS`` prompt tokens), and the drafter's own
+``dummy_run`` to price one draft pass, each the
 fastest of a few repeats (contention only ever adds time), within a time budget; torch's RNG state
 is restored afterwards, so serving is unaffected. The result reaches the scheduler side
 (``step_profile``), which puts it in the hello, through this module when the worker runs in the
@@ -55,6 +57,9 @@ PROFILE_KS = (0, 1, 2, 4)
 # model's length): the dummy steps' own context is ~0, so the cost model's context column is
 # identified before traffic only with a second length.
 PROFILE_CONTEXT_TOKENS = 512
+# The prompt tokens the profile's prefill step spreads over a full batch (capped by the engine's
+# token budget per step).
+PROFILE_PREFILL_TOKENS = 512
 _REPEATS = 5
 _WARM_UPS = 2  # first calls allocate, and the first shapes also wake the thread pool
 # A shape whose timed calls add up to this many seconds stops repeating after two: on a CPU the
@@ -122,12 +127,26 @@ def profile_plan(max_seqs: int, max_k: int, max_tokens: int,
 class RawProfile:
     """What the worker measured. ``steps``: (batch, K, seconds, context) of whole dummy decode
     steps, the drafter (if any) running all ``drafter_passes`` of its passes, each sequence over
-    ``context`` tokens of KV; ``pass_seconds``: (verified tokens, seconds of one drafter
-    pass)."""
+    ``context`` tokens of KV; ``pass_seconds``: (step tokens, seconds of one drafter pass);
+    ``mixed``: (sequences, prefill tokens, seconds) of whole dummy steps that prefill (each
+    sequence one token, the others prefill), the drafter running as in ``steps``."""
 
     drafter_passes: int
     steps: tuple[tuple[int, int, float, int], ...]
     pass_seconds: tuple[tuple[int, float], ...]
+    mixed: tuple[tuple[int, int, float], ...] = ()
+
+
+def mixed_shape(max_seqs: int, max_tokens: int) -> tuple[int, int, int]:
+    """(step tokens, sequences, prefill tokens) of the profile's prefill step: vLLM's dummy
+    batch of that many tokens (not a uniform decode batch) spreads them over up to ``max_seqs``
+    sequences, as its own memory profiling does; its prefill tokens are the step's beyond one a
+    sequence, as the plugin counts a live step's. Timed without attention metadata, as vLLM
+    profiles it: its linear layers, which a prompt chunk's time is mostly spent in. (With
+    ``force_attention``, or as vLLM's ``create_mixed_batch``, the CPU runner's worker crashes.)"""
+    tokens = min(max_tokens, PROFILE_PREFILL_TOKENS + max_seqs)
+    sequences = min(tokens, max_seqs)
+    return tokens, sequences, tokens - sequences
 
 
 _measured: RawProfile | None = None
@@ -155,7 +174,7 @@ def _hand_off(raw: RawProfile, data_parallel_rank: int) -> None:
     if path is None:
         return
     body = json.dumps({"drafter_passes": raw.drafter_passes, "steps": raw.steps,
-                       "pass_seconds": raw.pass_seconds})
+                       "pass_seconds": raw.pass_seconds, "mixed": raw.mixed})
     staging = f"{path}.{os.getpid()}.tmp"
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -175,7 +194,8 @@ def _take_hand_off(data_parallel_rank: int) -> RawProfile | None:
         return RawProfile(
             int(data["drafter_passes"]),
             tuple((int(b), int(k), float(s), int(c)) for b, k, s, c in data["steps"]),
-            tuple((int(t), float(s)) for t, s in data["pass_seconds"]))
+            tuple((int(t), float(s)) for t, s in data["pass_seconds"]),
+            tuple((int(b), int(p), float(s)) for b, p, s in data.get("mixed", ())))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("specpilot: the start-up step profile could not be read from %s (%s); the "
                     "controller keeps its prior", path, exc)
@@ -200,8 +220,8 @@ def _min_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
 
 def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawProfile:
     """Time dummy decode steps on ``runner`` (a vLLM GPU/CPU model runner) in the order of
-    ``profile_shapes``. Stops when the budget is spent; shapes beyond the engine's limits are
-    skipped."""
+    ``profile_plan``, after one step that prefills (``mixed_shape``).
+    Stops when the budget is spent; shapes beyond the engine's limits are skipped."""
     import torch
 
     spec = runner.speculative_config
@@ -216,11 +236,25 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
     shapes = profile_plan(max_seqs, passes, int(runner.max_num_tokens), max_len)
     started = time.perf_counter()
     steps: list[tuple[int, int, float, int]] = []
+    mixed: list[tuple[int, int, float]] = []
     pass_seconds: dict[int, float] = {}
     saved_q = runner.uniform_decode_query_len
     rng = torch.get_rng_state()
+
+    def time_passes(tokens: int) -> None:
+        if model_drafter and passes and tokens not in pass_seconds:
+            pass_seconds[tokens] = _min_seconds(partial(
+                drafter.dummy_run, tokens, use_cudagraphs=False)) / passes
+
     try:
         with torch.inference_mode():
+            # First, as one shape: prefill is a large share of a loaded engine's time, and the
+            # decode plan may spend the whole budget on a slow engine.
+            tokens, sequences, prefill = mixed_shape(max_seqs, int(runner.max_num_tokens))
+            if prefill > 0:
+                mixed.append((sequences, prefill, _min_seconds(partial(
+                    runner._dummy_run, tokens))))
+                time_passes(tokens)
             for b, k, context in shapes:
                 if time.perf_counter() - started > budget_seconds:
                     break
@@ -231,14 +265,12 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
                 steps.append((b, k, _min_seconds(partial(
                     runner._dummy_run, tokens, uniform_decode=True, force_attention=True,
                     **lengths)), context))
-                if model_drafter and passes and tokens not in pass_seconds:
-                    pass_seconds[tokens] = _min_seconds(partial(
-                        drafter.dummy_run, tokens, use_cudagraphs=False)) / passes
+                time_passes(tokens)
     finally:
         runner.uniform_decode_query_len = saved_q
         torch.set_rng_state(rng)
     return RawProfile(passes if model_drafter else 0, tuple(steps),
-                      tuple(sorted(pass_seconds.items())))
+                      tuple(sorted(pass_seconds.items())), tuple(mixed))
 
 
 def step_profile(drafter: str, data_parallel_rank: int = 0) -> tuple[StepProfile, ...]:
@@ -264,6 +296,12 @@ def step_profile(drafter: str, data_parallel_rank: int = 0) -> tuple[StepProfile
                                    context))
         else:
             out.append(StepProfile(b, tokens, "", 0, target_alone, context))
+    for b, prefill, seconds in raw.mixed:
+        tokens = b + prefill
+        if raw.drafter_passes and tokens not in per_pass:
+            continue
+        target_alone = seconds - raw.drafter_passes * per_pass.get(tokens, 0.0)
+        out.append(StepProfile(b, b, "", 0, target_alone, prefill_tokens=prefill))
     return tuple(p for p in out if p.seconds > 0)
 
 

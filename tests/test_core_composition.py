@@ -33,33 +33,40 @@ def test_the_one_formula_prices_the_cost_models_mean_everywhere() -> None:
     for _ in range(50):
         b, k = int(rng.integers(1, 33)), int(rng.integers(0, 5))
         context = float(rng.integers(10, 1000))
-        shape = StepShape(b, b * (1 + k), "m" if k else "", k, b * k, context)
+        prefill = float(rng.choice([0, 0, 256, 1024]))
+        shape = StepShape(b, b * (1 + k), "m" if k else "", k, b * k, context, prefill)
         model.observe(shape, 0.02 + 1e-4 * b * (1 + k) + 0.003 * k + 1e-8 * context * b * (1 + k)
-                      + rng.normal(0, 1e-4), 3)
+                      + 5e-4 * b * (k > 0) + 2e-4 * prefill + rng.normal(0, 1e-4), 3)
     mean = model.mean
     p = mean.pricing()
     verified = np.array([4.0, 40.0, 100.0, 400.0])
     passes = {"m": np.array([0.0, 1.0, 3.0, 4.0]), "m2": np.array([2.0, 0.0, 0.0, 1.0])}
     tokens = {"m": np.array([0.0, 8.0, 48.0, 128.0]), "m2": np.array([8.0, 0.0, 0.0, 32.0])}
     drafting = {d: (x > 0).astype(float) for d, x in passes.items()}
-    assert p.seconds_per_context_token > 0
-    context = 300.0
+    assert p.seconds_per_context_token > 0 and p.seconds_per_speculating_sequence > 0
+    context, prefill = 300.0, 128.0
+    verified[0] = 12.0  # a step without drafts: no speculating sequences
     want = (p.base_seconds + p.seconds_per_sequence * 12.0 + p.seconds_per_token * verified
             + p.seconds_per_context_token * context * verified
+            + p.seconds_per_speculating_sequence * 12.0 * (verified > 12.0)
+            + p.seconds_per_prefill_token * prefill
             + sum(a * np.maximum(0.0, verified - knot)
                   for knot, a in zip(p.knot_tokens, p.seconds_per_token_above, strict=True))
             + sum(d.fixed_seconds * drafting[name] + d.seconds_per_pass * passes[name]
                   + d.seconds_per_token * tokens[name] for name, d in p.drafts.items()))
-    assert np.allclose(p.seconds(12.0, verified, passes, tokens, context), want, rtol=1e-12)
+    assert np.allclose(p.seconds(12.0, verified, passes, tokens, context, prefill), want,
+                       rtol=1e-12)
     assert mean.extent is not None
     timed = verified <= mean.extent.tokens  # the largest step observed
+    decode_only = want - p.seconds_per_prefill_token * prefill  # what the policy prices
     assert np.allclose(mean.predict_mixed(12.0, verified, drafting, passes, tokens,
-                                          context_tokens=context)[timed], want[timed],
+                                          context_tokens=context)[timed], decode_only[timed],
                        rtol=1e-12)
     for name, b, k in (("m", 1, 0), ("m", 8, 3), ("m2", 32, 4), ("m2", 64, 2)):
-        row = model.features(StepShape(b, b * (1 + k), name if k else "", k, b * k, context))
+        row = model.features(StepShape(b, b * (1 + k), name if k else "", k, b * k, context,
+                                       prefill))
         priced = p.seconds(b, np.array([b * (1.0 + k)]), {name: np.array([float(k)])},
-                           {name: np.array([b * float(k)])}, context)
+                           {name: np.array([b * float(k)])}, context, prefill)
         assert float(row @ mean.theta) == pytest.approx(float(priced[0]), rel=1e-12)
 
 

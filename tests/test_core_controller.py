@@ -101,6 +101,10 @@ BAD_REPORTS = {
         0, "d", 3, 100, 100, 400, 300, 3.0, -5),)),
     "more context than sequences x the longest window": replace(_good(), step_timings=(
         StepTimingRecord(0, "d", 3, 100, 100, 400, 300, 3.0, 100 * 2**24 + 1),)),
+    "negative prefill": replace(_good(), step_timings=(StepTimingRecord(
+        0, "d", 3, 100, 100, 400, 300, 3.0, 0, -1),)),
+    "more prefill than steps x the longest window": replace(_good(), step_timings=(
+        StepTimingRecord(0, "d", 3, 100, 100, 400, 300, 3.0, 0, 100 * 2**24 + 1),)),
 }
 
 EXPECTED_FIELD = {
@@ -123,6 +127,8 @@ EXPECTED_FIELD = {
     "nan context": "step_timings[0].sum_context_tokens: must be a finite",
     "negative context": "step_timings[0].sum_context_tokens: must be a whole number",
     "more context than sequences x the longest window": "step_timings[0].sum_context_tokens",
+    "negative prefill": "step_timings[0].sum_prefill_tokens: must be a whole number",
+    "more prefill than steps x the longest window": "step_timings[0].sum_prefill_tokens",
 }
 IMPLAUSIBLE = {k for k in BAD_REPORTS if k.startswith(("a step", "more", "sums", "interval",
                                                          "records"))}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from specpilot.contract.pricing import DRAFT_COLUMNS, TARGET_COLUMNS
 from specpilot.controller.core.cost_model import (
     CostChangeTest,
     CostEvidence,
@@ -163,7 +164,7 @@ def test_new_drafts_keep_the_evidence_so_far() -> None:
         model.observe(StepShape.for_arm(8, 0, "", False), 0.05, 100)
     before = model.predict_arm(8, 0, "", False)
     model.ensure_drafts(["d", "other"])
-    assert model.n_features == 4 + len(KNOTS) + 2 * 3  # fixed, per pass, per token per draft
+    assert model.n_features == TARGET_COLUMNS + len(KNOTS) + 2 * DRAFT_COLUMNS
     assert model.predict_arm(8, 0, "", False) == pytest.approx(before, rel=1e-6)
 
 
@@ -442,3 +443,39 @@ def test_a_shape_beyond_those_timed_is_priced_from_their_edge_never_cheaper() ->
     assert mean.extent is not None and (mean.extent.batch_size, mean.extent.tokens) == (8, 24)
     inside = StepShape.for_arm(8, 2, "d", True)
     assert mean.predict(inside) == pytest.approx(float(model.features(inside) @ mean.theta))
+
+
+def _speculative_truth(batch: float, verified: float, prefill: float, overhead: float) -> float:
+    """A deterministic drafter's engine: a step that verifies drafts at all pays ``overhead`` a
+    sequence (its draft positions prepared, the rejection sampler run); prefill is linear."""
+    return (0.02 + 3e-4 * batch + 4e-4 * verified + overhead * batch * (verified > batch)
+            + 2.5e-4 * prefill)
+
+
+def _fit_speculative_steps(overhead: float) -> StepCostModel:
+    rng = np.random.default_rng(3)
+    model = _model()
+    for _ in range(400):
+        batch = float(rng.choice([1, 2, 4, 8, 16, 32]))
+        drafts = float(rng.choice([0.0, 0.5, 1.0, 2.0, 3.0]))  # mean drafts a sequence verifies
+        prefill = float(rng.choice([0, 0, 0, 200, 900]))
+        shape = StepShape(batch, batch * (1 + drafts), prefill_tokens=prefill)
+        truth = _speculative_truth(batch, shape.verified_tokens, prefill, overhead)
+        model.observe(shape, truth * (1 + 0.01 * rng.standard_normal()), 20)
+    return model
+
+
+def test_speculating_sequences_and_prefill_are_priced_by_their_own_columns() -> None:
+    """Steps of a drafter whose drafts cost nothing to propose, some carrying a prompt chunk:
+    the fit recovers the cost a speculating sequence adds and a prefill token's price, and
+    prices decode, speculative and mixed steps at a batch size between those timed. The
+    control: an engine without that overhead is fitted none."""
+    from specpilot.contract.pricing import PREFILL_COLUMN, SPECULATING_COLUMN
+
+    model = _fit_speculative_steps(overhead=1.5e-3)
+    assert model.theta[SPECULATING_COLUMN] == pytest.approx(1.5e-3, rel=0.1)
+    assert model.theta[PREFILL_COLUMN] == pytest.approx(2.5e-4, rel=0.05)
+    for verified, prefill in ((24.0, 0.0), (24.0 * 3, 0.0), (24.0 * 2, 500.0)):
+        assert model.predict(StepShape(24.0, verified, prefill_tokens=prefill)) == pytest.approx(
+            _speculative_truth(24.0, verified, prefill, 1.5e-3), rel=0.03)
+    assert abs(_fit_speculative_steps(overhead=0.0).theta[SPECULATING_COLUMN]) < 1.5e-4

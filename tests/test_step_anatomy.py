@@ -30,26 +30,31 @@ def test_a_step_that_prefills_a_chunk_is_mixed_and_one_that_verifies_drafts_is_n
 
 
 def test_the_replay_prices_steps_of_a_linear_engine_closely_once_it_has_seen_them() -> None:
-    """Steps whose time is exactly 20 ms + 1.5 ms per verified token: the model, fed them one
-    report at a time, prices the bulk of them within a few percent; a control whose times jump
-    past what it learnt (the last quarter three times dearer) is priced far off."""
+    """Steps whose time is exactly 20 ms + 1.5 ms per verified token + 0.25 ms per prefilled
+    token, every tenth one prefilling a 300-token chunk: the model, fed them one report at a
+    time, prices the bulk of them, decode-only and mixed, within a few percent; a control whose
+    times jump past what it learnt (the last quarter three times dearer) is priced far off."""
     def log(name: str, jump: bool) -> StepLog:
         out = StepLog(name, 0)
         for i in range(800):
             batch = 12
             drafts = 18 if i % 2 else 0
             tokens = batch + drafts
-            seconds = 0.020 + 0.0015 * tokens
+            prefill = 300 if i % 10 == 3 else 0
+            seconds = 0.020 + 0.0015 * tokens + 0.00025 * prefill
             if jump and i >= 600:
                 seconds *= 3
-            out.steps.append((batch, tokens, 0, drafts, batch * 500, seconds))
+            decode = tokens - (1 if prefill else 0)  # the prefilling request's chunk is apart
+            out.steps.append((batch, decode, prefill + (1 if prefill else 0), drafts,
+                              batch * 500, seconds))
         return out
 
-    def errors(jump: bool) -> dict[int, float]:
+    def errors(jump: bool) -> dict[tuple[int, str], float]:
         rows = replay([log("suffix:4", jump)], {"suffix:4": 4})
-        return {k: predicted / measured - 1 for _, _, k, _, predicted, measured in rows}
+        return {(k, kind): predicted / measured - 1
+                for _, _, k, kind, _, predicted, measured in rows}
 
     steady = errors(False)
-    assert set(steady) == {0, 4}
+    assert set(steady) == {(0, "decode"), (4, "decode"), (4, "mixed")}
     assert all(abs(e) < 0.05 for e in steady.values())
     assert any(abs(e) > 0.2 for e in errors(True).values())

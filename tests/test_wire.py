@@ -53,7 +53,7 @@ REPORT = EngineReport(
     sequence=9, interval_seconds=1.5, policy_version=4,
     acceptance=(AcceptanceRecord("chat", "d1", 2, (3, 4, 5), counterfactual=True),),
     finished=(RequestSummaryRecord("chat", "d1", 11, 22, 33, 30, 0.75),),
-    step_timings=(StepTimingRecord(2, "d1", 2, 10, 40, 120, 80, 0.5, 40 * 600),),
+    step_timings=(StepTimingRecord(2, "d1", 2, 10, 40, 120, 80, 0.5, 40 * 600, 3 * 512),),
     records_dropped=6, running_requests=7,
     confidence=(ConfidenceRecord("chat", "d1", 2, (1, 2, 3, 4, 5, 6, 7, 8),
                                  (1, 1, 2, 3, 4, 5, 6, 7), transformed=True),),

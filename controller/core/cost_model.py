@@ -2,11 +2,14 @@
 work, fitted online from the engine's step timings.
 
     t = c0 + c_B * B + c_T * T + sum_j c_j * max(0, T - knot_j) + c_L * L * T
+        + c_S * B * [T > B] + c_P * P
         + sum_d (f_d * [d drafts] + p_d * passes_d + q_d * draft_tokens_d)
 
 (the formula, and the layout of its weights as one vector, are ``specpilot.contract.pricing``'s)
 where B is the batch size, T the tokens the target verifies (B plus the drafts), L the mean
-context per sequence (the KV tokens each verified token attends to), the hinge terms
+context per sequence (the KV tokens each verified token attends to), [T > B] whether the step
+verifies drafts at all (its sequences' draft positions prepared and the rejection sampler run,
+whatever the drafter), P the prompt tokens the step prefills beside its decoding, the hinge terms
 let the slope per token rise where the step turns from memory-bound to compute-bound, and each
 model draft d adds a fixed cost whenever it drafts at all (its input preparation, the rejection
 sampler's set-up, the bookkeeping of a speculative step: on this CPU about 2.5 ms at batch 1, as
@@ -51,6 +54,7 @@ import numpy.typing as npt
 from specpilot.contract.pricing import (
     CONTEXT_COLUMN,
     MIN_STEP_SECONDS,
+    PREFILL_COLUMN,
     DraftPricing,
     FloatArray,
     PricingArrays,
@@ -75,6 +79,12 @@ _NOISE_PRIOR_REPORTS = 2.0
 # The context the prior's virtual steps are read at for the context column's own weight,
 # tokens per sequence: a few hundred, where attention starts to matter.
 _PRIOR_CONTEXT_TOKENS = 512.0
+# The prefill column's own prior: as firm as this many virtual steps of this many prefill tokens
+# each. Light: a prompt token's price differs by orders of magnitude between a CPU and a GPU, and
+# held as firmly as the other weights' prior (the design's 20 steps) the prior's price outweighed
+# a thousand live steps of short prompts, and the other columns bent to make up for it.
+_PRIOR_PREFILL_TOKENS = 512.0
+_PRIOR_PREFILL_STEPS = 1.0
 
 
 @dataclass(frozen=True)
@@ -282,6 +292,7 @@ class StepShape:
     draft_passes: float = 0.0
     draft_tokens: float = 0.0
     context_tokens: float = 0.0  # mean KV length per sequence before the step; 0: unknown
+    prefill_tokens: float = 0.0  # prompt tokens prefilled beside the decoding
 
     @classmethod
     def for_arm(cls, batch_size: int, k: int, draft: str, draft_is_model: bool,
@@ -502,7 +513,7 @@ class StepCostModel:
     def features(self, shape: StepShape) -> FloatArray:
         return self.columns.features(shape.batch_size, shape.verified_tokens, shape.draft,
                                      shape.draft_passes, shape.draft_tokens,
-                                     shape.context_tokens)
+                                     shape.context_tokens, shape.prefill_tokens)
 
     def _prior_theta(self) -> FloatArray:
         p = self.prior
@@ -510,9 +521,12 @@ class StepCostModel:
         above[self.knot_tokens.index(p.ridge_tokens)] = p.seconds_per_token_above_ridge
         draft = DraftPricing(p.draft_seconds_fixed, p.draft_seconds_per_pass,
                              p.draft_seconds_per_token)
+        # Prefill is compute-bound: a prompt token is priced as a verified token above the
+        # ridge. A speculating sequence starts at nothing; the profile and live steps price it.
         return self.columns.weights(p.base_seconds, 0.0, p.seconds_per_token, above,
                                     dict.fromkeys(self.drafts, draft),
-                                    p.seconds_per_context_token)
+                                    p.seconds_per_context_token, 0.0,
+                                    p.seconds_per_token + p.seconds_per_token_above_ridge)
 
     def _rebuild_prior(self) -> None:
         """Prior information = ``strength_steps`` virtual steps spread over a design of shapes."""
@@ -533,6 +547,9 @@ class StepCostModel:
         xs[:, CONTEXT_COLUMN] = 0.0
         self._prior_a = w * xs.T @ xs + _RIDGE * np.diag(scale**2)
         self._prior_a[CONTEXT_COLUMN, CONTEXT_COLUMN] += w * float(context @ context)
+        # The prefill column's prior is its own too (no design shape prefills).
+        self._prior_a[PREFILL_COLUMN, PREFILL_COLUMN] += (
+            _PRIOR_PREFILL_STEPS * _PRIOR_PREFILL_TOKENS**2)
         # In a step that verifies every token it drafted (every arm) a verified token and a
         # drafted one come together, so their split, and the per-sequence weight with it, is in
         # no such step's time: it is the prior's, held as firmly as the prior holds the rest,
@@ -624,7 +641,8 @@ class StepCostModel:
         self._own.forget_along(x, 1.0 - 2.0 ** (-steps / self.half_life_steps))
         if shape.verified_tokens > shape.batch_size or shape.draft_passes > 0:
             plain = self.predict(StepShape(shape.batch_size, shape.batch_size,
-                                           context_tokens=shape.context_tokens))
+                                           context_tokens=shape.context_tokens,
+                                           prefill_tokens=shape.prefill_tokens))
             ratio = mean_step_seconds / plain
             lo, hi = self._ratio_range or (ratio, ratio)
             self._ratio_range = (min(lo, ratio), max(hi, ratio))

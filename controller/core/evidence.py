@@ -111,7 +111,8 @@ class Evidence:
         are skipped (their passes have no cost column)."""
         self.cost.ensure_drafts(n for n, d in accepted.items() if d.kind is DraftKind.MODEL)
         points = [(StepShape(p.batch_size, p.verified_tokens, p.draft, p.draft_passes,
-                             p.batch_size * p.draft_passes, p.context_tokens), p.seconds)
+                             p.batch_size * p.draft_passes, p.context_tokens, p.prefill_tokens),
+                   p.seconds)
                   for p in hello.step_profile
                   if not p.draft or (p.draft in accepted
                                      and accepted[p.draft].kind is DraftKind.MODEL)]
@@ -219,6 +220,7 @@ class Evidence:
                 draft_tokens=st.sum_draft_tokens / st.steps if is_model else 0.0,
                 # 0 (unknown, from older plugins) leaves the context column unread.
                 context_tokens=st.sum_context_tokens / st.sum_batch_size,
+                prefill_tokens=st.sum_prefill_tokens / st.steps,
             )
             measured = st.sum_step_seconds / st.steps
             self._bucket_seen[st.batch_bucket] = now

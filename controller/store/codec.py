@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from specpilot.contract.pricing import CONTEXT_COLUMN
 from specpilot.contract.records import (
     ArmFigures,
     Decision,
@@ -34,9 +33,11 @@ from specpilot.controller.core.recommend import (
 
 # Bumped when the stored shape changes; a record of another version is skipped, not misread.
 FORMAT = 1
-# Step-cost records: 2 since the cost model's context column (each vector one longer, the column
-# at CONTEXT_COLUMN); format-1 records are read by inserting it empty.
-COSTS_FORMAT = 2
+# Step-cost records: 3 since the cost model's speculating-sequence and prefill columns. Records
+# of earlier formats are skipped, not migrated: their speculative steps' cost per sequence is
+# spread over the other columns, which no empty column can undo (the engine's next minutes of
+# steps price them again).
+COSTS_FORMAT = 3
 T = TypeVar("T")
 
 
@@ -106,10 +107,8 @@ def costs_to_json(export: CostExport) -> str:
 
 
 def costs_from_json(text: str | bytes) -> CostExport:
-    """StoredRecordError for anything but a well-formed step-cost export (finite numbers, an
-    information matrix of the size its knots and drafts give). A format-1 record (from before
-    the context column) comes back with that column empty: its steps were reported without
-    context, which is what an empty column says, so the migration is exact."""
+    """StoredRecordError for anything but a well-formed step-cost export of ``COSTS_FORMAT``
+    (finite numbers, an information matrix of the size its knots and drafts give)."""
     def build(raw: dict[str, Any]) -> CostExport:
         times = np.asarray(raw["weighted_times"], dtype=np.float64)
         upper = np.asarray(raw["information_upper"], dtype=np.float64)
@@ -120,10 +119,6 @@ def costs_from_json(text: str | bytes) -> CostExport:
         information = np.zeros((n, n))
         information[np.triu_indices(n)] = upper
         information = information + np.triu(information, 1).T
-        if raw["format"] == 1:
-            times = np.insert(times, CONTEXT_COLUMN, 0.0)
-            information = np.insert(np.insert(information, CONTEXT_COLUMN, 0.0, axis=0),
-                                    CONTEXT_COLUMN, 0.0, axis=1)
         evidence = CostEvidence(
             tuple(str(d) for d in raw["drafts"]), tuple(int(k) for k in raw["knots"]),
             information, times,
@@ -131,7 +126,7 @@ def costs_from_json(text: str | bytes) -> CostExport:
             _finite(raw["steps"], "steps"))
         return CostExport(str(raw["sidecar"]), _finite(raw["at"], "at"), str(raw["hardware"]),
                           evidence)
-    return _parse(text, "step-cost", build, (1, COSTS_FORMAT))
+    return _parse(text, "step-cost", build, (COSTS_FORMAT,))
 
 
 def override_to_json(ov: Override) -> str:

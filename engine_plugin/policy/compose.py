@@ -20,8 +20,10 @@ from specpilot.contract.pricing import Arm, Composition, FloatArray
 from specpilot.contract.records import Reason
 
 OFF: Arm = ("", 0)
-# Coordinate-ascent sweeps over the adjustable classes of a step (it stops when none moves).
-_SWEEPS = 2
+# At most this many coordinate-ascent sweeps over the adjustable classes of a step. It stops
+# when none moves (every move raises the step's rate, so it ends); two sweeps were not always
+# enough to get there, and the search runs once per distinct step (``StepComposer``).
+_SWEEPS = 8
 # Context grid points per doubling that a step's context is priced at (``StepComposer``).
 _CONTEXT_GRID = 8
 

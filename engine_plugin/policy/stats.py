@@ -62,6 +62,7 @@ class BatchStepSums:
     sum_draft_tokens: int
     sum_step_seconds: float
     sum_context_tokens: int | None = None  # None: some step's context was unknown
+    sum_prefill_tokens: int = 0  # prompt tokens prefilled beside the decoding
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class ReportPayload:
         merged: dict[tuple[int, str, int], list[float]] = {}
         for s in self.step_sums:
             m = merged.setdefault((bucket_of(bucket_bounds, s.batch_size), s.draft, s.k),
-                                  [0, 0, 0, 0, 0.0, 0, 0])
+                                  [0, 0, 0, 0, 0.0, 0, 0, 0])
             m[0] += s.steps
             m[1] += s.steps * s.batch_size
             m[2] += s.sum_verified_tokens
@@ -106,11 +107,12 @@ class ReportPayload:
             m[4] += s.sum_step_seconds
             m[5] += s.sum_context_tokens or 0
             m[6] += s.sum_context_tokens is None  # sums with a step of unknown context
+            m[7] += s.sum_prefill_tokens
         # A bucket's context is known only if every one of its steps' was: a sum that left
         # some out would read as shorter contexts than ran. On the wire 0 says unknown.
         return tuple(
             StepTimingRecord(bucket, draft, k, int(m[0]), int(m[1]), int(m[2]), int(m[3]),
-                             float(m[4]), 0 if m[6] else int(m[5]))
+                             float(m[4]), 0 if m[6] else int(m[5]), int(m[7]))
             for (bucket, draft, k), m in sorted(merged.items())
         )
 
@@ -174,7 +176,8 @@ class StatsAggregator:
         self._acc: dict[tuple[str, str, int, bool], list[int]] = {}
         # (class, draft, position, transformed) -> tried per bucket, then accepted per bucket
         self._conf: dict[tuple[str, str, int, bool], list[int]] = {}
-        # (batch size, draft, k) -> [steps, sum verified tokens, sum draft tokens, sum seconds]
+        # (batch size, draft, k) -> [steps, sum verified tokens, sum draft tokens, sum seconds,
+        # sum context tokens, steps of unknown context, sum prefill tokens]
         self._steps: dict[tuple[int, str, int], list[float]] = {}
         self._finished: list[RequestSummaryRecord] = []
         self._ignored = 0
@@ -226,11 +229,13 @@ class StatsAggregator:
             self._ignored += 1
 
     def record_step(self, batch_size: int, verified_tokens: int, draft_tokens: int, draft: str,
-                    k: int, seconds: float, context_tokens: int | None = None) -> None:
+                    k: int, seconds: float, context_tokens: int | None = None,
+                    prefill_tokens: int = 0) -> None:
         """One engine step: ``batch_size`` sequences, ``verified_tokens`` tokens verified by the
         target (one per sequence plus its drafts), ``draft_tokens`` proposed by the drafter, the
-        largest K scheduled, the step's wall time including drafting, seconds, and the tokens
-        its sequences' KV caches held before it, summed (None: unknown)."""
+        largest K scheduled, the step's wall time including drafting, seconds, the tokens its
+        sequences' KV caches held before it, summed (None: unknown), and the prompt tokens it
+        prefilled beside its decoding."""
         try:
             sums = self._steps.get((batch_size, draft, k))
             if sums is None:
@@ -240,13 +245,15 @@ class StatsAggregator:
                     return
             if (verified_tokens >= batch_size and draft_tokens >= 0 and 0.0 <= seconds < _INF
                     and (context_tokens is None
-                         or (type(context_tokens) is int and context_tokens >= 0))):
+                         or (type(context_tokens) is int and context_tokens >= 0))
+                    and type(prefill_tokens) is int and prefill_tokens >= 0):
                 sums[0] += 1
                 sums[1] += verified_tokens
                 sums[2] += draft_tokens
                 sums[3] += seconds
                 sums[4] += context_tokens or 0
                 sums[5] += context_tokens is None
+                sums[6] += prefill_tokens
             else:
                 self._ignored += 1
         except Exception:
@@ -292,18 +299,20 @@ class StatsAggregator:
         )
         # With k = 0 no draft runs, whatever the caller named: merge those keys.
         merged: dict[tuple[int, str, int], list[float]] = {}
-        for (batch, draft, k), (n, verified, drafted, seconds, context, unknown) in steps.items():
+        for (batch, draft, k), (n, verified, drafted, seconds, context, unknown,
+                                prefill) in steps.items():
             if n:
-                m = merged.setdefault((batch, draft if k else "", k), [0, 0, 0, 0.0, 0, 0])
+                m = merged.setdefault((batch, draft if k else "", k), [0, 0, 0, 0.0, 0, 0, 0])
                 m[0] += n
                 m[1] += verified
                 m[2] += drafted
                 m[3] += seconds
                 m[4] += context
                 m[5] += unknown
+                m[6] += prefill
         sums = tuple(
             BatchStepSums(batch, draft, k, int(m[0]), int(m[1]), int(m[2]), float(m[3]),
-                          None if m[5] else int(m[4]))
+                          None if m[5] else int(m[4]), int(m[6]))
             for (batch, draft, k), m in sorted(merged.items())
         )
         try:
@@ -360,7 +369,7 @@ class StatsAggregator:
                 or not self._draft_ok(draft, allow_empty=True)
                 or len(self._steps) >= self.max_keys):
             return None
-        # steps, verified, drafted, seconds, context, steps of unknown context
-        sums: list[float] = [0, 0, 0, 0.0, 0, 0]
+        # steps, verified, drafted, seconds, context, steps of unknown context, prefill
+        sums: list[float] = [0, 0, 0, 0.0, 0, 0, 0]
         self._steps[(batch_size, draft, k)] = sums
         return sums

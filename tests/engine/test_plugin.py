@@ -450,9 +450,10 @@ def test_batch_max_skips_draft_passes_for_ngram_requests(
 @pytest.mark.parametrize("executor", ["uni", "mp"])
 def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: ControllerThread,
                                                  baseline: list[list[int]], executor: str) -> None:
-    """The worker times a few dummy decode steps after warm-up; the hello carries them; the
-    serving is unaffected (greedy outputs identical to no speculation). ``mp``: the worker runs
-    in a process of its own (as under ``vllm serve``) and hands the profile off through a file."""
+    """The worker times a few dummy decode steps and one that prefills a prompt chunk beside
+    them after warm-up; the hello carries them; the serving is unaffected (greedy outputs
+    identical to no speculation). ``mp``: the worker runs in a process of its own (as under
+    ``vllm serve``) and hands the profile off through a file."""
     seen: list[Any] = []
 
     def spy(core: ControllerCore) -> None:
@@ -477,7 +478,10 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
         out = llm.generate(PROMPTS, params("chat"), use_tqdm=False)
     assert token_ids(out) == baseline
     hello = seen[-1]
-    points = {(p.batch_size, p.draft_passes): p for p in hello.step_profile}
+    (mixed,) = [p for p in hello.step_profile if p.prefill_tokens]
+    assert (mixed.batch_size, mixed.verified_tokens, mixed.draft) == (64, 64, "")
+    points = {(p.batch_size, p.draft_passes): p for p in hello.step_profile
+              if not p.prefill_tokens}
     print(f"engine built in {built:.1f} s; profile: " + ", ".join(
         f"B={b} passes={k}: {p.seconds * 1e3:.2f} ms" for (b, k), p in sorted(points.items())))
     assert (1, 0) in points and (1, 4) in points and len(points) >= 4

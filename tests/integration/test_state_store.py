@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks.redis_servers import RedisCluster, RedisServer
-from specpilot.contract.pricing import CONTEXT_COLUMN
+from specpilot.contract.pricing import DRAFT_COLUMNS, TARGET_COLUMNS
 from specpilot.contract.records import Decision, DecisionEvent, Override, OverrideScope, Reason
 from specpilot.controller.core.cost_model import CostEvidence
 from specpilot.controller.core.fleet import CostExport, EvidenceEntry, EvidenceExport
@@ -220,7 +220,7 @@ async def test_engine_options_round_trip_and_age_out(
 
 
 def _costs(sidecar: str, at: float, scale: float = 1.0) -> CostExport:
-    n = 4 + 2 + 3  # the target's four columns (context among them), two knots, one draft
+    n = TARGET_COLUMNS + 2 + DRAFT_COLUMNS  # the target's columns, two knots, one draft
     x = np.arange(1.0, n + 1)
     return CostExport(sidecar, at, "gpu tp1 pp1 bfloat16", CostEvidence(
         ("d",), (16, 32), scale * np.outer(x, x), np.asarray(scale * 0.01 * x), scale * 1e-4,
@@ -255,48 +255,37 @@ async def test_step_cost_exports_round_trip_and_age_out(
     assert [c.sidecar for c in await store.costs(model, since=0.0)] == ["b"]
 
 
-def _format_1_costs_json(sidecar: str, context_column: bool = False) -> str:
-    """A step-cost record as stored before the context column: format 1, the target's three
-    columns (base, batch, tokens), two knots, one draft; with ``context_column`` a format-1
-    record of today's length, which no writer made."""
+def _older_costs_json(sidecar: str, fmt: int) -> str:
+    """A step-cost record as an older sidecar stored it: format ``fmt`` (1: before the context
+    column, 2: before the speculating-sequence and prefill columns), its vectors that much
+    shorter."""
     raw = json.loads(costs_to_json(_costs(sidecar, 100.0)))
-    if not context_column:
-        n = len(raw["weighted_times"]) - 1
-        x = np.delete(np.arange(1.0, n + 2), CONTEXT_COLUMN)
-        raw["information_upper"] = np.outer(x, x)[np.triu_indices(n)].tolist()
-        raw["weighted_times"] = (0.01 * x).tolist()
-    raw["format"] = 1
+    n = len(raw["weighted_times"]) - (3 if fmt == 1 else 2)
+    x = np.arange(1.0, n + 1)
+    raw["information_upper"] = np.outer(x, x)[np.triu_indices(n)].tolist()
+    raw["weighted_times"] = (0.01 * x).tolist()
+    raw["format"] = fmt
     return json.dumps(raw)
 
 
-async def test_a_step_cost_record_from_before_the_context_column_is_read_with_it_empty(
+async def test_a_step_cost_record_of_an_older_or_unknown_format_is_skipped(
         redis_server: RedisServer) -> None:
-    """Older sidecars' (and a restart's) stored step costs have one column fewer: they are
-    migrated exactly (their steps carried no context, so the column is all zero), the other
-    numbers in their places; a record of an unknown format, or a format-1 record of the new
-    length, is skipped, never misread."""
+    """Older sidecars' stored step costs lack columns whose costs their other columns absorbed
+    (no empty column undoes that): skipped, as a record of an unknown format is, never misread;
+    a current record beside them is read."""
     store = RedisStore.from_url(redis_server.url)
     tag = model_tag("old-costs")
     try:
         for sidecar in ("a", "b", "c", "d"):
             await store.put_evidence("old-costs", _export(sidecar, 100.0, 1.0), ttl_seconds=60)
         await store.put_costs("old-costs", _costs("a", 100.0), ttl_seconds=60)
-        redis_server.cli("SET", f"specpilot:{tag}:costs:b", _format_1_costs_json("b"))
-        redis_server.cli("SET", f"specpilot:{tag}:costs:c",
-                         _format_1_costs_json("c", context_column=True))
+        redis_server.cli("SET", f"specpilot:{tag}:costs:b", _older_costs_json("b", 1))
+        redis_server.cli("SET", f"specpilot:{tag}:costs:c", _older_costs_json("c", 2))
         future = json.loads(costs_to_json(_costs("d", 100.0)))
         future["format"] = 99
         redis_server.cli("SET", f"specpilot:{tag}:costs:d", json.dumps(future))
         got = {c.sidecar: c.evidence for c in await store.costs("old-costs", since=0.0)}
-        assert sorted(got) == ["a", "b"]
-        old, new = got["b"], got["a"]
-        assert np.all(old.information[CONTEXT_COLUMN] == 0.0)
-        assert np.all(old.information[:, CONTEXT_COLUMN] == 0.0)
-        assert old.weighted_times[CONTEXT_COLUMN] == 0.0
-        rest = np.delete(np.arange(new.weighted_times.size), CONTEXT_COLUMN)
-        assert np.array_equal(old.information[np.ix_(rest, rest)],
-                              new.information[np.ix_(rest, rest)])
-        assert np.array_equal(old.weighted_times[rest], new.weighted_times[rest])
-        assert (old.drafts, old.knots, old.steps) == (new.drafts, new.knots, new.steps)
+        assert sorted(got) == ["a"]
+        assert np.array_equal(got["a"].information, _costs("a", 100.0).evidence.information)
     finally:
         await store.close()

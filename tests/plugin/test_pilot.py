@@ -637,6 +637,34 @@ def test_a_decode_steps_timing_carries_the_context_its_requests_held() -> None:
     assert step_context(False) == (1, None)
 
 
+def test_a_step_that_prefills_a_chunk_is_timed_with_its_prefill_tokens() -> None:
+    """Every sequence of a step verifies one token plus its drafts; the step's other tokens are
+    a prompt chunk prefilled beside them, timed with the decode steps under their own count
+    (the cost model's prefill column). The control: a decode-only step counts none."""
+    config = PluginConfig(k_mode="per_request", ngram_drafts=False, suffix_drafts=False)
+
+    def timed(tokens: dict[int, int]) -> tuple[int, int, int, int]:
+        pilot = Pilot(engine(), config, Classifier(), announce(engine(), config, load))
+        requests = list(_batch(pilot, ["a", "a", "a"]))
+        pilot.on_schedule_start()
+        output = SimpleNamespace(
+            num_scheduled_tokens={requests[i]: n for i, n in tokens.items()},
+            total_num_scheduled_tokens=sum(tokens.values()),
+            scheduled_spec_decode_tokens={requests[0]: [5, 6]}, num_invalid_spec_tokens=None,
+            num_spec_tokens_to_schedule=2, scheduled_cached_reqs=SimpleNamespace(
+                num_computed_tokens=[40, 70, 0][:len(tokens)]), scheduled_new_reqs=[])
+        sampled = SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(requests)},
+                                  sampled_token_ids=[[9, 5], [9], []])
+        pilot.on_output(output, sampled)
+        (sums,) = pilot.stats.drain(running_requests=3).step_sums
+        pilot.close()
+        return sums.steps, sums.batch_size, sums.sum_verified_tokens, sums.sum_prefill_tokens
+
+    # r0 verifies 1 + 2 drafts, r1 decodes one token, r2 prefills a 300-token chunk.
+    assert timed({0: 3, 1: 1, 2: 300}) == (1, 3, 5, 299)  # r2: one token, 299 prefill
+    assert timed({0: 3, 1: 1}) == (1, 2, 4, 0)
+
+
 def test_a_step_whose_drafter_may_stop_is_timed_at_its_drafts_width() -> None:
     """A step with a stop plan is timed once its drafts arrive, at their width (the passes the
     drafter ran, in whichever process the worker runs): K=1, one draft token per sequence, not

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from specpilot.engine_plugin.profile import (
     PROFILE_BATCH_SIZES,
     PROFILE_KS,
     RawProfile,
+    mixed_shape,
     profile_batch_sizes,
     profile_plan,
     profile_shapes,
@@ -95,10 +97,12 @@ class _Runner:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, int | None]] = []
+        self.forced: list[bool] = []  # force_attention, per call
 
     def _dummy_run(self, num_tokens: int, uniform_decode: bool = False,
                    force_attention: bool = False, profile_seq_lens: int | None = None) -> None:
         self.calls.append((num_tokens, profile_seq_lens))
+        self.forced.append(force_attention)
 
 
 def test_the_ends_are_timed_again_at_a_long_context(measured: None) -> None:
@@ -112,3 +116,32 @@ def test_the_ends_are_timed_again_at_a_long_context(measured: None) -> None:
     assert (16, 300) in runner.calls and (16, None) in runner.calls
     profile._measured = raw
     assert sorted({p.context_tokens for p in step_profile("")}) == [0, 299]
+
+
+def test_one_step_that_prefills_is_timed_first(
+        measured: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill step runs first (a budget spent on the decode plan still has it), as vLLM's
+    own profiling batch: 544 tokens over the 32 sequences, no attention metadata forced (the
+    CPU runner's worker crashes with it); the hello's point counts one token a sequence and the
+    others as prefill, and survives the hand-off between processes. A small token budget per
+    step caps it; the control: a budget of one token a sequence leaves nothing to prefill, and
+    no prefill point is sent."""
+    runner = _Runner()
+    raw = profile.take_profile(runner, budget_seconds=60.0)
+    assert runner.calls[0] == (512 + 32, None)
+    # Only the decode steps build their attention metadata.
+    assert [f for (n, _), f in zip(runner.calls, runner.forced, strict=True)
+            if n == 512 + 32] == [False] * 7
+    assert all(f for (n, _), f in zip(runner.calls, runner.forced, strict=True) if n != 544)
+    assert [(b, p) for b, p, _ in raw.mixed] == [(32, 512)]
+    assert mixed_shape(32, 256) == (256, 32, 224)
+    monkeypatch.setenv(profile.PROFILE_FILE_ENV, str(tmp_path / "profile"))
+    profile._hand_off(raw, 0)
+    profile._measured = None
+    points = step_profile("")
+    (mixed,) = [p for p in points if p.prefill_tokens]
+    assert (mixed.batch_size, mixed.verified_tokens, mixed.prefill_tokens) == (32, 32, 512)
+    assert len(points) == len(raw.steps) + 1
+    tight = _Runner()
+    tight.max_num_tokens = 32
+    assert profile.take_profile(tight, budget_seconds=60.0).mixed == ()

@@ -180,7 +180,7 @@ def hello_from_proto(msg: engine_pb2.EngineHello) -> EngineHello:
         max_batch_size=msg.max_batch_size,
         step_profile=tuple(
             StepProfile(p.batch_size, p.verified_tokens, p.draft, p.draft_passes, p.seconds,
-                        p.context_tokens)
+                        p.context_tokens, p.prefill_tokens)
             for p in msg.step_profile),
         hardware=msg.hardware,
     )
@@ -207,7 +207,8 @@ def hello_to_proto(hello: EngineHello) -> engine_pb2.EngineHello:
         step_profile=[
             engine_pb2.StepProfile(batch_size=p.batch_size, verified_tokens=p.verified_tokens,
                                    draft=p.draft, draft_passes=p.draft_passes, seconds=p.seconds,
-                                   context_tokens=p.context_tokens)
+                                   context_tokens=p.context_tokens,
+                                   prefill_tokens=p.prefill_tokens)
             for p in hello.step_profile],
         hardware=hello.hardware,
     )
@@ -344,6 +345,8 @@ def composition_to_proto(c: Composition) -> engine_pb2.Composition:
             seconds_per_token=p.seconds_per_token, knot_tokens=p.knot_tokens,
             seconds_per_token_above=p.seconds_per_token_above,
             seconds_per_context_token=p.seconds_per_context_token,
+            seconds_per_speculating_sequence=p.seconds_per_speculating_sequence,
+            seconds_per_prefill_token=p.seconds_per_prefill_token,
             drafts=[engine_pb2.DraftPricing(draft=name, fixed_seconds=d.fixed_seconds,
                                             seconds_per_pass=d.seconds_per_pass,
                                             seconds_per_token=d.seconds_per_token)
@@ -362,7 +365,8 @@ def composition_from_proto(msg: engine_pb2.Composition) -> Composition:
         p.base_seconds, p.seconds_per_sequence, p.seconds_per_token, tuple(p.knot_tokens),
         tuple(p.seconds_per_token_above),
         {d.draft: DraftPricing(d.fixed_seconds, d.seconds_per_pass, d.seconds_per_token)
-         for d in p.drafts}, p.seconds_per_context_token)
+         for d in p.drafts}, p.seconds_per_context_token, p.seconds_per_speculating_sequence,
+        p.seconds_per_prefill_token)
     return Composition(pricing, {(e.traffic_class, e.draft): tuple(e.by_k)
                                  for e in msg.expected_tokens}, msg.margin)
 

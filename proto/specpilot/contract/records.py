@@ -72,6 +72,8 @@ class StepProfile:
     draft_passes: int
     seconds: float
     context_tokens: int = 0
+    # Prompt tokens the step prefilled beside its decoding (0: a decode step).
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,10 @@ class StepTimingRecord:
     # Over the steps' sequences, the tokens each one's KV cache held before the step (what the
     # step's attention reads); 0 = unknown (older plugins), never a real step's.
     sum_context_tokens: int = 0
+    # The prompt tokens the steps prefilled beside their decoding (chunked prefill): a step's
+    # tokens beyond one per sequence and its drafts. 0 from older plugins, which timed decode-only
+    # steps alone.
+    sum_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -171,18 +171,20 @@ def check_hello(hello: EngineHello) -> None:
                 f"draft_passes {p.draft_passes}: at most the engine's max batch size "
                 f"{batch_limit}, batch_size x (1 + max K {hello.max_k}) and max K")
         _context_tokens(p.context_tokens, 1, f"{where}.context_tokens")
+        _context_tokens(p.prefill_tokens, 1, f"{where}.prefill_tokens", "steps")
 
 
-def _context_tokens(value: object, sequences: int, where: str) -> None:
-    """A context sum over ``sequences`` sequence-steps: a whole number of tokens, at most
-    ``MAX_CONTEXT_TOKENS`` a sequence (0 = unknown)."""
+def _context_tokens(value: object, sequences: int, where: str,
+                    units: str = "sequence-steps") -> None:
+    """A sum of tokens over ``sequences`` ``units``: a whole number, at most
+    ``MAX_CONTEXT_TOKENS`` each (a context window's; 0 = unknown for a context)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ReportRejected(f"{where}: must be a finite count of tokens, got {value!r}")
     if not (isinstance(value, int | float) and value == int(value) and value >= 0):
         raise ReportRejected(f"{where}: must be a whole number of tokens >= 0, got {value!r}")
     if value > sequences * MAX_CONTEXT_TOKENS:
-        raise ImplausibleInput(f"{where}: {int(value)} tokens over {sequences} sequence-steps, "
-                               f"above {MAX_CONTEXT_TOKENS} a sequence")
+        raise ImplausibleInput(f"{where}: {int(value)} tokens over {sequences} {units}, "
+                               f"above {MAX_CONTEXT_TOKENS} each")
 
 
 _SUMMARY_COUNTS = ("prompt_tokens", "output_tokens", "drafted_tokens", "accepted_tokens")
@@ -277,6 +279,7 @@ def check_report(
                           st.sum_draft_tokens, st.sum_step_seconds, engine_max_k, batch_limit,
                           where)
         _context_tokens(st.sum_context_tokens, st.sum_batch_size, f"{where}.sum_context_tokens")
+        _context_tokens(st.sum_prefill_tokens, st.steps, f"{where}.sum_prefill_tokens", "steps")
     _plausible_interval(report, interval_bound(report.interval_seconds, batch_limit,
                                                fastest_step_seconds))
 

@@ -80,20 +80,22 @@ class EngineHello(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[str] = ..., target_vocab_hash: _Optional[str] = ..., drafts: _Optional[_Iterable[_Union[DraftInfo, _Mapping]]] = ..., max_k: _Optional[int] = ..., capabilities: _Optional[_Union[EngineCapabilities, _Mapping]] = ..., engine_version: _Optional[str] = ..., plugin_version: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., step_profile: _Optional[_Iterable[_Union[StepProfile, _Mapping]]] = ..., hardware: _Optional[str] = ...) -> None: ...
 
 class StepProfile(_message.Message):
-    __slots__ = ("batch_size", "verified_tokens", "draft", "draft_passes", "seconds", "context_tokens")
+    __slots__ = ("batch_size", "verified_tokens", "draft", "draft_passes", "seconds", "context_tokens", "prefill_tokens")
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PASSES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     batch_size: int
     verified_tokens: int
     draft: str
     draft_passes: int
     seconds: float
     context_tokens: int
-    def __init__(self, batch_size: _Optional[int] = ..., verified_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_passes: _Optional[int] = ..., seconds: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, batch_size: _Optional[int] = ..., verified_tokens: _Optional[int] = ..., draft: _Optional[str] = ..., draft_passes: _Optional[int] = ..., seconds: _Optional[float] = ..., context_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class HelloAck(_message.Message):
     __slots__ = ("controller_version", "accepted_drafts", "rejected_drafts", "report_interval_seconds", "batch_bucket_upper_bounds", "max_classes", "policy_epoch")
@@ -154,7 +156,7 @@ class RequestSummary(_message.Message):
     def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., latency_seconds: _Optional[float] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("batch_bucket", "draft", "k", "steps", "sum_batch_size", "sum_verified_tokens", "sum_draft_tokens", "sum_step_seconds", "sum_context_tokens")
+    __slots__ = ("batch_bucket", "draft", "k", "steps", "sum_batch_size", "sum_verified_tokens", "sum_draft_tokens", "sum_step_seconds", "sum_context_tokens", "sum_prefill_tokens")
     BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +166,7 @@ class StepTiming(_message.Message):
     SUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUM_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     batch_bucket: int
     draft: str
     k: int
@@ -173,7 +176,8 @@ class StepTiming(_message.Message):
     sum_draft_tokens: int
     sum_step_seconds: float
     sum_context_tokens: int
-    def __init__(self, batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., steps: _Optional[int] = ..., sum_batch_size: _Optional[int] = ..., sum_verified_tokens: _Optional[int] = ..., sum_draft_tokens: _Optional[int] = ..., sum_step_seconds: _Optional[float] = ..., sum_context_tokens: _Optional[int] = ...) -> None: ...
+    sum_prefill_tokens: int
+    def __init__(self, batch_bucket: _Optional[int] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., steps: _Optional[int] = ..., sum_batch_size: _Optional[int] = ..., sum_verified_tokens: _Optional[int] = ..., sum_draft_tokens: _Optional[int] = ..., sum_step_seconds: _Optional[float] = ..., sum_context_tokens: _Optional[int] = ..., sum_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineReport(_message.Message):
     __slots__ = ("sequence", "interval_seconds", "policy_version", "acceptance", "finished", "step_timings", "records_dropped", "running_requests", "confidence")
@@ -282,7 +286,7 @@ class Composition(_message.Message):
     def __init__(self, pricing: _Optional[_Union[StepPricing, _Mapping]] = ..., expected_tokens: _Optional[_Iterable[_Union[ExpectedTokens, _Mapping]]] = ..., margin: _Optional[float] = ...) -> None: ...
 
 class StepPricing(_message.Message):
-    __slots__ = ("base_seconds", "seconds_per_sequence", "seconds_per_token", "knot_tokens", "seconds_per_token_above", "drafts", "seconds_per_context_token")
+    __slots__ = ("base_seconds", "seconds_per_sequence", "seconds_per_token", "knot_tokens", "seconds_per_token_above", "drafts", "seconds_per_context_token", "seconds_per_speculating_sequence", "seconds_per_prefill_token")
     BASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +294,8 @@ class StepPricing(_message.Message):
     SECONDS_PER_TOKEN_ABOVE_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_CONTEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_SPECULATING_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_PREFILL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     base_seconds: float
     seconds_per_sequence: float
     seconds_per_token: float
@@ -297,7 +303,9 @@ class StepPricing(_message.Message):
     seconds_per_token_above: _containers.RepeatedScalarFieldContainer[float]
     drafts: _containers.RepeatedCompositeFieldContainer[DraftPricing]
     seconds_per_context_token: float
-    def __init__(self, base_seconds: _Optional[float] = ..., seconds_per_sequence: _Optional[float] = ..., seconds_per_token: _Optional[float] = ..., knot_tokens: _Optional[_Iterable[int]] = ..., seconds_per_token_above: _Optional[_Iterable[float]] = ..., drafts: _Optional[_Iterable[_Union[DraftPricing, _Mapping]]] = ..., seconds_per_context_token: _Optional[float] = ...) -> None: ...
+    seconds_per_speculating_sequence: float
+    seconds_per_prefill_token: float
+    def __init__(self, base_seconds: _Optional[float] = ..., seconds_per_sequence: _Optional[float] = ..., seconds_per_token: _Optional[float] = ..., knot_tokens: _Optional[_Iterable[int]] = ..., seconds_per_token_above: _Optional[_Iterable[float]] = ..., drafts: _Optional[_Iterable[_Union[DraftPricing, _Mapping]]] = ..., seconds_per_context_token: _Optional[float] = ..., seconds_per_speculating_sequence: _Optional[float] = ..., seconds_per_prefill_token: _Optional[float] = ...) -> None: ...
 
 class DraftPricing(_message.Message):
     __slots__ = ("draft", "fixed_seconds", "seconds_per_pass", "seconds_per_token")
