@@ -162,6 +162,7 @@ def replay(logs: Sequence[StepLog], k_of: dict[str, int], interval_seconds: floa
     seconds, each report's records priced before the model learnt them. ``k_of``: each
     configuration's K (a step with drafts runs at it)."""
     from specpilot.contract.buckets import bucket_lower_size, bucket_of
+    from specpilot.contract.pricing import split_step_tokens
     from specpilot.controller.core.cost_model import StepShape
     from specpilot.controller.core.evidence import step_cost_model
     from specpilot.controller.settings import Settings, core_config
@@ -175,12 +176,11 @@ def replay(logs: Sequence[StepLog], k_of: dict[str, int], interval_seconds: floa
         sums: dict[tuple[int, int, str], list[float]] = {}
         elapsed = 0.0
         for i, (batch, decode, prefill, drafts, context, seconds) in enumerate(log.steps):
-            verified = batch + drafts
+            verified, prefilled = split_step_tokens(decode + prefill, batch, drafts)
             key = (bucket_of(bounds, batch), k_of[log.config] if drafts else 0,
                    "mixed" if prefill else "decode")
             acc = sums.setdefault(key, [0.0] * 6)
-            for j, x in enumerate((1, batch, verified, context, seconds,
-                                   decode + prefill - verified)):
+            for j, x in enumerate((1, batch, verified, context, seconds, prefilled)):
                 acc[j] += x
             elapsed += seconds
             if elapsed < interval_seconds and i + 1 < len(log.steps):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specpilot.contract.classes import DEFAULT_CLASS
+from specpilot.contract.pricing import split_step_tokens
 from specpilot.contract.records import CalibrationRows, DraftKind, DraftSpec, EngineHello
 from specpilot.contract.version import package_version
 from specpilot.engine_plugin.classify import Classifier
@@ -695,16 +696,14 @@ class Pilot:
             state.accepted += accepted
         batch = len(scheduler_output.num_scheduled_tokens)
         if batch:
-            # Every sequence verifies one token plus its drafts; a step's tokens beyond those are
-            # prompt chunks prefilled beside the decoding, priced by their own column.
-            total = scheduler_output.total_num_scheduled_tokens
-            verified = min(total, batch + scheduled_drafts)
+            verified, prefill = split_step_tokens(scheduler_output.total_num_scheduled_tokens,
+                                                  batch, scheduled_drafts)
             # The drafter drafted k passes for every sequence (cuts come after drafting), or
             # fewer where it stopped early.
             k = (scheduler_output.num_spec_tokens_to_schedule
                  if self.engine.max_k and not self._drafter_idle_now else 0)
             step = _TimedStep(batch, verified, k, seconds, step_context_tokens(scheduler_output),
-                              total - verified)
+                              prefill)
             if k > 1 and isinstance(getattr(scheduler_output, STOP_ATTR, None), StopPlan):
                 # The drafter may stop early in the worker (whose process may be another): the
                 # width of the drafts it returns says how many passes ran.

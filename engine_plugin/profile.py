@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from specpilot.contract.pricing import split_step_tokens
 from specpilot.contract.records import StepProfile
 
 log = logging.getLogger("specpilot.plugin")
@@ -146,7 +147,7 @@ def mixed_shape(max_seqs: int, max_tokens: int) -> tuple[int, int, int]:
     ``force_attention``, or as vLLM's ``create_mixed_batch``, the CPU runner's worker crashes.)"""
     tokens = min(max_tokens, PROFILE_PREFILL_TOKENS + max_seqs)
     sequences = min(tokens, max_seqs)
-    return tokens, sequences, tokens - sequences
+    return tokens, sequences, split_step_tokens(tokens, sequences, 0)[1]
 
 
 _measured: RawProfile | None = None

@@ -60,6 +60,7 @@ from specpilot.contract.pricing import (
     PricingArrays,
     StepColumns,
     StepPricing,
+    speculates,
 )
 from specpilot.contract.records import DraftSpec
 from specpilot.controller.core.tunable import tunable
@@ -639,7 +640,7 @@ class StepCostModel:
                 self._ratio_range = None
                 changed = True
         self._own.forget_along(x, 1.0 - 2.0 ** (-steps / self.half_life_steps))
-        if shape.verified_tokens > shape.batch_size or shape.draft_passes > 0:
+        if speculates(shape.batch_size, shape.verified_tokens) or shape.draft_passes > 0:
             plain = self.predict(StepShape(shape.batch_size, shape.batch_size,
                                            context_tokens=shape.context_tokens,
                                            prefill_tokens=shape.prefill_tokens))

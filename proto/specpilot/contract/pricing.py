@@ -68,6 +68,16 @@ PREFILL_COLUMN = 5
 DRAFT_COLUMNS = 3
 
 
+def split_step_tokens(total_tokens: int, sequences: int, drafts: int) -> tuple[int, int]:
+    """(verified, prefill) tokens of a step that schedules ``total_tokens`` for ``sequences``
+    sequences with ``drafts`` draft tokens among them: every sequence verifies one token plus
+    its drafts (``T``); the step's other tokens are prompt chunks prefilled beside them
+    (``P``). How the plugin counts a live step, its start-up profile a dummy one, and the step
+    anatomy a recorded one."""
+    verified = min(total_tokens, sequences + drafts)
+    return verified, total_tokens - verified
+
+
 def speculates(batch_size: float, verified_tokens: npt.ArrayLike) -> npt.NDArray[np.bool_]:
     """Whether a step of ``batch_size`` sequences verifying ``verified_tokens`` verifies drafts
     at all (more tokens than one per sequence; a small tolerance for means of float sums)."""

@@ -170,11 +170,11 @@ def check_hello(hello: EngineHello) -> None:
                 f"{where}: batch_size {p.batch_size}, verified_tokens {p.verified_tokens}, "
                 f"draft_passes {p.draft_passes}: at most the engine's max batch size "
                 f"{batch_limit}, batch_size x (1 + max K {hello.max_k}) and max K")
-        _context_tokens(p.context_tokens, 1, f"{where}.context_tokens")
-        _context_tokens(p.prefill_tokens, 1, f"{where}.prefill_tokens", "steps")
+        _token_sum(p.context_tokens, 1, f"{where}.context_tokens")
+        _token_sum(p.prefill_tokens, 1, f"{where}.prefill_tokens", "steps")
 
 
-def _context_tokens(value: object, sequences: int, where: str,
+def _token_sum(value: object, sequences: int, where: str,
                     units: str = "sequence-steps") -> None:
     """A sum of tokens over ``sequences`` ``units``: a whole number, at most
     ``MAX_CONTEXT_TOKENS`` each (a context window's; 0 = unknown for a context)."""
@@ -278,8 +278,8 @@ def check_report(
         _plausible_timing(st.steps, st.sum_batch_size, st.sum_verified_tokens,
                           st.sum_draft_tokens, st.sum_step_seconds, engine_max_k, batch_limit,
                           where)
-        _context_tokens(st.sum_context_tokens, st.sum_batch_size, f"{where}.sum_context_tokens")
-        _context_tokens(st.sum_prefill_tokens, st.steps, f"{where}.sum_prefill_tokens", "steps")
+        _token_sum(st.sum_context_tokens, st.sum_batch_size, f"{where}.sum_context_tokens")
+        _token_sum(st.sum_prefill_tokens, st.steps, f"{where}.sum_prefill_tokens", "steps")
     _plausible_interval(report, interval_bound(report.interval_seconds, batch_limit,
                                                fastest_step_seconds))
 
