@@ -129,16 +129,16 @@ class RawProfile:
     """What the worker measured. ``steps``: (batch, K, seconds, context) of whole dummy decode
     steps, the drafter (if any) running all ``drafter_passes`` of its passes, each sequence over
     ``context`` tokens of KV; ``pass_seconds``: (step tokens, seconds of one drafter pass);
-    ``mixed``: (sequences, prefill tokens, seconds) of whole dummy steps that prefill (each
+    ``prefill``: (sequences, prefill tokens, seconds) of whole dummy steps that prefill (each
     sequence one token, the others prefill), the drafter running as in ``steps``."""
 
     drafter_passes: int
     steps: tuple[tuple[int, int, float, int], ...]
     pass_seconds: tuple[tuple[int, float], ...]
-    mixed: tuple[tuple[int, int, float], ...] = ()
+    prefill: tuple[tuple[int, int, float], ...] = ()
 
 
-def mixed_shape(max_seqs: int, max_tokens: int) -> tuple[int, int, int]:
+def prefill_shape(max_seqs: int, max_tokens: int) -> tuple[int, int, int]:
     """(step tokens, sequences, prefill tokens) of the profile's prefill step: vLLM's dummy
     batch of that many tokens (not a uniform decode batch) spreads them over up to ``max_seqs``
     sequences, as its own memory profiling does; its prefill tokens are the step's beyond one a
@@ -175,7 +175,7 @@ def _hand_off(raw: RawProfile, data_parallel_rank: int) -> None:
     if path is None:
         return
     body = json.dumps({"drafter_passes": raw.drafter_passes, "steps": raw.steps,
-                       "pass_seconds": raw.pass_seconds, "mixed": raw.mixed})
+                       "pass_seconds": raw.pass_seconds, "prefill": raw.prefill})
     staging = f"{path}.{os.getpid()}.tmp"
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -196,7 +196,7 @@ def _take_hand_off(data_parallel_rank: int) -> RawProfile | None:
             int(data["drafter_passes"]),
             tuple((int(b), int(k), float(s), int(c)) for b, k, s, c in data["steps"]),
             tuple((int(t), float(s)) for t, s in data["pass_seconds"]),
-            tuple((int(b), int(p), float(s)) for b, p, s in data.get("mixed", ())))
+            tuple((int(b), int(p), float(s)) for b, p, s in data.get("prefill", ())))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("specpilot: the start-up step profile could not be read from %s (%s); the "
                     "controller keeps its prior", path, exc)
@@ -219,9 +219,92 @@ def _min_seconds(fn: Callable[[], Any], repeats: int = _REPEATS) -> float:
     return min(times)
 
 
+class _Verification:
+    """What a served step does after the target's forward pass, on dummy inputs: the LM head
+    over the rows it samples (every verified position of a speculative step, the last of each
+    sequence otherwise) and vLLM's sampler over them, or its rejection sampler for K drafts a
+    sequence. On a CPU without Triton the rejection sampler's random path is a large share of
+    a speculative step (more than the forward's extra tokens at batch 16), so a profile of the
+    forward alone made verification look nearly free where it is not. Timed on the random
+    path (temperature 1, no top-k or top-p), the path sampled traffic takes; greedy traffic
+    costs less there, and its live timings set the difference. Inputs are built outside the
+    timed call, as the engine's are before its step; the torch RNG state is the caller's to
+    restore."""
+
+    def __init__(self, runner: Any, sampling_metadata: Any, spec_metadata: Callable[..., Any],
+                 hidden_size: int, vocab_size: int) -> None:
+        self._runner = runner
+        self._metadata = sampling_metadata
+        self._spec_metadata = spec_metadata
+        self._hidden_size = hidden_size
+        self._vocab_size = vocab_size
+
+    @classmethod
+    def of(cls, runner: Any) -> _Verification | None:
+        """For ``runner``; None (the forward passes alone are timed, one log line) when the
+        vLLM internals it needs are not there."""
+        try:
+            from vllm.v1.sample.logits_processor import LogitsProcessors
+            from vllm.v1.sample.metadata import SamplingMetadata
+            from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+            for name in ("sampler", "model", "model_config"):
+                getattr(runner, name)
+            metadata = partial(SamplingMetadata, all_greedy=False, all_random=True, top_p=None,
+                               top_k=None, generators={}, max_num_logprobs=None,
+                               logprob_token_ids=None, no_penalties=True,
+                               prompt_token_ids=None, allowed_token_ids_mask=None,
+                               bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+            return cls(runner, metadata, SpecDecodeMetadata.make_dummy,
+                       int(runner.model_config.get_hidden_size()),
+                       int(runner.model_config.get_vocab_size()))
+        except Exception as exc:  # missing internals: the forward passes only
+            log.info("specpilot: the start-up profile times the forward passes only (%s)", exc)
+            return None
+
+    def prepare(self, sequences: int, k: int) -> Callable[[], None]:
+        """The timed call for a step of ``sequences`` sequences verifying ``k`` drafts each."""
+        import torch
+
+        runner = self._runner
+        rows = sequences * (1 + k) if k else sequences
+        device = getattr(runner, "device", None)
+        hidden = torch.rand(rows, self._hidden_size, device=device,
+                            dtype=runner.model_config.dtype)
+        logits = torch.randn(rows, self._vocab_size, device=device, dtype=torch.float32)
+
+        def full(value: float) -> Any:
+            return torch.full((sequences,), value, device=device)
+
+        metadata = self._metadata(
+            temperature=full(1.0), frequency_penalties=full(0.0), presence_penalties=full(0.0),
+            repetition_penalties=full(1.0), output_token_ids=[[] for _ in range(sequences)],
+            spec_token_ids=[[] for _ in range(sequences)])
+        if k:
+            spec = self._spec_metadata([[0] * k for _ in range(sequences)], device)
+
+            def verify() -> None:
+                runner.model.compute_logits(hidden)
+                runner.rejection_sampler(spec, None, logits, metadata)
+        else:
+
+            def verify() -> None:
+                runner.model.compute_logits(hidden)
+                runner.sampler(logits=logits, sampling_metadata=metadata)
+        return verify
+
+
+def _timed_step(step: Callable[[], Any], verify: Callable[[], None] | None) -> Callable[[], None]:
+    def call() -> None:
+        step()
+        if verify is not None:
+            verify()
+    return call
+
+
 def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawProfile:
     """Time dummy decode steps on ``runner`` (a vLLM GPU/CPU model runner) in the order of
-    ``profile_plan``, after one step that prefills (``mixed_shape``).
+    ``profile_plan``, after one step that prefills (``prefill_shape``).
     Stops when the budget is spent; shapes beyond the engine's limits are skipped."""
     import torch
 
@@ -237,7 +320,7 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
     shapes = profile_plan(max_seqs, passes, int(runner.max_num_tokens), max_len)
     started = time.perf_counter()
     steps: list[tuple[int, int, float, int]] = []
-    mixed: list[tuple[int, int, float]] = []
+    prefill: list[tuple[int, int, float]] = []
     pass_seconds: dict[int, float] = {}
     saved_q = runner.uniform_decode_query_len
     rng = torch.get_rng_state()
@@ -249,12 +332,18 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
 
     try:
         with torch.inference_mode():
+            verification = _Verification.of(runner)
+
+            def verify(sequences: int, k: int) -> Callable[[], None] | None:
+                return None if verification is None else verification.prepare(sequences, k)
+
             # First, as one shape: prefill is a large share of a loaded engine's time, and the
             # decode plan may spend the whole budget on a slow engine.
-            tokens, sequences, prefill = mixed_shape(max_seqs, int(runner.max_num_tokens))
-            if prefill > 0:
-                mixed.append((sequences, prefill, _min_seconds(partial(
-                    runner._dummy_run, tokens))))
+            tokens, sequences, prefill_tokens = prefill_shape(max_seqs,
+                                                              int(runner.max_num_tokens))
+            if prefill_tokens > 0:
+                prefill.append((sequences, prefill_tokens, _min_seconds(_timed_step(
+                    partial(runner._dummy_run, tokens), verify(sequences, 0)))))
                 time_passes(tokens)
             for b, k, context in shapes:
                 if time.perf_counter() - started > budget_seconds:
@@ -263,15 +352,15 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
                 runner.uniform_decode_query_len = 1 + k
                 # Each dummy sequence's length: its context and the step's own tokens.
                 lengths = {"profile_seq_lens": context + 1 + k} if context else {}
-                steps.append((b, k, _min_seconds(partial(
+                steps.append((b, k, _min_seconds(_timed_step(partial(
                     runner._dummy_run, tokens, uniform_decode=True, force_attention=True,
-                    **lengths)), context))
+                    **lengths), verify(b, k))), context))
                 time_passes(tokens)
     finally:
         runner.uniform_decode_query_len = saved_q
         torch.set_rng_state(rng)
     return RawProfile(passes if model_drafter else 0, tuple(steps),
-                      tuple(sorted(pass_seconds.items())), tuple(mixed))
+                      tuple(sorted(pass_seconds.items())), tuple(prefill))
 
 
 def step_profile(drafter: str, data_parallel_rank: int = 0) -> tuple[StepProfile, ...]:
@@ -286,23 +375,27 @@ def step_profile(drafter: str, data_parallel_rank: int = 0) -> tuple[StepProfile
     if raw is None:
         return ()
     per_pass = dict(raw.pass_seconds)
+
+    def target_alone(tokens: int, seconds: float) -> float | None:
+        """A step's seconds less its drafter's passes; None where they were not timed."""
+        if not raw.drafter_passes:
+            return seconds
+        if tokens not in per_pass:
+            return None
+        return seconds - raw.drafter_passes * per_pass[tokens]
+
     out = []
     for b, k, seconds, context in raw.steps:
         tokens = b * (1 + k)
-        if raw.drafter_passes and tokens not in per_pass:
+        if (alone := target_alone(tokens, seconds)) is None:
             continue
-        target_alone = seconds - raw.drafter_passes * per_pass.get(tokens, 0.0)
         if raw.drafter_passes and drafter and k:
-            out.append(StepProfile(b, tokens, drafter, k, target_alone + k * per_pass[tokens],
-                                   context))
+            out.append(StepProfile(b, tokens, drafter, k, alone + k * per_pass[tokens], context))
         else:
-            out.append(StepProfile(b, tokens, "", 0, target_alone, context))
-    for b, prefill, seconds in raw.mixed:
-        tokens = b + prefill
-        if raw.drafter_passes and tokens not in per_pass:
-            continue
-        target_alone = seconds - raw.drafter_passes * per_pass.get(tokens, 0.0)
-        out.append(StepProfile(b, b, "", 0, target_alone, prefill_tokens=prefill))
+            out.append(StepProfile(b, tokens, "", 0, alone, context))
+    for b, prefill, seconds in raw.prefill:
+        if (alone := target_alone(b + prefill, seconds)) is not None:
+            out.append(StepProfile(b, b, "", 0, alone, prefill_tokens=prefill))
     return tuple(p for p in out if p.seconds > 0)
 
 

@@ -492,6 +492,59 @@ def test_start_up_profile_reaches_the_controller(tiny_models: Any, controller: C
     assert hello.hardware.startswith("cpu ") and hello.hardware.endswith(" tp1 pp1 float32")
 
 
+def test_the_profile_times_each_step_with_its_sampler(tiny_models: Any) -> None:
+    """A served step samples after its forward pass: a speculative one runs the LM head over
+    every verified position and vLLM's rejection sampler over K drafts a sequence, a plain one
+    (and the prefill step) its sampler over one row a sequence. The profile times those on the
+    real runner, so its speculative points carry what verification costs beyond the forward;
+    the control: a runner without a sampler is timed on its forward passes alone."""
+    from specpilot.engine_plugin import profile
+    from tests.engine.harness import runner_of
+
+    spec = {"model": tiny_models.draft, "num_speculative_tokens": 2}
+    with llm_session(tiny_models.target, spec, max_num_seqs=16) as llm:
+        runner = runner_of(llm)
+        verified: list[tuple[int, int]] = []  # (sequences, drafts each) per rejection sampling
+        sampled: list[int] = []  # rows per plain sampling
+        rejection, sampler, logits = (runner.rejection_sampler, runner.sampler,
+                                      runner.model.compute_logits)
+        lm_head_rows: list[int] = []
+
+        def spy_rejection(spec_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            drafts = spec_metadata.num_draft_tokens
+            verified.append((len(drafts), max(drafts)))
+            return rejection(spec_metadata, *args, **kwargs)
+
+        def spy_sampler(*args: Any, **kwargs: Any) -> Any:
+            sampled.append(int(kwargs["logits"].shape[0]))
+            return sampler(*args, **kwargs)
+
+        def spy_logits(hidden: Any) -> Any:
+            lm_head_rows.append(int(hidden.shape[0]))
+            return logits(hidden)
+
+        runner.rejection_sampler, runner.sampler = spy_rejection, spy_sampler
+        runner.model.compute_logits = spy_logits
+        try:
+            raw = profile.take_profile(runner, budget_seconds=60.0)
+            timed = len(verified) + len(sampled)
+            del runner.sampler
+            forward_only = profile.take_profile(runner, budget_seconds=60.0)
+        finally:
+            runner.rejection_sampler, runner.sampler = rejection, sampler
+            del runner.model.compute_logits
+    shapes = {(b, k) for b, k, _, _ in raw.steps}
+    assert {(1, 2), (16, 2), (1, 1)} <= shapes
+    # Each speculative shape's rejection sampling saw its sequences and drafts; the plain
+    # shapes and the prefill step were sampled one row a sequence.
+    assert {(b, k) for b, k in verified} == {(b, k) for b, k in shapes if k}
+    prefill_rows = {b for b, _, _ in raw.prefill}
+    assert set(sampled) == {b for b, k in shapes if not k} | prefill_rows
+    assert {b * (1 + k) for b, k in shapes if k} <= set(lm_head_rows)
+    # The control: without a sampler, nothing beyond the forward passes is timed.
+    assert len(verified) + len(sampled) == timed and forward_only.steps
+
+
 def _probing_update(probe_steps: bool) -> Any:
     """Every class off in every bucket, probing the model draft at K=1 in half of its steps
     (``probe_steps``) or for half of its requests; kept for ten minutes without a controller."""

@@ -12,7 +12,7 @@ from specpilot.engine_plugin.profile import (
     PROFILE_BATCH_SIZES,
     PROFILE_KS,
     RawProfile,
-    mixed_shape,
+    prefill_shape,
     profile_batch_sizes,
     profile_plan,
     profile_shapes,
@@ -133,8 +133,8 @@ def test_one_step_that_prefills_is_timed_first(
     assert [f for (n, _), f in zip(runner.calls, runner.forced, strict=True)
             if n == 512 + 32] == [False] * 7
     assert all(f for (n, _), f in zip(runner.calls, runner.forced, strict=True) if n != 544)
-    assert [(b, p) for b, p, _ in raw.mixed] == [(32, 512)]
-    assert mixed_shape(32, 256) == (256, 32, 224)
+    assert [(b, p) for b, p, _ in raw.prefill] == [(32, 512)]
+    assert prefill_shape(32, 256) == (256, 32, 224)
     monkeypatch.setenv(profile.PROFILE_FILE_ENV, str(tmp_path / "profile"))
     profile._hand_off(raw, 0)
     profile._measured = None
@@ -144,4 +144,4 @@ def test_one_step_that_prefills_is_timed_first(
     assert len(points) == len(raw.steps) + 1
     tight = _Runner()
     tight.max_num_tokens = 32
-    assert profile.take_profile(tight, budget_seconds=60.0).mixed == ()
+    assert profile.take_profile(tight, budget_seconds=60.0).prefill == ()
