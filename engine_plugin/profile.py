@@ -17,11 +17,16 @@ the engine core builds its KV cache, before it builds the scheduler. The file's 
 the environment that the first vLLM process to load the plugin sets and its children inherit
 (``share_profile_file``), one per data-parallel rank; the scheduler side deletes it once read.
 
+Each timed step is followed by what a served step does after its forward pass
+(``_Verification``): the LM head over the rows it samples and vLLM's sampler, or its rejection
+sampler over K drafts a sequence. On a CPU without Triton the rejection sampler is the larger
+part of a speculative step's extra cost, and a profile of the forward passes alone priced
+verification as nearly free at the batch sizes where it costs most.
+
 The profile is on by default, for engines on specpilot's scheduler only (the general plugin loads
-in every vLLM process). It times the forward passes only: a real speculative step also prepares
-the drafter's inputs and runs the rejection sampler (on this CPU 2-3 ms at batch 1, 20-30% at
-batch 16), so the controller weighs each point lightly
-(``cost_prior_profile_weight_steps``) and its live timings correct the speculative points.
+in every vLLM process). A served engine also spends time the dummy steps do not (its server, the
+scheduler, input preparation), so the controller weighs each point lightly
+(``cost_prior_profile_weight_steps``) and its live timings correct the points.
 
 Approximation: the dummy drafter runs its passes over all the step's tokens, a real one over the
 batch after the first pass; at decode batch sizes a pass is latency-bound, so this is small.

@@ -125,8 +125,8 @@ class CostPrior:
     """Weight of each point of an engine's start-up step profile, in equivalent observed steps
     (forgotten like live timings); 0 = profiles ignored. One step a point outweighs the generic
     prior where nothing was observed, and lets the live timings take over within a report
-    where the engine runs: the profile times the forward passes but not a speculative step's
-    input preparation and rejection sampling, so its speculative points are low (at 10 a point
+    where the engine runs: the profile times the forward passes and the sampling but not a
+    speculative step's input preparation, so its speculative points are low (at 10 a point
     the one-step-ahead predictions above batch 8 stayed 16-22% low on the demo's engine)."""
     profile_center_steps: float = tunable(200.0, ge=0)
     """Weight of each start-up profile point in the fit the prior is centred on, in equivalent
