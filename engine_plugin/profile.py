@@ -232,17 +232,18 @@ class _Verification:
     a speculative step (more than the forward's extra tokens at batch 16), so a profile of the
     forward alone made verification look nearly free where it is not. Timed on the random
     path (temperature 1, no top-k or top-p), the path sampled traffic takes; greedy traffic
-    costs less there, and its live timings set the difference. Inputs are built outside the
-    timed call, as the engine's are before its step; the torch RNG state is the caller's to
-    restore."""
+    costs less there, and its live timings set the difference. The hidden states (random,
+    so the logits are finite) and the metadata are built outside the timed call, as the
+    engine's are before its step; the sampler reads the LM head's own logits, as in serving, so
+    the profile never holds more logits than a served step does. The torch RNG state is the
+    caller's to restore."""
 
     def __init__(self, runner: Any, sampling_metadata: Any, spec_metadata: Callable[..., Any],
-                 hidden_size: int, vocab_size: int) -> None:
+                 hidden_size: int) -> None:
         self._runner = runner
         self._metadata = sampling_metadata
         self._spec_metadata = spec_metadata
         self._hidden_size = hidden_size
-        self._vocab_size = vocab_size
 
     @classmethod
     def of(cls, runner: Any) -> _Verification | None:
@@ -261,8 +262,7 @@ class _Verification:
                                prompt_token_ids=None, allowed_token_ids_mask=None,
                                bad_words_token_ids={}, logitsprocs=LogitsProcessors())
             return cls(runner, metadata, SpecDecodeMetadata.make_dummy,
-                       int(runner.model_config.get_hidden_size()),
-                       int(runner.model_config.get_vocab_size()))
+                       int(runner.model_config.get_hidden_size()))
         except Exception as exc:  # missing internals: the forward passes only
             log.info("specpilot: the start-up profile times the forward passes only (%s)", exc)
             return None
@@ -276,7 +276,6 @@ class _Verification:
         device = getattr(runner, "device", None)
         hidden = torch.rand(rows, self._hidden_size, device=device,
                             dtype=runner.model_config.dtype)
-        logits = torch.randn(rows, self._vocab_size, device=device, dtype=torch.float32)
 
         def full(value: float) -> Any:
             return torch.full((sequences,), value, device=device)
@@ -289,12 +288,12 @@ class _Verification:
             spec = self._spec_metadata([[0] * k for _ in range(sequences)], device)
 
             def verify() -> None:
-                runner.model.compute_logits(hidden)
+                logits = runner.model.compute_logits(hidden)
                 runner.rejection_sampler(spec, None, logits, metadata)
         else:
 
             def verify() -> None:
-                runner.model.compute_logits(hidden)
+                logits = runner.model.compute_logits(hidden)
                 runner.sampler(logits=logits, sampling_metadata=metadata)
         return verify
 
