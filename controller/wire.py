@@ -232,6 +232,7 @@ def estimate_to_proto(e: AcceptanceEstimate, credible_level: float,
                        v.mean, v.lower, v.upper, v.effective_tries, strict=True))],
         expected_tokens=v.expected_tokens,
         changes_detected=e.changes_detected,
+        verified_drafts=e.verified_drafts,
     )
 
 

@@ -500,7 +500,7 @@ class Pilot:
                 want = cut_length(state.confidences[:state.cut_from], *cut)
                 if not want:  # verifies none: scored now, as K asked with none accepted
                     self.stats.record_verification(state.traffic_class, drafter,
-                                                   state.cut_from, 0)
+                                                   state.cut_from, 0, drafted=0)
                     state.cut_from = 0
             proposer = deterministic.get(choice.draft)
             if proposer is not None:
@@ -537,7 +537,7 @@ class Pilot:
             return
         state.asked_k = k
         if k and not proposal:
-            self.stats.record_verification(state.traffic_class, draft, k, 0)
+            self.stats.record_verification(state.traffic_class, draft, k, 0, drafted=0)
 
     def mark_step(self, output: SchedulerOutputLike, batch_size: int) -> None:
         """On a step's SchedulerOutput, for the worker (specpilot.engine_plugin.worker_patch): which
@@ -675,6 +675,7 @@ class Pilot:
             if not tokens or state is None or drafted <= 0:
                 continue
             accepted = min(tokens - 1, drafted)
+            verified = drafted
             if req_id in verifying:
                 draft = state.draft  # the deterministic draft on_drafts substituted
                 drafted = max(drafted, state.asked_k)
@@ -690,7 +691,8 @@ class Pilot:
             # A cut tail counts as rejected, as a deterministic draft's missing one: the class's
             # E(K) is then what a step drafting K yields, and the cut does not select the
             # tokens its acceptance is learnt from.
-            record(state.traffic_class, draft, max(drafted, state.cut_from), accepted)
+            record(state.traffic_class, draft, max(drafted, state.cut_from), accepted,
+                   drafted=verified)
             state.cut_from = 0
             state.drafted += drafted
             state.accepted += accepted

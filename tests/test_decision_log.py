@@ -374,12 +374,14 @@ def test_lines_keep_the_figures_of_the_decision_when_the_estimates_move() -> Non
     core.connect_engine(HELLO, now=0.0)
     lines: dict[int, str] = {}
     _run(core, 1, 29, HIGH, lines)
-    _run(core, 30, 69, LOW, lines)  # acceptance collapses: batch 32 goes off
+    _run(core, 30, 69, LOW, lines)  # acceptance collapses: the class goes off
+    # The line checked is a switch-off decided on goodput (a batch range may instead follow a
+    # better-measured neighbour off: ``neighbours``).
     switched_off = next(e for e in core.snapshot(69.0).events("chat")
-                        if e.decision.bucket == BATCH_32 and e.decision.k == 0)
-    assert switched_off.decision.reason is Reason.GOODPUT
+                        if e.decision.k == 0 and e.decision.reason is Reason.GOODPUT)
+    bucket = switched_off.decision.bucket
     kept = decision_text(switched_off)
-    assert re.match(r"chat: K [1-4] -> 0 at batch 32 \(goodput\); off expects ", kept), kept
+    assert re.match(r"chat: K [1-4] -> 0 at batch \d+ \(goodput\); off expects ", kept), kept
     _run(core, 70, 119, HIGH, lines)  # and recovers: the means now favour d K=4 again
 
     later = core.snapshot(119.0)
@@ -389,7 +391,7 @@ def test_lines_keep_the_figures_of_the_decision_when_the_estimates_move() -> Non
         assert all(text.endswith(decision_detail(e)) for text in views(e).values())
     # The control: the line recomputed from today's estimates says the arm switched away from
     # is the better one, under the reason "goodput".
-    now = core.explain("chat", BATCH_32, 119.0)
+    now = core.explain("chat", bucket, 119.0)
     goodput = {a.arm: a.goodput for a in now.arms}
     assert goodput[("d", 4)] > goodput[("", 0)]
     recomputed = recomputed_line(switched_off, now)

@@ -51,7 +51,8 @@ HELLO = EngineHello(
 )
 REPORT = EngineReport(
     sequence=9, interval_seconds=1.5, policy_version=4,
-    acceptance=(AcceptanceRecord("chat", "d1", 2, (3, 4, 5), counterfactual=True),),
+    acceptance=(AcceptanceRecord("chat", "d1", 2, (3, 4, 5), counterfactual=True,
+                                 steps_by_drafted=(1, 2, 9)),),
     finished=(RequestSummaryRecord("chat", "d1", 11, 22, 33, 30, 0.75),),
     step_timings=(StepTimingRecord(2, "d1", 2, 10, 40, 120, 80, 0.5, 40 * 600, 3 * 512),),
     records_dropped=6, running_requests=7,

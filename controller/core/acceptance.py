@@ -76,7 +76,8 @@ def robust_rates(accepts: FloatArray, rejects: FloatArray, floor: float) -> Floa
     return out
 
 
-def _decay(half_life: float, dt: float) -> float:
+def decay_factor(half_life: float, dt: float) -> float:
+    """What evidence ``dt`` seconds old weighs with forgetting of ``half_life`` seconds."""
     return float(2.0 ** (-max(dt, 0.0) / half_life))
 
 
@@ -94,7 +95,7 @@ class _Evidence:
 
     def decay_to(self, now: float, half_life: float) -> None:
         if now > self.at:
-            f = _decay(half_life, now - self.at)
+            f = decay_factor(half_life, now - self.at)
             self.accepts *= f
             self.rejects *= f
             self.at = now
@@ -239,7 +240,7 @@ class AcceptanceEstimator:
         """(accepts, rejects) per position as of ``now``: the pooled amount at the rates of
         ``robust_rates`` where sources tried."""
         half_life = self._slow_half_life(key, now)
-        f = _decay(half_life, now - ev.at)
+        f = decay_factor(half_life, now - ev.at)
         accepts, rejects = ev.accepts * f, ev.rejects * f
         by = self._sources.get(key)
         if by is not None and len(by.rows) > 1:
@@ -272,7 +273,7 @@ class AcceptanceEstimator:
                 at: float, now: float) -> None:
         """Take ``evidence`` (as of ``at``) as this estimator's own, decayed to ``now``: a
         restart resuming from its last flush. Keys it already holds are kept (newer)."""
-        f = _decay(self.config.half_life_seconds, now - at)
+        f = decay_factor(self.config.half_life_seconds, now - at)
         for key, (accepts, rejects) in evidence.items():
             if key not in self._slow:
                 self._slow[key] = _Evidence(positions(accepts, self.config.max_k) * f,
@@ -403,7 +404,7 @@ class AcceptanceEstimator:
             alpha, beta = alpha + accepts, beta + rejects
         fleet = self._fleet.get(key)
         if fleet is not None:
-            f = _decay(cfg.half_life_seconds, now - self._fleet_at)
+            f = decay_factor(cfg.half_life_seconds, now - self._fleet_at)
             alpha, beta = alpha + fleet[0] * f, beta + fleet[1] * f
         return Posterior(alpha, beta, a0, b0)
 

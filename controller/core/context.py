@@ -112,6 +112,8 @@ class Contexts:
             drafter_sunk=sunk is not None,
             evidence=frozenset(d.name for d in drafts if estimator.has_data(name, d.name)),
             posteriors=posteriors,
+            verified_drafts={d.name: v for d in drafts
+                             if (v := curves.verified_drafts(name, d.name)) is not None},
             ratio_cap=(None if (measured := self._evidence.cost.measured_ratio_range) is None
                        else measured[1]),
         )
@@ -158,10 +160,11 @@ class Contexts:
                        if ctx.override is not None and d.name == ctx.override.force_draft)
         prices = price_steps(
             partial(cost.predict_curve, sunk_draft=sunk), cost.predict_mixed, ctx.drafts,
-            max_k, mean, ctx.others, forced, spread=partial(cost.arm_spread, sunk_draft=sunk))
+            max_k, mean, ctx.others, forced, spread=partial(cost.arm_spread, sunk_draft=sunk),
+            verified=ctx.verified_drafts)
         drawn_prices = None if drawn is None else price_steps(
             partial(drawn.predict_curve, sunk_draft=sunk), drawn.predict_mixed, ctx.drafts,
-            max_k, sampled, ctx.others)
+            max_k, sampled, ctx.others, verified=ctx.verified_drafts)
         return replace(ctx, prices=prices, drawn_prices=drawn_prices)
 
     def others(self, name: str, drafts: tuple[DraftSpec, ...], curves: MeanCurves,
@@ -197,4 +200,6 @@ class Contexts:
         if target is not None and runs(drafts, *target):
             draft, k = target
         e = float(curves(name, draft)[k]) if k else 1.0
-        return other_class(share, (draft, k), e, drafts)
+        verified = curves.verified_drafts(name, draft) if k else None
+        return other_class(share, (draft, k), e, drafts,
+                           None if verified is None else float(verified[k]))

@@ -55,6 +55,7 @@ from specpilot.contract.pricing import (
     CONTEXT_COLUMN,
     MIN_STEP_SECONDS,
     PREFILL_COLUMN,
+    TARGET_COLUMNS,
     DraftPricing,
     FloatArray,
     PricingArrays,
@@ -86,6 +87,12 @@ _PRIOR_CONTEXT_TOKENS = 512.0
 # a thousand live steps of short prompts, and the other columns bent to make up for it.
 _PRIOR_PREFILL_TOKENS = 512.0
 _PRIOR_PREFILL_STEPS = 1.0
+# Seconds (per token, per sequence) by which a weight may read below zero and count as zero:
+# far below any price a step shows, far above the solves' rounding.
+_PHYSICAL_SLACK = 1e-12
+# Virtual steps behind the prior's level (``_rebuild_prior``): a tenth of one, so the first live
+# steps set it.
+_PRIOR_LEVEL_STEPS = 0.1
 
 
 @dataclass(frozen=True)
@@ -113,17 +120,21 @@ class CostPrior:
     that carry it (or a start-up profile at two context lengths) show otherwise; the prior on it
     is independent of the other weights, so steps reported without context never move it."""
     strength_steps: float = tunable(20.0, gt=0)
-    """Weight of the cost prior, in equivalent observed steps (spread over every batch bucket
-    and K). Not lighter: the start-up profile's speculative points are low (see
-    ``profile_weight_steps``), and at 0.5 the fit followed them: on the real CPU engine
-    specpilot priced K=2-4 at batch 32 as a 1.4-2x speedup where no speculation was best (0.93 of
-    draft:2p against 1.03 at 20), although the simulator, whose profile is exact, gained 1.1%."""
+    """Weight of the cost prior's shape (how a step's price moves with its sequences, tokens
+    and draft work), in equivalent observed steps spread over every batch bucket and K; its
+    level is held by a tenth of a step, so the first live steps set it. Not lighter: the
+    start-up profile's speculative points are low (see ``profile_weight_steps``), and at 0.5
+    the fit followed them: on the real CPU engine specpilot priced K=2-4 at batch 32 as a
+    1.4-2x speedup where no speculation was best (0.93 of draft:2p against 1.03 at 20),
+    although the simulator, whose profile is exact, gained 1.1%."""
     noise_seconds: float = tunable(1e-3, gt=0)
     """Prior standard deviation of one step's time around the model, seconds (held as two
     virtual reports; the residuals of the observed reports take over)."""
     profile_weight_steps: float = tunable(1.0, ge=0)
     """Weight of each point of an engine's start-up step profile, in equivalent observed steps
-    (forgotten like live timings); 0 = profiles ignored. One step a point outweighs the generic
+    (forgotten like live timings); 0 = profiles ignored. The points tell the shape of the step
+    costs, not their level (taken about their mean): the dummy steps lack a served engine's
+    per-step overhead. One step a point outweighs the generic
     prior where nothing was observed, and lets the live timings take over within a report
     where the engine runs: the profile times the forward passes and the sampling but not a
     speculative step's input preparation, so its speculative points are low (at 10 a point
@@ -324,6 +335,31 @@ class Extent:
     def including(self, shape: StepShape) -> Extent:
         return Extent(max(self.batch_size, shape.batch_size),
                       max(self.tokens, shape.verified_tokens))
+
+
+def nearest_satisfying(theta: FloatArray, rows: FloatArray, spread: FloatArray) -> FloatArray:
+    """The weights w nearest ``theta`` in the metric P (the posterior's precision) with
+    ``rows`` @ w >= 0, by active sets: ``spread`` is P^-1 rows^T. Each pass enforces the most
+    violated row as an equality, w = theta + spread_W nu with nu >= 0 the multipliers (a row
+    whose multiplier turns negative is released); a handful of rows, so a few passes."""
+    active: list[int] = []
+    w = theta
+    for _ in range(4 * len(rows) + 1):
+        if active:
+            gram = rows[active] @ spread[:, active]
+            nu = -np.linalg.lstsq(gram, rows[active] @ theta, rcond=None)[0]
+            if float(nu.min()) < 0.0:
+                active.pop(int(np.argmin(nu)))
+                continue
+            w = theta + spread[:, active] @ nu
+        else:
+            w = theta
+        values = rows @ w
+        worst = int(np.argmin(values))
+        if values[worst] >= -_PHYSICAL_SLACK or worst in active:
+            break
+        active.append(worst)
+    return np.asarray(w, dtype=np.float64)
 
 
 class PricedCosts:
@@ -546,7 +582,19 @@ class StepCostModel:
         scale = np.maximum(np.abs(xs).max(axis=0), 1.0)
         context = xs[:, CONTEXT_COLUMN].copy()
         xs[:, CONTEXT_COLUMN] = 0.0
-        self._prior_a = w * xs.T @ xs + _RIDGE * np.diag(scale**2)
+        # What the prior holds of step costs is their shape: how a step's price moves with its
+        # sequences, tokens and draft work, each design shape's virtual steps about their mean
+        # shape (``strength_steps`` in all). Of their level it holds only
+        # ``_PRIOR_LEVEL_STEPS`` virtual steps at that mean shape: a served engine's steps cost
+        # a per-step overhead (its server, sampler and scheduler) that neither the generic
+        # prior nor a start-up profile's dummy steps carry, and held as firmly as the shape
+        # the levels of the large batch sizes nothing has run yet stayed at the profile's while
+        # batch-1 evidence lifted the small ones: a plain step priced cheaper at batch 32 than
+        # at batch 1, and speculation free at the start of every burst.
+        mean = xs.mean(axis=0)
+        centred = xs - mean
+        self._prior_a = (w * centred.T @ centred + _PRIOR_LEVEL_STEPS * np.outer(mean, mean)
+                         + _RIDGE * np.diag(scale**2))
         self._prior_a[CONTEXT_COLUMN, CONTEXT_COLUMN] += w * float(context @ context)
         # The prefill column's prior is its own too (no design shape prefills).
         self._prior_a[PREFILL_COLUMN, PREFILL_COLUMN] += (
@@ -622,16 +670,52 @@ class StepCostModel:
         self._rebuild_prior()
 
     # --- fitting ----------------------------------------------------------------------------
+    def observe_profile(self, points: Sequence[tuple[StepShape, float]], steps: float) -> None:
+        """An engine's start-up profile as observed steps, ``steps`` a point: what it says of
+        how the step cost moves between its shapes, not of its level (its points taken about
+        their mean, as a fit with a level of its own would read them). The dummy steps lack the
+        served engine's per-step overhead, and their level, observed as is, bent the fit to a
+        plain step cheaper at a large batch than at batch 1 once live steps of one batch size
+        set theirs. Never tested for a change."""
+        if not points or steps <= 0:
+            return
+        xs = np.array([self.features(sh) for sh, _ in points])
+        times = np.array([t for _, t in points])
+        xc, tc = xs - xs.mean(axis=0), times - times.mean()
+        self._own.a += steps * xc.T @ xc
+        self._own.b += steps * xc.T @ tc
+        self._own.yy += steps * float(tc @ tc)
+        self._own.reports += len(points)
+        self._own.steps += steps * len(points)
+        self._invalidate()
+        for shape, seconds in points:
+            self._note_timed(shape, seconds)
+        # Each point's ratio was priced (and the prices cached) before the later points
+        # widened the extent: price afresh within the whole profile's.
+        self._invalidate()
+
+    def _note_timed(self, shape: StepShape, seconds: float) -> None:
+        """Widen what the model timed (``Extent``) and the ratios of speculative steps it saw
+        (``measured_ratio_range``) by a timed shape."""
+        if speculates(shape.batch_size, shape.verified_tokens) or shape.draft_passes > 0:
+            plain = self.predict(StepShape(shape.batch_size, shape.batch_size,
+                                           context_tokens=shape.context_tokens,
+                                           prefill_tokens=shape.prefill_tokens))
+            ratio = seconds / plain
+            lo, hi = self._ratio_range or (ratio, ratio)
+            self._ratio_range = (min(lo, ratio), max(hi, ratio))
+        self._extent = (Extent(shape.batch_size, shape.verified_tokens) if self._extent is None
+                        else self._extent.including(shape))
+
     def observe(self, shape: StepShape, mean_step_seconds: float, steps: float,
-                profile: bool = False, predicted: float | None = None) -> bool:
+                predicted: float | None = None) -> bool:
         """Add ``steps`` steps of this mean shape whose mean wall time was ``mean_step_seconds``,
         forgetting along its features first; True when the change test fired on it (most of the
-        evidence was then forgotten). ``profile``: a start-up profile point (the prior's centre,
-        never tested for a change). ``predicted``: what the model predicted for the shape before
-        the report it came in (None: now)."""
+        evidence was then forgotten). ``predicted``: what the model predicted for the shape
+        before the report it came in (None: now)."""
         x = self.features(shape)
         changed = False
-        if (self.change_test is not None and not profile
+        if (self.change_test is not None
                 and self._own.steps >= self.change_test.threshold_steps):
             before = self.predict(shape) if predicted is None else predicted
             ratio = mean_step_seconds / max(before, MIN_STEP_SECONDS)
@@ -640,15 +724,7 @@ class StepCostModel:
                 self._ratio_range = None
                 changed = True
         self._own.forget_along(x, 1.0 - 2.0 ** (-steps / self.half_life_steps))
-        if speculates(shape.batch_size, shape.verified_tokens) or shape.draft_passes > 0:
-            plain = self.predict(StepShape(shape.batch_size, shape.batch_size,
-                                           context_tokens=shape.context_tokens,
-                                           prefill_tokens=shape.prefill_tokens))
-            ratio = mean_step_seconds / plain
-            lo, hi = self._ratio_range or (ratio, ratio)
-            self._ratio_range = (min(lo, ratio), max(hi, ratio))
-        self._extent = (Extent(shape.batch_size, shape.verified_tokens) if self._extent is None
-                        else self._extent.including(shape))
+        self._note_timed(shape, mean_step_seconds)
         self._own.add_point(x, mean_step_seconds, steps)
         self._invalidate()
         return changed
@@ -714,12 +790,39 @@ class StepCostModel:
 
     @property
     def mean(self) -> PricedCosts:
-        """Predictions by the posterior mean weights (cached until the next observation)."""
+        """Predictions by the posterior mean weights, made physical (``_physical``; cached
+        until the next observation)."""
         if self._mean is None:
-            chol, d = self._factor()
-            y = np.linalg.solve(chol, d * (self._prior_b + self._evidence().b))
-            self._mean = PricedCosts(self, d * np.linalg.solve(chol.T, y), self._extent)
+            self._mean = PricedCosts(self, self._physical(self._free_mean()), self._extent)
         return self._mean
+
+    def _measured_knots(self) -> int:
+        """How many of the knots (from the first) some step of the evidence, own or the
+        fleet's, passed: its information on their hinge columns is not zero."""
+        a = self._evidence().a
+        hinges = np.diag(a)[TARGET_COLUMNS : self.columns.n_target] > 0.0
+        return int(np.flatnonzero(hinges).max() + 1) if hinges.any() else 0
+
+    def _free_mean(self) -> FloatArray:
+        """The posterior mean of the weights, unconstrained."""
+        chol, d = self._factor()
+        y = np.linalg.solve(chol, d * (self._prior_b + self._evidence().b))
+        return np.asarray(d * np.linalg.solve(chol.T, y), dtype=np.float64)
+
+    def _physical(self, theta: FloatArray) -> FloatArray:
+        """``theta`` if it prices every step physically (``StepColumns.physical_rows``), else
+        the nearest weights that do in the posterior's own metric (the precision): a fit of a
+        few shapes can bend a hinge or the speculating column below zero where nothing pins
+        them, and priced by such weights a longer draft costs less than a shorter one; the
+        running maximum of the curves then priced every K as no speculation (speculation free
+        at the peak)."""
+        rows = self.columns.physical_rows(self._measured_knots())
+        if float((rows @ theta).min()) >= -_PHYSICAL_SLACK:
+            return theta
+        chol, d = self._factor()
+        # P^-1 A^T, with P = D^-1 L L^T D^-1: one pair of triangular solves for all the rows.
+        spread = d[:, None] * np.linalg.solve(chol.T, np.linalg.solve(chol, d[:, None] * rows.T))
+        return nearest_satisfying(theta, rows, spread)
 
     @property
     def theta(self) -> FloatArray:

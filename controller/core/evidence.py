@@ -28,18 +28,33 @@ from specpilot.controller.core.cost_model import CostChangeTest, StepCostModel, 
 from specpilot.controller.core.engines import EngineRegistry, EngineState
 from specpilot.controller.core.goodput import expected_tokens_curve
 from specpilot.controller.core.mix import ClassMix, ServedSpeedup
+from specpilot.controller.core.proposals import ProposalLengths
 
 FloatArray = npt.NDArray[np.float64]
 
 
 class MeanCurves:
     """Posterior-mean E(K) curves (K = 0..the estimator's max K) of (class, draft) as of one
-    instant, each computed once: a decide round asks for the same ones per class and bucket."""
+    instant, and the drafts a step verifies at each K, each computed once: a decide round asks
+    for the same ones per class and bucket."""
 
-    def __init__(self, estimator: AcceptanceEstimator, now: float) -> None:
+    def __init__(self, estimator: AcceptanceEstimator, proposals: ProposalLengths,
+                 now: float) -> None:
         self._estimator = estimator
+        self._proposals = proposals
         self._now = now
         self._curves: dict[tuple[str, str], FloatArray] = {}
+        self._verified: dict[tuple[str, str], FloatArray | None] = {}
+
+    def verified_drafts(self, traffic_class: str, draft: str) -> FloatArray | None:
+        """Drafts a step of (class, draft) verifies for K = 0..max K asked; None where the
+        engines counted none (a step verifies K)."""
+        key = (traffic_class, draft)
+        if key not in self._verified:
+            self._verified[key] = (self._proposals.verified_drafts(traffic_class, draft,
+                                                                   self._now)
+                                   if self._proposals.has_data(traffic_class, draft) else None)
+        return self._verified[key]
 
     def __call__(self, traffic_class: str, draft: str) -> FloatArray:
         curve = self._curves.get((traffic_class, draft))
@@ -70,6 +85,8 @@ class Evidence:
     def __init__(self, config: CoreConfig, engines: EngineRegistry) -> None:
         self._engines = engines
         self.estimator = AcceptanceEstimator(config.estimator)
+        self.proposals = ProposalLengths(config.estimator.max_k,
+                                         config.estimator.half_life_seconds)
         self.calibration = ConfidenceCalibration(config.estimator)
         self.mix = ClassMix(config.traffic_half_life_seconds)
         self.served = ServedSpeedup(config.traffic_half_life_seconds)
@@ -89,7 +106,7 @@ class Evidence:
         return self._bucket_seen.get(bucket, -math.inf)
 
     def mean_curves(self, now: float) -> MeanCurves:
-        return MeanCurves(self.estimator, now)
+        return MeanCurves(self.estimator, self.proposals, now)
 
     def predicted_step_seconds(self, batch_size: int, draft: str, k: int) -> float:
         """The cost model's mean step time for ``batch_size`` sequences each verifying K drafts
@@ -119,9 +136,7 @@ class Evidence:
         if not points:
             return
         self.cost.set_profile(points)
-        if self._profile_weight > 0:
-            for shape, seconds in points:
-                self.cost.observe(shape, seconds, self._profile_weight, profile=True)
+        self.cost.observe_profile(points, self._profile_weight)
 
     def forget_drafts(self, names: Iterable[str]) -> None:
         """Model drafts no connected engine announces: their cost columns and estimates."""
@@ -129,6 +144,7 @@ class Evidence:
         self.cost.forget_drafts(names)
         for name in names:
             self.estimator.forget_draft(name)
+            self.proposals.forget_draft(name)
             self.calibration.forget_draft(name)
 
     def held_drafts(self) -> set[str]:
@@ -138,6 +154,7 @@ class Evidence:
     def forget_class(self, name: str) -> None:
         """The class's estimates, share of the mix and measured speedup."""
         self.estimator.forget_class(name)
+        self.proposals.forget_class(name)
         self.calibration.forget_class(name)
         self.mix.forget(name)
         self.served.forget(name)
@@ -157,6 +174,10 @@ class Evidence:
                 changes.append((cls, rec.draft))
             if sum(rec.steps_by_accepted):
                 state.evidence_at = now
+            spec = engine.drafts.get(rec.draft)
+            if rec.steps_by_drafted and spec is not None and spec.kind is not DraftKind.MODEL:
+                # A model drafter proposes K: only deterministic proposals run short.
+                self.proposals.observe(cls, rec.draft, rec.steps_by_drafted, now)
         for conf in report.confidence:
             # The calibration refines the class's acceptance; its changes re-decide nothing yet.
             self.calibration.observe(conf, mapping[conf.traffic_class], now)
@@ -170,7 +191,7 @@ class Evidence:
                 verified[cls] = verified.get(cls, 0) + sum(rec.steps_by_accepted)
         for cls, steps in verified.items():
             self.mix.observe(cls, steps, now)
-        self._observe_served(report, mapping, now)
+        self._observe_served(engine, report, mapping, now)
         for req in report.finished:
             cls = mapping[req.traffic_class]
             classes[cls].evidence_at = now  # traffic, even with no drafts to count
@@ -182,23 +203,32 @@ class Evidence:
                             step_predictions=tuple(predictions),
                             step_costs_changed=costs_changed)
 
-    def _observe_served(self, report: EngineReport, mapping: Mapping[str, str],
-                        now: float) -> None:
+    def _observe_served(self, engine: EngineState, report: EngineReport,
+                        mapping: Mapping[str, str], now: float) -> None:
         """Served speculative steps for the measured speedup, priced by the costs as they were
         before the report (its timings are learnt after)."""
         n = max(report.running_requests, 1)
         ratios: dict[tuple[str, int], float] = {}  # a report's records share a few arms
+
+        def ratio(draft: str, k: int) -> float:
+            if (draft, k) not in ratios:
+                ratios[(draft, k)] = (self.predicted_step_seconds(n, draft, k)
+                                      / self.predicted_step_seconds(n, "", 0))
+            return ratios[(draft, k)]
+
         for rec in report.acceptance:
             steps = sum(rec.steps_by_accepted)
             if rec.counterfactual or rec.k == 0 or steps == 0:
                 continue
-            arm = (rec.draft, rec.k)
-            if arm not in ratios:
-                ratios[arm] = (self.predicted_step_seconds(n, rec.draft, rec.k)
-                               / self.predicted_step_seconds(n, "", 0))
+            spec = engine.drafts.get(rec.draft)
+            if rec.steps_by_drafted and spec is not None and not spec.pass_draft:
+                # Each step priced at the drafts it verified (no model passes to price).
+                priced = sum(h * ratio(rec.draft, d)
+                             for d, h in enumerate(rec.steps_by_drafted) if h)
+            else:
+                priced = steps * ratio(rec.draft, rec.k)
             tokens = sum((1 + a) * h for a, h in enumerate(rec.steps_by_accepted))
-            self.served.observe(mapping[rec.traffic_class], steps, tokens,
-                                steps * ratios[arm], now)
+            self.served.observe(mapping[rec.traffic_class], steps, tokens, priced, now)
 
     def _observe_timings(self, engine: EngineState, report: EngineReport,
                          now: float) -> tuple[list[StepPrediction], bool]:

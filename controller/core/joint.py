@@ -88,17 +88,19 @@ class JointSearch:
                     and self._overrides.in_force(name) is None
                     and any(estimator.has_data(name, d.name) for d in drafts))
             by_draft = {d.name: curves(name, d.name) for d in drafts}
-            classes.append((name, share, by_draft, state, free))
+            verified = {d.name: v for d in drafts
+                        if (v := curves.verified_drafts(name, d.name)) is not None}
+            classes.append((name, share, by_draft, verified, state, free))
         if sum(free for *_, free in classes) < 2:
             return  # one class alone: its own decision is already the batch's best
         for b in due:
             self._at[b] = now
             joint = []
-            for name, share, by_draft, state, free in classes:
+            for name, share, by_draft, verified, state, free in classes:
                 d = state.decisions.get(b)
                 # A decision from before an engine left or reconnected with a smaller max K
                 # may name an arm no engine offers: the search starts that class off.
                 arm = d.arm if d is not None and runs(drafts, *d.arm) else ("", 0)
-                joint.append(JointClass(name, share, by_draft, arm, free))
+                joint.append(JointClass(name, share, by_draft, arm, free, verified))
             self._arms[b] = joint_arms(loads.batch_size(b), joint, drafts,
                                        config.policy.max_k, self._evidence.cost.predict_mixed)

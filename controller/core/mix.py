@@ -110,6 +110,13 @@ class OtherClass:
     draft_is_model: bool
     k: int
     expected_tokens: float  # E(K) per step of its sequences under its current arm
+    # Drafts a step of its sequences verifies (a deterministic draft's proposals may be
+    # shorter than K); None: K.
+    verified: float | None = None
+
+    @property
+    def verified_drafts(self) -> float:
+        return float(self.k) if self.verified is None else self.verified
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,7 @@ class BatchOthers:
         for o in others:
             n = o.share * rest
             tokens += n * o.expected_tokens
-            verified += n * (1 + o.k)
+            verified += n * (1 + o.verified_drafts)
             if o.k > 0 and o.draft_is_model:
                 draft_tokens[o.draft] = draft_tokens.get(o.draft, 0.0) + n * o.k
                 # P(at least one of the other sequences is of this class).
@@ -202,23 +209,29 @@ def arm_keys(drafts: Sequence[DraftSpec], max_k: int) -> list[Arm]:
 
 
 def arm_seconds(o: BatchOthers, drafts: Sequence[DraftSpec], max_k: int,
-                seconds_fn: MixedSecondsFn) -> FloatArray:
+                seconds_fn: MixedSecondsFn,
+                verified: Mapping[str, FloatArray] | None = None) -> FloatArray:
     """The step seconds of each arm of the class (``arm_keys`` order), the others fixed: every
-    arm priced in one call of ``seconds_fn`` (decide rounds price thousands of these)."""
+    arm priced in one call of ``seconds_fn`` (decide rounds price thousands of these).
+    ``verified``: per draft, the drafts a step verifies at K = 0..max asked (absent: K); a
+    model drafter still runs K passes."""
     n = o.self_count
-    ks_list: list[int] = [0]
+    ks_list: list[float] = [0]
+    verified_list: list[float] = [0]
     runs: list[str] = [""]  # per arm, the model draft whose passes it runs
     segments: list[slice] = []
     for spec in drafts:
         k_max = min(max_k, spec.max_k)
         segments.append(slice(len(ks_list), len(ks_list) + k_max))
         ks_list.extend(range(1, k_max + 1))
+        v = None if verified is None else verified.get(spec.name)
+        verified_list.extend(range(1, k_max + 1) if v is None else v[1:k_max + 1].tolist())
         runs.extend([spec.pass_draft] * k_max)
     ks = np.asarray(ks_list, dtype=np.float64)
     run_by = np.asarray(runs)
     own = {d.name: np.where(run_by == d.name, ks, 0.0)
            for d in drafts if d.kind is DraftKind.MODEL}
-    t = seconds_fn(o.batch_size, o.verified_tokens + n * (1 + ks),
+    t = seconds_fn(o.batch_size, o.verified_tokens + n * (1 + np.asarray(verified_list)),
                    {m: o.drafting_probability(m, own[m]) for m in own},
                    {m: o.expected_passes(m, own[m]) for m in own},
                    {m: o.draft_tokens.get(m, 0.0) + n * own[m] for m in own})
@@ -242,9 +255,12 @@ def priced_arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec],
 
 
 def arm_rates(o: BatchOthers, drafts: Sequence[DraftSpec], curves: Mapping[str, FloatArray],
-              max_k: int, seconds_fn: MixedSecondsFn) -> ArmRates:
-    """``priced_arm_rates`` with the arms priced by ``seconds_fn``."""
-    return priced_arm_rates(o, drafts, curves, max_k, arm_seconds(o, drafts, max_k, seconds_fn))
+              max_k: int, seconds_fn: MixedSecondsFn,
+              verified: Mapping[str, FloatArray] | None = None) -> ArmRates:
+    """``priced_arm_rates`` with the arms priced by ``seconds_fn`` (``verified``: see
+    ``arm_seconds``)."""
+    return priced_arm_rates(o, drafts, curves, max_k,
+                            arm_seconds(o, drafts, max_k, seconds_fn, verified))
 
 
 @dataclass(frozen=True)
@@ -258,27 +274,36 @@ class JointClass:
     curves: Mapping[str, FloatArray]
     arm: Arm
     free: bool = True
+    # Per draft: the drafts a step verifies at K = 0..max asked (absent: K).
+    verified: Mapping[str, FloatArray] = field(default_factory=dict)
 
     def expected(self, arm: Arm) -> float:
         draft, k = arm
         return float(self.curves[draft][k]) if k else 1.0
+
+    def other(self, arm: Arm, drafts: Sequence[DraftSpec]) -> OtherClass:
+        """This class at ``arm`` as another class in the batch."""
+        draft, k = arm
+        v = self.verified.get(draft) if k else None
+        return other_class(self.share, arm, self.expected(arm), drafts,
+                           None if v is None else float(v[k]))
 
 
 def _others(classes: Sequence[JointClass], arms: Mapping[str, Arm], skip: str,
             drafts: Sequence[DraftSpec], held: Sequence[OtherClass] = ()) -> list[OtherClass]:
     """The classes other than ``skip`` at ``arms``, after ``held`` (classes the search does
     not move, priced once)."""
-    return [*held, *(other_class(c.share, arms[c.name], c.expected(arms[c.name]), drafts)
-                     for c in classes if c.name != skip)]
+    return [*held, *(c.other(arms[c.name], drafts) for c in classes if c.name != skip)]
 
 
 def other_class(share: float, arm: Arm, expected_tokens: float,
-                drafts: Sequence[DraftSpec]) -> OtherClass:
-    """Another class at ``arm``, priced by the model draft whose passes its arm runs."""
+                drafts: Sequence[DraftSpec], verified: float | None = None) -> OtherClass:
+    """Another class at ``arm``, priced by the model draft whose passes its arm runs;
+    ``verified``: the drafts a step of it verifies (None: K)."""
     draft, k = arm
     spec = next((d for d in drafts if d.name == draft), None)
     pass_draft = spec.pass_draft if spec is not None and k else ""
-    return OtherClass(share, pass_draft, bool(pass_draft), k, expected_tokens)
+    return OtherClass(share, pass_draft, bool(pass_draft), k, expected_tokens, verified)
 
 
 def joint_arms(batch_size: int, classes: Sequence[JointClass], drafts: Sequence[DraftSpec],
@@ -298,8 +323,7 @@ def joint_arms(batch_size: int, classes: Sequence[JointClass], drafts: Sequence[
     if not movable:
         return {c.name: c.arm for c in classes}
     moving = {c.name for c in movable}
-    held = [other_class(c.share, c.arm, c.expected(c.arm), drafts)
-            for c in classes if c.name not in moving]
+    held = [c.other(c.arm, drafts) for c in classes if c.name not in moving]
     starts: list[dict[str, Arm]] = [{c.name: c.arm for c in movable}]
     # Uniform starts at a few K per draft (1, 2, 4, ... max): the ascent refines the rest. Every
     # draft, not only model drafts: where n-gram drafts skip the drafter's passes, all classes
@@ -313,7 +337,7 @@ def joint_arms(batch_size: int, classes: Sequence[JointClass], drafts: Sequence[
     def rates(c: JointClass, arms: Mapping[str, Arm]) -> ArmRates:
         nonlocal budget
         o = BatchOthers.build(batch_size, c.share, _others(movable, arms, c.name, drafts, held))
-        r = arm_rates(o, drafts, c.curves, max_k, seconds_fn)
+        r = arm_rates(o, drafts, c.curves, max_k, seconds_fn, c.verified)
         budget -= len(r.keys)
         return r
 

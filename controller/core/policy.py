@@ -58,7 +58,7 @@ from specpilot.controller.core.acceptance import CREDIBLE_LEVEL
 from specpilot.controller.core.beta import credible_bounds
 from specpilot.controller.core.goodput import expected_tokens_curve, goodput, speedup
 from specpilot.controller.core.mix import BatchOthers, arm_keys
-from specpilot.controller.core.prices import StepPrices
+from specpilot.controller.core.prices import StepPrices, verified_curve
 from specpilot.controller.core.ranking import rank_threshold, rank_z, tokens_covariance
 from specpilot.controller.core.tunable import tunable
 
@@ -181,6 +181,9 @@ class ClassContext:
     # (``StepCostModel.measured_ratio_range``); a figure shown prices no arm beyond it. None:
     # none measured yet.
     ratio_cap: float | None = None
+    # Per deterministic draft whose proposals the engines counted: the drafts a step verifies
+    # at K = 0..max K asked (absent: K). An arm is priced at what it verifies.
+    verified_drafts: Mapping[str, FloatArray] = field(default_factory=dict)
 
     @property
     def has_data(self) -> bool:
@@ -276,7 +279,8 @@ def arm_table(ctx: ClassContext, batch_size: int, curves: Mapping[str, FloatArra
         t = prices.mixed_arms(batch_size, ctx.drafts)
     else:
         t = np.concatenate([prices.off(batch_size)] + [
-            prices.curve(batch_size, spec.name, min(max_k, spec.max_k))[1:]
+            verified_curve(prices.curve(batch_size, spec.name, min(max_k, spec.max_k)),
+                           ctx.verified_drafts.get(spec.name), spec)[1:]
             for spec in ctx.drafts])
     return _scored(keys, e, t, batch_size, others)
 
@@ -414,7 +418,11 @@ def _seconds_of(ctx: ClassContext, batch_size: int, draft: str, k: int) -> float
     """Mean step seconds of a batch of ``batch_size`` all on (draft, K) (``probe_curves``)."""
     if k == 0:
         return float(ctx.prices.off(batch_size)[0])
-    return float(ctx.prices.curve(batch_size, draft, k)[k])
+    curve = ctx.prices.curve(batch_size, draft, k)
+    spec = next((d for d in ctx.drafts if d.name == draft), None)
+    if spec is not None:
+        curve = verified_curve(curve, ctx.verified_drafts.get(draft), spec)
+    return float(curve[k])
 
 
 def break_even_rate(seconds: FloatArray, need: float) -> float:

@@ -69,13 +69,16 @@ def price_steps(step_seconds: StepSecondsFn, mixed_seconds: MixedSecondsFn | Non
                 others: Mapping[int, BatchOthers] | None = None,
                 draft_sets: Sequence[tuple[DraftSpec, ...]] = (),
                 arms: Iterable[tuple[int, str, int]] = (),
-                spread: SpreadFn | None = None) -> StepPrices:
+                spread: SpreadFn | None = None,
+                verified: Mapping[str, FloatArray] | None = None) -> StepPrices:
     """The prices of ``drafts``' arms (K up to ``max_k``) at ``batch_sizes``: no speculation,
     and a curve per draft where the batch is all of the class, or, where ``others`` has the
     rest of the batch, every arm of ``drafts`` and of each of ``draft_sets`` in that batch
     (``mixed_seconds`` required). And the curve up to K of each of ``arms`` (batch size,
     draft, K; what a probe of the model draft reads, ``policy.probe_curves``). With
-    ``spread``, the arms' relative covariance at ``batch_sizes`` too (``StepPrices.spread``)."""
+    ``spread``, the arms' relative covariance at ``batch_sizes`` too (``StepPrices.spread``).
+    ``verified``: per draft, the drafts a step verifies at each K asked (``mix.arm_seconds``;
+    the curves stay per K, ``verified_curve`` reads them)."""
     others = others or {}
     if others and mixed_seconds is None:
         raise ValueError("price_steps: mixed batches need mixed_seconds")
@@ -99,5 +102,17 @@ def price_steps(step_seconds: StepSecondsFn, mixed_seconds: MixedSecondsFn | Non
         elif mixed_seconds is not None:
             for scored in (tuple(drafts), *draft_sets):
                 mixed[(b, tuple(d.name for d in scored))] = arm_seconds(o, scored, max_k,
-                                                                        mixed_seconds)
+                                                                        mixed_seconds, verified)
     return StepPrices(curves, mixed, spreads)
+
+
+def verified_curve(curve: FloatArray, verified: FloatArray | None, spec: DraftSpec) -> FloatArray:
+    """Step seconds at each K asked of ``spec`` from ``curve`` (seconds at K = 0..max drafts
+    verified a sequence), where a step verifies ``verified[K]`` drafts (None: K): the curve
+    read between its points. A draft that runs a model's passes keeps its curve, whose every
+    point also prices K passes."""
+    if verified is None or spec.pass_draft:
+        return curve
+    k_max = curve.size - 1
+    return np.asarray(np.interp(np.minimum(verified[: k_max + 1], k_max), np.arange(k_max + 1),
+                                curve), dtype=np.float64)

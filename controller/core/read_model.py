@@ -70,12 +70,16 @@ class ReadModel:
 
     def estimate(self, traffic_class: str, draft: str, now: float,
                  positions: int | None = None) -> AcceptanceEstimate:
-        """The acceptance posterior of (class, draft) as of ``now``: the bare prior when no
-        report named it. ``positions`` shown: the estimator's max K unless given, never more
+        """The acceptance posterior of (class, draft) as of ``now`` (the bare prior when no
+        report named it) and the drafts its steps verify where the engines counted them.
+        ``positions`` shown: the estimator's max K unless given, never more
         than it tracks (a draft may announce a longer K than the controller considers)."""
-        estimator = self._parts.evidence.estimator
+        evidence = self._parts.evidence
+        estimator = evidence.estimator
         post = estimator.posterior(traffic_class, draft, now)
         tracked = post.alpha.size
+        shown = tracked if positions is None else min(positions, tracked)
+        proposals = evidence.proposals
         return AcceptanceEstimate(
             traffic_class=traffic_class,
             draft=draft,
@@ -83,9 +87,12 @@ class ReadModel:
             beta=tuple(post.beta.tolist()),
             prior_alpha=post.prior_alpha,
             prior_beta=post.prior_beta,
-            positions=tracked if positions is None else min(positions, tracked),
+            positions=shown,
             changes_detected=estimator.changes_detected(traffic_class, draft),
             has_evidence=estimator.has_data(traffic_class, draft),
+            verified_drafts=(tuple(proposals.verified_drafts(traffic_class, draft, now)
+                                   [:shown + 1].tolist())
+                             if proposals.has_data(traffic_class, draft) else ()),
         )
 
     def calibration(self, traffic_class: str, draft: str, now: float,

@@ -48,6 +48,9 @@ class AcceptanceEstimate:
     changes_detected: int
     # False: no report has named this (class, draft) yet; the posterior is the bare prior.
     has_evidence: bool
+    # Drafts a step verifies for K = 0..max K asked (a deterministic draft's proposals run
+    # short); empty: the engines counted none.
+    verified_drafts: tuple[float, ...] = ()
 
     @property
     def posterior(self) -> Posterior:

@@ -64,6 +64,7 @@ def _estimate_json(e: AcceptanceEstimate, v: EstimateValues) -> dict[str, Any]:
                           v.mean, v.lower, v.upper, v.effective_tries, strict=True))],
         "expected_tokens": v.expected_tokens,
         "changes_detected": str(e.changes_detected),
+        "verified_drafts": list(e.verified_drafts),
     }
 
 

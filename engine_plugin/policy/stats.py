@@ -186,8 +186,10 @@ class StatsAggregator:
 
     # --- hot path ------------------------------------------------------------------------------
     def record_verification(self, traffic_class: str, draft: str, k: int, accepted: int,
-                            counterfactual: bool = False) -> None:
-        """One request in one step: k drafts verified, ``accepted`` of them accepted."""
+                            counterfactual: bool = False, drafted: int | None = None) -> None:
+        """One request in one step scored as K = ``k`` drafts, ``accepted`` of them accepted;
+        ``drafted``: how many it verified (a deterministic drafter asked for ``k`` may propose
+        fewer; None: not counted, taken as ``k``)."""
         try:
             hist = self._acc.get((traffic_class, draft, k, counterfactual))
             if hist is None:
@@ -195,8 +197,13 @@ class StatsAggregator:
                 if hist is None:
                     self._ignored += 1
                     return
-            if 0 <= accepted <= k:
+            if drafted is None:
+                drafted = k
+            else:
+                hist[-1] += 1  # the key's steps were counted by drafts verified
+            if 0 <= accepted <= drafted <= k:
                 hist[accepted] += 1
+                hist[k + 1 + drafted] += 1
             else:
                 self._ignored += 1
         except Exception:
@@ -293,9 +300,12 @@ class StatsAggregator:
         interval = max(0.0, now - self._since)
         self._since = now
 
+        # Each histogram: steps by accepted drafts, by drafts verified, and how many of them
+        # said how many they verified (none: the second is not reported).
         acceptance = tuple(
-            AcceptanceRecord(cls, draft, k, tuple(hist), cf)
-            for (cls, draft, k, cf), hist in sorted(acc.items()) if any(hist)
+            AcceptanceRecord(cls, draft, k, tuple(hist[:k + 1]), cf,
+                             tuple(hist[k + 1:-1]) if hist[-1] else ())
+            for (cls, draft, k, cf), hist in sorted(acc.items()) if any(hist[:k + 1])
         )
         # With k = 0 no draft runs, whatever the caller named: merge those keys.
         merged: dict[tuple[int, str, int], list[float]] = {}
@@ -350,7 +360,7 @@ class StatsAggregator:
                 or not self._draft_ok(draft, allow_empty=False)
                 or len(self._acc) >= self.max_keys):
             return None
-        hist = [0] * (k + 1)
+        hist = [0] * (2 * k + 3)  # by accepted (k+1), by drafted (k+1), steps counted so
         self._acc[(traffic_class, draft, k, bool(counterfactual))] = hist
         return hist
 

@@ -497,7 +497,8 @@ def test_the_profile_times_each_step_with_its_sampler(tiny_models: Any) -> None:
     every verified position and vLLM's rejection sampler over K drafts a sequence, a plain one
     (and the prefill step) its sampler over one row a sequence. The profile times those on the
     real runner, so its speculative points carry what verification costs beyond the forward;
-    the control: a runner without a sampler is timed on its forward passes alone."""
+    the control: a runner without a sampler, or with one whose call fails, is timed on its
+    forward passes alone."""
     from specpilot.engine_plugin import profile
     from tests.engine.harness import runner_of
 
@@ -530,6 +531,17 @@ def test_the_profile_times_each_step_with_its_sampler(tiny_models: Any) -> None:
             timed = len(verified) + len(sampled)
             del runner.sampler
             forward_only = profile.take_profile(runner, budget_seconds=60.0)
+            after_forward_only = len(verified) + len(sampled)
+            # A sampler that is there but takes other arguments (a vLLM that moved) costs
+            # the profile its sampling, never the profile.
+            runner.sampler = spy_sampler
+
+            def changed_api(*args: Any, **kwargs: Any) -> Any:
+                raise TypeError("rejection sampler with another signature")
+
+            runner.rejection_sampler = changed_api
+            plain_before = len(sampled)
+            moved = profile.take_profile(runner, budget_seconds=60.0)
         finally:
             runner.rejection_sampler, runner.sampler = rejection, sampler
             del runner.model.compute_logits
@@ -542,7 +554,10 @@ def test_the_profile_times_each_step_with_its_sampler(tiny_models: Any) -> None:
     assert set(sampled) == {b for b, k in shapes if not k} | prefill_rows
     assert {b * (1 + k) for b, k in shapes if k} <= set(lm_head_rows)
     # The control: without a sampler, nothing beyond the forward passes is timed.
-    assert len(verified) + len(sampled) == timed and forward_only.steps
+    assert after_forward_only == timed and forward_only.steps
+    # Only the trial call sampled: the moved internals are found before anything is timed.
+    assert len(sampled) == plain_before + 1 and len(verified) + len(sampled) == timed + 1
+    assert {(b, k) for b, k, _, _ in moved.steps} == {(b, k) for b, k, _, _ in forward_only.steps}
 
 
 def _probing_update(probe_steps: bool) -> Any:

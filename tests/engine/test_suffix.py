@@ -94,6 +94,35 @@ def test_vllms_suffix_method_greedy_outputs_equal_no_speculation_at_every_k(
         assert max(used.accepted_per_pos[k:], default=0) == 0  # never beyond the K chosen
 
 
+def test_each_step_is_counted_by_the_suffix_drafts_it_verified(suffix_engine: Any,
+                                                                references: Any) -> None:
+    """Asked for 4, vLLM's suffix drafter proposes what its trees find. Each request-step is
+    scored as K = 4 (its missing tail rejected) and counted by the drafts it verified: those
+    counts add up to the draft tokens vLLM itself verified. The control: counting each step as
+    K drafts, what pricing at K assumes, overstates them."""
+    pilot = pilot_of(suffix_engine)
+    put_policy(pilot.view, {"default": (SUFFIX_DRAFT, 4)}, version=30)
+    calls: list[tuple[int, int, int | None]] = []  # (K scored, accepted, drafts verified)
+    record = pilot.stats.record_verification
+
+    def spy(traffic_class: str, draft: str, k: int, accepted: int, *args: Any,
+            **kwargs: Any) -> None:
+        calls.append((k, accepted, kwargs.get("drafted")))
+        record(traffic_class, draft, k, accepted, *args, **kwargs)
+
+    before = spec_counters(suffix_engine)
+    pilot.stats.record_verification = spy
+    try:
+        assert _greedy(suffix_engine) == references[0]
+    finally:
+        del pilot.stats.record_verification
+    used = spec_counters(suffix_engine) - before
+    assert calls and {k for k, _, _ in calls} == {4}
+    assert all(d is not None and a <= d <= k for k, a, d in calls)
+    assert sum(d or 0 for _, _, d in calls) == used.draft_tokens > 0
+    assert sum(k for k, _, _ in calls) > used.draft_tokens  # the control: K overstates them
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_vllms_suffix_method_keeps_the_targets_distribution(k: int, suffix_engine: Any,
                                                              references: Any) -> None:

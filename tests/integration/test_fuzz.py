@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, get_args
 
 import aiohttp
 import grpc
@@ -46,6 +46,7 @@ from specpilot.contract.validation import (
     valid_class_name,
 )
 from specpilot.controller.core.controller import ControllerCore
+from specpilot.controller.metrics import RejectReason
 from specpilot.controller.server.app import RECEIVE_LIMIT_FACTOR, RunningServer
 from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub
 from specpilot.controller.server.views import to_json_dict
@@ -641,7 +642,7 @@ async def stream(server: RunningServer, channel: grpc.aio.Channel) -> AsyncItera
 def _rejected_total(server: RunningServer) -> float:
     return sum(server.metrics.registry.get_sample_value(
         "specpilot_reports_rejected_total", {"reason": r}) or 0.0
-        for r in ("validation", "implausible", "oversized", "before_hello"))
+        for r in get_args(RejectReason))
 
 
 @fuzz(120)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,7 +17,7 @@ from specpilot.controller.server.app import RunningServer, start_server
 from specpilot.controller.server.stubs import AsyncPolicyStub, async_policy_stub
 from specpilot.controller.settings import load_settings
 from specpilot.controller.wire import event_to_proto
-from specpilot.v1 import common_pb2, policy_pb2
+from specpilot.v1 import common_pb2, engine_pb2, policy_pb2
 from tests.integration.conftest import FAST_SETTINGS, TOKEN, snapshot
 from tests.integration.engine_client import DRAFT, EngineClient, acceptance, hello, report
 
@@ -278,6 +280,36 @@ async def test_explain(
     missing = await _code(policy.ExplainDecision(
         policy_pb2.ExplainDecisionRequest(traffic_class="nope")))
     assert missing == (grpc.StatusCode.NOT_FOUND, "unknown class 'nope'")
+
+
+async def test_a_benchmark_logs_each_class_decision_and_its_arms_while_labelled(
+        server: RunningServer, engine: EngineClient, tmp_path: Path) -> None:
+    """``bench real --explain-every``: a client thread of the real server, polling only while
+    the benchmark labels a phase, one line per poll with every class in every measured bucket."""
+    from benchmarks.real.explain import ExplanationLog
+
+    timed = report(2)
+    timed.step_timings.append(engine_pb2.StepTiming(
+        batch_bucket=0, steps=10, sum_batch_size=10, sum_verified_tokens=10,
+        sum_step_seconds=0.3))
+    assert (await engine.send(timed)).accepted
+    path = tmp_path / "explanations.jsonl"
+    log = ExplanationLog(f"{server.grpc_host}:{server.grpc_port}", path, 0.05)
+    try:
+        await asyncio.sleep(0.3)
+        assert not path.exists() or not path.read_text()  # no label: nothing polled
+        log.label = "rep 0 light"
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if path.exists() and path.read_text():
+                break
+    finally:
+        await asyncio.to_thread(log.stop)
+    line = json.loads(path.read_text().splitlines()[0])
+    assert line["label"] == "rep 0 light" and line["version"] > 0
+    chat = line["classes"]["chat"]["0"]
+    assert chat["batch_size"] == 1 and chat["k"] in range(5)
+    assert {(draft, k) for draft, k, *_ in chat["arms"]} >= {("", 0), (DRAFT, 4)}
 
 
 async def test_override_values_beyond_what_the_engines_can_run_are_refused(

@@ -49,6 +49,29 @@ def test_histograms_by_class_draft_k_and_counterfactual() -> None:
     assert p.running_requests == 3 and p.ignored_records == 0
 
 
+def test_steps_are_counted_by_the_drafts_they_verified_where_the_caller_says() -> None:
+    """A deterministic drafter asked for K proposes what it finds: each step is counted by the
+    drafts it verified beside its accepted ones, and a key whose caller never said how many
+    (a model draft's, a counterfactual score) reports no such counts."""
+    agg = StatsAggregator(max_k=4, drafts={"suffix", "d"})
+    for drafted, accepted in ((0, 0), (2, 1), (2, 2), (4, 3), (1, 0)):
+        agg.record_verification("chat", "suffix", 4, accepted, drafted=drafted)
+    agg.record_verification("chat", "suffix", 4, 1)  # not counted: taken as all 4 verified
+    agg.record_verification("chat", "d", 2, 1)
+    agg.record_verification("chat", "suffix", 4, 3, drafted=2)  # more accepted than verified
+    agg.record_verification("chat", "suffix", 4, 0, drafted=5)  # more verified than asked
+    p = agg.drain(0)
+    assert p.acceptance == (
+        AcceptanceRecord("chat", "d", 2, (0, 1, 0)),
+        AcceptanceRecord("chat", "suffix", 4, (2, 2, 1, 1, 0), steps_by_drafted=(1, 1, 2, 0, 2)),
+    )
+    assert p.ignored_records == 2
+    drafts = {"d": DraftSpec("d", DraftKind.MODEL, 4),
+              "suffix": DraftSpec("suffix", DraftKind.SUFFIX, 4)}
+    check_report(p.report(1, 1, 0, (2, 8, 32)), drafts, engine_max_k=4, n_buckets=4,
+                 last_sequence=0)
+
+
 def test_step_sums_per_batch_size_and_per_bucket() -> None:
     agg = StatsAggregator()
     # batch 1, draft d, K=4: verified = 1 + 4 drafts

@@ -142,11 +142,13 @@ def test_a_biased_start_up_profile_reaches_the_cost_model_before_any_step() -> N
         return (policy.core.predicted_step_seconds(8, "", 0),
                 policy.core.predicted_step_seconds(8, "small", 4))
 
-    exact, plain_fast, spec_fast = priced([1.0, 1.0]), priced([0.5, 1.0]), priced([1.0, 0.5])
+    # Speculative points scaled by 0.8, not lower: much below, some would price a step that
+    # verifies drafts below a plain one, which the cost model refuses (its weights physical).
+    exact, plain_fast, spec_fast = priced([1.0, 1.0]), priced([0.5, 1.0]), priced([1.0, 0.8])
     print(f"batch 8, off and K=4: exact {exact}, plain x0.5 {plain_fast}, "
-          f"speculative x0.5 {spec_fast}")
+          f"speculative x0.8 {spec_fast}")
     assert plain_fast[0] < 0.7 * exact[0]
-    assert spec_fast[1] < 0.7 * exact[1]
+    assert spec_fast[1] < 0.85 * exact[1]
     assert abs(spec_fast[0] / exact[0] - 1) < 0.1  # the plain points are not scaled
 
 

@@ -275,6 +275,28 @@ class StepColumns:
              for i, name in enumerate(self.drafts)}, w[CONTEXT_COLUMN], w[SPECULATING_COLUMN],
             w[PREFILL_COLUMN])
 
+    def physical_rows(self, measured_knots: int = 0) -> FloatArray:
+        """Rows A with A @ weights >= 0 for every weight vector a step can physically have:
+        a verified token never makes a step faster, below the first knot and above each of the
+        first ``measured_knots`` knots (those some measured step passed), at any context (the
+        slope per token of each such segment, the context weight); nor does verifying drafts
+        at all, a prompt token prefilled, or a model draft's drafting, passes or tokens. The
+        base and the per-sequence weight are free (they trade off with the others over the
+        batch sizes measured), and so are the segments no step reached: nothing pins them, and
+        steps there are priced from the edge of what was measured."""
+        rows = []
+        for m in range(min(measured_knots, self.knots.size) + 1):  # above the first m knots
+            row = np.zeros(self.size)
+            row[2] = 1.0
+            row[TARGET_COLUMNS : TARGET_COLUMNS + m] = 1.0
+            rows.append(row)
+        for col in (CONTEXT_COLUMN, SPECULATING_COLUMN, PREFILL_COLUMN,
+                    *range(self.n_target, self.size)):
+            row = np.zeros(self.size)
+            row[col] = 1.0
+            rows.append(row)
+        return np.array(rows, dtype=np.float64)
+
     def arrays(self, weights: FloatArray) -> PricingArrays:
         """A weight vector in these columns as ``PricingArrays`` (views of it)."""
         return PricingArrays(

@@ -101,13 +101,16 @@ class EngineHello:
 
 @dataclass(frozen=True)
 class AcceptanceRecord:
-    """Verification steps of one (class, draft, K), by number of accepted drafts (len K+1)."""
+    """Verification steps of one (class, draft, K asked), by number of accepted drafts (len
+    K+1), and where counted by number of drafts verified (len K+1; a deterministic drafter may
+    propose fewer than K; empty: not counted)."""
 
     traffic_class: str
     draft: str
     k: int
     steps_by_accepted: tuple[int, ...]
     counterfactual: bool = False
+    steps_by_drafted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import re
 
 from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
 from specpilot.contract.records import (
+    AcceptanceRecord,
     BeyondRate,
     ConfidenceRecord,
     DraftSpec,
@@ -83,6 +84,27 @@ def _counts(values: tuple[int, ...], where: str, names: tuple[str, ...] | None =
     if values and (min(values) < 0 or max(values) > MAX_STEPS_PER_RECORD):
         for i, v in enumerate(values):
             _non_negative(v, f"{where}[{i}]" if names is None else f"{where}.{names[i]}")
+
+
+def _check_drafted(rec: AcceptanceRecord, where: str) -> None:
+    """The same steps by drafts verified: K+1 counts, as many steps, and never fewer drafts
+    than accepted ones (at each position, the steps that verified it at least as many as
+    those that accepted it)."""
+    drafted, accepted = rec.steps_by_drafted, rec.steps_by_accepted
+    if len(drafted) != rec.k + 1:
+        raise ReportRejected(f"{where}.steps_by_drafted: {len(drafted)} entries, expected "
+                             f"k+1 = {rec.k + 1} (or none)")
+    _counts(drafted, f"{where}.steps_by_drafted")
+    if sum(drafted) != sum(accepted):
+        raise ReportRejected(f"{where}.steps_by_drafted: {sum(drafted)} steps, but "
+                             f"steps_by_accepted has {sum(accepted)}")
+    verified = accepted_here = 0
+    for i in range(rec.k, 0, -1):
+        verified += drafted[i]
+        accepted_here += accepted[i]
+        if accepted_here > verified:
+            raise ReportRejected(f"{where}: {accepted_here} steps accepted {i} or more drafts "
+                                 f"but only {verified} verified that many")
 
 
 def _max_k_of(traffic_class: str, draft: str, where: str, drafts: dict[str, DraftSpec],
@@ -243,6 +265,8 @@ def check_report(
                 f"expected k+1 = {rec.k + 1}"
             )
         _counts(rec.steps_by_accepted, f"{where}.steps_by_accepted")
+        if rec.steps_by_drafted:
+            _check_drafted(rec, where)
     for i, conf in enumerate(report.confidence):
         _check_confidence(conf, f"confidence[{i}]", drafts, engine_max_k)
     for i, req in enumerate(report.finished):

@@ -124,18 +124,20 @@ class RejectedDraft(_message.Message):
     def __init__(self, name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class AcceptanceCounts(_message.Message):
-    __slots__ = ("traffic_class", "draft", "k", "steps_by_accepted", "counterfactual")
+    __slots__ = ("traffic_class", "draft", "k", "steps_by_accepted", "counterfactual", "steps_by_drafted")
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     STEPS_BY_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     traffic_class: str
     draft: str
     k: int
     steps_by_accepted: _containers.RepeatedScalarFieldContainer[int]
     counterfactual: bool
-    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., steps_by_accepted: _Optional[_Iterable[int]] = ..., counterfactual: _Optional[bool] = ...) -> None: ...
+    steps_by_drafted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, traffic_class: _Optional[str] = ..., draft: _Optional[str] = ..., k: _Optional[int] = ..., steps_by_accepted: _Optional[_Iterable[int]] = ..., counterfactual: _Optional[bool] = ..., steps_by_drafted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestSummary(_message.Message):
     __slots__ = ("traffic_class", "draft", "prompt_tokens", "output_tokens", "drafted_tokens", "accepted_tokens", "latency_seconds")

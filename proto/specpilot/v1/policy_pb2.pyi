@@ -38,16 +38,18 @@ class PositionEstimate(_message.Message):
     def __init__(self, position: _Optional[int] = ..., mean: _Optional[float] = ..., lower: _Optional[float] = ..., upper: _Optional[float] = ..., effective_tries: _Optional[float] = ...) -> None: ...
 
 class DraftEstimate(_message.Message):
-    __slots__ = ("draft", "positions", "expected_tokens", "changes_detected")
+    __slots__ = ("draft", "positions", "expected_tokens", "changes_detected", "verified_drafts")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHANGES_DETECTED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     draft: str
     positions: _containers.RepeatedCompositeFieldContainer[PositionEstimate]
     expected_tokens: _containers.RepeatedScalarFieldContainer[float]
     changes_detected: int
-    def __init__(self, draft: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionEstimate, _Mapping]]] = ..., expected_tokens: _Optional[_Iterable[float]] = ..., changes_detected: _Optional[int] = ...) -> None: ...
+    verified_drafts: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, draft: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionEstimate, _Mapping]]] = ..., expected_tokens: _Optional[_Iterable[float]] = ..., changes_detected: _Optional[int] = ..., verified_drafts: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Override(_message.Message):
     __slots__ = ("traffic_class", "pin_k", "force_draft", "force_off", "note", "set_unix_seconds", "scope", "set_by")
