@@ -19,11 +19,14 @@ them, so the patches then change nothing.
    step that prefills is never skipped: its first pass writes the prompt into the drafter's KV.
    The skipped positions stay holes in the drafter's KV cache (zeroed blocks on CPU); later
    drafts attend to them, which costs acceptance, never correctness (verification is lossless).
-   A drafter without state per sequence (vLLM's n-gram and suffix proposers) is skipped in any
-   step, prefill included and in every K mode, where no scheduled request takes its drafts
+   A drafter without KV (vLLM's n-gram and suffix proposers) is skipped in any step, prefill
+   included and in every K mode, where no scheduled request takes its drafts
    (:data:`IDLE_ATTR`: every one's class off): its proposal would be cut whole. So is a model
    drafter where every scheduled request was admitted off (never to be drafted for: its KV
-   holes are never read).
+   holes are never read). A drafter that learns from the responses it sees (vLLM's suffix
+   proposer, whose cache of past responses drafts for later requests) keeps learning in such
+   a step and drafts nothing (:func:`learning_only`), so a busy period's responses still draft
+   in the quiet one after it.
 2. **Deterministic rows** (``GPUModelRunner._get_spec_decode_draft_probs``). With
    ``draft_sample_method="probabilistic"`` rejection sampling divides by the drafter's
    probabilities. A request whose drafts the plugin replaced by n-gram tokens
@@ -53,7 +56,9 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from specpilot.engine_plugin.draft_confidence import capture, install_confidence_capture
@@ -71,6 +76,8 @@ __all__ = [
     "draft_free",
     "install_worker_patches",
     "is_decode_only",
+    "learning_cache",
+    "learning_only",
     "mark_step",
     "patches_applicable",
     "patches_installed",
@@ -179,10 +186,44 @@ def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
                 return original(self, scheduler_output, *args, **kwargs)
         self._draft_probs = None
         self._draft_prob_req_ids = None
+        cache = learning_cache(self.drafter)
+        if cache is not None:
+            with learning_only(cache):
+                return original(self, scheduler_output, *args, **kwargs)
         return [[] for _ in self.input_batch.req_ids]
 
     setattr(propose_draft_token_ids, _PATCHED, True)
     return propose_draft_token_ids
+
+
+def learning_cache(drafter: Any) -> Any | None:
+    """The cache of responses a drafter learns from (vLLM's suffix proposer: ``suffix_cache``,
+    whose ``speculate`` drafts from it), or None for a drafter that learns nothing."""
+    cache = getattr(drafter, "suffix_cache", None)
+    return cache if callable(getattr(cache, "speculate", None)) else None
+
+
+@contextmanager
+def learning_only(cache: Any) -> Iterator[None]:
+    """Inside the block the cache learns as it always does (each request's prompt, every new
+    token, requests ending) but drafts nothing: ``speculate`` returns an empty draft, what it
+    returns where nothing matches. An idle step then costs the cache's upkeep, not its
+    search, and the responses of a busy period still draft for the quiet one after it."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingDraft  # type: ignore[import-untyped]
+
+        empty: Any = SuffixDecodingDraft()
+    except Exception:  # another cache of the same shape: vLLM reads only ``token_ids``
+        empty = SimpleNamespace(token_ids=[])
+    own = vars(cache).get("speculate")  # an instance's own, where one was set
+    cache.speculate = lambda *args, **kwargs: empty
+    try:
+        yield
+    finally:
+        if own is None:
+            del cache.speculate  # the class's method again
+        else:
+            cache.speculate = own
 
 
 def _wrap_execute(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -7,8 +7,11 @@ suffix method, K up to 4; n-gram for the proposer too) with the plugin.
   and T=0.8 samples are distributed as its own. Controls: without the wrapper the same steps go
   through the rejection sampler (the spy can see it), and a sampler that does not sample the
   target's distribution on this path fails the distribution check.
-- With every class off, vLLM's proposer is never called, prefill steps included, with the
-  same greedy outputs and samples. Control: with the mark withheld it is called every step.
+- With every class off, vLLM's proposer drafts nothing, prefill steps included, with the
+  same greedy outputs and samples: the n-gram proposer is never called, the suffix proposer
+  only learns (its cache takes every response served off and drafts with it once its class
+  is on again). Controls: with the mark withheld the suffix proposer drafts every step; with
+  the proposer skipped outright a class switched on drafts less of what was served off.
 - A model drafter (a draft model, ``batch_max``) with every class off when its requests
   arrive never runs either, prefill steps included (each request is admitted off for life),
   with the same greedy outputs and samples. Control: without the admission decision it runs in
@@ -27,8 +30,9 @@ from typing import Any
 import pytest
 
 from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_policy
+from specpilot.engine_plugin import worker_patch
 from specpilot.engine_plugin.suffix import SUFFIX_DRAFT
-from specpilot.engine_plugin.worker_patch import draft_free
+from specpilot.engine_plugin.worker_patch import draft_free, learning_cache
 from tests.engine.harness import (
     NGRAM_SPEC,
     REPEATING_PROMPTS,
@@ -103,6 +107,35 @@ def test_a_draft_model_with_every_class_off_never_drafts(
         assert pilot._off_for_life == 0  # every request finished and forgotten
 
 
+def served_off_then_on(tiny_models: Any, references: Any) -> tuple[int, int]:
+    """A fresh suffix engine serves the prompts with every class off, then again with suffix
+    K=4: (searches of its cache while off, tokens accepted once on)."""
+    with llm_session(tiny_models.target, SUFFIX_SPEC, SCHEDULER) as llm, \
+            pytest.MonkeyPatch.context() as patch:
+        searches = spy_drafting(llm, patch)
+        view = pilot_of(llm).view
+        put_policy(view, {"code": OFF, "chat": OFF}, version=1)
+        assert greedy_outputs(llm, ["code", "chat"] * 2) == references[0]
+        off_searches = searches.calls
+        put_policy(view, {"code": (SUFFIX_DRAFT, 4), "chat": (SUFFIX_DRAFT, 4)}, version=2)
+        before = spec_counters(llm)
+        assert greedy_outputs(llm, ["code", "chat"] * 2) == references[0]
+        return off_searches, (spec_counters(llm) - before).accepted_tokens
+
+
+def test_a_suffix_engine_off_learns_what_it_serves_and_drafts_it_once_on(
+        tiny_models: Any, references: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    off_searches, learnt = served_off_then_on(tiny_models, references)
+    assert off_searches == 0  # off drafts nothing
+    # The control: the proposer skipped outright while off, as for a drafter that learns
+    # nothing, leaves its cache without the responses served off.
+    monkeypatch.setattr(worker_patch, "learning_cache", lambda drafter: None)
+    _, unlearnt = served_off_then_on(tiny_models, references)
+    # Greedy outputs repeat: drafts from the cached responses are accepted nearly whole.
+    assert learnt >= 0.6 * len(PROMPTS) * (MAX_TOKENS - 1)
+    assert learnt > 1.5 * unlearnt
+
+
 def test_control_without_the_wrapper_the_rejection_sampler_runs_every_step(
         engine: Any, references: Any, rejection: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
     unpatched_sample(engine, monkeypatch)
@@ -139,7 +172,16 @@ def rejection(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
 
 @pytest.fixture
 def proposals(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
-    return spy_proposer(engine, monkeypatch)
+    """The suffix proposer's drafting: its cache's searches (it learns in every step)."""
+    return spy_drafting(engine, monkeypatch)
+
+
+def spy_drafting(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
+    cache = learning_cache(runner_of(engine).drafter)
+    assert cache is not None, "the suffix proposer keeps no cache of responses"
+    spy = Spy(cache.speculate)
+    monkeypatch.setattr(cache, "speculate", spy)
+    return spy
 
 
 def spy_proposer(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
