@@ -26,7 +26,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from benchmarks.demo.engine import SCHEDULER, llm_session, plugin_environment, put_stop_policy
+from benchmarks.demo.engine import (
+    SCHEDULER,
+    llm_session,
+    plugin_environment,
+    put_stop_policy,
+    runner_of,
+)
 from benchmarks.demo.tiny_models import build_tiny_models
 from benchmarks.faults import pilot_of
 
@@ -39,7 +45,7 @@ PROMPT = "def add(a, b):\n    return a + b\n\ndef"
 def counted(llm: Any) -> Iterator[dict[str, float]]:
     """Decode steps, their seconds, and the drafter's passes while the block runs."""
     client = llm.llm_engine.engine_core  # in-process: get_output is step_fn() + post_step()
-    drafter = client.engine_core.model_executor.driver_worker.worker.model_runner.drafter
+    drafter = runner_of(llm).drafter
     out = {"steps": 0, "seconds": 0.0, "cpu_seconds": 0.0, "passes": 0}
     step, propose = client.get_output, drafter.propose
 

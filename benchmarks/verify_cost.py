@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/verify-cost")
     args = parser.parse_args(argv)
 
-    from benchmarks.demo.engine import apply_engine_env, config_session
+    from benchmarks.demo.engine import apply_engine_env, config_session, runner_of
 
     apply_engine_env()  # before torch is imported: the engine's thread settings
     import torch
@@ -83,8 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (config,) = select_configs(["suffix:4"])
     with config_session(config, models.target, models.draft, dtype=SERVE_DTYPE,
                         max_model_len=2048, max_num_seqs=max(b for b, _ in shapes)) as llm:
-        client: Any = llm.llm_engine.engine_core  # in-process
-        runner = client.engine_core.model_executor.driver_worker.worker.model_runner
+        runner = runner_of(llm)
         saved_q = runner.uniform_decode_query_len
         try:
             with torch.inference_mode():

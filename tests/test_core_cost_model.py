@@ -493,8 +493,9 @@ def test_a_fit_that_prices_longer_drafts_cheaper_is_moved_to_the_nearest_physica
         model.observe(StepShape(28, tokens), seconds, 2000)
     model.observe(StepShape(1, 1), 0.030, 2000)
     model.observe(StepShape(1, 5), 0.032, 2000)
-    rows = model.columns.physical_rows(model._measured_knots())
-    free = model._free_mean()
+    evidence = model._evidence()
+    rows = model.columns.physical_rows(model._measured_knots(evidence))
+    free = model._free_mean(evidence)
     assert (rows @ free).min() < -1e-6  # the control: unconstrained, it is not physical
     theta = model.theta
     assert (rows @ theta).min() >= -1e-12
@@ -521,7 +522,7 @@ def test_a_fit_that_prices_longer_drafts_cheaper_is_moved_to_the_nearest_physica
         seconds = (0.010 + 1e-5 * t + 6e-4 * max(0.0, t - 32)
                    + 1e-4 * shape.batch_size * (t > shape.batch_size))
         sane.observe(shape, seconds, 100)
-    free = sane._free_mean()
+    free = sane._free_mean(sane._evidence())
     for shape in shapes:
         x = sane.features(shape)
         assert x @ sane.theta == pytest.approx(x @ free, rel=0.01)

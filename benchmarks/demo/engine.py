@@ -95,6 +95,13 @@ def make_llm(
     return LLM(model=str(model_dir), **args)
 
 
+def runner_of(llm: LLM) -> Any:
+    """The model runner of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the uni
+    executor): where the worker patches, the drafter and the samplers live."""
+    core: Any = llm.llm_engine.engine_core
+    return core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def shutdown_llm(llm: LLM) -> None:
     """Shut the engine down (safe to call twice); drop the last reference to free its memory.
 

@@ -793,30 +793,32 @@ class StepCostModel:
         """Predictions by the posterior mean weights, made physical (``_physical``; cached
         until the next observation)."""
         if self._mean is None:
-            self._mean = PricedCosts(self, self._physical(self._free_mean()), self._extent)
+            evidence = self._evidence()
+            self._mean = PricedCosts(
+                self, self._physical(self._free_mean(evidence), evidence), self._extent)
         return self._mean
 
-    def _measured_knots(self) -> int:
-        """How many of the knots (from the first) some step of the evidence, own or the
+    def _measured_knots(self, evidence: _Sums) -> int:
+        """How many of the knots (from the first) some step of the evidence, own and the
         fleet's, passed: its information on their hinge columns is not zero."""
-        a = self._evidence().a
-        hinges = np.diag(a)[TARGET_COLUMNS : self.columns.n_target] > 0.0
+        hinges = np.diag(evidence.a)[TARGET_COLUMNS : self.columns.n_target] > 0.0
         return int(np.flatnonzero(hinges).max() + 1) if hinges.any() else 0
 
-    def _free_mean(self) -> FloatArray:
-        """The posterior mean of the weights, unconstrained."""
+    def _free_mean(self, evidence: _Sums) -> FloatArray:
+        """The posterior mean of the weights given ``evidence`` (own and the fleet's),
+        unconstrained."""
         chol, d = self._factor()
-        y = np.linalg.solve(chol, d * (self._prior_b + self._evidence().b))
+        y = np.linalg.solve(chol, d * (self._prior_b + evidence.b))
         return np.asarray(d * np.linalg.solve(chol.T, y), dtype=np.float64)
 
-    def _physical(self, theta: FloatArray) -> FloatArray:
+    def _physical(self, theta: FloatArray, evidence: _Sums) -> FloatArray:
         """``theta`` if it prices every step physically (``StepColumns.physical_rows``), else
         the nearest weights that do in the posterior's own metric (the precision): a fit of a
         few shapes can bend a hinge or the speculating column below zero where nothing pins
         them, and priced by such weights a longer draft costs less than a shorter one; the
         running maximum of the curves then priced every K as no speculation (speculation free
         at the peak)."""
-        rows = self.columns.physical_rows(self._measured_knots())
+        rows = self.columns.physical_rows(self._measured_knots(evidence))
         if float((rows @ theta).min()) >= -_PHYSICAL_SLACK:
             return theta
         chol, d = self._factor()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import SpecCounters as SpecCounters
+from benchmarks.demo.engine import runner_of as runner_of
 from benchmarks.demo.engine import spec_counters as spec_counters
 from specpilot.contract.records import Override
 from specpilot.controller.core.controller import ControllerCore
@@ -21,10 +22,6 @@ from specpilot.engine_plugin.worker_patch import is_decode_only
 
 if TYPE_CHECKING:
     pass
-
-
-def runner_of(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
 @contextmanager
