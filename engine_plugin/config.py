@@ -135,10 +135,10 @@ class PluginConfig:
     drafter's KV cache that cost some later acceptance, never correctness. vLLM's n-gram and
     suffix proposers, which keep no KV, are skipped in every K mode and in any step where every
     scheduled request is off; the suffix proposer still learns that step's tokens (its cache
-    of responses drafts for later requests), it only drafts nothing. A model drafter is skipped in any step, prefill included, whose
-    requests were all admitted off (their class off, and probing nothing, at their first
-    scheduled step): such a request stays off for its lifetime, since the drafter never saw its
-    prompt: ``true`` or ``false``."""
+    of responses drafts for later requests), it only drafts nothing. A model drafter is skipped
+    in any step, prefill included, whose requests were all admitted off (their class off, and
+    probing nothing, at their first scheduled step): such a request stays off for its
+    lifetime, since the drafter never saw its prompt: ``true`` or ``false``."""
 
     hardware: str = ""
     """What the engine runs on, as the controller's fleet groups engines (with the model and
