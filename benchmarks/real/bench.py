@@ -291,6 +291,25 @@ def figures(name: str, runs: Sequence[Run], reference: Run, phases: Sequence[Tim
                       else ()))
 
 
+def paired_decode(ours: Sequence[Run], theirs: Sequence[Run], phase: int
+                  ) -> dict[str, tuple[float, float]]:
+    """Per class: (ours, theirs) decode seconds (each request's latency after its first token)
+    summed over the requests both runs of a repetition sent in ``phase`` (the same ids: the
+    same requests), the repetitions paired in order. Unlike a phase's tokens/s this compares
+    like with like: a faster configuration's extra requests are in neither sum."""
+    sums: dict[str, list[float]] = {}
+    for a, b in zip(ours, theirs, strict=False):
+        mine, other = a.phases[phase], b.phases[phase]
+        index = {rid: j for j, rid in enumerate(other["request_ids"])}
+        for i, rid in enumerate(mine["request_ids"]):
+            if (j := index.get(rid)) is None:
+                continue
+            pair = sums.setdefault(mine["classes"][i], [0.0, 0.0])
+            pair[0] += float(mine["latencies"][i]) - float(mine["ttfts"][i])
+            pair[1] += float(other["latencies"][j]) - float(other["ttfts"][j])
+    return {c: (x, y) for c, (x, y) in sorted(sums.items())}
+
+
 @dataclass(frozen=True)
 class Versus:
     name: str
@@ -304,6 +323,8 @@ class Versus:
     spread: tuple[float, ...]  # ours / best static, per repetition (same rotation index)
     # Its controller's predicted step times against the measured ones, over all its runs.
     calibration: tuple[CalibrationRow, ...] = ()
+    # Per phase, against that phase's best static: ``paired_decode`` (when the runs were given).
+    decode_per_phase: tuple[dict[str, tuple[float, float]], ...] = ()
 
 
 def _phase_rate(i: int) -> Callable[[ConfigFigures], float]:
@@ -311,12 +332,16 @@ def _phase_rate(i: int) -> Callable[[ConfigFigures], float]:
 
 
 def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures], seconds: Sequence[float],
-           calibration: tuple[CalibrationRow, ...] = ()) -> Versus:
+           calibration: tuple[CalibrationRow, ...] = (),
+           runs: Mapping[str, Sequence[Run]] | None = None) -> Versus:
     """``ours`` against the static configurations; ``seconds``: the plan's phases' durations
-    (the ceiling runs each on its best static configuration for that long)."""
+    (the ceiling runs each on its best static configuration for that long); ``runs`` by
+    configuration, for the decode time of the same requests per phase (``paired_decode``)."""
     best = max(statics, key=lambda f: f.tokens_per_second)
     n_phases = len(ours.phase_rates)
     tops = [max(statics, key=_phase_rate(i)) for i in range(n_phases)]
+    decode = (tuple(paired_decode(runs[ours.name], runs[top.name], i)
+                    for i, top in enumerate(tops)) if runs is not None else ())
     ceiling = sum(s * top.phase_rates[i] for i, (s, top) in
                   enumerate(zip(seconds, tops, strict=True))) / sum(seconds)
     return Versus(
@@ -324,7 +349,8 @@ def versus(ours: ConfigFigures, statics: Sequence[ConfigFigures], seconds: Seque
         tuple(ours.phase_rates[i] / tops[i].phase_rates[i] for i in range(n_phases)),
         tuple(t.name for t in tops), ceiling, ours.tokens_per_second / ceiling,
         ours.latency.tpot_p99 / best.latency.tpot_p99,
-        tuple(a / b for a, b in zip(ours.rates, best.rates, strict=False)), calibration)
+        tuple(a / b for a, b in zip(ours.rates, best.rates, strict=False)), calibration,
+        decode)
 
 
 @dataclass
@@ -435,7 +461,14 @@ def markdown(report: RealReport) -> str:
                                                       v.best_per_phase, strict=True)),
             f"- share of the ceiling (each phase on its best static, "
             f"{_fmt(v.ceiling_tokens_per_second)} tokens/s): **{v.ceiling_share:.3f}**",
-            f"- TPOT p99 / the best static's: {v.tpot_p99_ratio:.3f}", ""]
+            f"- TPOT p99 / the best static's: {v.tpot_p99_ratio:.3f}"]
+        if v.decode_per_phase:
+            lines += ["- decode seconds of the same requests (after their first token, all "
+                      "repetitions), ours / that phase's best static's, per class: " + "; ".join(
+                          f"{p} " + ", ".join(f"{c} {x:.1f} / {y:.1f}"
+                                              for c, (x, y) in d.items())
+                          for p, d in zip(phases, v.decode_per_phase, strict=True))]
+        lines += [""]
         if v.calibration:
             lines += calibration_markdown(v.name, v.calibration)
     lines += [*report.drafter_tables]
@@ -610,7 +643,7 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
     statics = [f for f, c in zip(figs, configs, strict=True) if not c.specpilot]
     seconds = [p.seconds for p in options.phases]
     report = RealReport(
-        figs, [versus(f, statics, seconds, calibration.get(c.name, ()))
+        figs, [versus(f, statics, seconds, calibration.get(c.name, ()), runs)
                for f, c in zip(figs, configs, strict=True) if c.specpilot and statics],
         options.phases, time.monotonic() - started, models.drafter_summary, tables)
     (out / "real.json").write_text(json.dumps(report_json(report), indent=2) + "\n")

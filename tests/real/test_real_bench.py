@@ -15,6 +15,7 @@ from benchmarks.real.bench import (
     Run,
     compare_greedy,
     figures,
+    paired_decode,
     real_configs,
     real_optional_configs,
     request_rows,
@@ -162,6 +163,33 @@ def test_versus_ratios_and_the_ceiling_take_each_phase_best() -> None:
     assert v.best_static == "b"
     assert v.ratio_best_static == pytest.approx(200 / (7000 / 40))
     assert not math.isnan(v.tpot_p99_ratio)
+
+
+def test_decode_time_is_compared_on_the_same_requests_per_class() -> None:
+    """A quiet phase's tokens/s mixes how far each configuration got into the sequence with how
+    fast it decoded; the paired decode seconds count only the requests both runs sent. Ours
+    decodes code twice as slowly in the first phase and reached two requests the other did
+    not (counted in neither sum)."""
+    plan = build_plan(HELDOUT, PHASES)
+    theirs = _run("s", [plan[0][:2], plan[1]], 100.0, {})
+    ours = _run("ours", plan, 100.0, {})
+    light = ours.phases[0]
+    light["latencies"] = [0.1 + 49 * (0.02 if c == "code" else 0.01) for c in light["classes"]]
+    pairs = paired_decode([ours, ours], [theirs, theirs], 0)
+    shared = plan[0][:2]
+    for cls, (mine, other) in pairs.items():
+        n = 2 * sum(r.class_name == cls for r in shared)
+        assert other == pytest.approx(n * 0.49)
+        assert mine == pytest.approx(n * (0.98 if cls == "code" else 0.49))
+    assert set(pairs) == {r.class_name for r in shared} and "code" in pairs
+    peak = paired_decode([ours], [theirs], 1)
+    assert all(x == pytest.approx(y) for x, y in peak.values())
+    # In the report: against each phase's best static configuration, from the runs.
+    figs = {name: figures(name, [run], theirs, TIMED, frozenset(), None, None)
+            for name, run in (("s", theirs), ("ours", ours))}
+    v = versus(figs["ours"], [figs["s"]], (10.0, 10.0), runs={"s": [theirs], "ours": [ours]})
+    assert v.decode_per_phase == (paired_decode([ours], [theirs], 0), peak)
+    assert versus(figs["ours"], [figs["s"]], (10.0, 10.0)).decode_per_phase == ()
 
 
 def test_the_nocut_configurations_differ_from_specpilot_only_in_the_controllers_cut() -> None:
