@@ -203,18 +203,25 @@ def learning_cache(drafter: Any) -> Any | None:
     return cache if callable(getattr(cache, "speculate", None)) else None
 
 
+@functools.cache
+def _empty_draft() -> Any:
+    """What the suffix cache's ``speculate`` returns where nothing matches (built once: an idle
+    step asks for it)."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingDraft  # type: ignore[import-untyped]
+
+        return SuffixDecodingDraft()
+    except Exception:  # another cache of the same shape: vLLM reads only ``token_ids``
+        return SimpleNamespace(token_ids=[])
+
+
 @contextmanager
 def learning_only(cache: Any) -> Iterator[None]:
     """Inside the block the cache learns as it always does (each request's prompt, every new
     token, requests ending) but drafts nothing: ``speculate`` returns an empty draft, what it
     returns where nothing matches. An idle step then costs the cache's upkeep, not its
     search, and the responses of a busy period still draft for the quiet one after it."""
-    try:
-        from arctic_inference.suffix_decoding import SuffixDecodingDraft  # type: ignore[import-untyped]
-
-        empty: Any = SuffixDecodingDraft()
-    except Exception:  # another cache of the same shape: vLLM reads only ``token_ids``
-        empty = SimpleNamespace(token_ids=[])
+    empty = _empty_draft()
     own = vars(cache).get("speculate")  # an instance's own, where one was set
     cache.speculate = lambda *args, **kwargs: empty
     try:
