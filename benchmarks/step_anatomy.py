@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.real.models import prepare_real_models
     from benchmarks.real.plan import phase_requests
     from benchmarks.real.sharegpt import CLASSES, HELDOUT, chat_ids
-    from benchmarks.real.smollm2 import SERVE_DTYPE
+    from benchmarks.real.smollm2 import serve_dtype
 
     apply_engine_env()
     configs = select_configs(args.configs or ["off", "suffix:4"])
@@ -289,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for rep in range(args.reps):
         for config in rotated(configs, rep):
             log = StepLog(config.name, rep)
-            with config_session(config, models.target, models.draft, dtype=SERVE_DTYPE,
+            with config_session(config, models.target, models.draft, dtype=serve_dtype(),
                                 max_model_len=2048, max_num_seqs=32) as llm:
                 closed_loop(llm, iter(prompts[:4]), 4, 4, StepLog("warm-up", rep))
                 instrument(llm, log)

@@ -74,14 +74,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from benchmarks.real.bench import select_configs
     from benchmarks.real.models import prepare_real_models
-    from benchmarks.real.smollm2 import SERVE_DTYPE
+    from benchmarks.real.smollm2 import serve_dtype
     from specpilot.engine_plugin.profile import _Verification
 
     shapes = [(int(b), int(k)) for b in args.batches.split(",") for k in args.ks.split(",")]
     models = prepare_real_models(drafters=False)
     rows: dict[tuple[int, int], list[dict[str, float]]] = {s: [] for s in shapes}
     (config,) = select_configs(["suffix:4"])
-    with config_session(config, models.target, models.draft, dtype=SERVE_DTYPE,
+    with config_session(config, models.target, models.draft, dtype=serve_dtype(),
                         max_model_len=2048, max_num_seqs=max(b for b, _ in shapes)) as llm:
         runner = runner_of(llm)
         saved_q = runner.uniform_decode_query_len
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             runner.uniform_decode_query_len = saved_q
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "verify-cost.json").write_text(json.dumps(
-        {"reps": args.reps, "dtype": str(SERVE_DTYPE),
+        {"reps": args.reps, "dtype": serve_dtype(),
          "shapes": [{"batch": b, "k": k, "runs": r} for (b, k), r in sorted(rows.items())]},
         indent=1))
     table = markdown(rows)

@@ -219,12 +219,12 @@ def prepare_setup(options: DemoOptions, drafter: str, workload: Workload) -> Dem
     if options.models == REAL:
         from benchmarks.real.demo_plan import real_request_plan
         from benchmarks.real.models import prepare_real_models
-        from benchmarks.real.smollm2 import SERVE_DTYPE
+        from benchmarks.real.smollm2 import serve_dtype
 
         real = prepare_real_models()
         plan = real_request_plan(real.traffic, real.target, workload)
         return DemoSetup(real.target, real.draft, real.eagle, plan,
-                         {"dtype": SERVE_DTYPE, "max_model_len": 2048},
+                         {"dtype": serve_dtype(), "max_model_len": 2048},
                          real.target.parent / "demo-summary.json", questions(real, plan))
     from benchmarks.demo.eagle import prepare_eagle_head
     from benchmarks.demo.models import prepare_models

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks.demo.configs import PROBABILISTIC, EngineConfig
 from benchmarks.real.sharegpt import CLASSES, HELDOUT, chat_ids
-from benchmarks.real.smollm2 import SERVE_DTYPE
+from benchmarks.real.smollm2 import serve_dtype
 
 if TYPE_CHECKING:
     from benchmarks.real.models import RealModels
@@ -71,7 +71,7 @@ def measure(models: RealModels, echo: Callable[[str], None] = print) -> list[Row
         echo(f"==> acceptance of {config.name} ({len(prompts)} classes x {PROMPTS_PER_CLASS} "
              f"prompts x {len(TEMPERATURES)} temperatures)")
         with config_session(config, models.target, models.draft, eagle=models.eagle,
-                            dtype=SERVE_DTYPE, max_model_len=2048, max_num_seqs=8) as llm:
+                            dtype=serve_dtype(), max_model_len=2048, max_num_seqs=8) as llm:
             for temperature in TEMPERATURES:
                 for name, ids in prompts.items():
                     params = [SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS,

@@ -362,6 +362,8 @@ class RealReport:
     drafters: dict[str, Any] = field(default_factory=dict)
     # The drafters' acceptance table and the engine's step costs (markdown), when measured.
     drafter_tables: list[str] = field(default_factory=list)
+    # The dtype the engines served the target in (smollm2.serve_dtype).
+    dtype: str = ""
 
     @property
     def greedy_noise(self) -> int:
@@ -421,7 +423,8 @@ def markdown(report: RealReport) -> str:
     lines = [report.headline(), "",
              f"Plan (`--plan {plan_spec(report.phases)}`): closed-loop clients per phase for "
              "its seconds, then its requests in flight finish; tokens/s counts the tokens "
-             "streamed within the phases' time over that time.", "",
+             "streamed within the phases' time over that time. The target served in "
+             f"{report.dtype or 'its default dtype'}.", "",
              "End to end (output tokens/s, median of the repetitions; measured by vLLM's "
              "serving-benchmark client; greedy ≠ off: differing / compared):", "",
              *_table(["configuration", "tokens/s", "per repetition", *phases, "TTFT p50 ms",
@@ -489,6 +492,7 @@ def report_json(report: RealReport) -> dict[str, Any]:
     return {
         "headline": report.headline(),
         "plan": plan_spec(report.phases),
+        "dtype": report.dtype,
         "phases": [vars(p) for p in report.phases],
         "configs": [{"name": c.name, "tokens_per_second": clean(c.tokens_per_second),
                      "rates": [clean(x) for x in c.rates],
@@ -551,6 +555,7 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
     from benchmarks.demo.engine import apply_engine_env
     from benchmarks.demo.sidecar import Sidecar
     from benchmarks.real.models import prepare_real_models
+    from benchmarks.real.smollm2 import serve_dtype
 
     apply_engine_env()
     started = time.monotonic()
@@ -578,7 +583,7 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
     logs = options.out / "logs"
     run_seconds = sum(p.seconds for p in options.phases)
     echo(f"plan {plan_spec(options.phases)}: {run_seconds / 60:.1f} min of load a run (and each "
-         f"phase's drain), {total} runs")
+         f"phase's drain), {total} runs, the target in {serve_dtype()}")
     with ExitStack() as stack:
         controllers: dict[str, Sidecar] = {}
         for c in configs:
@@ -645,7 +650,8 @@ def run_real_bench(options: RealBenchOptions = RealBenchOptions(),
     report = RealReport(
         figs, [versus(f, statics, seconds, calibration.get(c.name, ()), runs)
                for f, c in zip(figs, configs, strict=True) if c.specpilot and statics],
-        options.phases, time.monotonic() - started, models.drafter_summary, tables)
+        options.phases, time.monotonic() - started, models.drafter_summary, tables,
+        serve_dtype())
     (out / "real.json").write_text(json.dumps(report_json(report), indent=2) + "\n")
     for name, body in decisions.items():
         (out / f"decisions-{name}.json").write_bytes(body)

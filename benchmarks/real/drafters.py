@@ -8,9 +8,10 @@
   the layers and the final norm train; the embeddings stay the target's).
 
 Both are built once beside the target (``<models root>/eagle``, ``<models root>/draft``) with a
-marker recording their settings, training summary and the target's provenance. The target runs
-in bfloat16 (its checkpoint's dtype); the trained parts in float32; LM-head products in
-bfloat16, which CPUs with AMX compute several times faster.
+marker recording their settings, training summary and the target's provenance. The target
+teaches in the dtype it is served in (``smollm2.serve_dtype``: bfloat16 where the CPU computes it
+natively, float32 elsewhere), so the heads learn the hidden states they will be served; the
+trained parts in float32; LM-head products in the target's dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from benchmarks.demo.eagle import (
 from benchmarks.demo.models import warmup_cosine
 from benchmarks.real.fetch import timed
 from benchmarks.real.smollm2 import MARKER as TARGET_MARKER
+from benchmarks.real.smollm2 import serve_dtype
 
 VERSION = "specpilot-smollm2-drafters-1"
 MARKER = "drafter.json"
@@ -119,12 +121,12 @@ class ConversationWindows:
 
 
 def load_target(target_dir: Path) -> Any:
-    """The target in bfloat16, frozen, for teaching."""
+    """The target in the dtype it is served in, frozen, for teaching."""
     import torch
     from transformers import LlamaForCausalLM
 
     loader: Any = LlamaForCausalLM
-    target = loader.from_pretrained(target_dir, dtype=torch.bfloat16)
+    target = loader.from_pretrained(target_dir, dtype=getattr(torch, serve_dtype()))
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -173,7 +175,7 @@ def distill_draft(target: Any, draft: Any, data: ConversationWindows,
     started = time.perf_counter()
     draft.model.embed_tokens.weight.requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
-    lm_head = target.lm_head.weight  # bfloat16, frozen, the draft's own (tied) weights
+    lm_head = target.lm_head.weight  # frozen, the draft's own (tied) weights
     vocab = data.frequent(settings.vocab_rows)
     opt = torch.optim.AdamW(params, lr=settings.draft_lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -240,6 +242,7 @@ def prepare_drafters(target_dir: Path, training_text: Callable[[], TrainingText]
     settings = settings or DrafterSettings()
     target_marker = json.loads((target_dir / TARGET_MARKER).read_text())
     key = {"version": VERSION, "settings": asdict(settings), "data": data_key,
+           "dtype": serve_dtype(),
            "target_sha256": target_marker.get("file_sha256")}
     paths = Drafters(eagle=target_dir.parent / f"eagle{suffix}",
                      draft=target_dir.parent / f"draft{suffix}")

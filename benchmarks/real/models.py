@@ -23,7 +23,7 @@ from benchmarks.real.sharegpt import (
     chat_ids,
     prepare_traffic,
 )
-from benchmarks.real.smollm2 import prepare_target
+from benchmarks.real.smollm2 import prepare_target, serve_dtype
 
 # Tuning conversations the drafters train on (a fixed sample, by the classes' shares), and how
 # many more tuning prompts the target answers itself for them, up to OWN_ANSWER_TOKENS tokens.
@@ -75,7 +75,7 @@ def own_answers(target: Path, prompts: Sequence[Sequence[int]],
     apply_engine_env()
     params = [SamplingParams(temperature=t, max_tokens=max_tokens) for t in temperatures]
     with (timed("answers", progress),
-          llm_session(target, dtype="bfloat16", max_model_len=2048, max_num_seqs=32) as llm):
+          llm_session(target, dtype=serve_dtype(), max_model_len=2048, max_num_seqs=32) as llm):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                params, use_tqdm=progress)
     return [[*p, *o.outputs[0].token_ids] for p, o in zip(prompts, outputs, strict=True)]

