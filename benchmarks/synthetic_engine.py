@@ -34,6 +34,7 @@ from specpilot.v1 import common_pb2, engine_pb2
 DRAFT = "draft-small"
 VOCAB = "vocab-hash-0001"
 MAX_BATCH = 64  # the max_num_seqs it announces
+SHED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # a ReportResult's code for a shed report
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class SyntheticEngine:
     policy: engine_pb2.PolicyUpdate | None = None
     reports_sent: int = 0
     results: list[engine_pb2.ReportResult] = field(default_factory=list)
+    # Reports an overloaded controller shed (unapplied), each sent again after its pause.
+    shed: int = 0
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.seed)
@@ -184,7 +187,8 @@ async def drive(
     on_report: Callable[[SyntheticEngine, int], bool | None] | None = None,
     pause_seconds: float = 0.01,
 ) -> int:
-    """Connect, send up to ``reports`` reports, apply pushed policies as they arrive.
+    """Connect, send up to ``reports`` reports, apply pushed policies as they arrive; a report
+    the controller sheds is sent again after the pause it asks (``engine.shed`` counts them).
 
     ``on_report(engine, i)`` runs after each report's result arrived; returning True stops early.
     Returns the number of reports sent.
@@ -210,7 +214,13 @@ async def drive(
                     await outbox.put(engine.report())
                     sent = 1
             elif kind == "report_result":
-                engine.results.append(msg.report_result)
+                result = msg.report_result
+                if result.code == SHED:  # unapplied: again after the pause it asks, as the plugin
+                    engine.shed += 1
+                    await asyncio.sleep(max(result.retry_after_seconds, pause_seconds))
+                    await outbox.put(engine.report())
+                    continue
+                engine.results.append(result)
                 if on_report is not None and on_report(engine, sent):
                     break
                 if sent >= reports:

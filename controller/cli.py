@@ -87,6 +87,7 @@ def known_variables() -> tuple[str, ...]:
     """The SPECPILOT_* variables that are not a setting's (SPECPILOT_<NAME>) nor the engine
     plugin's (SPECPILOT_PLUGIN_*): start-up warns about any other (a misspelt one)."""
     tools = ("SPECPILOT_CACHE",  # what `models --real` and the benchmarks build (benchmarks.real)
+             "SPECPILOT_SERVE_DTYPE",  # the real model's dtype (benchmarks.real.smollm2)
              "SPECPILOT_DEMO_CACHE",  # the demo's tiny models (benchmarks.demo.cli)
              "SPECPILOT_TEST_CACHE",  # the test suite's models (tests/engine)
              "SPECPILOT_VENV", "SPECPILOT_LOCK")  # tools/setup-venv.sh: another venv or lock

@@ -479,10 +479,12 @@ async def test_expected_speedup_and_k_metrics_follow_the_decisions(
     assert _metric(server, "specpilot_acceptance_first_position_ratio",
                    **{**model, "class": "chat", "draft": DRAFT}) == pytest.approx(post.mean[0],
                                                                                  rel=1e-6)
-    # Pooled over positions: (90 + 70 accepted + 1) / (100 + 90 tries + 2).
+    # Pooled over positions: (90 + 70 accepted + 1) / (100 + 90 tries + 2), the counts decayed
+    # on the half-life for the milliseconds between the report and the scrape (on a slow host
+    # they move it by 1e-6; position 1's ratio alone would be 0.9).
     assert _metric(server, "specpilot_acceptance_per_token_ratio",
                    **{**model, "class": "chat", "draft": DRAFT}) == pytest.approx(161 / 192,
-                                                                                 rel=1e-6)
+                                                                                 rel=1e-4)
     await engine.close()
 
 

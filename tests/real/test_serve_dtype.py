@@ -36,9 +36,9 @@ def test_an_unknown_dtype_is_refused_saying_what_to_write() -> None:
 
 
 def test_the_server_is_started_in_the_machines_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    def dtype_flag(**given: str) -> str:
+    def dtype_flag(dtype: str | None = None) -> str:
         command = server_command(Path("/m"), "m", 1, speculative_config=None, specpilot=False,
-                                 **given)
+                                 dtype=dtype)
         return command[command.index("--dtype") + 1]
 
     serve_dtype.cache_clear()
