@@ -76,7 +76,7 @@ lint: setup tools
 # pytest exits 5 when it collects no tests; that fails here like any other non-zero status.
 test: lint
 	@echo "==> test: pytest (whole suite)"
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 demo: setup
 	@echo "==> demo: specpilot demo $(DEMO_ARGS)"

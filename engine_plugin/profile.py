@@ -6,7 +6,8 @@ Worker side: ``install_step_profile`` (from the general plugin's ``register``) w
 wrapper times the runner's ``_dummy_run`` (a uniform decode batch: the target's forward and, for a
 model drafter, its passes; ``uniform_decode_query_len`` is set to 1 + K for the call and restored)
 at a few batch sizes x K, one step that prefills (vLLM's own profiling batch: a full batch of
-sequences sharing ``PROFILE_PREFILL_TOKENS`` prompt tokens), and the drafter's own
+sequences sharing ``PROFILE_PREFILL_TOKENS`` prompt tokens; timed second, after the smallest
+decode step), and the drafter's own
 ``dummy_run`` to price one draft pass, each the
 fastest of a few repeats (contention only ever adds time), within a time budget; torch's RNG state
 is restored afterwards, so serving is unaffected. The result reaches the scheduler side
@@ -313,8 +314,9 @@ def _timed_step(step: Callable[[], Any], verify: Callable[[], None] | None) -> C
 
 def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawProfile:
     """Time dummy decode steps on ``runner`` (a vLLM GPU/CPU model runner) in the order of
-    ``profile_plan``, after one step that prefills (``prefill_shape``).
-    Stops when the budget is spent; shapes beyond the engine's limits are skipped."""
+    ``profile_plan``, with one step that prefills (``prefill_shape``) after the first of them.
+    Stops when the budget is spent (the first two are always timed); shapes beyond the
+    engine's limits are skipped."""
     import torch
 
     spec = runner.speculative_config
@@ -346,17 +348,7 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
             def verify(sequences: int, k: int) -> Callable[[], None] | None:
                 return None if verification is None else verification.prepare(sequences, k)
 
-            # First, as one shape: prefill is a large share of a loaded engine's time, and the
-            # decode plan may spend the whole budget on a slow engine.
-            tokens, sequences, prefill_tokens = prefill_shape(max_seqs,
-                                                              int(runner.max_num_tokens))
-            if prefill_tokens > 0:
-                prefill.append((sequences, prefill_tokens, _min_seconds(_timed_step(
-                    partial(runner._dummy_run, tokens), verify(sequences, 0)))))
-                time_passes(tokens)
-            for b, k, context in shapes:
-                if time.perf_counter() - started > budget_seconds:
-                    break
+            def time_decode(b: int, k: int, context: int) -> None:
                 tokens = b * (1 + k)
                 runner.uniform_decode_query_len = 1 + k
                 # Each dummy sequence's length: its context and the step's own tokens.
@@ -365,6 +357,24 @@ def take_profile(runner: Any, budget_seconds: float = _BUDGET_SECONDS) -> RawPro
                     runner._dummy_run, tokens, uniform_decode=True, force_attention=True,
                     **lengths), verify(b, k))), context))
                 time_passes(tokens)
+
+            # The plan's first shape (the smallest decode step) before anything else: it is
+            # what bounds the steps a report may count, and on a slow CPU the prefill step
+            # alone may spend the budget.
+            if shapes:
+                time_decode(*shapes[0])
+            # Then the prefill step, as one shape: prefill is a large share of a loaded
+            # engine's time, and the decode plan may spend the whole budget on a slow engine.
+            tokens, sequences, prefill_tokens = prefill_shape(max_seqs,
+                                                              int(runner.max_num_tokens))
+            if prefill_tokens > 0:
+                prefill.append((sequences, prefill_tokens, _min_seconds(_timed_step(
+                    partial(runner._dummy_run, tokens), verify(sequences, 0)))))
+                time_passes(tokens)
+            for shape in shapes[1:]:
+                if time.perf_counter() - started > budget_seconds:
+                    break
+                time_decode(*shape)
     finally:
         runner.uniform_decode_query_len = saved_q
         torch.set_rng_state(rng)

@@ -97,6 +97,27 @@ def test_one_report_beyond_what_its_engine_can_verify_in_its_interval_is_rejecte
                 31.0)
 
 
+def test_a_profiled_prefill_step_bounds_nothing_a_decode_step_does() -> None:
+    """On a slow CPU the profile's prefill step takes seconds where a decode step takes
+    milliseconds: an engine whose profile timed only that step (its budget spent) has its
+    honest reports taken, 36 verification steps at batch 1 in a second. The control: the same
+    seconds on a decode step do bound the report, and it is rejected."""
+    slow_prefill = StepProfile(16, 16, "", 0, 6.0, prefill_tokens=512)
+    slow_decode = StepProfile(1, 1, "", 0, 6.0)
+    honest = _report(1, (6, 10, 10, 10))
+    assert sum(honest.acceptance[0].steps_by_accepted) == 36
+    for profile, taken in (((slow_prefill,), True), ((slow_prefill, slow_decode), False)):
+        core = ControllerCore(core_config(load_settings()), np.random.default_rng(0))
+        core.connect_engine(replace(HELLO, engine_id="slow", max_batch_size=16,
+                                    step_profile=profile), now=0.0)
+        if taken:
+            core.ingest("slow", honest, 1.0)
+            assert core.estimate("chat", "d", 1.0).posterior.mean[0] > 0.5
+        else:
+            with pytest.raises(BeyondRate, match="fastest profiled decode step"):
+                core.ingest("slow", honest, 1.0)
+
+
 def _run(poison: bool, seconds: int = 600) -> float:
     """Two honest engines at 0.99 for ``seconds``, beside (``poison``) one reporting 0
     acceptance at its full plausible rate; position 1's mean at the end."""

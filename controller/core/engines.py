@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from specpilot.contract.records import DraftKind, DraftSpec, EngineHello, EngineReport
-from specpilot.contract.validation import MIN_STEP_SECONDS
+from specpilot.contract.validation import MIN_STEP_SECONDS, fastest_decode_seconds
 from specpilot.controller.core.cost_model import SunkDraft
 
 
@@ -96,7 +96,7 @@ class EngineState:
     last_sequence: int | None = None
     running_requests: int = 0
     policy_version_applied: int = 0
-    # Its fastest start-up profile step, seconds: what bounds the steps one report may count.
+    # Its fastest profiled decode step, seconds: what bounds the steps one report may count.
     fastest_step_seconds: float = MIN_STEP_SECONDS
 
 
@@ -125,10 +125,9 @@ class EngineRegistry:
         self._drafts = None
         self._served = (hello.model or self._served[0], hello.hardware or self._served[1])
         # The profile is learnt by now; kept, it would cost up to 0.3 MiB an engine for nothing.
-        fastest = min((p.seconds for p in hello.step_profile), default=MIN_STEP_SECONDS)
-        self._engines[hello.engine_id] = EngineState(replace(hello, step_profile=()), accepted,
-                                                     last_report_at=now,
-                                                     fastest_step_seconds=fastest)
+        self._engines[hello.engine_id] = EngineState(
+            replace(hello, step_profile=()), accepted, last_report_at=now,
+            fastest_step_seconds=fastest_decode_seconds(hello.step_profile))
 
     def remove(self, engine_id: str) -> None:
         self._engines.pop(engine_id, None)

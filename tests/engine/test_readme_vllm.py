@@ -96,15 +96,18 @@ def test_the_readme_block_runs_and_the_class_reaches_the_controller(tmp_path: Pa
         vllm_log[-4000:]
     # policy get (the block's last command) lists the class the request named, on n-gram drafts.
     tail = out[out.rindex('"choices"'):]
-    assert re.search(r"^\s*code\b", tail, re.M), tail[-3000:]
-    assert "ngram" in tail, tail[-3000:]
+    # On failure: the controller's own lines (before the answer) and the engine's last ones.
+    seen = f"{out[-6000:]}\n--- vllm.log ---\n{vllm_log[-3000:]}"
+    assert re.search(r"^\s*code\b", tail, re.M), seen
+    assert "ngram" in tail, seen
 
 
 def users_shell() -> dict[str, str]:
     """The environment a user's shell has: none of the in-process engine settings the other
-    tests put into os.environ (the KV-cache size among them)."""
+    tests put into os.environ (the KV-cache size among them), nor the name of the profile
+    hand-off file their engines' plugin set (``_SPECPILOT_STEP_PROFILE_FILE``)."""
     return {k: v for k, v in os.environ.items()
-            if not k.startswith(("VLLM_", "SPECPILOT_PLUGIN_"))}
+            if not k.startswith(("VLLM_", "SPECPILOT_PLUGIN_", "_SPECPILOT_"))}
 
 
 def wait_loop(block: str) -> str:

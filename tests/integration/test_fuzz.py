@@ -42,6 +42,7 @@ from specpilot.contract.records import BeyondRate, ReportRejected
 from specpilot.contract.validation import (
     MAX_BATCH_SIZE,
     MIN_STEP_SECONDS,
+    fastest_decode_seconds,
     interval_bound,
     valid_class_name,
 )
@@ -282,7 +283,7 @@ class Engine:
     drafts: dict[str, int]  # accepted draft -> its max K (the engine's max K at most)
     batch_limit: int
     n_buckets: int
-    fastest_step_seconds: float  # its profile's fastest step (MIN_STEP_SECONDS without one)
+    fastest_step_seconds: float  # its profile's fastest decode step (fastest_decode_seconds)
 
     @classmethod
     def of(cls, hello_msg: engine_pb2.EngineHello, accepted: list[str],
@@ -291,7 +292,7 @@ class Engine:
         return cls(hello_msg.engine_id, hello_msg.max_k,
                    {n: min(own[n], hello_msg.max_k) for n in accepted},
                    hello_msg.max_batch_size or MAX_BATCH_SIZE, n_buckets,
-                   min((p.seconds for p in hello_msg.step_profile), default=MIN_STEP_SECONDS))
+                   fastest_decode_seconds(hello_from_proto(hello_msg).step_profile))
 
 
 @st.composite

@@ -118,17 +118,18 @@ def test_the_ends_are_timed_again_at_a_long_context(measured: None) -> None:
     assert sorted({p.context_tokens for p in step_profile("")}) == [0, 299]
 
 
-def test_one_step_that_prefills_is_timed_first(
+def test_one_step_that_prefills_is_timed_second(
         measured: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The prefill step runs first (a budget spent on the decode plan still has it), as vLLM's
-    own profiling batch: 544 tokens over the 32 sequences, no attention metadata forced (the
-    CPU runner's worker crashes with it); the hello's point counts one token a sequence and the
-    others as prefill, and survives the hand-off between processes. A small token budget per
-    step caps it; the control: a budget of one token a sequence leaves nothing to prefill, and
-    no prefill point is sent."""
+    """The prefill step runs right after the smallest decode step (a budget spent on the
+    decode plan still has it), as vLLM's own profiling batch: 544 tokens over the 32
+    sequences, no attention metadata forced (the CPU runner's worker crashes with it); the
+    hello's point counts one token a sequence and the others as prefill, and survives the
+    hand-off between processes. A small token budget per step caps it; the control: a budget
+    of one token a sequence leaves nothing to prefill, and no prefill point is sent."""
     runner = _Runner()
     raw = profile.take_profile(runner, budget_seconds=60.0)
-    assert runner.calls[0] == (512 + 32, None)
+    first = runner.calls.index((512 + 32, None))
+    assert set(runner.calls[:first]) == {(1, None)} and raw.steps[0][:2] == (1, 0)
     # Only the decode steps build their attention metadata.
     assert [f for (n, _), f in zip(runner.calls, runner.forced, strict=True)
             if n == 512 + 32] == [False] * 7
@@ -145,3 +146,13 @@ def test_one_step_that_prefills_is_timed_first(
     tight = _Runner()
     tight.max_num_tokens = 32
     assert profile.take_profile(tight, budget_seconds=60.0).prefill == ()
+
+
+def test_a_spent_budget_still_times_the_smallest_decode_step_and_the_prefill_step(
+        measured: None) -> None:
+    """On a CPU where the prefill step alone spends the budget, the profile still holds a
+    decode step (the controller bounds what a report may count by the fastest one); the budget
+    stops the rest of the plan."""
+    raw = profile.take_profile(_Runner(), budget_seconds=0.0)
+    assert [(b, k, c) for b, k, _, c in raw.steps] == [(1, 0, 0)]
+    assert [(b, p) for b, p, _ in raw.prefill] == [(32, 512)]

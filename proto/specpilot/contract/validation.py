@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 from specpilot.contract.confidence import N_CONFIDENCE_BUCKETS
 from specpilot.contract.records import (
@@ -15,6 +16,7 @@ from specpilot.contract.records import (
     EngineReport,
     ImplausibleInput,
     ReportRejected,
+    StepProfile,
 )
 
 MAX_CLASS_NAME_LENGTH = 64
@@ -226,7 +228,7 @@ def check_report(
     well-formed but beyond what the engine can do, BeyondRate where it counts more than the
     engine can run in its interval); return normally if all is well.
     ``max_batch_size``: the engine's announced max_num_seqs (0: unknown, MAX_BATCH_SIZE).
-    ``fastest_step_seconds``: its fastest start-up profile step (none: MIN_STEP_SECONDS)."""
+    ``fastest_step_seconds``: its fastest profiled decode step (``fastest_decode_seconds``)."""
     batch_limit = max_batch_size or MAX_BATCH_SIZE
     if report.sequence < 1:
         raise ReportRejected(f"sequence: must be >= 1, got {report.sequence}")
@@ -308,6 +310,14 @@ def check_report(
                                                fastest_step_seconds))
 
 
+def fastest_decode_seconds(profile: Iterable[StepProfile]) -> float:
+    """A start-up profile's fastest decode step, seconds: what bounds the steps an engine's
+    report may count (``interval_bound``). A step that prefills is no bound on a decode step
+    (on a slow CPU it takes seconds where decoding one token takes milliseconds); a profile
+    without a decode step bounds nothing (MIN_STEP_SECONDS)."""
+    return min((p.seconds for p in profile if not p.prefill_tokens), default=MIN_STEP_SECONDS)
+
+
 def interval_bound(interval_seconds: float, batch_limit: int,
                    fastest_step_seconds: float) -> tuple[float, float]:
     """(engine steps, request-steps) an engine can run in ``interval_seconds`` at most:
@@ -337,12 +347,12 @@ def _plausible_interval(report: EngineReport, bound: tuple[float, float]) -> Non
     if over:
         raise BeyondRate(f"{over[0]} in interval_seconds {report.interval_seconds:g}, above the "
                          f"{max_request_steps:.4g} its engine can verify in it (max batch x "
-                         f"fastest profiled step rate x {RATE_HEADROOM:g})")
+                         f"fastest profiled decode step rate x {RATE_HEADROOM:g})")
     steps = sum(st.steps for st in report.step_timings)
     if steps > max_steps:
         raise BeyondRate(f"step_timings: {steps} steps in interval_seconds "
                          f"{report.interval_seconds:g}, above the {max_steps:.4g} its engine can "
-                         f"run in it (fastest profiled step rate x {RATE_HEADROOM:g})")
+                         f"run in it (fastest profiled decode step rate x {RATE_HEADROOM:g})")
 
 
 def _plausible_timing(steps: int, batch: int, verified: int, drafted: int, seconds: float,
