@@ -9,7 +9,8 @@ window, so they stay comparable).
 Cost: the proposer keeps each request's last MAX_CONTEXT_TOKENS tokens in its own int32 buffer
 and appends only the tokens that are new since its last proposal (re-reading the list only when
 vLLM rewrote it), so a proposal costs the matcher itself, about 1-2 us, instead of slicing and
-converting the whole context (3-30 us). One batched matcher call per step would save only the
+converting the whole context (3-30 us); the matcher is compiled when the proposer is built, at
+engine start, never in a served step. One batched matcher call per step would save only the
 numba dispatch (well under 1 us per proposal) and would need the buffers copied into one array.
 """
 
@@ -37,6 +38,9 @@ class NgramProposer:
         self._find = find
         self.min_n, self.max_n, self.max_model_len = min_n, max_n, max_model_len
         self._contexts: dict[str, _Context] = {}
+        # Compile the matcher now, at engine start, as vLLM's own n-gram drafter does: numba
+        # compiles on the first call, which would otherwise stall a served step's scheduler.
+        find(np.zeros(2 * max_n, dtype=np.int32), min_n, max_n, 2 * max_n + 1, 1)
 
     def propose(self, req_id: str, tokens: Sequence[int], num_prompt_tokens: int, k: int
                 ) -> list[int]:

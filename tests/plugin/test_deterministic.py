@@ -43,6 +43,25 @@ def test_short_and_empty_proposals_are_scored_as_k_asked() -> None:
     assert cf.step("r", [*prompt, 5, 7, 1, 3], 2) == (4, 0)
 
 
+def test_the_matcher_is_compiled_when_the_proposer_is_built() -> None:
+    """numba compiles vLLM's matcher on its first call (about a second on a CPU); the proposer
+    calls it when it is built, at engine start, so no served step's scheduler waits on it. Run
+    in a fresh process: the control shows importing the matcher compiles nothing."""
+    import subprocess
+    import sys
+
+    script = ("from vllm.v1.spec_decode.ngram_proposer import "
+              "_find_longest_matched_ngram_and_propose_tokens as find\n"
+              "before = len(find.signatures)\n"
+              "from specpilot.engine_plugin.ngram import NgramProposer\n"
+              "NgramProposer(2, 5, 2048)\n"
+              "print(before, len(find.signatures))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=True)
+    before, after = map(int, done.stdout.split()[-2:])
+    assert (before, after) == (0, 1), done.stdout + done.stderr
+
+
 def test_proposer_finds_the_continuation_of_a_repeated_ngram() -> None:
     proposer = NgramProposer(2, 5, max_model_len=64)
     tokens = [10, 11, 12, 13, 14, 15, 10, 11, 12]
