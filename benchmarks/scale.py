@@ -72,7 +72,6 @@ ROOT = Path(__file__).resolve().parent.parent
 OFFERED_RATES = (64, 256, 512, 1024, 1536)  # reports/s over all engines
 CONNECT = f"/{engine_pb2.DESCRIPTOR.services_by_name['EngineService'].full_name}/Connect"
 _RESULT_TAG, _POLICY_TAG = bytes([2 << 3 | 2]), bytes([3 << 3 | 2])  # ConnectResponse fields
-_SHED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 M = TypeVar("M")
 
 
@@ -165,7 +164,7 @@ class EngineStream:
         result = engine_pb2.ConnectResponse.FromString(raw).report_result
         if result.accepted:
             self.accepted += 1
-        elif result.code == _SHED:
+        elif result.code == engine_stream.REPORT_SHED_CODE:
             self.shed += 1
         else:
             raise RuntimeError(f"report {result.sequence} refused: {result.reason}")

@@ -34,7 +34,6 @@ from specpilot.v1 import common_pb2, engine_pb2
 DRAFT = "draft-small"
 VOCAB = "vocab-hash-0001"
 MAX_BATCH = 64  # the max_num_seqs it announces
-SHED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]  # a ReportResult's code for a shed report
 
 
 @dataclass(frozen=True)
@@ -215,7 +214,8 @@ async def drive(
                     sent = 1
             elif kind == "report_result":
                 result = msg.report_result
-                if result.code == SHED:  # unapplied: again after the pause it asks, as the plugin
+                # Shed, nothing applied: sent again after the pause it asks, as the plugin does.
+                if result.code == engine_stream.REPORT_SHED_CODE:
                     engine.shed += 1
                     await asyncio.sleep(max(result.retry_after_seconds, pause_seconds))
                     await outbox.put(engine.report())

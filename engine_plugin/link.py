@@ -554,7 +554,7 @@ class ControllerLink:
         if result.accepted:
             self.reports_accepted += 1
             self._backoff = shed_backoff(self._backoff, shed=False)
-        elif result.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+        elif result.code == engine_stream.REPORT_SHED_CODE:
             self._on_shed(result, sent)
         else:
             self.reports_rejected += 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specpilot.contract.engine_stream import hello_from_proto, report_from_proto
+from specpilot.contract.engine_stream import REPORT_SHED_CODE, hello_from_proto, report_from_proto
 from specpilot.contract.records import BeyondRate, ImplausibleInput, ReportRejected
 from specpilot.controller.core.controller import ControllerCore
 from specpilot.controller.logsafe import safe_name
@@ -297,7 +297,7 @@ class EngineService:
         self._core.heard_from(session.engine_id, now)
         session.send(engine_pb2.ConnectResponse(report_result=engine_pb2.ReportResult(
             sequence=sequence, accepted=False,
-            code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], retry_after_seconds=retry_after,
+            code=REPORT_SHED_CODE, retry_after_seconds=retry_after,
             reason=f"controller overloaded: report shed, nothing applied; send it again in "
                    f"{retry_after:.2f} s or later")))
 

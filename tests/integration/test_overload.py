@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.scale import busy_stream, hello_request
+from specpilot.contract import engine_stream
 from specpilot.controller.server.app import RunningServer, start_server
 from specpilot.controller.server.stubs import async_policy_stub, engine_stub
 from specpilot.controller.settings import ServerConfig, load_settings
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.integration
 
 ENGINES = 16
 REPORTS_PER_ENGINE = 60
-SHED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+SHED = engine_stream.REPORT_SHED_CODE
 
 
 async def _flood(target: str, engine_id: str, results: list[engine_pb2.ReportResult],

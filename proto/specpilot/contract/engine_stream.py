@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, TypeVar, cast
 
+import grpc
 from google.protobuf.message import Message
 
 from specpilot.contract.pricing import Composition, DraftPricing, StepPricing
@@ -42,6 +43,10 @@ from specpilot.contract.records import (
     TokenCut,
 )
 from specpilot.v1 import common_pb2, engine_pb2
+
+# ReportResult.code of a report an overloaded controller shed: nothing of it applied; the engine
+# sends it again after retry_after_seconds (the field holds gRPC status code numbers).
+REPORT_SHED_CODE: int = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
