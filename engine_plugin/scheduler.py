@@ -27,11 +27,12 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from specpilot.engine_plugin.config import PluginConfig
+from specpilot.engine_plugin.core_patch import install_core_patch
 from specpilot.engine_plugin.draft_confidence import CONFIDENCE_ATTR
 from specpilot.engine_plugin.pilot import EngineSpec, Pilot
 from specpilot.engine_plugin.vllm_compat import SUPPORTED_VLLM, is_supported, vllm_version
 from specpilot.engine_plugin.vllm_types import VllmConfigLike
-from specpilot.engine_plugin.worker_patch import install_worker_patches
+from specpilot.engine_plugin.worker_patch import IDLE_ATTR, install_worker_patches
 
 log = logging.getLogger("specpilot.plugin")
 T = TypeVar("T")
@@ -46,6 +47,7 @@ def _start_pilot(vllm_config: VllmConfigLike) -> Pilot | None:
     try:
         # In-process workers get the patches even where general plugins are filtered out.
         install_worker_patches()
+        install_core_patch()  # this process runs the engine core
         engine = EngineSpec.from_vllm(vllm_config)
         if not engine.max_k:
             log.warning("specpilot: no speculative decoding configured; nothing to steer, "
@@ -137,6 +139,9 @@ def _draft_width(draft_token_ids: DraftTokenIds) -> int | None:
 class SpecPilotScheduler(_PilotScheduler):
     """Sync scheduling: per-request K (or batch-wide K) and n-gram draft substitution."""
 
+    # The requests of the last step marked idle (its drafter's drafts all empty), else None.
+    _idle_step: list[str] | None = None
+
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         output = super().schedule(*args, **kwargs)
         k = self._batch_k() if output.num_scheduled_tokens else None
@@ -145,7 +150,16 @@ class SpecPilotScheduler(_PilotScheduler):
             output.num_spec_tokens_to_schedule = min(k, output.num_spec_tokens_to_schedule)
         self._guard(lambda p: p.mark_step(output, len(self.running)))
         self._guard(lambda p: p.plan_drafter_stop(output, self.requests, len(self.running)))
+        self._idle_step = (list(output.num_scheduled_tokens)
+                           if getattr(output, IDLE_ATTR, False) is True else None)
         return output
+
+    def specpilot_known_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts of the step just run where known without asking the worker (the engine
+        core's patch, ``core_patch.KNOWN_DRAFTS_METHOD``): none for any request of a step whose
+        drafter sat out. None: ask the worker."""
+        ids, self._idle_step = self._idle_step, None
+        return None if ids is None else DraftTokenIds(ids, [[] for _ in ids])
 
 
 class SpecPilotAsyncScheduler(_PilotScheduler, AsyncScheduler):

@@ -16,8 +16,12 @@ suffix method, K up to 4; n-gram for the proposer too) with the plugin.
   arrive never runs either, prefill steps included (each request is admitted off for life),
   with the same greedy outputs and samples. Control: without the admission decision it runs in
   every step that prefills.
-- A step in which some request drafts keeps the rejection sampler and the proposer (a mixed
-  batch, classes on and off), with greedy outputs identical to no speculation.
+- With every class off the engine core never asks the worker for drafts after a step (the
+  engine core's patch, ``core_patch``): it knows them empty. Control: with that answer withheld
+  it asks after every step, with the same greedy outputs.
+- A step in which some request drafts keeps the rejection sampler, the proposer and the engine
+  core's request for drafts (a mixed batch, classes on and off), with greedy outputs identical
+  to no speculation.
 """
 
 from __future__ import annotations
@@ -78,10 +82,12 @@ def test_an_ngram_engine_with_every_class_off_never_proposes(
     # First in the module: the suffix engine below is not started yet (one engine at a time).
     with llm_session(tiny_models.target, NGRAM_SPEC, SCHEDULER) as ngram:
         proposals = spy_proposer(ngram, monkeypatch)
+        takes = spy_takes(ngram, monkeypatch)
         put_policy(pilot_of(ngram).view, {"code": OFF, "chat": OFF, "default": OFF}, version=1)
         assert greedy_outputs(ngram, ["code", "chat"] * 2) == references[0]
         samples = samples_of(ngram, seed0=70_000)
         assert proposals.calls == 0
+        assert takes.calls == 0
     assert not differing_positions(references[1], samples)
 
 
@@ -171,6 +177,19 @@ def rejection(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
 
 
 @pytest.fixture
+def takes(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
+    """The engine core's requests to the worker for the drafts of a step."""
+    return spy_takes(engine, monkeypatch)
+
+
+def spy_takes(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
+    executor = engine.llm_engine.engine_core.engine_core.model_executor
+    spy = Spy(executor.take_draft_token_ids)
+    monkeypatch.setattr(executor, "take_draft_token_ids", spy)
+    return spy
+
+
+@pytest.fixture
 def proposals(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
     """The suffix proposer's drafting: its cache's searches (it learns in every step)."""
     return spy_drafting(engine, monkeypatch)
@@ -200,7 +219,7 @@ def unpatched_sample(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_class_off_samples_without_the_rejection_sampler_or_the_proposer(
-        engine: Any, references: Any, rejection: Spy, proposals: Spy) -> None:
+        engine: Any, references: Any, rejection: Spy, proposals: Spy, takes: Spy) -> None:
     put_policy(pilot_of(engine).view, {"code": OFF, "chat": OFF}, version=1)
     before = spec_counters(engine)
     out = greedy_outputs(engine, ["code", "chat"] * 2)
@@ -208,6 +227,16 @@ def test_every_class_off_samples_without_the_rejection_sampler_or_the_proposer(
     assert out == references[0]
     assert rejection.calls == 0
     assert proposals.calls == 0
+    assert takes.calls == 0
+
+
+def test_control_without_the_known_drafts_the_engine_core_asks_the_worker_every_step(
+        engine: Any, references: Any, takes: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    monkeypatch.setattr(scheduler, "specpilot_known_draft_token_ids", lambda: None)
+    put_policy(pilot_of(engine).view, {"code": OFF, "chat": OFF}, version=7)
+    assert greedy_outputs(engine, ["code", "chat"] * 2) == references[0]
+    assert takes.calls >= MAX_TOKENS - 1
 
 
 def test_control_without_the_idle_mark_the_proposer_runs_every_step(
@@ -218,11 +247,11 @@ def test_control_without_the_idle_mark_the_proposer_runs_every_step(
     assert proposals.calls >= MAX_TOKENS - 1
 
 
-def test_every_class_off_keeps_the_targets_distribution(engine: Any, references: Any,
-                                                        rejection: Spy, proposals: Spy) -> None:
+def test_every_class_off_keeps_the_targets_distribution(
+        engine: Any, references: Any, rejection: Spy, proposals: Spy, takes: Spy) -> None:
     put_policy(pilot_of(engine).view, {"default": OFF}, version=4)
     samples = samples_of(engine, seed0=50_000)
-    assert rejection.calls == 0 and proposals.calls == 0
+    assert rejection.calls == 0 and proposals.calls == 0 and takes.calls == 0
     assert not differing_positions(references[1], samples)
 
 
@@ -243,7 +272,7 @@ def test_control_a_sampler_off_the_targets_distribution_fails_the_check(
 
 
 def test_a_mixed_batch_keeps_the_rejection_sampler_and_greedy_outputs(
-        engine: Any, references: Any, rejection: Spy, proposals: Spy) -> None:
+        engine: Any, references: Any, rejection: Spy, proposals: Spy, takes: Spy) -> None:
     put_policy(pilot_of(engine).view, {"code": (SUFFIX_DRAFT, 4), "chat": OFF}, version=6)
     before = spec_counters(engine)
     out = greedy_outputs(engine, ["code", "chat"] * 2)
@@ -251,3 +280,4 @@ def test_a_mixed_batch_keeps_the_rejection_sampler_and_greedy_outputs(
     assert out == references[0]
     assert rejection.calls > 0
     assert proposals.calls > 0
+    assert takes.calls > 0
