@@ -36,7 +36,6 @@ log = logging.getLogger("specpilot.plugin")
 KNOWN_DRAFTS_METHOD = "specpilot_known_draft_token_ids"
 """On a scheduler: a callable returning the drafts of the step just run where known without
 asking the worker (a ``DraftTokenIds``), else None. Called once per step, after it ran."""
-_CORE = "vllm.v1.engine.core"
 _PARAMS = ("self", "model_executed")
 _PATCHED = "__specpilot_patched__"
 _lock = threading.Lock()
@@ -65,13 +64,9 @@ def _engine_core() -> tuple[Any, str]:
     if not is_supported(version):
         return None, f"vLLM {version} is not a supported version"
     try:
-        import importlib
-
-        core = getattr(importlib.import_module(_CORE), "EngineCore", None)
+        from vllm.v1.engine.core import EngineCore as core
     except Exception as exc:
-        return None, f"cannot import {_CORE} ({exc!r})"
-    if not isinstance(core, type):
-        return None, f"{_CORE}.EngineCore not found"
+        return None, f"cannot import vllm.v1.engine.core.EngineCore ({exc!r})"
     have = method_parameters(core, "post_step")
     if have is None or have[:len(_PARAMS)] != _PARAMS:
         return None, f"EngineCore.post_step{_PARAMS} not found (have {have})"

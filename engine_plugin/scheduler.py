@@ -139,8 +139,8 @@ def _draft_width(draft_token_ids: DraftTokenIds) -> int | None:
 class SpecPilotScheduler(_PilotScheduler):
     """Sync scheduling: per-request K (or batch-wide K) and n-gram draft substitution."""
 
-    # The requests of the last step marked idle (its drafter's drafts all empty), else None.
-    _idle_step: list[str] | None = None
+    # The last step scheduled, until the engine core asks for its drafts (post_step).
+    _last_step: SchedulerOutput | None = None
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         output = super().schedule(*args, **kwargs)
@@ -150,16 +150,18 @@ class SpecPilotScheduler(_PilotScheduler):
             output.num_spec_tokens_to_schedule = min(k, output.num_spec_tokens_to_schedule)
         self._guard(lambda p: p.mark_step(output, len(self.running)))
         self._guard(lambda p: p.plan_drafter_stop(output, self.requests, len(self.running)))
-        self._idle_step = (list(output.num_scheduled_tokens)
-                           if getattr(output, IDLE_ATTR, False) is True else None)
+        self._last_step = output
         return output
 
     def specpilot_known_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts of the step just run where known without asking the worker (the engine
         core's patch, ``core_patch.KNOWN_DRAFTS_METHOD``): none for any request of a step whose
         drafter sat out. None: ask the worker."""
-        ids, self._idle_step = self._idle_step, None
-        return None if ids is None else DraftTokenIds(ids, [[] for _ in ids])
+        step, self._last_step = self._last_step, None
+        if step is None or getattr(step, IDLE_ATTR, False) is not True:
+            return None
+        return DraftTokenIds(list(step.num_scheduled_tokens),
+                             [[] for _ in step.num_scheduled_tokens])
 
 
 class SpecPilotAsyncScheduler(_PilotScheduler, AsyncScheduler):

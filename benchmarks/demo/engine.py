@@ -95,11 +95,17 @@ def make_llm(
     return LLM(model=str(model_dir), **args)
 
 
+def engine_core_of(llm: LLM) -> Any:
+    """vLLM's ``EngineCore`` of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+    its scheduler, its executor and ``post_step``."""
+    client: Any = llm.llm_engine.engine_core
+    return client.engine_core
+
+
 def runner_of(llm: LLM) -> Any:
     """The model runner of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the uni
     executor): where the worker patches, the drafter and the samplers live."""
-    core: Any = llm.llm_engine.engine_core
-    return core.engine_core.model_executor.driver_worker.worker.model_runner
+    return engine_core_of(llm).model_executor.driver_worker.worker.model_runner
 
 
 def shutdown_llm(llm: LLM) -> None:

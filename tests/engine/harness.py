@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks.controller_thread import ControllerThread
 from benchmarks.demo.engine import SpecCounters as SpecCounters
+from benchmarks.demo.engine import engine_core_of as engine_core_of
 from benchmarks.demo.engine import runner_of as runner_of
 from benchmarks.demo.engine import spec_counters as spec_counters
 from specpilot.contract.records import Override
@@ -151,7 +152,7 @@ FAST_CONTROLLER = {"report_interval_seconds": 0.1, "dwell_seconds": 0.2, "seed":
 
 def pilot_of(llm: Any) -> Any:
     """The engine's pilot (the engine must run specpilot's scheduler with the plugin on)."""
-    pilot = llm.llm_engine.engine_core.engine_core.scheduler._pilot
+    pilot = engine_core_of(llm).scheduler._pilot
     assert pilot is not None
     return pilot
 

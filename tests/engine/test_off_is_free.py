@@ -42,6 +42,7 @@ from tests.engine.harness import (
     REPEATING_PROMPTS,
     SUFFIX_SPEC,
     differing_positions,
+    engine_core_of,
     pilot_of,
     runner_of,
     samples_of,
@@ -183,7 +184,7 @@ def takes(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
 
 
 def spy_takes(engine: Any, monkeypatch: pytest.MonkeyPatch) -> Spy:
-    executor = engine.llm_engine.engine_core.engine_core.model_executor
+    executor = engine_core_of(engine).model_executor
     spy = Spy(executor.take_draft_token_ids)
     monkeypatch.setattr(executor, "take_draft_token_ids", spy)
     return spy
@@ -232,7 +233,7 @@ def test_every_class_off_samples_without_the_rejection_sampler_or_the_proposer(
 
 def test_control_without_the_known_drafts_the_engine_core_asks_the_worker_every_step(
         engine: Any, references: Any, takes: Spy, monkeypatch: pytest.MonkeyPatch) -> None:
-    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    scheduler = engine_core_of(engine).scheduler
     monkeypatch.setattr(scheduler, "specpilot_known_draft_token_ids", lambda: None)
     put_policy(pilot_of(engine).view, {"code": OFF, "chat": OFF}, version=7)
     assert greedy_outputs(engine, ["code", "chat"] * 2) == references[0]
